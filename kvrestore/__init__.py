@@ -1,0 +1,56 @@
+"""kvrestore: restore an LLM prompt's KV cache by computing and loading at the same time.
+
+    from kvrestore import Restorer, open_store
+    from kvrestore.backends.hf import HFBackend
+    from kvrestore.policies import ComputeOnly, LoadOnly
+"""
+
+from .engine import Engine
+from .errors import (
+    ChunkDecodeError,
+    CorruptChunkError,
+    ForeignChunkError,
+    InvalidInputError,
+    KVRestoreError,
+    StoreError,
+    TruncatedChunkError,
+    UnsupportedModelError,
+    UnsupportedURLError,
+)
+from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
+from .kv import KVCache, KVChunk
+from .policies import ComputeOnly, LoadOnly, Policy
+from .restorer import Restorer, RestoreResult, RestoreStats, SaveStats, SyncRestorer
+from .spec import ModelSpec
+from .stores import ChunkStore, open_store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "ChunkDecodeError",
+    "ChunkRef",
+    "ChunkStore",
+    "ComputeOnly",
+    "CorruptChunkError",
+    "Engine",
+    "ForeignChunkError",
+    "InvalidInputError",
+    "KVCache",
+    "KVChunk",
+    "KVRestoreError",
+    "LoadOnly",
+    "ModelSpec",
+    "Policy",
+    "RestoreResult",
+    "RestoreStats",
+    "Restorer",
+    "SaveStats",
+    "StoreError",
+    "SyncRestorer",
+    "TruncatedChunkError",
+    "UnsupportedModelError",
+    "UnsupportedURLError",
+    "chunk_keys",
+    "open_store",
+]

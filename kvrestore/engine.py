@@ -1,0 +1,165 @@
+"""The async core: one compute lane and N load lanes, driven by a policy.
+
+The engine knows concurrency and nothing else: a restore hands it a `Progress`, a policy, a `compute`
+callable (blocking torch work: chunks [a, b) -> writes their KV) and a `load` coroutine (chunk i -> bytes
+read, raising on any fault). Compute runs in a worker thread behind the engine's compute limiter (one
+unit at a time across every restore sharing the engine); loads run as tasks behind the load-lane
+limiter. After each finished unit the engine updates the progress and asks the policy again.
+
+Cancellation: the task group cancels pending loads; a compute unit already in its thread is waited
+for (torch work cannot be interrupted), and a unit is marked done only after its KV is fully written,
+so a cancelled restore leaves no running task and no half-applied chunk.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+from anyio.abc import CapacityLimiter
+
+from .errors import ChunkDecodeError, StoreError
+from .policies.base import ChunkStatus, Policy, Progress
+from .trace import Trace, TraceEvent
+
+ComputeFn = Callable[[int, int], None]
+LoadFn = Callable[[int], Awaitable[int]]
+
+#: faults of a load that turn the chunk into a miss (recomputed) instead of failing the restore
+LOAD_FAULTS = (ChunkDecodeError, StoreError, OSError, TimeoutError)
+
+
+class PolicyStalledError(RuntimeError):
+    """The policy started nothing while nothing was running and chunks were left."""
+
+
+@dataclass
+class _Done:
+    kind: str
+    first: int
+    last: int
+    start: float
+    end: float
+    nbytes: int = 0
+    error: BaseException | None = None
+
+
+class Engine:
+    """Shared lanes for any number of concurrent restores in one event loop."""
+
+    def __init__(self, load_lanes: int = 4) -> None:
+        if load_lanes <= 0:
+            raise ValueError(f"load_lanes must be positive, got {load_lanes}")
+        self.load_lanes = load_lanes
+        self._limiters: tuple[object, CapacityLimiter, CapacityLimiter] | None = None
+
+    def _lanes(self) -> tuple[CapacityLimiter, CapacityLimiter]:
+        """(compute, load) limiters, created in (and bound to) the running event loop."""
+        token = anyio.lowlevel.current_token()
+        if self._limiters is None or self._limiters[0] is not token:
+            self._limiters = (token, anyio.CapacityLimiter(1), anyio.CapacityLimiter(self.load_lanes))
+        return self._limiters[1], self._limiters[2]
+
+    async def compute(self, fn: Callable[..., object], *args: object) -> object:
+        """Run blocking torch work on the compute lane (shared with every restore on this engine)."""
+        compute_lane, _ = self._lanes()
+        async with compute_lane:
+            return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=False)
+
+    async def run(
+        self,
+        progress: Progress,
+        policy: Policy,
+        compute: ComputeFn,
+        load: LoadFn,
+        on_event: Callable[[TraceEvent], None] | None = None,
+        load_timeout_s: float | None = None,
+    ) -> Trace:
+        compute_lane, load_lane = self._lanes()
+        trace = Trace()
+        t0 = time.perf_counter()
+        send, receive = anyio.create_memory_object_stream[_Done](math.inf)
+
+        async def run_compute(a: int, b: int) -> None:
+            async with compute_lane:
+                start = time.perf_counter() - t0
+                await anyio.to_thread.run_sync(compute, a, b, abandon_on_cancel=False)
+                await send.send(_Done("compute", a, b - 1, start, time.perf_counter() - t0))
+
+        async def run_load(i: int) -> None:
+            async with load_lane:
+                start = time.perf_counter() - t0
+                try:
+                    if load_timeout_s is None:
+                        nbytes = await load(i)
+                    else:
+                        with anyio.fail_after(load_timeout_s):
+                            nbytes = await load(i)
+                except LOAD_FAULTS as exc:
+                    await send.send(_Done("load-failed", i, i, start, time.perf_counter() - t0, error=exc))
+                    return
+                await send.send(_Done("load", i, i, start, time.perf_counter() - t0, nbytes))
+
+        async with anyio.create_task_group() as tg:
+            while not progress.finished:
+                progress.free_load_lanes = max(0, self.load_lanes - progress.loads_in_flight)
+                decision = policy.decide(progress)
+                if decision.compute is not None:
+                    a, b = decision.compute
+                    self._check_compute(progress, a, b)
+                    for j in range(a, b):
+                        progress.status[j] = ChunkStatus.COMPUTING
+                    progress.compute_busy = True
+                    tg.start_soon(run_compute, a, b)
+                for i in decision.loads:
+                    if progress.status[i] is not ChunkStatus.PENDING or not progress.stored[i]:
+                        raise RuntimeError(f"{policy!r} asked to load chunk {i}, which is {progress.status[i].value}")
+                    progress.status[i] = ChunkStatus.LOADING
+                    progress.loads_in_flight += 1
+                    tg.start_soon(run_load, i)
+                if not progress.compute_busy and progress.loads_in_flight == 0:
+                    raise PolicyStalledError(f"{policy!r} left chunks {progress.pending()} with no unit running")
+                done = await receive.receive()
+                self._apply(progress, done)
+                event = TraceEvent(
+                    done.kind, done.first, done.last, done.start, done.end, done.nbytes,
+                    None if done.error is None else f"{type(done.error).__name__}: {done.error}",
+                )
+                trace.add(event)
+                if on_event is not None:
+                    on_event(event)
+        return trace
+
+    @staticmethod
+    def _check_compute(progress: Progress, a: int, b: int) -> None:
+        if progress.compute_busy:
+            raise RuntimeError("policy started a compute unit while the compute lane is busy")
+        if not (0 <= a < b <= progress.n_chunks) or progress.done_prefix() != a:
+            raise RuntimeError(f"compute of chunks [{a}, {b}) needs every chunk before {a} done")
+        if any(progress.status[j] is not ChunkStatus.PENDING for j in range(a, b)):
+            raise RuntimeError(f"compute of chunks [{a}, {b}) covers a chunk that is not pending")
+
+    @staticmethod
+    def _apply(progress: Progress, done: _Done) -> None:
+        seconds = done.end - done.start
+        if done.kind == "compute":
+            progress.compute_busy = False
+            n = done.last - done.first + 1
+            for j in range(done.first, done.last + 1):
+                progress.status[j] = ChunkStatus.COMPUTED
+                progress.compute_seconds[j] = seconds / n
+            return
+        progress.loads_in_flight -= 1
+        i = done.first
+        if done.kind == "load":
+            progress.status[i] = ChunkStatus.LOADED
+            progress.load_seconds[i] = seconds
+            progress.bytes_loaded += done.nbytes
+        else:  # a fault: the chunk is a miss from now on
+            progress.status[i] = ChunkStatus.PENDING
+            progress.stored[i] = False

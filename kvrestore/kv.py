@@ -1,0 +1,124 @@
+"""KV containers.
+
+Both hold one tensor laid out [layers, 2 (K, V), kv_heads, tokens, head_dim], keys stored after RoPE (as
+transformers stores them). `KVChunk` is the KV of one token range; `KVCache` is a preallocated buffer for
+a whole prompt that chunks are written into in any order (the two-pointer restores fill it from both
+ends), tracking which token ranges are filled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .spec import ModelSpec
+
+
+@dataclass
+class KVChunk:
+    """KV of tokens [start, start + n_tokens) for every layer."""
+
+    start: int
+    data: torch.Tensor  # [L, 2, H, T, D]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.data.shape[3])
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of layer i, each [H, T, D]."""
+        return self.data[i, 0], self.data[i, 1]
+
+
+@dataclass
+class KVCache:
+    """KV of a whole prompt, assembled chunk by chunk."""
+
+    spec: ModelSpec
+    data: torch.Tensor  # [L, 2, H, N, D]
+    _filled: list[tuple[int, int]] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def empty(cls, spec: ModelSpec, n_tokens: int, device: torch.device | str = "cpu") -> KVCache:
+        data = torch.empty(
+            (spec.num_layers, 2, spec.num_kv_heads, n_tokens, spec.head_dim), dtype=spec.dtype, device=device
+        )
+        return cls(spec, data)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.data.shape[3])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def write(self, chunk: KVChunk) -> None:
+        """Copy a chunk into its token range."""
+        if chunk.end > self.n_tokens or chunk.start < 0:
+            raise ValueError(f"chunk [{chunk.start}, {chunk.end}) outside cache of {self.n_tokens} tokens")
+        if tuple(chunk.data.shape[:3]) != tuple(self.data.shape[:3]) or chunk.data.shape[4] != self.data.shape[4]:
+            raise ValueError(f"chunk shape {tuple(chunk.data.shape)} does not fit cache {tuple(self.data.shape)}")
+        self.data[:, :, :, chunk.start : chunk.end].copy_(chunk.data, non_blocking=True)
+        self._filled.append((chunk.start, chunk.end))
+
+    def is_filled(self, start: int, end: int) -> bool:
+        """True when every token of [start, end) has been written."""
+        covered = start
+        for a, b in sorted(self._filled):
+            if a > covered:
+                break
+            covered = max(covered, b)
+            if covered >= end:
+                return True
+        return covered >= end
+
+    def prefix(self, n_tokens: int) -> torch.Tensor:
+        """View of the KV of tokens [0, n_tokens): [L, 2, H, n, D]."""
+        return self.data[:, :, :, :n_tokens]
+
+    def chunk(self, start: int, end: int) -> KVChunk:
+        """A view of tokens [start, end) as a chunk (no copy)."""
+        return KVChunk(start, self.data[:, :, :, start:end])
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of layer i, each [H, N, D]."""
+        return self.data[i, 0], self.data[i, 1]
+
+    def to_hf(self, config: Any | None = None, n_tokens: int | None = None) -> Any:
+        """A transformers `DynamicCache` holding this KV (batch 1), ready for `model.generate()`.
+
+        `n_tokens` keeps only the first n tokens (generate() needs at least one uncached input token).
+        The cache holds copies: generation appends to it without touching this buffer.
+        """
+        n = self.n_tokens if n_tokens is None else n_tokens
+        from transformers import DynamicCache
+
+        try:
+            cache = DynamicCache(config=config) if config is not None else DynamicCache()
+        except TypeError:  # older transformers without the config argument
+            cache = DynamicCache()
+        for i in range(self.spec.num_layers):
+            k, v = self.layer(i)
+            cache.update(k[None, :, :n].clone(), v[None, :, :n].clone(), i)
+        return cache
+
+    @classmethod
+    def from_hf(cls, spec: ModelSpec, cache: Any) -> KVCache:
+        """Build from a transformers cache (batch 1), e.g. the `past_key_values` of a full prefill."""
+        layers = []
+        for i in range(spec.num_layers):
+            layer = cache.layers[i] if hasattr(cache, "layers") else None
+            k, v = (layer.keys, layer.values) if layer is not None else cache[i][:2]
+            layers.append(torch.stack([k[0], v[0]]))
+        return cls(spec, torch.stack(layers).to(spec.dtype))

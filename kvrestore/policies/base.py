@@ -1,0 +1,110 @@
+"""The policy interface: a pure per-step decision, like vLLM's scheduler.
+
+The engine owns a `Progress` (what each chunk is doing, what was observed) and asks the policy, whenever
+a lane frees up or a unit finishes, what to start next. The policy answers with a `Decision`; it owns no
+thread, tensor or clock, so it can be driven by a simulated clock in property tests and simulators.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class ChunkStatus(str, Enum):
+    PENDING = "pending"
+    COMPUTING = "computing"
+    LOADING = "loading"
+    COMPUTED = "computed"
+    LOADED = "loaded"
+
+    @property
+    def done(self) -> bool:
+        return self in (ChunkStatus.COMPUTED, ChunkStatus.LOADED)
+
+
+@dataclass
+class Progress:
+    """Live state of one restore, updated by the engine only."""
+
+    chunk_tokens: list[int]
+    stored: list[bool]  # believed loadable; a failed load turns it False
+    status: list[ChunkStatus] = field(default_factory=list)
+    compute_busy: bool = False
+    loads_in_flight: int = 0
+    free_load_lanes: int = 0
+    compute_seconds: list[float | None] = field(default_factory=list)
+    load_seconds: list[float | None] = field(default_factory=list)
+    bytes_loaded: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.chunk_tokens)
+        if len(self.stored) != n:
+            raise ValueError("stored flags and chunks differ in length")
+        self.status = self.status or [ChunkStatus.PENDING] * n
+        self.compute_seconds = self.compute_seconds or [None] * n
+        self.load_seconds = self.load_seconds or [None] * n
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunk_tokens)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.done for s in self.status)
+
+    def done_prefix(self) -> int:
+        """Number of leading chunks already computed or loaded."""
+        for i, s in enumerate(self.status):
+            if not s.done:
+                return i
+        return self.n_chunks
+
+    def pending(self) -> list[int]:
+        return [i for i, s in enumerate(self.status) if s is ChunkStatus.PENDING]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to start now: one compute unit (a chunk range [a, b)) and loads of single chunks."""
+
+    compute: tuple[int, int] | None = None
+    loads: tuple[int, ...] = ()
+
+
+IDLE = Decision()
+
+
+class Policy(ABC):
+    """Decides the next units of a restore from its progress."""
+
+    name: str = "policy"
+
+    @abstractmethod
+    def decide(self, progress: Progress) -> Decision:
+        """Units to start now. Called whenever a lane is free and after every finished unit."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def next_compute_run(progress: Progress, max_chunks: int | None = None, stop_at_stored: bool = False) -> tuple[int, int] | None:
+    """The compute unit that can start now: pending chunks right after the done prefix.
+
+    Computing chunk i needs the KV of every chunk before it, so a compute unit always starts at the end
+    of the done prefix. The run extends over pending chunks, up to `max_chunks`, and (with
+    `stop_at_stored`) stops before the first chunk that could be loaded instead.
+    """
+    if progress.compute_busy:
+        return None
+    a = progress.done_prefix()
+    if a >= progress.n_chunks or progress.status[a] is not ChunkStatus.PENDING:
+        return None
+    b = a
+    limit = progress.n_chunks if max_chunks is None else min(progress.n_chunks, a + max_chunks)
+    while b < limit and progress.status[b] is ChunkStatus.PENDING:
+        if stop_at_stored and b > a and progress.stored[b]:
+            break
+        b += 1
+    return (a, b)

@@ -1,0 +1,27 @@
+"""ComputeOnly: recompute the whole prompt; the store is not read."""
+
+from __future__ import annotations
+
+from .base import IDLE, Decision, Policy, Progress, next_compute_run
+
+
+class ComputeOnly(Policy):
+    """Prefill every chunk on the compute lane.
+
+    `unit_chunks` is how many chunks one compute unit covers; None (default) prefills everything left
+    in one unit, which runs at full-prefill speed (chunked prefill pays per-call overhead).
+    """
+
+    name = "compute-only"
+
+    def __init__(self, unit_chunks: int | None = None) -> None:
+        if unit_chunks is not None and unit_chunks <= 0:
+            raise ValueError(f"unit_chunks must be positive or None, got {unit_chunks}")
+        self.unit_chunks = unit_chunks
+
+    def decide(self, progress: Progress) -> Decision:
+        run = next_compute_run(progress, self.unit_chunks)
+        return Decision(compute=run) if run else IDLE
+
+    def __repr__(self) -> str:
+        return f"ComputeOnly(unit_chunks={self.unit_chunks})"

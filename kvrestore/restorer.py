@@ -1,0 +1,270 @@
+"""Restorer: the object a serving process imports. save / lookup / restore, async and sync."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+import torch
+
+from . import codec
+from .backend import ComputeBackend
+from .engine import Engine
+from .errors import ChunkDecodeError, InvalidInputError, MissingChunkError
+from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
+from .kv import KVCache
+from .policies import ComputeOnly, Policy, Progress
+from .stores.base import ChunkStore
+from .trace import Trace, TraceEvent
+
+TokenIds = Sequence[int] | torch.Tensor
+
+
+@dataclass
+class RestoreStats:
+    policy: str
+    n_tokens: int
+    n_chunks: int
+    hit_chunks: int  # chunks the store listed before the restore began
+    computed_chunks: int
+    loaded_chunks: int
+    failed_loads: int  # listed but unusable: missing, corrupt, truncated, foreign, store error
+    bytes_loaded: int
+    seconds: float
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RestoreResult:
+    kv: KVCache
+    stats: RestoreStats
+    trace: Trace
+
+
+@dataclass
+class SaveStats:
+    n_chunks: int
+    written_chunks: int
+    skipped_chunks: int  # already stored
+    bytes_written: int
+    seconds: float
+
+
+def as_token_tensor(token_ids: TokenIds) -> torch.Tensor:
+    """Token ids as a 1-D int64 CPU tensor; a clear error for anything else."""
+    if isinstance(token_ids, (str, bytes)):
+        raise InvalidInputError("token_ids must be integer token ids, not text: tokenize first")
+    try:
+        t = torch.as_tensor(token_ids)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise InvalidInputError(f"token_ids must be a sequence of integers: {exc}") from None
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1:
+        raise InvalidInputError(f"token_ids must be 1-D (or [1, n]), got shape {tuple(t.shape)}")
+    if t.numel() == 0:
+        raise InvalidInputError("token_ids is empty: nothing to restore")
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise InvalidInputError(f"token_ids must be integers, got {t.dtype}")
+    return t.to(device="cpu", dtype=torch.int64)
+
+
+class Restorer:
+    """Saves a prompt's KV cache chunk by chunk and restores it with a policy.
+
+    `chunk_size` tokens per stored chunk (default 256); `load_lanes` concurrent fetches;
+    `compression` "none" or "zstd" for written chunks. Restorers may share an `Engine` (its lanes).
+    """
+
+    def __init__(
+        self,
+        backend: ComputeBackend,
+        store: ChunkStore,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        *,
+        load_lanes: int = 4,
+        compression: str = "none",
+        engine: Engine | None = None,
+        load_timeout_s: float | None = 30.0,
+    ) -> None:
+        if not isinstance(chunk_size, int) or chunk_size <= 0:
+            raise InvalidInputError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
+        if compression not in ("none", "zstd"):
+            raise InvalidInputError(f"compression must be 'none' or 'zstd', got {compression!r}")
+        self.backend = backend
+        self.store = store
+        self.chunk_size = chunk_size
+        self.compression = compression
+        self.engine = engine or Engine(load_lanes)
+        self.load_timeout_s = load_timeout_s
+
+    @property
+    def spec(self):
+        return self.backend.spec
+
+    def chunks(self, token_ids: TokenIds) -> tuple[torch.Tensor, list[ChunkRef]]:
+        """Validated tokens and their chunks (with store keys)."""
+        tokens = as_token_tensor(token_ids)
+        self.backend.validate_tokens(tokens)
+        return tokens, chunk_keys(tokens, self.spec.fingerprint, self.chunk_size)
+
+    async def lookup(self, token_ids: TokenIds) -> int:
+        """Number of leading tokens covered by stored chunks (the longest stored prefix)."""
+        _, refs = self.chunks(token_ids)
+        present = await self.store.contains([r.key for r in refs])
+        covered = 0
+        for ref, ok in zip(refs, present, strict=False):
+            if not ok:
+                break
+            covered = ref.end
+        return covered
+
+    async def save(self, token_ids: TokenIds, kv: KVCache | None = None) -> SaveStats:
+        """Compute the prompt's KV (unless given) and write every chunk the store lacks."""
+        t0 = time.perf_counter()
+        tokens, refs = self.chunks(token_ids)
+        present = await self.store.contains([r.key for r in refs])
+        todo = [r for r, ok in zip(refs, present, strict=False) if not ok]
+        written = 0
+        if todo:
+            if kv is None:
+                kv = await self.engine.compute(self._prefill_all, tokens)
+            elif kv.n_tokens < len(tokens):
+                raise InvalidInputError(f"kv holds {kv.n_tokens} tokens, fewer than the {len(tokens)} to save")
+            written = await self._write_chunks(kv, todo)
+        return SaveStats(len(refs), len(todo), len(refs) - len(todo), written, time.perf_counter() - t0)
+
+    async def restore(
+        self,
+        token_ids: TokenIds,
+        policy: Policy | None = None,
+        on_event: Callable[[TraceEvent], None] | None = None,
+    ) -> RestoreResult:
+        """The KV cache of `token_ids`, assembled by `policy` (default ComputeOnly) from compute and loads."""
+        policy = policy or ComputeOnly()
+        t0 = time.perf_counter()
+        tokens, refs = self.chunks(token_ids)
+        stored = await self.store.contains([r.key for r in refs])
+        kv = KVCache.empty(self.spec, len(tokens), device=self.backend.device)
+        progress = Progress([r.n_tokens for r in refs], list(stored))
+
+        def compute(a: int, b: int) -> None:
+            start, end = refs[a].start, refs[b - 1].end
+            past = kv.prefix(start) if start else None
+            kv.write(self.backend.prefill_chunk(tokens[start:end], past, start))
+
+        async def load(i: int) -> int:
+            return await self._load_chunk(refs[i], kv)
+
+        trace = await self.engine.run(progress, policy, compute, load, on_event, self.load_timeout_s)
+        failed = trace.of_kind("load-failed")
+        stats = RestoreStats(
+            policy=policy.name,
+            n_tokens=len(tokens),
+            n_chunks=len(refs),
+            hit_chunks=sum(stored),
+            computed_chunks=sum(e.last_chunk - e.first_chunk + 1 for e in trace.of_kind("compute")),
+            loaded_chunks=len(trace.of_kind("load")),
+            failed_loads=len(failed),
+            bytes_loaded=progress.bytes_loaded,
+            seconds=time.perf_counter() - t0,
+            errors=[f"chunk {e.first_chunk}: {e.error}" for e in failed],
+        )
+        return RestoreResult(kv, stats, trace)
+
+    async def close(self) -> None:
+        await self.store.close()
+
+    async def __aenter__(self) -> Restorer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _prefill_all(self, tokens: torch.Tensor) -> KVCache:
+        kv = KVCache.empty(self.spec, len(tokens), device=self.backend.device)
+        kv.write(self.backend.prefill_chunk(tokens, None, 0))
+        return kv
+
+    async def _load_chunk(self, ref: ChunkRef, kv: KVCache) -> int:
+        data = await self.store.get(ref.key)
+        if data is None:
+            raise MissingChunkError(f"chunk {ref.key[:12]} disappeared from the store")
+
+        def decode_into_cache() -> None:
+            kv.write(codec.decode_chunk(data, self.spec, ref.key, ref.start, ref.n_tokens))
+
+        try:
+            await anyio.to_thread.run_sync(decode_into_cache, abandon_on_cancel=False)
+        except ChunkDecodeError:
+            # never serve it again; the next save writes a good copy
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await self.store.delete(ref.key)  # best effort: the miss is what matters
+            raise
+        return len(data)
+
+    async def _write_chunks(self, kv: KVCache, refs: list[ChunkRef]) -> int:
+        written = 0
+        limiter = anyio.CapacityLimiter(self.engine.load_lanes)
+
+        async def write(ref: ChunkRef) -> None:
+            nonlocal written
+            async with limiter:
+                chunk = kv.chunk(ref.start, ref.end)
+                blob = await anyio.to_thread.run_sync(
+                    lambda: codec.encode_chunk(chunk, self.spec, ref.key, compression=self.compression)
+                )
+                await self.store.put(ref.key, blob)
+                written += len(blob)
+
+        async with anyio.create_task_group() as tg:
+            for ref in refs:
+                tg.start_soon(write, ref)
+        return written
+
+
+class SyncRestorer:
+    """The same Restorer for callers without an event loop.
+
+    Every call runs on one private event loop in a background thread (an anyio blocking portal), so
+    stores that hold connections bound to a loop (s3fs) keep working across calls.
+    """
+
+    def __init__(self, backend: ComputeBackend, store: ChunkStore, chunk_size: int = DEFAULT_CHUNK_SIZE, **kwargs: Any):
+        self.restorer = Restorer(backend, store, chunk_size, **kwargs)
+        self._portal_cm = anyio.from_thread.start_blocking_portal()
+        self._portal = self._portal_cm.__enter__()
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self._portal.call(lambda: fn(*args, **kwargs))
+
+    def save(self, token_ids: TokenIds, kv: KVCache | None = None) -> SaveStats:
+        return self._call(self.restorer.save, token_ids, kv)
+
+    def lookup(self, token_ids: TokenIds) -> int:
+        return self._call(self.restorer.lookup, token_ids)
+
+    def restore(self, token_ids: TokenIds, policy: Policy | None = None, on_event: Any = None) -> RestoreResult:
+        return self._call(self.restorer.restore, token_ids, policy, on_event)
+
+    def close(self) -> None:
+        if self._portal_cm is not None:
+            try:
+                self._call(self.restorer.close)
+            finally:
+                self._portal_cm.__exit__(None, None, None)
+                self._portal_cm = None
+
+    def __enter__(self) -> SyncRestorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

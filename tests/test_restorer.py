@@ -1,0 +1,243 @@
+"""Restorer on tiny models: every policy equals a plain full prefill; faults degrade to recomputation."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+import pytest
+import torch
+
+from kvrestore import (
+    ComputeOnly,
+    InvalidInputError,
+    LoadOnly,
+    Restorer,
+    SyncRestorer,
+    UnsupportedURLError,
+    open_store,
+)
+from kvrestore.keys import chunk_keys
+from kvrestore.stores.base import ChunkStore
+from kvrestore.stores.memory import MemoryStore
+
+from .conftest import random_tokens
+
+ATOL = 1e-5
+
+
+def full_prefill(backend, tokens):
+    return backend.prefill_chunk(tokens, None, 0).data
+
+
+def run(fn, *args):
+    return anyio.run(fn, *args)
+
+
+@pytest.fixture(params=["memory", "file"])
+def store(request, tmp_path) -> ChunkStore:
+    return MemoryStore() if request.param == "memory" else open_store(f"file://{tmp_path}/kv")
+
+
+@pytest.mark.parametrize("n_tokens", [1, 31, 32, 100])
+def test_compute_and_load_equal_full_prefill(tiny_backend, store, n_tokens):
+    tokens = random_tokens(n_tokens, tiny_backend.spec.vocab_size)
+    ref = full_prefill(tiny_backend, tokens)
+
+    async def main():
+        r = Restorer(tiny_backend, store, chunk_size=32)
+        computed = await r.restore(tokens, ComputeOnly())
+        assert computed.stats.computed_chunks == computed.stats.n_chunks
+        assert computed.stats.loaded_chunks == 0
+        saved = await r.save(tokens)
+        assert saved.written_chunks == saved.n_chunks == -(-n_tokens // 32)
+        assert await r.lookup(tokens) == n_tokens
+        again = await r.save(tokens)
+        assert again.written_chunks == 0 and again.skipped_chunks == again.n_chunks
+        loaded = await r.restore(tokens, LoadOnly())
+        assert loaded.stats.loaded_chunks == loaded.stats.n_chunks
+        assert loaded.stats.computed_chunks == 0
+        assert loaded.stats.bytes_loaded > 0
+        return computed.kv.data, loaded.kv.data
+
+    computed, loaded = run(main)
+    torch.testing.assert_close(computed, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(loaded, ref, atol=ATOL, rtol=0)
+
+
+def test_load_only_computes_what_is_missing(llama_backend):
+    b = llama_backend
+    tokens = random_tokens(128, b.spec.vocab_size, seed=3)
+    store = MemoryStore()
+
+    async def main():
+        r = Restorer(b, store, chunk_size=32)
+        await r.save(tokens)
+        keys = chunk_keys(tokens, b.spec.fingerprint, 32)
+        await store.delete(keys[1].key)  # a hole in the middle
+        assert await r.lookup(tokens) == 32
+        res = await r.restore(tokens, LoadOnly())
+        assert res.stats.loaded_chunks == 3 and res.stats.computed_chunks == 1
+        return res.kv.data
+
+    torch.testing.assert_close(run(main), full_prefill(b, tokens), atol=ATOL, rtol=0)
+
+
+def test_longer_prompt_reuses_stored_prefix(llama_backend):
+    b = llama_backend
+    tokens = random_tokens(100, b.spec.vocab_size, seed=4)
+
+    async def main():
+        r = Restorer(b, MemoryStore(), chunk_size=32)
+        await r.save(tokens[:70])  # chunks 0, 1 full; chunk 2 partial (6 tokens)
+        assert await r.lookup(tokens) == 64  # the partial chunk is not a prefix of the longer prompt
+        res = await r.restore(tokens, LoadOnly())
+        assert (res.stats.loaded_chunks, res.stats.computed_chunks) == (2, 2)
+        return res.kv.data
+
+    torch.testing.assert_close(run(main), full_prefill(b, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "truncate", "foreign", "empty"])
+def test_faulty_chunk_is_recomputed_exactly(llama_backend, tmp_path, fault):
+    from kvrestore.backends.hf import HFBackend
+
+    from .conftest import tiny_model
+
+    b = llama_backend
+    tokens = random_tokens(96, b.spec.vocab_size, seed=5)
+    store = open_store(f"file://{tmp_path}")
+
+    async def main():
+        r = Restorer(b, store, chunk_size=32)
+        await r.save(tokens)
+        keys = [c.key for c in chunk_keys(tokens, b.spec.fingerprint, 32)]
+        blob = await store.get(keys[1])
+        if fault == "corrupt":
+            bad = bytearray(blob)
+            bad[len(bad) // 2] ^= 0xFF
+            blob = bytes(bad)
+        elif fault == "truncate":
+            blob = blob[: len(blob) - 100]
+        elif fault == "empty":
+            blob = b""
+        else:  # another model's chunk written under this key
+            other = HFBackend(tiny_model("llama", seed=9))
+            other_store = MemoryStore()
+            await Restorer(other, other_store, chunk_size=32).save(tokens)
+            other_keys = [c.key for c in chunk_keys(tokens, other.spec.fingerprint, 32)]
+            blob = await other_store.get(other_keys[1])
+        await store.put(keys[1], blob)
+        res = await r.restore(tokens, LoadOnly())
+        assert res.stats.failed_loads == 1
+        assert res.stats.loaded_chunks == 2 and res.stats.computed_chunks == 1
+        assert "chunk 1" in res.stats.errors[0]
+        assert (await store.contains([keys[1]])) == [False]  # the bad object was removed
+        return res.kv.data
+
+    torch.testing.assert_close(run(main), full_prefill(b, tokens), atol=ATOL, rtol=0)
+
+
+def test_chunks_written_by_other_dtype_are_not_used(tmp_path):
+    from kvrestore.backends.hf import HFBackend
+
+    from .conftest import tiny_model
+
+    f32 = HFBackend(tiny_model("llama"))
+    f16 = HFBackend(tiny_model("llama"), dtype=torch.bfloat16)
+    tokens = random_tokens(64, f32.spec.vocab_size)
+
+    async def main():
+        store = open_store(f"file://{tmp_path}")
+        await Restorer(f32, store, chunk_size=32).save(tokens)
+        assert await Restorer(f16, store, chunk_size=32).lookup(tokens) == 0
+
+    run(main)
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ([], "empty"),
+        (torch.tensor([], dtype=torch.long), "empty"),
+        ([1, 2, 10_000], "outside the vocabulary"),
+        ([1, -5], "outside the vocabulary"),
+        ("hello", "not text"),
+        ([1.5, 2.0], "integers"),
+        ([[1, 2], [3, 4]], "1-D"),
+    ],
+)
+def test_bad_tokens_give_clear_errors(llama_backend, bad, message):
+    r = Restorer(llama_backend, MemoryStore())
+    with pytest.raises(InvalidInputError, match=message):
+        run(r.restore, bad)
+    with pytest.raises(InvalidInputError, match=message):
+        run(r.save, bad)
+
+
+@pytest.mark.parametrize("size", [0, -1, 2.5])
+def test_bad_chunk_size(llama_backend, size):
+    with pytest.raises(InvalidInputError, match="chunk_size"):
+        Restorer(llama_backend, MemoryStore(), chunk_size=size)
+
+
+def test_unknown_url_scheme():
+    with pytest.raises(UnsupportedURLError, match="nosuch"):
+        open_store("nosuch://bucket/x")
+
+
+def test_sync_facade(llama_backend, tmp_path):
+    tokens = random_tokens(80, llama_backend.spec.vocab_size)
+    with SyncRestorer(llama_backend, open_store(f"file://{tmp_path}"), chunk_size=32) as r:
+        assert r.lookup(tokens) == 0
+        r.save(tokens)
+        assert r.lookup(tokens) == 80
+        res = r.restore(tokens, LoadOnly())
+    torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+class SlowStore(MemoryStore):
+    """Delays every read, so a restore can be cancelled while loads are in flight."""
+
+    async def get(self, key):
+        await anyio.sleep(0.2)
+        return await super().get(key)
+
+
+def test_cancelled_restore_leaves_nothing_running(llama_backend):
+    b = llama_backend
+    tokens = random_tokens(256, b.spec.vocab_size)
+
+    async def main():
+        store = SlowStore()
+        r = Restorer(b, store, chunk_size=32, load_lanes=2)
+        await r.save(tokens)
+        events = []
+        threads_before = threading.active_count()
+        with anyio.move_on_after(0.3) as scope:
+            await r.restore(tokens, LoadOnly(), on_event=events.append)
+        assert scope.cancelled_caught
+        assert 0 < len(events) < 8  # cancelled part-way
+        await anyio.sleep(0)
+        # no task of the restore is left: a fresh restore on the same engine runs to the end
+        res = await r.restore(tokens, LoadOnly())
+        assert res.stats.loaded_chunks == 8
+        assert threading.active_count() <= threads_before + 1
+        return res.kv.data
+
+    torch.testing.assert_close(run(main), full_prefill(b, tokens), atol=ATOL, rtol=0)
+
+
+def test_trace_records_every_unit(llama_backend):
+    tokens = random_tokens(100, llama_backend.spec.vocab_size)
+
+    async def main():
+        r = Restorer(llama_backend, MemoryStore(), chunk_size=32)
+        await r.save(tokens)
+        return await r.restore(tokens, LoadOnly())
+
+    res = run(main)
+    loads = res.trace.of_kind("load")
+    assert sorted(e.first_chunk for e in loads) == [0, 1, 2, 3]
+    assert all(e.end_s >= e.start_s >= 0 for e in res.trace.events)
+    assert "load" in res.trace.table()

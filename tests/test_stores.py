@@ -1,0 +1,301 @@
+"""ChunkStore contract for every store, plus LRU, atomic file puts and open_store."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections import OrderedDict
+from functools import partial
+
+import anyio
+import pytest
+from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrestore.errors import StoreError, UnsupportedURLError
+from kvrestore.stores import (
+    ChunkStore,
+    FsspecStore,
+    MemoryStore,
+    known_schemes,
+    open_store,
+    register_store,
+)
+
+K1, K2, K3 = "a1" * 10, "b2" * 10, "c3" * 10
+BAD_KEYS = ["../etc/passwd", "ABC", "", "a1" * 10 + "/x", "AB" * 10, "a1b2"]
+
+
+def run(fn, *args):
+    return anyio.run(partial(fn, *args))
+
+
+@pytest.fixture(params=["memory", "file", "fsspec-sync", "fsspec-async"])
+def store(request, tmp_path) -> ChunkStore:
+    kind = request.param
+    if kind == "memory":
+        return MemoryStore()
+    if kind == "file":
+        return FsspecStore(str(tmp_path / "store"))
+    if kind == "fsspec-sync":  # a non-local sync filesystem: calls go to worker threads
+        return FsspecStore.from_filesystem(MemoryFileSystem(), f"/kvtest-{uuid.uuid4().hex}")
+    # an async filesystem (the s3fs code path), here a wrapped local disk
+    fs = AsyncFileSystemWrapper(LocalFileSystem(), asynchronous=True)
+    return FsspecStore.from_filesystem(fs, str(tmp_path / "async"))
+
+
+def test_contract(store: ChunkStore):
+    async def body():
+        async with store:
+            assert await store.get(K1) is None
+            assert await store.get_range(K1, 0, 4) is None
+            assert await store.contains([K1, K2]) == [False, False]
+            await store.delete(K1)  # absent: ignored
+
+            data = bytes(range(256)) * 4
+            await store.put(K1, data)
+            await store.put(K2, bytearray(b"second"))
+            assert await store.get(K1) == data
+            assert await store.get(K2) == b"second"
+            assert await store.contains([K1, K3, K2]) == [True, False, True]
+            assert await store.get_range(K1, 0, 4) == data[:4]
+            assert await store.get_range(K1, 1000, 5000) == data[1000:]  # clamped at the end
+            assert await store.get_range(K1, 7, 7) == b""
+            if isinstance(store, MemoryStore) or store.local:  # generic fsspec may allocate `end - start`
+                assert await store.get_range(K1, 0, 1 << 40) == data
+            assert await store.get_many([K1, K3, K2]) == [data, None, b"second"]
+            assert await store.get_ranges(K1, [(0, 2), (10, 20), (1020, 2000)]) == [
+                data[:2],
+                data[10:20],
+                data[1020:],
+            ]
+            assert await store.get_ranges(K3, [(0, 2)]) == [None]
+
+            await store.put(K1, b"replaced")
+            assert await store.get(K1) == b"replaced"
+            await store.delete(K1)
+            assert await store.get(K1) is None
+            assert await store.contains([K1, K2]) == [False, True]
+
+            with pytest.raises(ValueError):
+                await store.get_range(K2, 5, 2)
+            with pytest.raises(ValueError):
+                await store.get_range(K2, -1, 2)
+
+    run(body)
+
+
+@pytest.mark.parametrize("bad", BAD_KEYS)
+def test_invalid_keys_rejected(store: ChunkStore, bad: str):
+    async def body():
+        for call in (
+            store.get(bad),
+            store.get_range(bad, 0, 1),
+            store.put(bad, b"x"),
+            store.contains([K1, bad]),
+            store.delete(bad),
+        ):
+            with pytest.raises(ValueError, match="invalid store key"):
+                await call
+
+    run(body)
+
+
+# -- MemoryStore -----------------------------------------------------------------------------------
+
+
+def test_memory_lru_evicts_least_recently_used():
+    async def body():
+        s = MemoryStore(capacity_bytes=100)
+        await s.put(K1, b"1" * 40)
+        await s.put(K2, b"2" * 40)
+        assert await s.get(K1) is not None  # K1 is now the most recently used
+        await s.put(K3, b"3" * 40)  # 120 > 100: evict K2
+        assert await s.contains([K1, K2, K3]) == [True, False, True]
+        assert (s.bytes_used, s.evictions) == (80, 1)
+        await s.put("d4" * 10, b"4" * 101)  # bigger than the whole capacity: not stored
+        assert await s.get("d4" * 10) is None
+        assert s.bytes_used == 80
+        assert (s.hits, s.misses) == (1, 1)
+
+    run(body)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    capacity=st.integers(0, 200),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["put", "get", "range", "delete"]), st.integers(0, 5), st.integers(0, 120)),
+        max_size=40,
+    ),
+)
+def test_memory_lru_matches_model(capacity, ops):
+    keys = [f"{i:02x}" * 10 for i in range(6)]
+
+    async def body():
+        s = MemoryStore(capacity_bytes=capacity)
+        model: OrderedDict[str, bytes] = OrderedDict()
+        for op, k, size in ops:
+            key = keys[k]
+            if op == "put":
+                data = bytes([k]) * size
+                model.pop(key, None)
+                if size <= capacity:
+                    model[key] = data
+                    while sum(map(len, model.values())) > capacity:
+                        model.popitem(last=False)
+                await s.put(key, data)
+            elif op in ("get", "range"):
+                got = await s.get(key) if op == "get" else await s.get_range(key, 0, size)
+                want = model.get(key)
+                if want is not None:
+                    model.move_to_end(key)
+                    want = want if op == "get" else want[:size]
+                assert got == want
+            else:
+                model.pop(key, None)
+                await s.delete(key)
+            assert s.bytes_used == sum(map(len, model.values())) <= capacity
+            assert await s.contains(keys) == [key in model for key in keys]
+
+    run(body)
+
+
+# -- FsspecStore on local disk ---------------------------------------------------------------------
+
+
+def test_file_layout(tmp_path):
+    async def body():
+        s = open_store(f"file://{tmp_path}")
+        await s.put(K1, b"abc")
+        assert (tmp_path / K1[:2] / f"{K1}.kvc").read_bytes() == b"abc"
+        assert not [p for p in tmp_path.rglob(".tmp-*")]
+
+    run(body)
+
+
+def test_file_put_is_atomic_under_races(tmp_path):
+    payloads = [bytes([i]) * (256 * 1024 + i) for i in range(12)]
+
+    async def body():
+        s = FsspecStore(str(tmp_path))
+        seen: list[bytes | None] = []
+        done = anyio.Event()
+
+        async def writer(p: bytes) -> None:
+            for _ in range(3):
+                await s.put(K1, p)
+
+        async def reader() -> None:
+            while not done.is_set():
+                seen.append(await s.get(K1))
+                seen.append(await s.get_range(K1, 0, 300 * 1024))
+
+        async with anyio.create_task_group() as readers:
+            for _ in range(4):
+                readers.start_soon(reader)
+            async with anyio.create_task_group() as writers:
+                for p in payloads:
+                    writers.start_soon(writer, p)
+            done.set()
+
+        assert len(seen) > 8
+        assert all(got is None or got in payloads for got in seen)
+        assert await s.get(K1) in payloads
+        assert not list(tmp_path.rglob(".tmp-*"))
+
+    run(body)
+
+
+def test_stale_temp_files_removed_on_open(tmp_path):
+    (tmp_path / "a1").mkdir()
+    old = tmp_path / "a1" / ".tmp-dead"
+    fresh = tmp_path / "a1" / ".tmp-live"
+    old_root = tmp_path / ".tmp-probe-dead"
+    for p in (old, fresh, old_root):
+        p.write_bytes(b"partial")
+    two_hours_ago = time.time() - 7200
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    os.utime(old_root, (two_hours_ago, two_hours_ago))
+    FsspecStore(str(tmp_path))
+    assert not old.exists() and not old_root.exists()
+    assert fresh.exists()  # might belong to a writer still running
+
+
+def test_unwritable_root_is_a_clear_store_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"x")
+    bad = blocker / "store"
+    with pytest.raises(StoreError, match="not usable") as exc:
+        FsspecStore(str(bad))
+    assert str(bad) in str(exc.value)
+    with pytest.raises(StoreError, match=str(blocker)):
+        open_store(str(blocker))  # the root itself is a regular file
+
+
+def test_read_failure_other_than_missing_is_store_error(tmp_path):
+    async def body():
+        s = FsspecStore(str(tmp_path))
+        os.makedirs(s.path(K1))  # a directory where the object should be
+        with pytest.raises(StoreError, match="cannot read"):
+            await s.get(K1)
+        with pytest.raises(StoreError):
+            await s.get_range(K1, 0, 4)
+
+    run(body)
+
+
+# -- open_store ------------------------------------------------------------------------------------
+
+
+def test_open_store_schemes(tmp_path):
+    m = open_store("memory://", capacity_bytes=1234)
+    assert isinstance(m, MemoryStore) and m.capacity_bytes == 1234
+    f = open_store(f"file://{tmp_path}/a")
+    assert isinstance(f, FsspecStore) and f.local and f.root == str(tmp_path / "a")
+    p = open_store(str(tmp_path / "b"))
+    assert isinstance(p, FsspecStore) and p.local and (tmp_path / "b").is_dir()
+    assert {"memory", "file", "s3"} <= set(known_schemes())
+
+
+def test_open_store_rejects_bad_urls():
+    with pytest.raises(UnsupportedURLError, match="ftpx") as exc:
+        open_store("ftpx://host/path")
+    assert "memory://" in str(exc.value) and "s3://" in str(exc.value)
+    with pytest.raises(ValueError):
+        open_store("")
+
+
+def test_open_store_s3_without_s3fs(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "s3fs" else real(name, *a)
+    )
+    with pytest.raises(StoreError, match=r"kvrestore\[s3\]"):
+        open_store("s3://bucket/prefix")
+
+
+def test_register_store():
+    made = []
+
+    def factory(url, **options):
+        made.append((url, options))
+        return MemoryStore()
+
+    register_store("kvtest", factory)
+    try:
+        assert isinstance(open_store("kvtest://x", a=1), MemoryStore)
+        assert made == [("kvtest://x", {"a": 1})]
+        with pytest.raises(ValueError, match="already registered"):
+            register_store("kvtest", lambda url: MemoryStore())
+    finally:
+        register_store("kvtest", factory)  # same factory: allowed
+        from kvrestore import stores
+
+        stores._REGISTRY.pop("kvtest")

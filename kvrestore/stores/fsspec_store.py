@@ -222,6 +222,7 @@ class FsspecStore(ChunkStore):
         return await self._cat(key)
 
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        """Local reads clamp `end` at the file size; remote ones pass it on (an HTTP Range on s3)."""
         _check_range(start, end)
         if self.local:
             path = self.path(key)

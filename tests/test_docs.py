@@ -1,0 +1,26 @@
+"""Every tutorial under docs/ runs: its python blocks are executed in order in one namespace."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+
+
+def python_blocks(path: Path) -> list[str]:
+    return BLOCK.findall(path.read_text())
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("doc", sorted(p.name for p in DOCS.glob("*.md")))
+def test_doc_runs(doc, smollm2):
+    blocks = python_blocks(DOCS / doc)
+    assert blocks, f"{doc} has no python blocks"
+    namespace: dict = {"__name__": f"docs.{doc}"}
+    for i, block in enumerate(blocks):
+        code = compile(block, f"{doc}[block {i}]", "exec")
+        exec(code, namespace)

@@ -14,6 +14,7 @@ so a cancelled restore leaves no running task and no half-applied chunk.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -27,11 +28,21 @@ from .errors import ChunkDecodeError, StoreError
 from .policies.base import ChunkStatus, Policy, Progress
 from .trace import Trace, TraceEvent
 
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
 ComputeFn = Callable[[int, int], None]
 LoadFn = Callable[[int], Awaitable[int]]
 
 #: faults of a load that turn the chunk into a miss (recomputed) instead of failing the restore
 LOAD_FAULTS = (ChunkDecodeError, StoreError, OSError, TimeoutError)
+
+
+def _single(exc: BaseException) -> BaseException:
+    """The one error inside nested exception groups (a failed unit, a policy error), else the group."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 class PolicyStalledError(RuntimeError):
@@ -105,6 +116,13 @@ class Engine:
                     return
                 await send.send(_Done("load", i, i, start, time.perf_counter() - t0, nbytes))
 
+        try:
+            await self._drive(progress, policy, run_compute, run_load, receive, trace, on_event)
+        except BaseExceptionGroup as group:
+            raise _single(group) from None
+        return trace
+
+    async def _drive(self, progress, policy, run_compute, run_load, receive, trace, on_event) -> None:
         async with anyio.create_task_group() as tg:
             while not progress.finished:
                 progress.free_load_lanes = max(0, self.load_lanes - progress.loads_in_flight)
@@ -133,7 +151,6 @@ class Engine:
                 trace.add(event)
                 if on_event is not None:
                     on_event(event)
-        return trace
 
     @staticmethod
     def _check_compute(progress: Progress, a: int, b: int) -> None:

@@ -1,0 +1,86 @@
+"""ComputeOnly and LoadOnly decisions, driven without a model, plus the engine's invariants."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrestore.engine import Engine, PolicyStalledError
+from kvrestore.errors import CorruptChunkError
+from kvrestore.policies import ChunkStatus, ComputeOnly, Decision, LoadOnly, Policy, Progress
+
+
+def simulate(policy: Policy, stored: list[bool], broken: set[int], lanes: int = 3):
+    """Run the real engine with instant fake units; return (applied units, progress)."""
+    applied: list[tuple[str, int]] = []
+    progress = Progress([8] * len(stored), list(stored))
+
+    def compute(a: int, b: int) -> None:
+        # a compute unit may only start once every chunk before it is in place
+        assert all(progress.status[j].done for j in range(a))
+        applied.extend(("compute", j) for j in range(a, b))
+
+    async def load(i: int) -> int:
+        await anyio.sleep(0)
+        if i in broken:
+            raise CorruptChunkError("broken on purpose")
+        applied.append(("load", i))
+        return 100
+
+    anyio.run(lambda: Engine(lanes).run(progress, policy, compute, load))
+    return applied, progress
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=24), st.data(), st.integers(1, 4))
+def test_every_chunk_applied_exactly_once(stored, data, lanes):
+    broken = set(data.draw(st.sets(st.sampled_from([i for i, s in enumerate(stored) if s] or [-1]))))
+    for policy in (ComputeOnly(), ComputeOnly(unit_chunks=2), LoadOnly()):
+        applied, progress = simulate(policy, stored, broken, lanes)
+        chunks = sorted(j for _, j in applied)
+        assert chunks == list(range(len(stored)))  # each chunk once, none missing
+        assert progress.finished
+        if isinstance(policy, ComputeOnly):
+            assert all(kind == "compute" for kind, _ in applied)
+        else:
+            loaded = {j for kind, j in applied if kind == "load"}
+            assert loaded == {i for i, s in enumerate(stored) if s} - broken
+
+
+def test_compute_only_is_one_unit_by_default():
+    p = Progress([4] * 5, [True] * 5)
+    assert ComputeOnly().decide(p) == Decision(compute=(0, 5))
+    assert ComputeOnly(unit_chunks=2).decide(p) == Decision(compute=(0, 2))
+    with pytest.raises(ValueError):
+        ComputeOnly(unit_chunks=0)
+
+
+def test_load_only_waits_for_a_loadable_chunk_instead_of_computing_it():
+    p = Progress([4] * 3, [True, False, True])
+    p.free_load_lanes = 1
+    d = LoadOnly().decide(p)
+    assert d.loads == (0,) and d.compute is None
+    p.status[0] = ChunkStatus.LOADED
+    p.free_load_lanes = 0
+    d = LoadOnly().decide(p)
+    assert d.compute == (1, 2)  # the miss, stopping before the stored chunk 2
+
+
+def test_engine_refuses_a_policy_that_stalls():
+    class Lazy(Policy):
+        def decide(self, progress):
+            return Decision()
+
+    with pytest.raises(PolicyStalledError):
+        anyio.run(lambda: Engine().run(Progress([1], [False]), Lazy(), lambda a, b: None, None))
+
+
+def test_engine_refuses_compute_without_prefix():
+    class Skipper(Policy):
+        def decide(self, progress):
+            return Decision(compute=(1, 2))
+
+    with pytest.raises(RuntimeError, match="needs every chunk before"):
+        anyio.run(lambda: Engine().run(Progress([1, 1], [False, False]), Skipper(), lambda a, b: None, None))

@@ -17,7 +17,6 @@ import math
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import anyio
 import anyio.lowlevel
@@ -49,15 +48,6 @@ class PolicyStalledError(RuntimeError):
     """The policy started nothing while nothing was running and chunks were left."""
 
 
-@dataclass
-class _Done:
-    kind: str
-    first: int
-    last: int
-    start: float
-    end: float
-    nbytes: int = 0
-    error: BaseException | None = None
 
 
 class Engine:
@@ -91,66 +81,13 @@ class Engine:
         on_event: Callable[[TraceEvent], None] | None = None,
         load_timeout_s: float | None = None,
     ) -> Trace:
-        compute_lane, load_lane = self._lanes()
-        trace = Trace()
-        t0 = time.perf_counter()
-        send, receive = anyio.create_memory_object_stream[_Done](math.inf)
-
-        async def run_compute(a: int, b: int) -> None:
-            async with compute_lane:
-                start = time.perf_counter() - t0
-                await anyio.to_thread.run_sync(compute, a, b, abandon_on_cancel=False)
-                await send.send(_Done("compute", a, b - 1, start, time.perf_counter() - t0))
-
-        async def run_load(i: int) -> None:
-            async with load_lane:
-                start = time.perf_counter() - t0
-                try:
-                    if load_timeout_s is None:
-                        nbytes = await load(i)
-                    else:
-                        with anyio.fail_after(load_timeout_s):
-                            nbytes = await load(i)
-                except LOAD_FAULTS as exc:
-                    await send.send(_Done("load-failed", i, i, start, time.perf_counter() - t0, error=exc))
-                    return
-                await send.send(_Done("load", i, i, start, time.perf_counter() - t0, nbytes))
-
+        """Drive one restore to the end; returns its trace. A unit's own error propagates as itself."""
+        run = _Run(self, progress, policy, compute, load, on_event, load_timeout_s)
         try:
-            await self._drive(progress, policy, run_compute, run_load, receive, trace, on_event)
+            await run.drive()
         except BaseExceptionGroup as group:
             raise _single(group) from None
-        return trace
-
-    async def _drive(self, progress, policy, run_compute, run_load, receive, trace, on_event) -> None:
-        async with anyio.create_task_group() as tg:
-            while not progress.finished:
-                progress.free_load_lanes = max(0, self.load_lanes - progress.loads_in_flight)
-                decision = policy.decide(progress)
-                if decision.compute is not None:
-                    a, b = decision.compute
-                    self._check_compute(progress, a, b)
-                    for j in range(a, b):
-                        progress.status[j] = ChunkStatus.COMPUTING
-                    progress.compute_busy = True
-                    tg.start_soon(run_compute, a, b)
-                for i in decision.loads:
-                    if progress.status[i] is not ChunkStatus.PENDING or not progress.stored[i]:
-                        raise RuntimeError(f"{policy!r} asked to load chunk {i}, which is {progress.status[i].value}")
-                    progress.status[i] = ChunkStatus.LOADING
-                    progress.loads_in_flight += 1
-                    tg.start_soon(run_load, i)
-                if not progress.compute_busy and progress.loads_in_flight == 0:
-                    raise PolicyStalledError(f"{policy!r} left chunks {progress.pending()} with no unit running")
-                done = await receive.receive()
-                self._apply(progress, done)
-                event = TraceEvent(
-                    done.kind, done.first, done.last, done.start, done.end, done.nbytes,
-                    None if done.error is None else f"{type(done.error).__name__}: {done.error}",
-                )
-                trace.add(event)
-                if on_event is not None:
-                    on_event(event)
+        return run.trace
 
     @staticmethod
     def _check_compute(progress: Progress, a: int, b: int) -> None:
@@ -161,22 +98,97 @@ class Engine:
         if any(progress.status[j] is not ChunkStatus.PENDING for j in range(a, b)):
             raise RuntimeError(f"compute of chunks [{a}, {b}) covers a chunk that is not pending")
 
-    @staticmethod
-    def _apply(progress: Progress, done: _Done) -> None:
-        seconds = done.end - done.start
-        if done.kind == "compute":
-            progress.compute_busy = False
-            n = done.last - done.first + 1
-            for j in range(done.first, done.last + 1):
-                progress.status[j] = ChunkStatus.COMPUTED
-                progress.compute_seconds[j] = seconds / n
-            return
-        progress.loads_in_flight -= 1
-        i = done.first
-        if done.kind == "load":
-            progress.status[i] = ChunkStatus.LOADED
-            progress.load_seconds[i] = seconds
-            progress.bytes_loaded += done.nbytes
-        else:  # a fault: the chunk is a miss from now on
-            progress.status[i] = ChunkStatus.PENDING
-            progress.stored[i] = False
+
+
+class _Run:
+    """One restore on an engine: starts the units the policy picks and applies their results."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        progress: Progress,
+        policy: Policy,
+        compute: ComputeFn,
+        load: LoadFn,
+        on_event: Callable[[TraceEvent], None] | None,
+        load_timeout_s: float | None,
+    ) -> None:
+        self.engine = engine
+        self.progress = progress
+        self.policy = policy
+        self.compute_fn = compute
+        self.load_fn = load
+        self.on_event = on_event
+        self.load_timeout_s = load_timeout_s
+        self.compute_lane, self.load_lane = engine._lanes()
+        self.trace = Trace()
+        self.t0 = time.perf_counter()
+        self.send, self.receive = anyio.create_memory_object_stream[TraceEvent](math.inf)
+
+    def _now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def _compute(self, a: int, b: int) -> None:
+        async with self.compute_lane:
+            start = self._now()
+            await anyio.to_thread.run_sync(self.compute_fn, a, b, abandon_on_cancel=False)
+            await self.send.send(TraceEvent("compute", a, b - 1, start, self._now()))
+
+    async def _load(self, i: int) -> None:
+        async with self.load_lane:
+            start = self._now()
+            try:
+                with anyio.fail_after(self.load_timeout_s):
+                    nbytes = await self.load_fn(i)
+            except LOAD_FAULTS as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                await self.send.send(TraceEvent("load-failed", i, i, start, self._now(), error=error))
+                return
+            await self.send.send(TraceEvent("load", i, i, start, self._now(), nbytes))
+
+    async def drive(self) -> None:
+        progress, policy = self.progress, self.policy
+        async with anyio.create_task_group() as tg:
+            while not progress.finished:
+                progress.free_load_lanes = max(0, self.engine.load_lanes - progress.loads_in_flight)
+                decision = policy.decide(progress)
+                if decision.compute is not None:
+                    a, b = decision.compute
+                    Engine._check_compute(progress, a, b)
+                    for j in range(a, b):
+                        progress.status[j] = ChunkStatus.COMPUTING
+                    progress.compute_busy = True
+                    tg.start_soon(self._compute, a, b)
+                for i in decision.loads:
+                    if progress.status[i] is not ChunkStatus.PENDING or not progress.stored[i]:
+                        raise RuntimeError(f"{policy!r} asked to load chunk {i}, which is {progress.status[i].value}")
+                    progress.status[i] = ChunkStatus.LOADING
+                    progress.loads_in_flight += 1
+                    tg.start_soon(self._load, i)
+                if not progress.compute_busy and progress.loads_in_flight == 0:
+                    raise PolicyStalledError(f"{policy!r} left chunks {progress.pending()} with no unit running")
+                event = await self.receive.receive()
+                apply_event(progress, event)
+                self.trace.add(event)
+                if self.on_event is not None:
+                    self.on_event(event)
+
+
+def apply_event(progress: Progress, event: TraceEvent) -> None:
+    """Update a restore's progress with a finished unit (kept apart from decisions, as in vLLM)."""
+    if event.kind == "compute":
+        progress.compute_busy = False
+        n = event.last_chunk - event.first_chunk + 1
+        for j in range(event.first_chunk, event.last_chunk + 1):
+            progress.status[j] = ChunkStatus.COMPUTED
+            progress.compute_seconds[j] = event.seconds / n
+        return
+    progress.loads_in_flight -= 1
+    i = event.first_chunk
+    if event.kind == "load":
+        progress.status[i] = ChunkStatus.LOADED
+        progress.load_seconds[i] = event.seconds
+        progress.bytes_loaded += event.nbytes
+    else:  # a fault: the chunk is a miss from now on
+        progress.status[i] = ChunkStatus.PENDING
+        progress.stored[i] = False

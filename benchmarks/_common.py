@@ -14,6 +14,7 @@ as `_common` (the script's folder is first on sys.path).
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 import json
 import os
@@ -133,11 +134,11 @@ def machine_info() -> dict[str, Any]:
         info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
-    for mod in ("transformers", "zstandard", "anyio", "fsspec"):
+    for dist in ("transformers", "zstandard", "anyio", "fsspec", "numpy"):
         try:
-            info[mod] = __import__(mod).__version__
-        except (ImportError, AttributeError):
-            info[mod] = None
+            info[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            info[dist] = None
     return info
 
 

@@ -3,12 +3,12 @@
 Both hold one tensor laid out [layers, 2 (K, V), kv_heads, tokens, head_dim], keys stored after RoPE (as
 transformers stores them). `KVChunk` is the KV of one token range; `KVCache` is a preallocated buffer for
 a whole prompt that chunks are written into in any order (the two-pointer restores fill it from both
-ends), tracking which token ranges are filled.
+ends); which chunks are in place is the engine's business (`policies.Progress`), not the buffer's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,7 +46,6 @@ class KVCache:
 
     spec: ModelSpec
     data: torch.Tensor  # [L, 2, H, N, D]
-    _filled: list[tuple[int, int]] = field(default_factory=list, repr=False)
 
     @classmethod
     def empty(cls, spec: ModelSpec, n_tokens: int, device: torch.device | str = "cpu") -> KVCache:
@@ -70,26 +69,26 @@ class KVCache:
         if tuple(chunk.data.shape[:3]) != tuple(self.data.shape[:3]) or chunk.data.shape[4] != self.data.shape[4]:
             raise ValueError(f"chunk shape {tuple(chunk.data.shape)} does not fit cache {tuple(self.data.shape)}")
         self.data[:, :, :, chunk.start : chunk.end].copy_(chunk.data, non_blocking=True)
-        self._filled.append((chunk.start, chunk.end))
-
-    def is_filled(self, start: int, end: int) -> bool:
-        """True when every token of [start, end) has been written."""
-        covered = start
-        for a, b in sorted(self._filled):
-            if a > covered:
-                break
-            covered = max(covered, b)
-            if covered >= end:
-                return True
-        return covered >= end
 
     def prefix(self, n_tokens: int) -> torch.Tensor:
         """View of the KV of tokens [0, n_tokens): [L, 2, H, n, D]."""
         return self.data[:, :, :, :n_tokens]
 
     def chunk(self, start: int, end: int) -> KVChunk:
-        """A view of tokens [start, end) as a chunk (no copy)."""
+        """A view of tokens [start, end) as a chunk (no copy); writing to it writes the cache."""
         return KVChunk(start, self.data[:, :, :, start:end])
+
+    def fits(self, spec: ModelSpec, n_tokens: int) -> bool:
+        """Whether this buffer can hold `n_tokens` of KV for `spec` (to reuse it for another restore)."""
+        return (
+            self.spec.fingerprint == spec.fingerprint
+            and self.data.dtype == spec.dtype
+            and self.n_tokens >= n_tokens
+        )
+
+    def head(self, n_tokens: int) -> KVCache:
+        """The first `n_tokens` as a KVCache sharing this buffer."""
+        return self if n_tokens == self.n_tokens else KVCache(self.spec, self.data[:, :, :, :n_tokens])
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of layer i, each [H, N, D]."""

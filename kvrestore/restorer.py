@@ -145,13 +145,18 @@ class Restorer:
         token_ids: TokenIds,
         policy: Policy | None = None,
         on_event: Callable[[TraceEvent], None] | None = None,
+        out: KVCache | None = None,
     ) -> RestoreResult:
-        """The KV cache of `token_ids`, assembled by `policy` (default ComputeOnly) from compute and loads."""
+        """The KV cache of `token_ids`, assembled by `policy` (default ComputeOnly) from compute and loads.
+
+        `out` is a buffer to restore into (a serving process reuses its KV memory instead of allocating
+        and first-touching a new buffer per request); the result's `kv` then shares it.
+        """
         policy = policy or ComputeOnly()
         t0 = time.perf_counter()
         tokens, refs = self.chunks(token_ids)
         stored = await self.store.contains([r.key for r in refs])
-        kv = KVCache.empty(self.spec, len(tokens), device=self.backend.device)
+        kv = self._buffer(out, len(tokens))
         progress = Progress([r.n_tokens for r in refs], list(stored))
 
         def compute(a: int, b: int) -> None:
@@ -189,26 +194,58 @@ class Restorer:
 
     # -- internals -------------------------------------------------------------------------------
 
+    def _buffer(self, out: KVCache | None, n_tokens: int) -> KVCache:
+        if out is None:
+            return KVCache.empty(self.spec, n_tokens, device=self.backend.device)
+        if not out.fits(self.spec, n_tokens) or out.data.device != torch.device(self.backend.device):
+            raise InvalidInputError(
+                f"out buffer ({out.n_tokens} tokens, {out.data.dtype}, {out.data.device}) cannot hold "
+                f"{n_tokens} tokens of {self.spec.name} ({self.spec.dtype}, {self.backend.device})"
+            )
+        return out.head(n_tokens)
+
     def _prefill_all(self, tokens: torch.Tensor) -> KVCache:
         kv = KVCache.empty(self.spec, len(tokens), device=self.backend.device)
         kv.write(self.backend.prefill_chunk(tokens, None, 0))
         return kv
 
     async def _load_chunk(self, ref: ChunkRef, kv: KVCache) -> int:
-        data = await self.store.get(ref.key)
-        if data is None:
-            raise MissingChunkError(f"chunk {ref.key[:12]} disappeared from the store")
-
-        def decode_into_cache() -> None:
-            kv.write(codec.decode_chunk(data, self.spec, ref.key, ref.start, ref.n_tokens))
-
         try:
-            await anyio.to_thread.run_sync(decode_into_cache, abandon_on_cancel=False)
+            return await self._read_chunk(ref, kv)
         except ChunkDecodeError:
             # never serve it again; the next save writes a good copy
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await self.store.delete(ref.key)  # best effort: the miss is what matters
             raise
+
+    async def _read_chunk(self, ref: ChunkRef, kv: KVCache) -> int:
+        """Fetch, verify and place one chunk in the cache; returns the stored bytes read.
+
+        On CPU an uncompressed chunk is read straight into the cache's token range (`read_into`) and
+        verified there; otherwise (zstd, a CUDA cache, a header past the probe) it is fetched whole and
+        decoded. Either way a fault raises a ChunkDecodeError before the chunk counts as loaded.
+        """
+        dest = kv.chunk(ref.start, ref.end).data
+        if dest.device.type == "cpu":
+            reader = codec.InPlaceRead(self.spec, ref.key, ref.start, ref.n_tokens, dest)
+            placed = await self.store.read_into(ref.key, reader)
+            if placed is None:
+                raise MissingChunkError(f"chunk {ref.key[:12]} disappeared from the store")
+            if reader.in_place:
+                reader.finish(placed)
+                return reader.header.end
+
+        data = await self.store.get(ref.key)
+        if data is None:
+            raise MissingChunkError(f"chunk {ref.key[:12]} disappeared from the store")
+
+        def decode() -> None:
+            if dest.device.type == "cpu":  # one copy: stored bytes -> the cache's token range
+                codec.decode_chunk(data, self.spec, ref.key, ref.start, ref.n_tokens, out=dest)
+            else:
+                kv.write(codec.decode_chunk(data, self.spec, ref.key, ref.start, ref.n_tokens))
+
+        await anyio.to_thread.run_sync(decode, abandon_on_cancel=False)
         return len(data)
 
     async def _write_chunks(self, kv: KVCache, refs: list[ChunkRef]) -> int:
@@ -252,8 +289,10 @@ class SyncRestorer:
     def lookup(self, token_ids: TokenIds) -> int:
         return self._call(self.restorer.lookup, token_ids)
 
-    def restore(self, token_ids: TokenIds, policy: Policy | None = None, on_event: Any = None) -> RestoreResult:
-        return self._call(self.restorer.restore, token_ids, policy, on_event)
+    def restore(
+        self, token_ids: TokenIds, policy: Policy | None = None, on_event: Any = None, out: KVCache | None = None
+    ) -> RestoreResult:
+        return self._call(self.restorer.restore, token_ids, policy, on_event, out)
 
     def close(self) -> None:
         if self._portal_cm is not None:

@@ -12,12 +12,49 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Protocol
 
 import anyio
+import anyio.to_thread
 
 from ..errors import StoreError
 
 _KEY_RE = re.compile(r"^[0-9a-f]{16,128}$")
+
+#: How many leading bytes of an object `read_into` hands to `ReadPlan.locate` (enough for a chunk header).
+PROBE_BYTES = 4096
+
+
+class ReadPlan(Protocol):
+    """Where the bytes of one object go, decided from its first bytes (see `ChunkStore.read_into`)."""
+
+    def locate(self, prefix: memoryview) -> tuple[int, Sequence[Sequence[memoryview]]]:
+        """From the object's first `PROBE_BYTES` (fewer if it is shorter): (offset, groups of buffers).
+
+        The object's bytes from `offset` on fill the groups' writable buffers in order.
+        """
+        ...
+
+    def filled(self, group: int) -> None:
+        """Group `group` is completely filled (raise to stop the read)."""
+        ...
+
+
+def scatter(data: memoryview, offset: int, groups: Sequence[Sequence[memoryview]], plan: ReadPlan) -> int:
+    """Copy data[offset:] into the groups' buffers in order, telling `plan` of each group filled.
+
+    Returns the bytes placed (short when data ends early).
+    """
+    pos = offset
+    for i, group in enumerate(groups):
+        for buf in group:
+            n = max(0, min(buf.nbytes, len(data) - pos))
+            buf[:n] = data[pos : pos + n]
+            pos += n
+            if n < buf.nbytes:
+                return pos - offset
+        plan.filled(i)
+    return pos - offset
 
 
 def check_key(key: str) -> str:
@@ -70,6 +107,24 @@ class ChunkStore(ABC):
                 tg.start_soon(one, i, k)
         return out
 
+    async def read_into(self, key: str, plan: ReadPlan) -> int | None:
+        """Read an object straight into caller memory: `plan` sees its first bytes and names the buffers.
+
+        Returns the bytes placed in the buffers (fewer than they hold when the object ends early), or
+        None when the object is absent. Errors raised by the plan propagate. The default fetches the object whole (one round trip, right for
+        object stores) and copies; a local store overrides it to read into the buffers with no copy.
+        """
+        data = await self.get(key)
+        if data is None:
+            return None
+
+        def place() -> int:
+            mv = memoryview(data)
+            offset, groups = plan.locate(mv[:PROBE_BYTES])
+            return scatter(mv, offset, groups, plan)
+
+        return await anyio.to_thread.run_sync(place)
+
     async def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
         """Several byte ranges of one object, fetched concurrently."""
         out: list[bytes | None] = [None] * len(ranges)
@@ -89,4 +144,4 @@ class ChunkStore(ABC):
         await self.close()
 
 
-__all__ = ["ChunkStore", "StoreError", "check_key"]
+__all__ = ["PROBE_BYTES", "ChunkStore", "ReadPlan", "StoreError", "check_key", "scatter"]

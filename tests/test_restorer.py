@@ -11,6 +11,7 @@ import torch
 from kvrestore import (
     ComputeOnly,
     InvalidInputError,
+    KVCache,
     LoadOnly,
     Restorer,
     SyncRestorer,
@@ -241,3 +242,49 @@ def test_trace_records_every_unit(llama_backend):
     assert sorted(e.first_chunk for e in loads) == [0, 1, 2, 3]
     assert all(e.end_s >= e.start_s >= 0 for e in res.trace.events)
     assert "load" in res.trace.table()
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_overlong_object_is_a_miss(llama_backend, tmp_path, compression, kind):
+    """Bytes past the last section (an object glued to garbage) are detected on both read paths."""
+    b = llama_backend
+    tokens = random_tokens(64, b.spec.vocab_size, seed=6)
+    store = MemoryStore() if kind == "memory" else open_store(f"file://{tmp_path}")
+
+    async def main():
+        r = Restorer(b, store, chunk_size=32, compression=compression)
+        await r.save(tokens)
+        ok = await r.restore(tokens, LoadOnly())
+        assert ok.stats.loaded_chunks == 2 and ok.stats.failed_loads == 0
+        key = chunk_keys(tokens, b.spec.fingerprint, 32)[0].key
+        await store.put(key, (await store.get(key)) + b"\0")
+        res = await r.restore(tokens, LoadOnly())
+        assert res.stats.failed_loads == 1 and res.stats.computed_chunks == 1
+        return ok.kv.data, res.kv.data
+
+    ok, res = run(main)
+    ref = full_prefill(b, tokens)
+    torch.testing.assert_close(ok, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(res, ref, atol=ATOL, rtol=0)
+
+
+def test_restore_into_a_reused_buffer(llama_backend):
+    b = llama_backend
+    long, short = random_tokens(96, b.spec.vocab_size, seed=7), random_tokens(40, b.spec.vocab_size, seed=8)
+
+    async def main():
+        r = Restorer(b, MemoryStore(), chunk_size=32)
+        await r.save(long)
+        await r.save(short)
+        buf = KVCache.empty(b.spec, 96)
+        first = await r.restore(long, LoadOnly(), out=buf)
+        assert first.kv.data.data_ptr() == buf.data.data_ptr()
+        torch.testing.assert_close(first.kv.data, full_prefill(b, long), atol=ATOL, rtol=0)
+        second = await r.restore(short, LoadOnly(), out=buf)  # a shorter prompt uses the buffer's head
+        assert second.kv.n_tokens == 40 and second.kv.data.data_ptr() == buf.data.data_ptr()
+        torch.testing.assert_close(second.kv.data, full_prefill(b, short), atol=ATOL, rtol=0)
+        with pytest.raises(InvalidInputError, match="cannot hold"):
+            await r.restore(long, out=KVCache.empty(b.spec, 50))
+
+    run(main)

@@ -299,3 +299,60 @@ def test_register_store():
         from kvrestore import stores
 
         stores._REGISTRY.pop("kvtest")
+
+
+class RecordingPlan:
+    """A ReadPlan that skips `offset` bytes and fills groups of the given buffer sizes."""
+
+    def __init__(self, offset: int, sizes: list[list[int]]) -> None:
+        self.offset = offset
+        self.buffers = [[bytearray(n) for n in group] for group in sizes]
+        self.prefix_len: int | None = None
+        self.filled_groups: list[int] = []
+
+    def locate(self, prefix):
+        self.prefix_len = len(prefix)
+        return self.offset, [[memoryview(b) for b in group] for group in self.buffers]
+
+    def filled(self, group: int) -> None:
+        self.filled_groups.append(group)
+
+    def joined(self) -> bytes:
+        return b"".join(bytes(b) for group in self.buffers for b in group)
+
+
+@pytest.mark.parametrize("length", [0, 10, 5000, 9000])
+def test_read_into_scatters_and_reports_filled_groups(store: ChunkStore, length: int):
+    data = bytes(i % 251 for i in range(length))
+    sizes = [[100, 900], [3000], [1, 999]]  # 5000 bytes after an offset of 7
+
+    async def body():
+        async with store:
+            assert await store.read_into(K1, RecordingPlan(7, sizes)) is None
+            await store.put(K1, data)
+            plan = RecordingPlan(7, sizes)
+            placed = await store.read_into(K1, plan)
+            return placed, plan
+
+    placed, plan = run(body)
+    body_bytes = data[7:7 + 5000]
+    assert placed == len(body_bytes)
+    assert plan.prefix_len == min(length, 4096)
+    assert plan.joined()[:placed] == body_bytes
+    # a group counts as filled only when every byte of it arrived
+    ends = [7 + 1000, 7 + 4000, 7 + 5000]
+    assert plan.filled_groups == [i for i, end in enumerate(ends) if length >= end]
+
+
+def test_read_into_stops_when_the_plan_raises(store: ChunkStore):
+    class Refuse(RecordingPlan):
+        def filled(self, group: int) -> None:
+            raise ValueError(f"group {group} is bad")
+
+    async def body():
+        async with store:
+            await store.put(K1, b"x" * 100)
+            await store.read_into(K1, Refuse(0, [[10], [10]]))
+
+    with pytest.raises(ValueError, match="group 0 is bad"):
+        run(body)

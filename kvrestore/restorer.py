@@ -15,11 +15,12 @@ import torch
 
 from . import codec
 from .backend import ComputeBackend
-from .engine import Engine
+from .engine import LOAD_FAULTS, Engine
 from .errors import ChunkDecodeError, InvalidInputError, MissingChunkError
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from .kv import KVCache
 from .policies import ComputeOnly, Policy, Progress
+from .spec import ModelSpec
 from .stores.base import ChunkStore
 from .trace import Trace, TraceEvent
 
@@ -105,7 +106,7 @@ class Restorer:
         self.load_timeout_s = load_timeout_s
 
     @property
-    def spec(self):
+    def spec(self) -> ModelSpec:
         return self.backend.spec
 
     def chunks(self, token_ids: TokenIds) -> tuple[torch.Tensor, list[ChunkRef]]:
@@ -155,8 +156,13 @@ class Restorer:
         policy = policy or ComputeOnly()
         t0 = time.perf_counter()
         tokens, refs = self.chunks(token_ids)
-        stored = await self.store.contains([r.key for r in refs])
         kv = self._buffer(out, len(tokens))
+        errors: list[str] = []
+        try:
+            stored = await self.store.contains([r.key for r in refs])
+        except LOAD_FAULTS as exc:  # the store is down: a restore still finishes, by computing
+            stored = [False] * len(refs)
+            errors.append(f"lookup: {type(exc).__name__}: {exc}")
         progress = Progress([r.n_tokens for r in refs], list(stored))
 
         def compute(a: int, b: int) -> None:
@@ -179,7 +185,7 @@ class Restorer:
             failed_loads=len(failed),
             bytes_loaded=progress.bytes_loaded,
             seconds=time.perf_counter() - t0,
-            errors=[f"chunk {e.first_chunk}: {e.error}" for e in failed],
+            errors=errors + [f"chunk {e.first_chunk}: {e.error}" for e in failed],
         )
         return RestoreResult(kv, stats, trace)
 

@@ -14,6 +14,7 @@ from kvrestore import (
     KVCache,
     LoadOnly,
     Restorer,
+    StoreError,
     SyncRestorer,
     UnsupportedURLError,
     open_store,
@@ -288,3 +289,61 @@ def test_restore_into_a_reused_buffer(llama_backend):
             await r.restore(long, out=KVCache.empty(b.spec, 50))
 
     run(main)
+
+
+class DownStore(MemoryStore):
+    """A store whose server went away: every call fails."""
+
+    async def contains(self, keys):
+        raise StoreError("connection refused")
+
+    async def get(self, key):
+        raise StoreError("connection refused")
+
+
+def test_store_down_degrades_to_compute(llama_backend):
+    tokens = random_tokens(70, llama_backend.spec.vocab_size)
+    res = run(Restorer(llama_backend, DownStore(), chunk_size=32).restore, tokens, LoadOnly())
+    assert res.stats.computed_chunks == 3 and res.stats.loaded_chunks == 0
+    assert "connection refused" in res.stats.errors[0]
+    torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+def test_store_dropping_out_mid_restore_degrades_to_compute(llama_backend):
+    tokens = random_tokens(128, llama_backend.spec.vocab_size)
+
+    class Flaky(MemoryStore):
+        async def get(self, key):
+            raise StoreError("server stopped")
+
+    async def main():
+        store = Flaky()
+        r = Restorer(llama_backend, store, chunk_size=32)
+        await r.save(tokens)
+        assert await r.lookup(tokens) == 128
+        return await r.restore(tokens, LoadOnly())
+
+    res = run(main)
+    assert res.stats.failed_loads == 4 and res.stats.computed_chunks == 4
+    assert all("server stopped" in e for e in res.stats.errors)
+    torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+def test_hanging_store_is_timed_out_and_recomputed(llama_backend):
+    tokens = random_tokens(64, llama_backend.spec.vocab_size)
+
+    class Hang(MemoryStore):
+        async def get(self, key):
+            await anyio.sleep(3600)
+
+    async def main():
+        store = Hang()
+        r = Restorer(llama_backend, store, chunk_size=32, load_timeout_s=0.2)
+        await r.save(tokens)
+        with anyio.fail_after(10):
+            return await r.restore(tokens, LoadOnly())
+
+    res = run(main)
+    assert res.stats.failed_loads == 2 and res.stats.computed_chunks == 2
+    assert "TimeoutError" in res.stats.errors[0]
+    torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)

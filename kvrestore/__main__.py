@@ -1,0 +1,7 @@
+"""`python -m kvrestore ...` is the `kvrestore` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -15,6 +15,7 @@ import anyio
 import torch
 
 from . import policies as policy_mod
+from .paths import cache_root
 from .restorer import Restorer
 from .stores import open_store
 from .text import reference_tokens
@@ -58,9 +59,7 @@ class PolicyRun:
 
 
 def default_store_url() -> str:
-    from .backends.hf import _cache_root
-
-    return (_cache_root(None) / "demo-store").as_uri()
+    return (cache_root() / "demo-store").as_uri()
 
 
 async def run_demo(

@@ -169,6 +169,8 @@ class Restorer:
             start, end = refs[a].start, refs[b - 1].end
             past = kv.prefix(start) if start else None
             kv.write(self.backend.prefill_chunk(tokens[start:end], past, start))
+            if kv.data.is_cuda:  # a unit is done when its kernels are, not when they are queued
+                torch.cuda.current_stream(kv.data.device).synchronize()
 
         async def load(i: int) -> int:
             return await self._load_chunk(refs[i], kv)

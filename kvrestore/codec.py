@@ -28,7 +28,6 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import msgspec
-import numpy as np
 import torch
 import xxhash
 import zstandard
@@ -341,7 +340,7 @@ class InPlaceRead:
         self.out = out
         self.header: ChunkHeader | None = None
         self.in_place = False
-        self._rows: np.ndarray | None = None
+        self._groups: list[list[memoryview]] = []
 
     def locate(self, prefix: memoryview) -> tuple[int, list[list[memoryview]]]:
         if len(prefix) >= PREFIX_SIZE and header_length(prefix) > len(prefix) == HEADER_PROBE:
@@ -355,21 +354,20 @@ class InPlaceRead:
         if tuple(self.out.shape) != shape or self.out.dtype != self.spec.dtype:
             raise ValueError(f"out {tuple(self.out.shape)} {self.out.dtype} does not fit chunk {shape}")
         self.in_place = True
-        rows = self._rows = self.out.view(torch.uint8).numpy()  # [L, 2, H, T, D * itemsize], strided
-        H = header.num_kv_heads
-        groups = [
-            [memoryview(rows[layer, kv, head]).cast("B") for kv in range(2) for head in range(H)]
-            for layer in range(header.num_layers)
-        ]
-        return header_end, [*groups, [memoryview(bytearray(1))]]
+        # [L * 2 * H, T, D * itemsize]: merging the leading dims of a token slice needs no copy
+        rows = self.out.view(torch.uint8).numpy()
+        rows = rows.reshape(-1, rows.shape[3], rows.shape[4])
+        views = [memoryview(r).cast("B") for r in rows]
+        per_layer = 2 * header.num_kv_heads
+        self._groups = [views[i : i + per_layer] for i in range(0, len(views), per_layer)]
+        return header_end, [*self._groups, [memoryview(bytearray(1))]]
 
     def filled(self, layer: int) -> None:
-        if self._rows is None or self.header is None or layer >= self.header.num_layers:
+        if self.header is None or layer >= len(self._groups):
             return  # the spare byte: finish() reports it
         h = xxhash.xxh3_64()
-        for kv in range(2):
-            for head in range(self.header.num_kv_heads):
-                h.update(self._rows[layer, kv, head])
+        for row in self._groups[layer]:
+            h.update(row)
         if h.intdigest() != self.header.layers[layer].checksum:
             raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
 

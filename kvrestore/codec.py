@@ -37,7 +37,7 @@ from .kv import KVChunk
 from .spec import ModelSpec, dtype_name
 
 MAGIC = b"KVRC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: xxh3-64 section checksums (1 used crc32)
 HEADER_PROBE = 4096
 COMPRESSIONS = ("none", "zstd")
 

@@ -26,10 +26,10 @@ QUESTION = "What does the with statement guarantee about the __exit__() method?"
 class Progress:
     """Timestamped progress lines on stderr; `tick` rewrites one line in place on a terminal."""
 
-    def __init__(self, stream: TextIO = sys.stderr) -> None:
-        self.stream = stream
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
         self.t0 = time.perf_counter()
-        self.tty = stream.isatty()
+        self.tty = self.stream.isatty()
         self._open = False
 
     def __call__(self, message: str) -> None:
@@ -134,6 +134,9 @@ async def run_demo(
             )
             answer = tok.decode(answer_ids, skip_special_tokens=True).strip()
             s = result.stats
+            if s.failed_loads:
+                say(f"warning: {s.failed_loads} stored chunks were unusable and were recomputed: {s.errors[0]}")
+                await restorer.save(prefix, kv=result.kv)  # replace them, for the next run
             runs.append(PolicyRun(policy.name, restore_s, ttft, s.computed_chunks, s.loaded_chunks, answer))
             say(f"{policy.name}: TTFT {ttft:.2f} s ({s.computed_chunks} chunks computed, {s.loaded_chunks} loaded)")
 

@@ -29,3 +29,22 @@ def test_cli_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["demo", "--tokens", "0"])
     assert "--tokens must be positive" in capsys.readouterr().err
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_demo_replaces_unusable_chunks(smollm2, tmp_path, capsys):
+    from pathlib import Path
+
+    url = f"file://{tmp_path}"
+    demo = lambda: run_demo(n_tokens=300, store_url=url, max_new_tokens=2, out=io.StringIO())  # noqa: E731
+    anyio.run(demo)
+    victim = sorted(Path(tmp_path).rglob("*.kvc"))[0]
+    victim.write_bytes(victim.read_bytes()[:-1] + b"\x00")  # damage the last byte of one chunk
+    capsys.readouterr()
+    runs = {r.name: r for r in anyio.run(demo)}
+    assert "1 stored chunks were unusable" in capsys.readouterr().err
+    assert runs["load-only"].computed == 1
+    runs = {r.name: r for r in anyio.run(demo)}  # the bad chunk was replaced
+    assert "chunks were unusable" not in capsys.readouterr().err
+    assert runs["load-only"].computed == 0 and runs["load-only"].loaded == 2

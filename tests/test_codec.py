@@ -152,16 +152,25 @@ def test_unparseable_header_with_valid_checksum_is_corrupt():
     with pytest.raises(CorruptChunkError):
         decode(_with_header(b"\xc1"))  # never-used msgpack byte
     with pytest.raises(CorruptChunkError):
-        decode(_with_header(msgspec.msgpack.encode({"version": 1, "fingerprint": 3})))
+        decode(_with_header(msgspec.msgpack.encode({"version": codec.FORMAT_VERSION, "fingerprint": 3})))
     header, _ = codec.read_header(BLOBS["none"])
     wrong = msgspec.structs.replace(header, compression="lz4")
     with pytest.raises(CorruptChunkError):
         decode(_with_header(msgspec.msgpack.encode(wrong)))
 
 
+def test_older_format_version_is_foreign():
+    header, _ = codec.read_header(BLOBS["none"])
+    older = msgspec.msgpack.encode({**msgspec.structs.asdict(header), "version": codec.FORMAT_VERSION - 1})
+    with pytest.raises(ForeignChunkError, match="version"):
+        decode(_with_header(older))
+
+
 def test_newer_format_version_is_foreign():
     header, _ = codec.read_header(BLOBS["none"])
-    newer = msgspec.msgpack.encode({**msgspec.structs.asdict(header), "version": 2, "extra": [1, 2]})
+    newer = msgspec.msgpack.encode(
+        {**msgspec.structs.asdict(header), "version": codec.FORMAT_VERSION + 1, "extra": [1, 2]}
+    )
     with pytest.raises(ForeignChunkError, match="version"):
         decode(_with_header(newer))
 

@@ -356,3 +356,17 @@ def test_read_into_stops_when_the_plan_raises(store: ChunkStore):
 
     with pytest.raises(ValueError, match="group 0 is bad"):
         run(body)
+
+
+def test_read_into_more_buffers_than_iov_max(tmp_path):
+    """A group of more buffers than one preadv call takes (IOV_MAX = 1024) is still filled in order."""
+    data = bytes(i % 253 for i in range(3 * 1500 + 5))
+
+    async def body():
+        async with FsspecStore(str(tmp_path)) as store:
+            await store.put(K1, data)
+            plan = RecordingPlan(5, [[3] * 1500])
+            return await store.read_into(K1, plan), plan
+
+    placed, plan = run(body)
+    assert placed == 4500 and plan.joined() == data[5:] and plan.filled_groups == [0]

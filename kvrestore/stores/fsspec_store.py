@@ -47,20 +47,24 @@ def _check_range(start: int, end: int) -> None:
         raise ValueError(f"invalid byte range [{start}, {end})")
 
 
-def _preadv_all(fd: int, buffers: list[memoryview], pos: int) -> int:
-    """preadv until the buffers are full or the file ends (preadv may return early); bytes read."""
-    total = 0
-    buffers = [b for b in buffers if b.nbytes]
-    while buffers:
-        n = os.preadv(fd, buffers[:1024], pos + total)  # at most IOV_MAX buffers per call
+def _preadv_all(fd: int, buffers: Sequence[memoryview], pos: int) -> int:
+    """Fill `buffers` from byte `pos` of the file, or as much as the file holds; returns bytes read."""
+    want = sum(b.nbytes for b in buffers)
+    if len(buffers) <= 1024:  # IOV_MAX; the common case is one call that fills everything
+        n = os.preadv(fd, buffers, pos)
+        if n == want or n == 0:
+            return n
+    total, rest = 0, [b for b in buffers if b.nbytes]
+    while rest:  # preadv returned early (a signal, a huge request): go on where it stopped
+        n = os.preadv(fd, rest[:1024], pos + total)
         if n == 0:
             break
         total += n
-        while buffers and n >= buffers[0].nbytes:
-            n -= buffers[0].nbytes
-            buffers.pop(0)
+        while rest and n >= rest[0].nbytes:
+            n -= rest[0].nbytes
+            rest.pop(0)
         if n:
-            buffers[0] = buffers[0][n:]
+            rest[0] = rest[0][n:]
     return total
 
 
@@ -181,10 +185,9 @@ class FsspecStore(ChunkStore):
             offset, groups = plan.locate(memoryview(os.pread(fd, PROBE_BYTES, 0)))
             pos = offset
             for i, group in enumerate(groups):
-                want = sum(b.nbytes for b in group)
-                got = _preadv_all(fd, list(group), pos)
+                got = _preadv_all(fd, group, pos)
                 pos += got
-                if got < want:
+                if got < sum(b.nbytes for b in group):
                     break
                 plan.filled(i)
             return pos - offset

@@ -84,3 +84,13 @@ def test_unsupported_model_is_refused():
     config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         HFBackend(transformers.GPT2LMHeadModel(config))
+
+
+def test_fingerprint_ignores_where_the_model_was_loaded_from(tmp_path):
+    model = tiny_model("llama")
+    a = HFBackend(model).spec.fingerprint
+    model.config._name_or_path = str(tmp_path / "elsewhere")
+    model.config.transformers_version = "0.0.0"
+    assert HFBackend(model).spec.fingerprint == a
+    model.config.rms_norm_eps = 1e-3  # what the model computes does count
+    assert HFBackend(model).spec.fingerprint != a

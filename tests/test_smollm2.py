@@ -81,3 +81,14 @@ def test_corrupt_chunk_on_real_model_is_recomputed(smollm2, prompt, tmp_path):
     assert res.stats.failed_loads == 1 and res.stats.computed_chunks == 1
     torch.testing.assert_close(res.kv.data, reference.data, atol=KV_ATOL, rtol=0)
     assert smollm2.generate(full, res.kv, max_new_tokens=16) == greedy
+
+
+def test_gguf_conversion_from_scratch(smollm2, tmp_path):
+    """The first-run path: convert the bundled GGUF into a fresh cache dir, then load it from there."""
+    from kvrestore.backends.hf import HFBackend, smollm2_checkpoint
+
+    path = smollm2_checkpoint(tmp_path)
+    assert (path / "done.json").exists() and path.parent == tmp_path / "models"
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".tmp-")]  # no leftovers
+    again = HFBackend.from_smollm2(dtype=torch.float32, cache_dir=tmp_path)
+    assert again.spec.fingerprint == smollm2.spec.fingerprint

@@ -238,7 +238,8 @@ async def bench_length(
         "pass": {
             "compute_only": derived["compute_only_over_hf_prefill"]
             <= TARGETS["compute_only_over_hf_prefill_max"],
-            "load_only": derived["load_over_raw_readinto"]["load-only"] >= TARGETS["load_only_over_raw_read_min"],
+            "load_only": derived["load_over_raw_readinto"]["load-only"]
+            >= TARGETS["load_only_over_raw_read_min"],
         },
     }
 
@@ -351,7 +352,15 @@ def report(lengths: dict[int, dict[str, Any]], cod: dict[str, Any]) -> None:
         for case, label in labels.items():
             verdict = d["pass"]["load_only"] if case == "load-only" else None
             rows.append(
-                [n, label, m[case] * 1e3, mbps[case], kvm[case], f"{der['load_over_raw_readinto'][case]:.3f}", verdict]
+                [
+                    n,
+                    label,
+                    m[case] * 1e3,
+                    mbps[case],
+                    kvm[case],
+                    f"{der['load_over_raw_readinto'][case]:.3f}",
+                    verdict,
+                ]
             )
     print()
     print_table(

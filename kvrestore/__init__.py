@@ -1,8 +1,8 @@
 """kvrestore: restore an LLM prompt's KV cache by computing and loading at the same time.
 
-    from kvrestore import Restorer, open_store
-    from kvrestore.backends.hf import HFBackend
-    from kvrestore.policies import ComputeOnly, LoadOnly
+from kvrestore import Restorer, open_store
+from kvrestore.backends.hf import HFBackend
+from kvrestore.policies import ComputeOnly, LoadOnly
 """
 
 from .engine import Engine

@@ -11,10 +11,14 @@ import anyio
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvrestore", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="save a document's KV cache, restore it with each policy, answer a question")
+    demo = sub.add_parser(
+        "demo", help="save a document's KV cache, restore it with each policy, answer a question"
+    )
     demo.add_argument("--tokens", type=int, default=3072, help="document length in tokens (default 3072)")
     demo.add_argument("--chunk-size", type=int, default=256, help="tokens per stored chunk (default 256)")
-    demo.add_argument("--store", default=None, help="store URL (default: a directory under the user cache dir)")
+    demo.add_argument(
+        "--store", default=None, help="store URL (default: a directory under the user cache dir)"
+    )
     demo.add_argument("--question", default=None, help="question to ask about the document")
     demo.add_argument("--max-new-tokens", type=int, default=40)
     demo.add_argument("--fresh", action="store_true", help="empty the local store first")

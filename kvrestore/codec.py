@@ -312,7 +312,9 @@ def decode_layers(
     if out is None:
         out = torch.empty(shape, dtype=spec.dtype)
     elif tuple(out.shape) != shape or out.dtype != spec.dtype or out.device.type != "cpu":
-        raise ValueError(f"out is {tuple(out.shape)} {out.dtype} on {out.device}, need {shape} {spec.dtype} on cpu")
+        raise ValueError(
+            f"out is {tuple(out.shape)} {out.dtype} on {out.device}, need {shape} {spec.dtype} on cpu"
+        )
     for j, i in enumerate(order):
         _fill(out[j], sections[i], header.layers[i], header.compression, i)
     return out if torch.device(device).type == "cpu" else out.to(device)

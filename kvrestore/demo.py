@@ -39,7 +39,9 @@ class Progress:
     def tick(self, message: str) -> None:
         if not self.tty:
             return
-        print(f"\r[{time.perf_counter() - self.t0:6.1f}s] {message}\x1b[K", end="", file=self.stream, flush=True)
+        print(
+            f"\r[{time.perf_counter() - self.t0:6.1f}s] {message}\x1b[K", end="", file=self.stream, flush=True
+        )
         self._open = True
 
     def _end_tick(self) -> None:
@@ -86,7 +88,9 @@ async def run_demo(
     store = open_store(store_url)
 
     # The cached prefix is the chat turn's opening plus the document; the question is the new suffix.
-    head = tok("<|im_start|>system\nAnswer using the document.<|im_end|>\n<|im_start|>user\nDocument:\n")["input_ids"]
+    head = tok("<|im_start|>system\nAnswer using the document.<|im_end|>\n<|im_start|>user\nDocument:\n")[
+        "input_ids"
+    ]
     document = reference_tokens(tok, max(1, n_tokens - len(head)))
     prefix = head + document
     suffix = tok(f"\n\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
@@ -96,9 +100,13 @@ async def run_demo(
     async with Restorer(backend, store, chunk_size=chunk_size) as restorer:
         stored = await restorer.lookup(prefix)
         if stored < len(prefix):
-            say(f"saving the document's KV cache ({len(prefix)} tokens; {stored} already stored): computing...")
+            say(
+                f"saving the document's KV cache ({len(prefix)} tokens; {stored} already stored): computing..."
+            )
             stats = await restorer.save(prefix)
-            say(f"saved {stats.written_chunks} chunks, {stats.bytes_written / 1e6:.1f} MB in {stats.seconds:.1f} s")
+            say(
+                f"saved {stats.written_chunks} chunks, {stats.bytes_written / 1e6:.1f} MB in {stats.seconds:.1f} s"
+            )
         else:
             say(f"the document's KV cache is already stored ({stored} tokens)")
 
@@ -135,18 +143,26 @@ async def run_demo(
             answer = tok.decode(answer_ids, skip_special_tokens=True).strip()
             s = result.stats
             if s.failed_loads:
-                say(f"warning: {s.failed_loads} stored chunks were unusable and were recomputed: {s.errors[0]}")
+                say(
+                    f"warning: {s.failed_loads} stored chunks were unusable and were recomputed: {s.errors[0]}"
+                )
                 await restorer.save(prefix, kv=result.kv)  # replace them, for the next run
             runs.append(PolicyRun(policy.name, restore_s, ttft, s.computed_chunks, s.loaded_chunks, answer))
-            say(f"{policy.name}: TTFT {ttft:.2f} s ({s.computed_chunks} chunks computed, {s.loaded_chunks} loaded)")
+            say(
+                f"{policy.name}: TTFT {ttft:.2f} s ({s.computed_chunks} chunks computed, {s.loaded_chunks} loaded)"
+            )
 
     print(f"\nQuestion: {question}", file=out)
     print(f"\n{'policy':<22}{'TTFT s':>9}{'vs full':>9}{'computed':>10}{'loaded':>8}", file=out)
     print(f"{'full prefill (no cache)':<22}{base_ttft:9.2f}{1.0:9.2f}{'-':>10}{'-':>8}", file=out)
     for r in runs:
-        print(f"{r.name:<22}{r.ttft_s:9.2f}{r.ttft_s / base_ttft:9.2f}{r.computed:10d}{r.loaded:8d}", file=out)
+        print(
+            f"{r.name:<22}{r.ttft_s:9.2f}{r.ttft_s / base_ttft:9.2f}{r.computed:10d}{r.loaded:8d}", file=out
+        )
     answers = {r.answer for r in runs}
-    print(f"\nAnswer ({'identical for every policy' if len(answers) == 1 else 'policies differ!'}):", file=out)
+    print(
+        f"\nAnswer ({'identical for every policy' if len(answers) == 1 else 'policies differ!'}):", file=out
+    )
     for a in sorted(answers):
         print(f"  {a}", file=out)
     return runs

@@ -48,8 +48,6 @@ class PolicyStalledError(RuntimeError):
     """The policy started nothing while nothing was running and chunks were left."""
 
 
-
-
 class Engine:
     """Shared lanes for any number of concurrent restores in one event loop."""
 
@@ -97,7 +95,6 @@ class Engine:
             raise RuntimeError(f"compute of chunks [{a}, {b}) needs every chunk before {a} done")
         if any(progress.status[j] is not ChunkStatus.PENDING for j in range(a, b)):
             raise RuntimeError(f"compute of chunks [{a}, {b}) covers a chunk that is not pending")
-
 
 
 class _Run:
@@ -161,12 +158,16 @@ class _Run:
                     tg.start_soon(self._compute, a, b)
                 for i in decision.loads:
                     if progress.status[i] is not ChunkStatus.PENDING or not progress.stored[i]:
-                        raise RuntimeError(f"{policy!r} asked to load chunk {i}, which is {progress.status[i].value}")
+                        raise RuntimeError(
+                            f"{policy!r} asked to load chunk {i}, which is {progress.status[i].value}"
+                        )
                     progress.status[i] = ChunkStatus.LOADING
                     progress.loads_in_flight += 1
                     tg.start_soon(self._load, i)
                 if not progress.compute_busy and progress.loads_in_flight == 0:
-                    raise PolicyStalledError(f"{policy!r} left chunks {progress.pending()} with no unit running")
+                    raise PolicyStalledError(
+                        f"{policy!r} left chunks {progress.pending()} with no unit running"
+                    )
                 event = await self.receive.receive()
                 apply_event(progress, event)
                 self.trace.add(event)

@@ -137,7 +137,9 @@ class Restorer:
             if kv is None:
                 kv = await self.engine.compute(self._prefill_all, tokens)
             elif kv.n_tokens < len(tokens):
-                raise InvalidInputError(f"kv holds {kv.n_tokens} tokens, fewer than the {len(tokens)} to save")
+                raise InvalidInputError(
+                    f"kv holds {kv.n_tokens} tokens, fewer than the {len(tokens)} to save"
+                )
             written = await self._write_chunks(kv, todo)
         return SaveStats(len(refs), len(todo), len(refs) - len(todo), written, time.perf_counter() - t0)
 
@@ -283,7 +285,9 @@ class SyncRestorer:
     stores that hold connections bound to a loop (s3fs) keep working across calls.
     """
 
-    def __init__(self, backend: ComputeBackend, store: ChunkStore, chunk_size: int = DEFAULT_CHUNK_SIZE, **kwargs: Any):
+    def __init__(
+        self, backend: ComputeBackend, store: ChunkStore, chunk_size: int = DEFAULT_CHUNK_SIZE, **kwargs: Any
+    ):
         self.restorer = Restorer(backend, store, chunk_size, **kwargs)
         self._portal_cm = anyio.from_thread.start_blocking_portal()
         self._portal = self._portal_cm.__enter__()
@@ -298,7 +302,11 @@ class SyncRestorer:
         return self._call(self.restorer.lookup, token_ids)
 
     def restore(
-        self, token_ids: TokenIds, policy: Policy | None = None, on_event: Any = None, out: KVCache | None = None
+        self,
+        token_ids: TokenIds,
+        policy: Policy | None = None,
+        on_event: Any = None,
+        out: KVCache | None = None,
     ) -> RestoreResult:
         return self._call(self.restorer.restore, token_ids, policy, on_event, out)
 

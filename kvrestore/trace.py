@@ -36,7 +36,9 @@ class Trace:
         """A plain-text table, one row per unit, in start order."""
         rows = ["  kind         chunks      start_s    end_s    MB"]
         for e in sorted(self.events, key=lambda e: e.start_s):
-            chunks = f"{e.first_chunk}" if e.first_chunk == e.last_chunk else f"{e.first_chunk}-{e.last_chunk}"
+            chunks = (
+                f"{e.first_chunk}" if e.first_chunk == e.last_chunk else f"{e.first_chunk}-{e.last_chunk}"
+            )
             rows.append(
                 f"  {e.kind:<12} {chunks:<10} {e.start_s:8.3f} {e.end_s:8.3f} {e.nbytes / 1e6:6.2f}"
                 + (f"  ({e.error})" if e.error else "")

@@ -15,7 +15,9 @@ from kvrestore.demo import run_demo
 @pytest.mark.slow
 def test_demo_answers_with_every_policy(smollm2, tmp_path):
     out = io.StringIO()
-    runs = anyio.run(lambda: run_demo(n_tokens=600, store_url=f"file://{tmp_path}", max_new_tokens=8, out=out))
+    runs = anyio.run(
+        lambda: run_demo(n_tokens=600, store_url=f"file://{tmp_path}", max_new_tokens=8, out=out)
+    )
     text = out.getvalue()
     assert {r.name for r in runs} == {"compute-only", "load-only"}
     assert "identical for every policy" in text

@@ -66,13 +66,21 @@ def test_keys_are_stable_across_processes():
     )
     outs = {
         subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True,
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
             env={"PYTHONHASHSEED": str(seed), "PATH": ""},
         ).stdout
         for seed in (1, 2)
     }
     assert len(outs) == 1
-    here = ",".join(r.key for r in chunk_keys(list(range(50)), FP, 16)) + "\n" + content_key([1, 2, 3], FP) + "\n"
+    here = (
+        ",".join(r.key for r in chunk_keys(list(range(50)), FP, 16))
+        + "\n"
+        + content_key([1, 2, 3], FP)
+        + "\n"
+    )
     assert outs == {here}
 
 

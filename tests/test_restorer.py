@@ -347,3 +347,54 @@ def test_hanging_store_is_timed_out_and_recomputed(llama_backend):
     assert res.stats.failed_loads == 2 and res.stats.computed_chunks == 2
     assert "TimeoutError" in res.stats.errors[0]
     torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+class CountingBackend:
+    """Wraps a backend and counts the tokens it prefills."""
+
+    def __init__(self, inner):
+        self.inner, self.prefilled = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def prefill_chunk(self, tokens, past, start):
+        self.prefilled += len(tokens)
+        return self.inner.prefill_chunk(tokens, past, start)
+
+
+def test_saving_a_grown_prompt_computes_only_the_new_chunks(llama_backend):
+    b = CountingBackend(llama_backend)
+    tokens = random_tokens(128, llama_backend.spec.vocab_size, seed=9)
+
+    async def main():
+        store = MemoryStore()
+        r = Restorer(b, store, chunk_size=32)
+        await r.save(tokens[:64])
+        assert b.prefilled == 64
+        stats = await r.save(tokens)  # the conversation grew by two chunks
+        assert (stats.written_chunks, stats.skipped_chunks) == (2, 2)
+        assert b.prefilled == 64 + 64
+        res = await r.restore(tokens, LoadOnly())
+        assert res.stats.loaded_chunks == 4
+        return res.kv.data
+
+    torch.testing.assert_close(run(main), full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+def test_save_rewrites_a_stored_chunk_that_turned_out_unusable(llama_backend):
+    tokens = random_tokens(96, llama_backend.spec.vocab_size, seed=10)
+
+    async def main():
+        store = MemoryStore()
+        r = Restorer(llama_backend, store, chunk_size=32)
+        await r.save(tokens[:64])
+        key = chunk_keys(tokens, llama_backend.spec.fingerprint, 32)[1].key
+        await store.put(key, b"not a chunk")
+        stats = await r.save(tokens)
+        assert stats.written_chunks == 2  # the new chunk and the replaced one
+        res = await r.restore(tokens, LoadOnly())
+        assert res.stats.loaded_chunks == 3 and res.stats.failed_loads == 0
+        return res.kv.data
+
+    torch.testing.assert_close(run(main), full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)

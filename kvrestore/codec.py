@@ -345,8 +345,10 @@ class InPlaceRead:
         self._groups: list[list[memoryview]] = []
 
     def locate(self, prefix: memoryview) -> tuple[int, list[list[memoryview]]]:
-        if len(prefix) >= PREFIX_SIZE and header_length(prefix) > len(prefix) == HEADER_PROBE:
-            return 0, []  # the header runs past the probe: read the whole object instead
+        if len(prefix) >= PREFIX_SIZE and header_length(prefix) > len(prefix):
+            # the header runs past the probe (or the object is cut short): take the whole-object path,
+            # which decodes a long header and reports a truncated object
+            return 0, []
         header, header_end = read_header(prefix)
         check_header(header, self.spec, self.key, self.start, self.n_tokens)
         self.header = header

@@ -87,15 +87,6 @@ class Engine:
             raise _single(group) from None
         return run.trace
 
-    @staticmethod
-    def _check_compute(progress: Progress, a: int, b: int) -> None:
-        if progress.compute_busy:
-            raise RuntimeError("policy started a compute unit while the compute lane is busy")
-        if not (0 <= a < b <= progress.n_chunks) or progress.done_prefix() != a:
-            raise RuntimeError(f"compute of chunks [{a}, {b}) needs every chunk before {a} done")
-        if any(progress.status[j] is not ChunkStatus.PENDING for j in range(a, b)):
-            raise RuntimeError(f"compute of chunks [{a}, {b}) covers a chunk that is not pending")
-
 
 class _Run:
     """One restore on an engine: starts the units the policy picks and applies their results."""
@@ -151,7 +142,7 @@ class _Run:
                 decision = policy.decide(progress)
                 if decision.compute is not None:
                     a, b = decision.compute
-                    Engine._check_compute(progress, a, b)
+                    _check_compute(progress, a, b)
                     for j in range(a, b):
                         progress.status[j] = ChunkStatus.COMPUTING
                     progress.compute_busy = True
@@ -173,6 +164,16 @@ class _Run:
                 self.trace.add(event)
                 if self.on_event is not None:
                     self.on_event(event)
+
+
+def _check_compute(progress: Progress, a: int, b: int) -> None:
+    """A policy may start a compute unit only on a free lane, at the end of the done prefix, over pending chunks."""
+    if progress.compute_busy:
+        raise RuntimeError("policy started a compute unit while the compute lane is busy")
+    if not (0 <= a < b <= progress.n_chunks) or progress.done_prefix() != a:
+        raise RuntimeError(f"compute of chunks [{a}, {b}) needs every chunk before {a} done")
+    if any(progress.status[j] is not ChunkStatus.PENDING for j in range(a, b)):
+        raise RuntimeError(f"compute of chunks [{a}, {b}) covers a chunk that is not pending")
 
 
 def apply_event(progress: Progress, event: TraceEvent) -> None:

@@ -140,7 +140,8 @@ class Restorer:
         written = 0
         if todo:
             if kv is None:
-                result = await self.restore(tokens, LoadOnly() if any(present) else ComputeOnly())
+                policy = LoadOnly() if any(present) else ComputeOnly()
+                result = await self._restore(tokens, refs, present, [], policy, None, None)
                 kv = result.kv
                 failed = {e.first_chunk for e in result.trace.of_kind("load-failed")}
                 todo = [r for r, ok in zip(refs, present, strict=True) if not ok or r.index in failed]
@@ -163,16 +164,28 @@ class Restorer:
         `out` is a buffer to restore into (a serving process reuses its KV memory instead of allocating
         and first-touching a new buffer per request); the result's `kv` then shares it.
         """
-        policy = policy or ComputeOnly()
-        t0 = time.perf_counter()
         tokens, refs = self.chunks(token_ids)
-        kv = self._buffer(out, len(tokens))
         errors: list[str] = []
         try:
             stored = await self.store.contains([r.key for r in refs])
         except LOAD_FAULTS as exc:  # the store is down: a restore still finishes, by computing
             stored = [False] * len(refs)
             errors.append(f"lookup: {type(exc).__name__}: {exc}")
+        return await self._restore(tokens, refs, stored, errors, policy or ComputeOnly(), on_event, out)
+
+    async def _restore(
+        self,
+        tokens: torch.Tensor,
+        refs: list[ChunkRef],
+        stored: list[bool],
+        errors: list[str],
+        policy: Policy,
+        on_event: Callable[[TraceEvent], None] | None,
+        out: KVCache | None,
+    ) -> RestoreResult:
+        """`restore` for tokens already chunked and looked up (`save` has done both before it needs KV)."""
+        t0 = time.perf_counter()
+        kv = self._buffer(out, len(tokens))
         progress = Progress([r.n_tokens for r in refs], list(stored))
 
         def compute(a: int, b: int) -> None:
@@ -243,14 +256,14 @@ class Restorer:
             reader = codec.InPlaceRead(self.spec, ref.key, ref.start, ref.n_tokens, dest)
             placed = await self.store.read_into(ref.key, reader)
             if placed is None:
-                raise MissingChunkError(f"chunk {ref.key[:12]} disappeared from the store")
+                raise _missing(ref)
             if reader.in_place:
                 reader.finish(placed)
                 return reader.header.end
 
         data = await self.store.get(ref.key)
         if data is None:
-            raise MissingChunkError(f"chunk {ref.key[:12]} disappeared from the store")
+            raise _missing(ref)
 
         def decode() -> None:
             if dest.device.type == "cpu":  # one copy: stored bytes -> the cache's token range
@@ -279,6 +292,10 @@ class Restorer:
             for ref in refs:
                 tg.start_soon(write, ref)
         return written
+
+
+def _missing(ref: ChunkRef) -> MissingChunkError:
+    return MissingChunkError(f"chunk {ref.index} ({ref.key[:12]}) disappeared from the store")
 
 
 class SyncRestorer:

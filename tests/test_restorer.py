@@ -398,3 +398,26 @@ def test_save_rewrites_a_stored_chunk_that_turned_out_unusable(llama_backend):
         return res.kv.data
 
     torch.testing.assert_close(run(main), full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+def test_chunk_whose_header_outgrows_the_probe_still_loads(tmp_path):
+    """250 layers make a header longer than the 4 KiB the in-place read probes: the whole-object path."""
+    from kvrestore import codec
+    from kvrestore.backends.hf import HFBackend
+
+    from .conftest import tiny_model
+
+    deep = HFBackend(tiny_model("llama", layers=250))
+    tokens = random_tokens(40, deep.spec.vocab_size)
+
+    async def main():
+        store = open_store(f"file://{tmp_path}")
+        r = Restorer(deep, store, chunk_size=32)
+        await r.save(tokens)
+        key = chunk_keys(tokens, deep.spec.fingerprint, 32)[0].key
+        assert codec.header_length(await store.get(key)) > 4096
+        return await r.restore(tokens, LoadOnly())
+
+    res = run(main)
+    assert res.stats.loaded_chunks == 2 and res.stats.failed_loads == 0
+    torch.testing.assert_close(res.kv.data, full_prefill(deep, tokens), atol=ATOL, rtol=0)

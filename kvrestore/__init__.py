@@ -5,6 +5,7 @@ from kvrestore.backends.hf import HFBackend
 from kvrestore.policies import ComputeOnly, LoadOnly
 """
 
+from .bandwidth import BandwidthTrace
 from .engine import Engine
 from .errors import (
     ChunkDecodeError,
@@ -19,15 +20,16 @@ from .errors import (
 )
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from .kv import KVCache, KVChunk
-from .policies import ComputeOnly, LoadOnly, Policy
+from .policies import ComputeOnly, LoadOnly, Policy, TokenTwoPointer
 from .restorer import Restorer, RestoreResult, RestoreStats, SaveStats, SyncRestorer
 from .spec import ModelSpec
-from .stores import ChunkStore, open_store
+from .stores import ChunkStore, ThrottledStore, open_store
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "BandwidthTrace",
     "ChunkDecodeError",
     "ChunkRef",
     "ChunkStore",
@@ -48,6 +50,8 @@ __all__ = [
     "SaveStats",
     "StoreError",
     "SyncRestorer",
+    "ThrottledStore",
+    "TokenTwoPointer",
     "TruncatedChunkError",
     "UnsupportedModelError",
     "UnsupportedURLError",

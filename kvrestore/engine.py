@@ -21,10 +21,11 @@ from collections.abc import Awaitable, Callable
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-from anyio.abc import CapacityLimiter
+from anyio.abc import CapacityLimiter, TaskGroup
 
+from .bookkeeping import PolicyError, apply_event, begin, stalled
 from .errors import ChunkDecodeError, StoreError
-from .policies.base import ChunkStatus, Policy, Progress
+from .policies.base import Decision, Policy, Progress
 from .trace import Trace, TraceEvent
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -44,7 +45,7 @@ def _single(exc: BaseException) -> BaseException:
     return exc
 
 
-class PolicyStalledError(RuntimeError):
+class PolicyStalledError(PolicyError):
     """The policy started nothing while nothing was running and chunks were left."""
 
 
@@ -112,85 +113,79 @@ class _Run:
         self.trace = Trace()
         self.t0 = time.perf_counter()
         self.send, self.receive = anyio.create_memory_object_stream[TraceEvent](math.inf)
+        self.loads: dict[int, tuple[anyio.CancelScope, anyio.Event]] = {}  # in flight, by chunk
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
 
-    async def _compute(self, a: int, b: int) -> None:
+    async def _compute(self, a: int, b: int, dropped: list[anyio.Event]) -> None:
+        for stopped in dropped:  # a dropped load may be writing these rows until it stops
+            await stopped.wait()
         async with self.compute_lane:
             start = self._now()
             await anyio.to_thread.run_sync(self.compute_fn, a, b, abandon_on_cancel=False)
-            await self.send.send(TraceEvent("compute", a, b - 1, start, self._now()))
+            self.send.send_nowait(TraceEvent("compute", a, b - 1, start, self._now()))
 
-    async def _load(self, i: int) -> None:
-        async with self.load_lane:
-            start = self._now()
-            try:
-                with anyio.fail_after(self.load_timeout_s):
-                    nbytes = await self.load_fn(i)
-            except LOAD_FAULTS as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                await self.send.send(TraceEvent("load-failed", i, i, start, self._now(), error=error))
-                return
-            await self.send.send(TraceEvent("load", i, i, start, self._now(), nbytes))
+    async def _load(self, i: int, scope: anyio.CancelScope, stopped: anyio.Event) -> None:
+        start = self._now()
+        event: TraceEvent | None = None
+        try:
+            with scope:
+                async with self.load_lane:
+                    start = self._now()
+                    try:
+                        with anyio.fail_after(self.load_timeout_s):
+                            nbytes = await self.load_fn(i)
+                    except LOAD_FAULTS as exc:
+                        error = f"{type(exc).__name__}: {exc}"
+                        event = TraceEvent("load-failed", i, i, start, self._now(), error=error)
+                    else:
+                        event = TraceEvent("load", i, i, start, self._now(), nbytes)
+            if scope.cancel_called:  # dropped: whatever it read is not applied
+                event = TraceEvent("load-dropped", i, i, start, self._now())
+            if event is not None:
+                self.send.send_nowait(event)
+        finally:
+            stopped.set()
+
+    def _apply(self, event: TraceEvent) -> None:
+        if event.kind != "compute":
+            self.loads.pop(event.first_chunk, None)
+        apply_event(self.progress, event)
+        self.trace.add(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def _start(self, tg: TaskGroup, decision: Decision) -> None:
+        dropped = []
+        for i in decision.drop:
+            scope, stopped = self.loads[i]
+            scope.cancel()
+            dropped.append(stopped)
+        begin(self.progress, decision, self.policy)
+        if decision.compute is not None:
+            tg.start_soon(self._compute, *decision.compute, dropped)
+        for i in decision.loads:
+            self.loads[i] = (anyio.CancelScope(), anyio.Event())
+            tg.start_soon(self._load, i, *self.loads[i])
 
     async def drive(self) -> None:
         progress, policy = self.progress, self.policy
         async with anyio.create_task_group() as tg:
             while not progress.finished:
+                progress.now = self._now()
                 progress.free_load_lanes = max(0, self.engine.load_lanes - progress.loads_in_flight)
                 decision = policy.decide(progress)
-                if decision.compute is not None:
-                    a, b = decision.compute
-                    _check_compute(progress, a, b)
-                    for j in range(a, b):
-                        progress.status[j] = ChunkStatus.COMPUTING
-                    progress.compute_busy = True
-                    tg.start_soon(self._compute, a, b)
-                for i in decision.loads:
-                    if progress.status[i] is not ChunkStatus.PENDING or not progress.stored[i]:
-                        raise RuntimeError(
-                            f"{policy!r} asked to load chunk {i}, which is {progress.status[i].value}"
-                        )
-                    progress.status[i] = ChunkStatus.LOADING
-                    progress.loads_in_flight += 1
-                    tg.start_soon(self._load, i)
-                if not progress.compute_busy and progress.loads_in_flight == 0:
+                self._start(tg, decision)
+                if stalled(progress, decision):
                     raise PolicyStalledError(
                         f"{policy!r} left chunks {progress.pending()} with no unit running"
                     )
-                event = await self.receive.receive()
-                apply_event(progress, event)
-                self.trace.add(event)
-                if self.on_event is not None:
-                    self.on_event(event)
-
-
-def _check_compute(progress: Progress, a: int, b: int) -> None:
-    """A policy may start a compute unit only on a free lane, at the end of the done prefix, over pending chunks."""
-    if progress.compute_busy:
-        raise RuntimeError("policy started a compute unit while the compute lane is busy")
-    if not (0 <= a < b <= progress.n_chunks) or progress.done_prefix() != a:
-        raise RuntimeError(f"compute of chunks [{a}, {b}) needs every chunk before {a} done")
-    if any(progress.status[j] is not ChunkStatus.PENDING for j in range(a, b)):
-        raise RuntimeError(f"compute of chunks [{a}, {b}) covers a chunk that is not pending")
-
-
-def apply_event(progress: Progress, event: TraceEvent) -> None:
-    """Update a restore's progress with a finished unit (kept apart from decisions, as in vLLM)."""
-    if event.kind == "compute":
-        progress.compute_busy = False
-        n = event.last_chunk - event.first_chunk + 1
-        for j in range(event.first_chunk, event.last_chunk + 1):
-            progress.status[j] = ChunkStatus.COMPUTED
-            progress.compute_seconds[j] = event.seconds / n
-        return
-    progress.loads_in_flight -= 1
-    i = event.first_chunk
-    if event.kind == "load":
-        progress.status[i] = ChunkStatus.LOADED
-        progress.load_seconds[i] = event.seconds
-        progress.bytes_loaded += event.nbytes
-    else:  # a fault: the chunk is a miss from now on
-        progress.status[i] = ChunkStatus.PENDING
-        progress.stored[i] = False
+                timeout = math.inf if decision.wake_at is None else max(0.0, decision.wake_at - self._now())
+                with anyio.move_on_after(timeout):
+                    self._apply(await self.receive.receive())
+                while True:  # everything else that finished meanwhile, so the policy sees it all
+                    try:
+                        self._apply(self.receive.receive_nowait())
+                    except anyio.WouldBlock:
+                        break

@@ -3,11 +3,12 @@
 from .base import ChunkStatus, Decision, Policy, Progress
 from .compute_only import ComputeOnly
 from .load_only import LoadOnly
+from .token_two_pointer import TokenTwoPointer
 
 
 def available() -> list[Policy]:
     """One instance of every restore policy, with defaults (what `kvrestore demo` compares)."""
-    return [ComputeOnly(), LoadOnly()]
+    return [ComputeOnly(), LoadOnly(), TokenTwoPointer()]
 
 
-__all__ = ["ChunkStatus", "ComputeOnly", "Decision", "LoadOnly", "Policy", "Progress", "available"]
+__all__ = ["ChunkStatus", "ComputeOnly", "Decision", "LoadOnly", "Policy", "Progress", "TokenTwoPointer", "available"]

@@ -36,7 +36,11 @@ class Progress:
     free_load_lanes: int = 0
     compute_seconds: list[float | None] = field(default_factory=list)
     load_seconds: list[float | None] = field(default_factory=list)
+    load_started: list[float | None] = field(
+        default_factory=list
+    )  # when each load began (in flight or landed)
     bytes_loaded: int = 0
+    now: float = 0.0  # seconds since the restore began, on the driver's clock (real or simulated)
 
     def __post_init__(self) -> None:
         n = len(self.chunk_tokens)
@@ -45,6 +49,7 @@ class Progress:
         self.status = self.status or [ChunkStatus.PENDING] * n
         self.compute_seconds = self.compute_seconds or [None] * n
         self.load_seconds = self.load_seconds or [None] * n
+        self.load_started = self.load_started or [None] * n
 
     @property
     def n_chunks(self) -> int:
@@ -64,13 +69,27 @@ class Progress:
     def pending(self) -> list[int]:
         return [i for i, s in enumerate(self.status) if s is ChunkStatus.PENDING]
 
+    def compute_frontier(self) -> int:
+        """The first chunk the compute lane has not reached: past the done prefix and any unit running."""
+        i = self.done_prefix()
+        while i < self.n_chunks and self.status[i] in (ChunkStatus.COMPUTING, ChunkStatus.COMPUTED):
+            i += 1
+        return i
+
 
 @dataclass(frozen=True)
 class Decision:
-    """What to start now: one compute unit (a chunk range [a, b)) and loads of single chunks."""
+    """What to start now: one compute unit (a chunk range [a, b)) and loads of single chunks.
+
+    `drop` names loads in flight to abandon, so that the compute unit can take their chunks (the
+    engine waits for a dropped load to stop before the compute unit starts). `wake_at` asks to be
+    asked again at that time (on the progress clock) even if no unit finishes before it.
+    """
 
     compute: tuple[int, int] | None = None
     loads: tuple[int, ...] = ()
+    drop: tuple[int, ...] = ()
+    wake_at: float | None = None
 
 
 IDLE = Decision()

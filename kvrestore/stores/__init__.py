@@ -15,6 +15,7 @@ from ..errors import InvalidInputError, StoreError, UnsupportedURLError
 from .base import ChunkStore, check_key
 from .fsspec_store import FsspecStore
 from .memory import MemoryStore
+from .throttled import ThrottledStore
 
 StoreFactory = Callable[..., ChunkStore]
 
@@ -74,6 +75,7 @@ __all__ = [
     "FsspecStore",
     "MemoryStore",
     "StoreFactory",
+    "ThrottledStore",
     "check_key",
     "known_schemes",
     "open_store",

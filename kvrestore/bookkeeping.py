@@ -1,0 +1,86 @@
+"""Applying a policy's decisions and the finished units to a restore's `Progress`.
+
+Kept apart from both the policies (which only decide) and the drivers (the engine on a real clock, the
+simulator on a simulated one), so every driver enforces the same rules: a compute unit starts only at
+the end of the done prefix on a free lane; a chunk is loaded only while pending and stored; a dropped
+load never lands; each chunk is applied once.
+"""
+
+from __future__ import annotations
+
+from .policies.base import ChunkStatus, Decision, Policy, Progress
+from .trace import TraceEvent
+
+
+class PolicyError(RuntimeError):
+    """A policy asked for something the rules of a restore do not allow."""
+
+
+def begin(progress: Progress, decision: Decision, policy: Policy | None = None) -> None:
+    """Mark the units of `decision` as started (drops first, so a compute unit may take their chunks)."""
+    who = repr(policy) if policy is not None else "policy"
+    for i in decision.drop:
+        if progress.status[i] is not ChunkStatus.LOADING:
+            raise PolicyError(f"{who} dropped the load of chunk {i}, which is {progress.status[i].value}")
+        progress.status[i] = ChunkStatus.PENDING  # the load still holds its lane until it stops
+        progress.load_started[i] = None
+    if decision.compute is not None:
+        a, b = decision.compute
+        check_compute(progress, a, b, who)
+        for j in range(a, b):
+            progress.status[j] = ChunkStatus.COMPUTING
+        progress.compute_busy = True
+    for i in decision.loads:
+        if progress.status[i] is not ChunkStatus.PENDING or not progress.stored[i]:
+            state = progress.status[i].value if progress.stored[i] else "not stored"
+            raise PolicyError(f"{who} asked to load chunk {i}, which is {state}")
+        progress.status[i] = ChunkStatus.LOADING
+        progress.load_started[i] = progress.now
+        progress.loads_in_flight += 1
+
+
+def check_compute(progress: Progress, a: int, b: int, who: str = "policy") -> None:
+    """A compute unit starts only on a free lane, at the end of the done prefix, over pending chunks."""
+    if progress.compute_busy:
+        raise PolicyError(f"{who} started a compute unit while the compute lane is busy")
+    if not (0 <= a < b <= progress.n_chunks) or progress.done_prefix() != a:
+        raise PolicyError(f"{who}: compute of chunks [{a}, {b}) needs every chunk before {a} done")
+    if any(progress.status[j] is not ChunkStatus.PENDING for j in range(a, b)):
+        raise PolicyError(f"{who}: compute of chunks [{a}, {b}) covers a chunk that is not pending")
+
+
+def apply_event(progress: Progress, event: TraceEvent) -> None:
+    """Update a restore's progress with a finished unit (kept apart from decisions, as in vLLM)."""
+    chunks = range(event.first_chunk, event.last_chunk + 1)
+    expect = ChunkStatus.COMPUTING if event.kind == "compute" else ChunkStatus.LOADING
+    if event.kind != "load-dropped" and any(progress.status[j] is not expect for j in chunks):
+        raise PolicyError(f"{event.kind} of chunks {list(chunks)} finished, but they are not {expect.value}")
+    if event.kind == "compute":
+        progress.compute_busy = False
+        n = event.last_chunk - event.first_chunk + 1
+        for j in range(event.first_chunk, event.last_chunk + 1):
+            progress.status[j] = ChunkStatus.COMPUTED
+            progress.compute_seconds[j] = event.seconds / n
+        return
+    progress.loads_in_flight -= 1
+    i = event.first_chunk
+    if event.kind == "load-dropped":  # its chunk went to the compute lane when the drop was decided
+        return
+    if event.kind == "load":
+        progress.status[i] = ChunkStatus.LOADED
+        progress.load_seconds[i] = event.seconds
+        progress.bytes_loaded += event.nbytes
+    else:  # a fault: the chunk is a miss from now on
+        progress.load_started[i] = None
+        progress.status[i] = ChunkStatus.PENDING
+        progress.stored[i] = False
+
+
+def stalled(progress: Progress, decision: Decision) -> bool:
+    """Nothing runs, nothing is due to wake the policy, and chunks are left: the restore cannot finish."""
+    return (
+        not progress.finished
+        and not progress.compute_busy
+        and progress.loads_in_flight == 0
+        and decision.wake_at is None
+    )

@@ -1,0 +1,162 @@
+"""TokenTwoPointer: Cake's bidirectional restore along tokens (Cake §4, Appendix A; CacheFlow §3.1).
+
+The compute lane prefills chunks from the front; the load lanes fetch stored chunks from the back; the
+two meet in the middle. Where they meet is never planned: each side simply keeps going, so when the
+store slows down or the compute lane gets a smaller share, the meeting point moves by itself.
+
+The one real decision is at the meeting: the next chunk to compute is already being fetched. Computing
+it (and dropping the fetch) costs about as much as the last computed chunk; waiting costs whatever is
+left of the fetch, estimated from the recent fetches. The policy waits only while that estimate is the
+smaller, and never much longer than computing would have taken (`wake_at`), so a stalled store costs at
+most about one chunk's compute time.
+"""
+
+from __future__ import annotations
+
+from .base import ChunkStatus, Decision, Policy, Progress
+
+#: stored chunks per compute unit: 2 x 256-token chunks = 512 tokens, Cake's compute granularity
+DEFAULT_COMPUTE_CHUNKS = 2
+#: how many of the most recent fetches estimate the link's delivery rate
+RECENT_LOADS = 4
+#: how far past its estimated landing (as a fraction of computing the chunk) a fetch is still awaited
+GRACE = 0.1
+
+
+class TokenTwoPointer(Policy):
+    """Compute from the front, load from the back, meet in the middle.
+
+    `compute_chunks` stored chunks make one compute unit (the fetch granularity is the store's chunk
+    size, `Restorer(chunk_size=...)`); a unit is cut short where it would reach a chunk being fetched.
+    """
+
+    name = "two-pointer"
+
+    def __init__(self, compute_chunks: int = DEFAULT_COMPUTE_CHUNKS) -> None:
+        if not isinstance(compute_chunks, int) or compute_chunks <= 0:
+            raise ValueError(f"compute_chunks must be a positive integer, got {compute_chunks!r}")
+        self.compute_chunks = compute_chunks
+
+    def __repr__(self) -> str:
+        return f"TokenTwoPointer(compute_chunks={self.compute_chunks})"
+
+    def decide(self, progress: Progress) -> Decision:
+        compute, drop, wake_at = self._compute_step(progress)
+        frontier = compute[1] if compute else progress.compute_frontier()
+        return Decision(compute=compute, loads=self._loads(progress, frontier), drop=drop, wake_at=wake_at)
+
+    # -- the load pointer ------------------------------------------------------------------------
+
+    @staticmethod
+    def _loads(p: Progress, frontier: int) -> tuple[int, ...]:
+        """Stored pending chunks from the back, down to the compute frontier, one per free lane."""
+        loads: list[int] = []
+        for i in range(p.n_chunks - 1, frontier - 1, -1):
+            if len(loads) >= p.free_load_lanes:
+                break
+            if p.status[i] is ChunkStatus.PENDING and p.stored[i]:
+                loads.append(i)
+        return tuple(loads)
+
+    # -- the compute pointer ---------------------------------------------------------------------
+
+    def _compute_step(self, p: Progress) -> tuple[tuple[int, int] | None, tuple[int, ...], float | None]:
+        """(compute unit, loads to drop, when to ask again) for the compute lane."""
+        if p.compute_busy:
+            return None, (), None
+        a = p.done_prefix()
+        if a >= p.n_chunks:
+            return None, (), None
+        if p.status[a] is ChunkStatus.PENDING:
+            b = a + 1
+            limit = a + self._unit_length(p, a)
+            while b < min(p.n_chunks, limit) and p.status[b] is ChunkStatus.PENDING:
+                b += 1
+            return (a, b), (), None
+        # the pointers met: chunk a is being fetched
+        compute_s = _compute_estimate(p, a)
+        landing = _landing_estimate(p, a)
+        if compute_s is None:
+            return None, (), None  # nothing computed yet to compare with: the fetch will say
+        if landing is not None and landing - p.now < compute_s:
+            due = landing + GRACE * compute_s  # a fetch landing right on time is not late
+            if p.now < due:
+                # waiting is cheaper; look again when the fetch is due if it has not landed by then
+                return None, (), due
+        return (a, a + 1), (a,), None
+
+    def _unit_length(self, p: Progress, a: int) -> int:
+        """`compute_chunks`, or fewer near the meeting: only the share of the chunks left before the load
+        pointer that computing will cover at the current speeds (a larger unit would compute chunks the
+        loads reach first, and make the meeting wait for the whole unit)."""
+        if self.compute_chunks == 1:
+            return 1
+        load_ptr = next(
+            (j for j in range(a, p.n_chunks) if p.status[j] in (ChunkStatus.LOADING, ChunkStatus.LOADED)),
+            None,
+        )
+        compute_s = _compute_estimate(p, a)
+        per_token = _load_seconds_per_token(p)
+        if load_ptr is None or compute_s is None or per_token is None:
+            return self.compute_chunks
+        load_s = per_token * p.chunk_tokens[a]
+        share = int((load_ptr - a) * load_s / (compute_s + load_s))
+        return max(1, min(self.compute_chunks, share))
+
+
+def _compute_estimate(p: Progress, a: int) -> float | None:
+    """Seconds to compute chunk a: the latest computed chunk's time per token (compute cost grows with
+    position, so the nearest chunk is the best guess; it also tracks the lane's current speed)."""
+    for j in range(a - 1, -1, -1):
+        s = p.compute_seconds[j]
+        if s is not None and p.status[j] is ChunkStatus.COMPUTED:
+            return s * p.chunk_tokens[a] / p.chunk_tokens[j]
+    return None
+
+
+def _landed(p: Progress) -> list[tuple[float, int]]:
+    """(end time, tokens) of the fetches that landed, oldest first."""
+    return sorted(
+        (p.load_started[j] + p.load_seconds[j], p.chunk_tokens[j])  # type: ignore[operator]
+        for j in range(p.n_chunks)
+        if p.status[j] is ChunkStatus.LOADED
+        and p.load_started[j] is not None
+        and p.load_seconds[j] is not None
+    )
+
+
+def _load_seconds_per_token(p: Progress, landed: list[tuple[float, int]] | None = None) -> float | None:
+    """The link's recent delivery time per token: the gaps between the latest landings (or, with one
+    landing so far, that fetch's own time)."""
+    landed = (landed if landed is not None else _landed(p))[-RECENT_LOADS - 1 :]
+    if not landed:
+        return None
+    if len(landed) >= 2 and landed[-1][0] > landed[0][0]:
+        return (landed[-1][0] - landed[0][0]) / sum(tokens for _, tokens in landed[1:])
+    j = max(
+        (j for j in range(p.n_chunks) if p.status[j] is ChunkStatus.LOADED and p.load_seconds[j] is not None),
+        key=lambda j: p.load_started[j] + p.load_seconds[j],  # type: ignore[operator]
+    )
+    return p.load_seconds[j] / p.chunk_tokens[j]  # type: ignore[operator]
+
+
+def _landing_estimate(p: Progress, a: int) -> float | None:
+    """When the fetch of chunk a should land, from the link's recent delivery rate.
+
+    Fetches in flight are assumed served in the order they were issued (a link's queue), so chunk a
+    lands once the fetches issued before it and its own bytes have crossed at the rate at which the
+    latest fetches landed. Durations alone mislead: fetches issued together wait behind each other.
+    """
+    landed = _landed(p)
+    started = p.load_started[a]
+    per_token = _load_seconds_per_token(p, landed)
+    if per_token is None or started is None:
+        return None
+    ahead = sum(
+        p.chunk_tokens[j]
+        for j in range(p.n_chunks)
+        if p.status[j] is ChunkStatus.LOADING
+        and p.load_started[j] is not None
+        and (p.load_started[j], -j) <= (started, -a)  # type: ignore[operator]
+    )
+    return max(landed[-1][0], min(started, p.now)) + ahead * per_token

@@ -1,0 +1,175 @@
+"""TokenTwoPointer on a simulated clock (no model): the pointer invariants and the makespan bound."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrestore.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
+from kvrestore.bookkeeping import PolicyError, apply_event, begin
+from kvrestore.policies import ChunkStatus, Decision, Progress, TokenTwoPointer
+from kvrestore.policies.token_two_pointer import GRACE
+from kvrestore.simulate import simulate
+from kvrestore.trace import TraceEvent
+
+CHUNK_BYTES = 1000
+
+
+@st.composite
+def scenarios(draw):
+    """Chunk count, per-chunk compute costs rising with index plus a fixed per-unit overhead, a
+    fluctuating compute share and a fluctuating link, lanes and the compute granularity."""
+    n = draw(st.integers(1, 40))
+    base = draw(st.floats(0.01, 1.0))
+    growth = draw(st.floats(0.0, 0.2))
+    overhead = draw(st.floats(0.0, 0.05))
+    per_chunk = [base * (1 + growth * i) for i in range(n)]
+    # the link: between 0.1x and 10x the speed that balances compute and load, changing every so often
+    balance = n * CHUNK_BYTES / sum(per_chunk)
+    step_s = draw(st.floats(0.05, 2.0))
+    rates = draw(st.lists(st.floats(0.1, 10.0), min_size=1, max_size=30))
+    trace = BandwidthTrace(tuple((i * step_s, r * balance) for i, r in enumerate(rates)))
+    # the compute lane's share of the device (Cake §5.7's compute budget), also changing
+    share_step = draw(st.floats(0.05, 2.0))
+    shares = draw(st.lists(st.floats(0.25, 1.0), min_size=1, max_size=30))
+    lanes = draw(st.integers(1, 4))
+    unit = draw(st.integers(1, 4))
+    return n, per_chunk, overhead, trace, (share_step, shares), lanes, unit
+
+
+def share_at(shares: tuple[float, list[float]], t: float) -> float:
+    step, values = shares
+    return values[min(int(t / step), len(values) - 1)]
+
+
+def run(scenario, stored=None, failing=()):
+    n, per_chunk, overhead, trace, shares, lanes, unit = scenario
+
+    def cost(a: int, b: int, start: float) -> float:
+        return (overhead + sum(per_chunk[a:b])) / share_at(shares, start)
+
+    result = simulate(
+        TokenTwoPointer(compute_chunks=unit),
+        [256] * n,
+        [True] * n if stored is None else stored,
+        cost,
+        [CHUNK_BYTES] * n,
+        Link(trace),
+        load_lanes=lanes,
+        failing=failing,
+    )
+    return result
+
+
+def applied_chunks(trace) -> list[int]:
+    out = []
+    for e in trace.events:
+        if e.kind in ("compute", "load"):
+            out.extend(range(e.first_chunk, e.last_chunk + 1))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_every_chunk_once_and_pointers_never_cross(scenario):
+    result = run(scenario)
+    n = scenario[0]
+    assert sorted(applied_chunks(result.trace)) == list(range(n))  # all done, none twice
+    computed = {j for e in result.trace.of_kind("compute") for j in range(e.first_chunk, e.last_chunk + 1)}
+    loaded = {e.first_chunk for e in result.trace.of_kind("load")}
+    # the compute pointer never passed the load pointer: computed chunks are a prefix, loaded a suffix
+    assert computed == set(range(len(computed)))
+    assert loaded == set(range(len(computed), n))
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_makespan_within_one_chunk_of_the_best_split(scenario):
+    n, per_chunk, overhead, trace, shares, lanes, unit = scenario
+    result = run(scenario)
+    # the oracle knows the whole future: each chunk's compute cost at the share it actually got, and
+    # the link's delivery of chunks k.. back to back from time 0
+    slowest_share = min(shares[1][: int(result.makespan / shares[0]) + 1])
+    compute_s = [(c + overhead / unit) / slowest_share for c in per_chunk]
+    compute_fast = [c + overhead / unit for c in per_chunk]
+    best_lo, _ = oracle_split(compute_fast, trace_suffix_times([CHUNK_BYTES] * n, trace))
+    best_hi, _ = oracle_split(compute_s, trace_suffix_times([CHUNK_BYTES] * n, trace))
+    # one chunk's time: a compute unit at the slowest share, or one chunk over the slowest link in use
+    slowest_rate = min(r for t, r in trace.steps if t <= result.makespan)
+    one_chunk = max(unit * max(compute_s) + overhead / slowest_share, CHUNK_BYTES / slowest_rate)
+    assert result.makespan >= best_lo - 1e-9  # nothing beats the oracle
+    assert result.makespan <= best_hi + one_chunk + 1e-9
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios(), st.data())
+def test_misses_and_failed_loads_are_computed_in_order(scenario, data):
+    n = scenario[0]
+    stored = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    failing = data.draw(st.sets(st.sampled_from(range(n))))
+    result = run(scenario, stored, failing)
+    assert sorted(applied_chunks(result.trace)) == list(range(n))
+    loaded = {e.first_chunk for e in result.trace.of_kind("load")}
+    assert all(stored[i] and i not in failing for i in loaded)
+    computed = {j for e in result.trace.of_kind("compute") for j in range(e.first_chunk, e.last_chunk + 1)}
+    # within each run of loadable chunks, computed ones come before loaded ones
+    loadable = [stored[i] and i not in failing for i in range(n)]
+    start = 0
+    while start < n:
+        end = start + 1
+        while end < n and loadable[end] == loadable[start]:
+            end += 1
+        if loadable[start]:
+            run_computed = [i for i in range(start, end) if i in computed]
+            run_loaded = [i for i in range(start, end) if i in loaded]
+            assert not run_computed or not run_loaded or max(run_computed) < min(run_loaded)
+        start = end
+
+
+def test_waits_for_a_fetch_that_lands_sooner_than_computing():
+    p = Progress([256] * 4, [True] * 4)
+    p.status = [ChunkStatus.COMPUTED, ChunkStatus.LOADING, ChunkStatus.LOADED, ChunkStatus.LOADED]
+    p.compute_seconds[0] = 1.0
+    p.load_seconds[2] = p.load_seconds[3] = 0.4
+    p.load_started[3], p.load_started[2], p.load_started[1] = 0.0, 0.4, 0.8  # one link, back to back
+    p.loads_in_flight = 1
+    p.now = 1.0
+    d = TokenTwoPointer().decide(p)
+    # lands at 1.2, sooner than computing (till 2.0): wait, and look again a little after it is due
+    assert d.compute is None and d.wake_at == pytest.approx(1.2 + GRACE * 1.0)
+    p.now = 1.35  # overdue: compute it now and drop the fetch
+    assert TokenTwoPointer().decide(p) == Decision(compute=(1, 2), drop=(1,))
+
+
+def test_computes_and_drops_a_fetch_that_lands_later_than_computing():
+    p = Progress([256] * 3, [True] * 3)
+    p.status = [ChunkStatus.COMPUTED, ChunkStatus.LOADING, ChunkStatus.LOADED]
+    p.compute_seconds[0] = 0.1
+    p.load_seconds[2] = 2.0
+    p.load_started[2], p.load_started[1] = 0.0, 0.5
+    p.loads_in_flight = 1
+    p.now = 0.6
+    assert TokenTwoPointer().decide(p) == Decision(compute=(1, 2), drop=(1,))
+
+
+def test_loads_from_the_back_down_to_the_compute_frontier():
+    p = Progress([256] * 6, [True, True, False, True, True, True])
+    p.free_load_lanes = 10
+    d = TokenTwoPointer(compute_chunks=2).decide(p)
+    assert d.compute == (0, 2)
+    assert d.loads == (5, 4, 3)  # chunk 2 is not stored; 0-1 are being computed
+    p.free_load_lanes = 1
+    assert TokenTwoPointer(compute_chunks=2).decide(p).loads == (5,)
+
+
+def test_bookkeeping_refuses_double_application_and_bad_drops():
+    p = Progress([256] * 2, [True, True])
+    with pytest.raises(PolicyError, match="dropped"):
+        begin(p, Decision(drop=(1,)))
+    begin(p, Decision(loads=(1,)))
+    apply_event(p, TraceEvent("load", 1, 1, 0.0, 1.0, 10))
+    with pytest.raises(PolicyError, match="not loading"):
+        apply_event(p, TraceEvent("load", 1, 1, 0.0, 1.0, 10))
+    with pytest.raises(ValueError):
+        TokenTwoPointer(compute_chunks=0)

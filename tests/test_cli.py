@@ -19,11 +19,12 @@ def test_demo_answers_with_every_policy(smollm2, tmp_path):
         lambda: run_demo(n_tokens=600, store_url=f"file://{tmp_path}", max_new_tokens=8, out=out)
     )
     text = out.getvalue()
-    assert {r.name for r in runs} == {"compute-only", "load-only"}
+    assert {r.name for r in runs} == {"compute-only", "load-only", "two-pointer"}
     assert "identical for every policy" in text
     by_name = {r.name: r for r in runs}
     assert by_name["load-only"].loaded == 3 and by_name["load-only"].computed == 0
     assert by_name["compute-only"].computed == 3
+    assert by_name["two-pointer"].computed + by_name["two-pointer"].loaded == 3
     assert all(r.answer for r in runs)
 
 
@@ -50,3 +51,28 @@ def test_demo_replaces_unusable_chunks(smollm2, tmp_path, capsys):
     runs = {r.name: r for r in anyio.run(demo)}  # the bad chunk was replaced
     assert "chunks were unusable" not in capsys.readouterr().err
     assert runs["load-only"].computed == 0 and runs["load-only"].loaded == 2
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_bench_writes_its_json_and_plot(smollm2, tmp_path, capsys):
+    import json
+
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = ["bench", "--tokens", "512", "--rounds", "1", "--multipliers", "1", "--json", str(out)]
+    assert main([*args, "--plot", str(png)]) == 0
+    result = json.loads(out.read_text())
+    (point,) = result["grid"]
+    assert point["multiplier"] == 1.0
+    assert point["two_pointer_computed"] + point["two_pointer_loaded"] == 2
+    assert point["oracle_s"] > 0 and point["two_pointer_s"] > 0
+    assert result["targets"]["first_tokens_identical"]
+    assert set(result["fluctuation"]) >= {"compute-only", "load-only", "two-pointer"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "two-pointer" in capsys.readouterr().out
+
+
+def test_bench_rejects_bad_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--multipliers", "1,x"])
+    assert "--multipliers" in capsys.readouterr().err

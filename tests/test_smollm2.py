@@ -11,7 +11,7 @@ import anyio
 import pytest
 import torch
 
-from kvrestore import ComputeOnly, KVCache, LoadOnly, Restorer, open_store
+from kvrestore import ComputeOnly, KVCache, LoadOnly, Restorer, ThrottledStore, TokenTwoPointer, open_store
 from kvrestore.keys import chunk_keys
 from kvrestore.text import reference_tokens
 
@@ -60,6 +60,37 @@ def test_restore_equals_plain_prefill_and_generates_identically(smollm2, prompt,
         assert res.stats.loaded_chunks == res.stats.n_chunks
     else:
         assert res.stats.computed_chunks == res.stats.n_chunks
+    torch.testing.assert_close(res.kv.data, reference.data, atol=KV_ATOL, rtol=0)
+    assert smollm2.generate(full, res.kv, max_new_tokens=16) == greedy
+
+
+@pytest.fixture(scope="module")
+def balance(smollm2, prompt, tmp_path_factory):
+    """A saved copy of the prompt and the bandwidth at which loading it takes as long as computing it."""
+    tokens, reference, _, _ = prompt
+    store = open_store(f"file://{tmp_path_factory.mktemp('balance')}")
+
+    async def main():
+        r = Restorer(smollm2, store, chunk_size=256)
+        saved = await r.save(tokens, kv=reference)
+        res = await r.restore(tokens, ComputeOnly())
+        return saved.bytes_written / res.stats.seconds
+
+    return store, anyio.run(main)
+
+
+@pytest.mark.parametrize("multiplier", [0.5, 1.0, 2.0])
+def test_two_pointer_restore_is_exact_at_several_bandwidths(smollm2, prompt, balance, multiplier):
+    tokens, reference, full, greedy = prompt
+    store, bytes_per_s = balance
+
+    async def main():
+        r = Restorer(smollm2, ThrottledStore(store, bytes_per_s * multiplier), chunk_size=256)
+        return await r.restore(tokens, TokenTwoPointer())
+
+    res = anyio.run(main)
+    assert res.stats.computed_chunks >= 1 and res.stats.loaded_chunks >= 1  # both sides took part
+    assert res.stats.computed_chunks + res.stats.loaded_chunks == res.stats.n_chunks
     torch.testing.assert_close(res.kv.data, reference.data, atol=KV_ATOL, rtol=0)
     assert smollm2.generate(full, res.kv, max_new_tokens=16) == greedy
 

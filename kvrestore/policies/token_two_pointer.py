@@ -91,14 +91,18 @@ class TokenTwoPointer(Policy):
         loads reach first, and make the meeting wait for the whole unit)."""
         if self.compute_chunks == 1:
             return 1
+        if not any(p.stored[j] and not p.status[j].done for j in range(a + 1, p.n_chunks)):
+            return self.compute_chunks  # nothing left to load: compute runs alone
+        compute_s = _compute_estimate(p, a)
+        if compute_s is None:
+            return 1  # nothing computed yet: measure the lane with one chunk before committing to more
+        per_token = _load_seconds_per_token(p)
+        if per_token is None:
+            return self.compute_chunks  # no fetch has landed in all that time: the loads are slow
         load_ptr = next(
             (j for j in range(a, p.n_chunks) if p.status[j] in (ChunkStatus.LOADING, ChunkStatus.LOADED)),
-            None,
+            p.n_chunks,
         )
-        compute_s = _compute_estimate(p, a)
-        per_token = _load_seconds_per_token(p)
-        if load_ptr is None or compute_s is None or per_token is None:
-            return self.compute_chunks
         load_s = per_token * p.chunk_tokens[a]
         share = int((load_ptr - a) * load_s / (compute_s + load_s))
         return max(1, min(self.compute_chunks, share))

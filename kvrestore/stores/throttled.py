@@ -2,20 +2,27 @@
 
 The Cake paper controlled its I/O bandwidth to compare policies at chosen speeds (§5.1) and under a
 fluctuating link (§5.7); this wrapper does the same for any inner store. Reads fetch from the inner store
-at its own speed, then wait until a `Link` (first come, first served, shared by all concurrent reads)
-would have delivered those bytes. Writes, `contains` and `delete` pass through; `contains` and a miss
+at its own speed, then wait until a `Link` (first come, first served in the order the reads were
+requested, shared by all concurrent reads) would have delivered those bytes. Writes, `contains` and `delete` pass through; `contains` and a miss
 cost one round trip of latency.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import anyio
 
 from ..bandwidth import BandwidthTrace, Link
 from .base import ChunkStore, ReadPlan
+
+T = TypeVar("T")
+
+
+def _length(data: bytes | None) -> int:
+    return 0 if data is None else len(data)
 
 
 class ThrottledStore(ChunkStore):
@@ -52,32 +59,40 @@ class ThrottledStore(ChunkStore):
         """Restart the link: an empty queue and the trace from its beginning."""
         self._t0 = time.monotonic()
         self.link.reset()
+        self._last_booking: anyio.Event | None = None
 
     def clock(self) -> float:
         """Seconds on the link's clock."""
         return time.monotonic() - self._t0
 
-    async def _deliver(self, requested_at: float, nbytes: int) -> None:
-        done = self.link.reserve(requested_at, nbytes)
-        await anyio.sleep(max(0.0, done - self.clock()))
+    async def _through_link(self, fetch: Callable[[], Awaitable[T]], size: Callable[[T], int]) -> T:
+        """Fetch from the inner store, then deliver its bytes in request order (a read's size is known
+        only once it has been read, so a read books the link after every earlier request has)."""
+        requested_at = self.clock()
+        previous, mine = self._last_booking, anyio.Event()
+        self._last_booking = mine
+        booked = False
+        try:
+            result = await fetch()
+            if previous is not None:
+                await previous.wait()
+            done = self.link.reserve(requested_at, size(result))
+            booked = True
+            mine.set()
+            await anyio.sleep(max(0.0, done - self.clock()))
+            return result
+        finally:
+            if not booked:  # failed or cancelled before booking: later requests must not wait on it
+                mine.set()
 
     async def get(self, key: str) -> bytes | None:
-        t = self.clock()
-        data = await self.inner.get(key)
-        await self._deliver(t, len(data) if data is not None else 0)
-        return data
+        return await self._through_link(lambda: self.inner.get(key), _length)
 
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
-        t = self.clock()
-        data = await self.inner.get_range(key, start, end)
-        await self._deliver(t, len(data) if data is not None else 0)
-        return data
+        return await self._through_link(lambda: self.inner.get_range(key, start, end), _length)
 
     async def read_into(self, key: str, plan: ReadPlan) -> int | None:
-        t = self.clock()
-        placed = await self.inner.read_into(key, plan)
-        await self._deliver(t, placed or 0)
-        return placed
+        return await self._through_link(lambda: self.inner.read_into(key, plan), lambda n: n or 0)
 
     async def put(self, key: str, data: bytes) -> None:
         await self.inner.put(key, data)

@@ -1,0 +1,216 @@
+"""TokenTwoPointer on the real engine: exact restores through a throttled store, drops, cancellation,
+and ThrottledStore's delivery."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import pytest
+import torch
+
+from kvrestore import BandwidthTrace, Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore.engine import Engine
+from kvrestore.keys import chunk_keys
+from kvrestore.policies import Decision, Policy, Progress
+from kvrestore.stores.memory import MemoryStore
+
+from .conftest import random_tokens
+
+ATOL = 1e-5
+
+
+def full_prefill(backend, tokens):
+    return backend.prefill_chunk(tokens, None, 0).data
+
+
+@pytest.mark.parametrize("seconds_per_chunk", [0.0005, 0.004, 0.03])
+def test_two_pointer_restore_equals_full_prefill(tiny_backend, seconds_per_chunk):
+    """At loads faster than, near, and slower than compute: exact, and every chunk exactly once."""
+    tokens = random_tokens(200, tiny_backend.spec.vocab_size)
+
+    async def main():
+        inner = MemoryStore()
+        await Restorer(tiny_backend, inner, chunk_size=16).save(tokens)
+        chunk_bytes = len(await inner.get(chunk_keys(tokens, tiny_backend.spec.fingerprint, 16)[0].key))
+        store = ThrottledStore(inner, chunk_bytes / seconds_per_chunk)
+        r = Restorer(tiny_backend, store, chunk_size=16, load_lanes=3)
+        return await r.restore(tokens, TokenTwoPointer(compute_chunks=2))
+
+    res = anyio.run(main)
+    s = res.stats
+    assert s.computed_chunks + s.loaded_chunks == s.n_chunks == 13
+    assert s.failed_loads == 0
+    computed = {j for e in res.trace.of_kind("compute") for j in range(e.first_chunk, e.last_chunk + 1)}
+    loaded = {e.first_chunk for e in res.trace.of_kind("load")}
+    assert not computed & loaded
+    assert computed == set(range(len(computed)))  # the pointers met without crossing
+    torch.testing.assert_close(res.kv.data, full_prefill(tiny_backend, tokens), atol=ATOL, rtol=0)
+
+
+def test_faster_link_loads_more(llama_backend):
+    tokens = random_tokens(320, llama_backend.spec.vocab_size)
+
+    async def main():
+        inner = MemoryStore()
+        await Restorer(llama_backend, inner, chunk_size=16).save(tokens)
+        loaded = []
+        for rate in (2e5, 2e7):
+            r = Restorer(llama_backend, ThrottledStore(inner, rate), chunk_size=16)
+            loaded.append((await r.restore(tokens, TokenTwoPointer())).stats.loaded_chunks)
+        return loaded
+
+    slow, fast = anyio.run(main)
+    assert slow < fast
+
+
+class Fake:
+    """Compute and load functions for the engine without a model: each writes who produced a chunk."""
+
+    def __init__(self, n: int, compute_s: float, load_s: float, blocking_loads: bool = False):
+        self.cells: list[str | None] = [None] * n
+        self.compute_s, self.load_s, self.blocking = compute_s, load_s, blocking_loads
+        self.applied: list[int] = []
+
+    def compute(self, a: int, b: int) -> None:
+        time.sleep(self.compute_s * (b - a))
+        for j in range(a, b):
+            self.cells[j] = "compute"
+
+    async def load(self, i: int) -> int:
+        def write() -> None:
+            time.sleep(self.load_s)
+            self.cells[i] = "load"
+
+        if self.blocking:  # like a read into the cache's rows: cannot be interrupted
+            await anyio.to_thread.run_sync(write, abandon_on_cancel=False)
+        else:
+            await anyio.sleep(self.load_s)
+            self.cells[i] = "load"
+        return 1
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_a_dropped_load_never_lands_over_the_computed_chunk(blocking):
+    """Loads much slower than compute: the compute lane catches up with fetches in flight and drops
+    them; a dropped fetch that was already writing finishes before the compute unit writes."""
+    n = 6
+    fake = Fake(n, compute_s=0.01, load_s=0.25, blocking_loads=blocking)
+    progress = Progress([16] * n, [True] * n)
+    trace = anyio.run(lambda: Engine(load_lanes=n).run(progress, TokenTwoPointer(1), fake.compute, fake.load))
+    dropped = {e.first_chunk for e in trace.of_kind("load-dropped")}
+    computed = {j for e in trace.of_kind("compute") for j in range(e.first_chunk, e.last_chunk + 1)}
+    assert dropped and dropped <= computed
+    assert all(fake.cells[j] == "compute" for j in computed)
+    assert all(fake.cells[e.first_chunk] == "load" for e in trace.of_kind("load"))
+    assert progress.loads_in_flight == 0 and progress.finished
+
+
+def test_waiting_policy_is_woken_without_an_event():
+    """A decision with `wake_at` and nothing finishing before then is asked again at that time."""
+
+    class WaitThenCompute(Policy):
+        def __init__(self):
+            self.calls = []
+
+        def decide(self, p: Progress) -> Decision:
+            self.calls.append(p.now)
+            if p.status[1].value == "pending":
+                return Decision(loads=(1,), wake_at=0.05)
+            if p.now >= 0.05 and p.status[0].value == "pending":
+                return Decision(compute=(0, 1))
+            return Decision()
+
+    policy = WaitThenCompute()
+
+    async def slow_load(i):
+        await anyio.sleep(0.3)
+        return 1
+
+    progress = Progress([1, 1], [True, True])
+    anyio.run(lambda: Engine().run(progress, policy, lambda a, b: None, slow_load))
+    assert any(0.05 <= t < 0.3 for t in policy.calls)  # woken by the clock, not by the load
+
+
+def test_cancelled_two_pointer_restore_leaves_nothing_running(llama_backend):
+    tokens = random_tokens(2048, llama_backend.spec.vocab_size)  # 128 chunks: far from done at 50 ms
+
+    async def main():
+        inner = MemoryStore()
+        await Restorer(llama_backend, inner, chunk_size=16).save(tokens)
+        store = ThrottledStore(inner, 2e5)
+        r = Restorer(llama_backend, store, chunk_size=16)
+        threads = threading.active_count()
+        with anyio.move_on_after(0.05) as scope:
+            await r.restore(tokens, TokenTwoPointer())
+        assert scope.cancelled_caught
+        store.reset()
+        res = await r.restore(tokens, TokenTwoPointer())  # the same engine and lanes still work
+        assert threading.active_count() <= threads + 1
+        return res.kv.data
+
+    torch.testing.assert_close(anyio.run(main), full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+# -- ThrottledStore ---------------------------------------------------------------------------------
+
+
+def test_throttled_store_delivers_at_its_rate_shared_by_concurrent_reads():
+    async def main():
+        inner = MemoryStore()
+        for k in ("aa" * 8, "bb" * 8):
+            await inner.put(k, b"x" * 50_000)
+        store = ThrottledStore(inner, 1e6)  # 50 ms per object
+        t0 = time.perf_counter()
+        await store.get("aa" * 8)
+        one = time.perf_counter() - t0
+        store.reset()
+        t0 = time.perf_counter()
+        await store.get_many(["aa" * 8, "bb" * 8])
+        two = time.perf_counter() - t0
+        return one, two
+
+    one, two = anyio.run(main)
+    assert 0.045 <= one < 0.2
+    assert 0.095 <= two < 0.3  # one link: two concurrent reads take twice as long
+
+
+def test_throttled_store_follows_a_trace_and_latency():
+    trace = BandwidthTrace(((0.0, 1e5), (0.05, 1e7)))
+
+    async def main():
+        inner = MemoryStore()
+        await inner.put("cc" * 8, b"y" * 10_000)
+        store = ThrottledStore(inner, trace=trace, latency_s=0.02)
+        t0 = time.perf_counter()
+        data = await store.get("cc" * 8)
+        took = time.perf_counter() - t0
+        assert data == b"y" * 10_000
+        assert await store.contains(["cc" * 8, "dd" * 8]) == [True, False]
+        assert await store.get("dd" * 8) is None
+        return took
+
+    # 20 ms latency, then 3 kB by 50 ms at 100 kB/s, the remaining 7 kB at 10 MB/s: ~50.7 ms
+    assert 0.049 <= anyio.run(main) < 0.2
+
+
+def test_throttled_store_validates_its_arguments():
+    with pytest.raises(ValueError, match="exactly one"):
+        ThrottledStore(MemoryStore())
+    with pytest.raises(ValueError, match="exactly one"):
+        ThrottledStore(MemoryStore(), 1e6, trace=BandwidthTrace.constant(1e6))
+    with pytest.raises(ValueError, match="positive"):
+        ThrottledStore(MemoryStore(), -1)
+    with pytest.raises(ValueError, match="increase"):
+        BandwidthTrace(((0.0, 1.0), (0.0, 2.0)))
+    with pytest.raises(ValueError, match="last one > 0"):
+        BandwidthTrace(((0.0, 1.0), (1.0, 0.0)))
+
+
+def test_bandwidth_trace_arithmetic():
+    trace = BandwidthTrace(((0.0, 10.0), (1.0, 0.0), (2.0, 5.0)))
+    assert trace.finish_time(0.0, 10) == pytest.approx(1.0)
+    assert trace.finish_time(0.5, 10) == pytest.approx(3.0)  # 5 bytes, a stall, then 5 at 5/s
+    assert trace.bytes_between(0.0, 3.0) == pytest.approx(15.0)
+    assert trace.rate_at(1.5) == 0.0 and trace.rate_at(99) == 5.0

@@ -3,8 +3,11 @@
 The engine knows concurrency and nothing else: a restore hands it a `Progress`, a policy, a `compute`
 callable (blocking torch work: chunks [a, b) -> writes their KV) and a `load` coroutine (chunk i -> bytes
 read, raising on any fault). Compute runs in a worker thread behind the engine's compute limiter (one
-unit at a time across every restore sharing the engine); loads run as tasks behind the load-lane
-limiter. After each finished unit the engine updates the progress and asks the policy again.
+unit at a time across every restore sharing the engine; on CUDA its kernels go to the compute lane's
+own stream, see `cuda_stream`); loads run as tasks behind the load-lane limiter. After each finished
+unit the engine updates the progress (`bookkeeping.apply_event`) and asks the policy again; a policy
+may also drop a load in flight (its chunk goes to the compute lane once the load has stopped) or ask
+to be woken at a time of its choosing (`Decision.wake_at`).
 
 Cancellation: the task group cancels pending loads; a compute unit already in its thread is waited
 for (torch work cannot be interrupted), and a unit is marked done only after its KV is fully written,
@@ -13,6 +16,7 @@ so a cancelled restore leaves no running task and no half-applied chunk.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -21,6 +25,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
+import torch
 from anyio.abc import CapacityLimiter, TaskGroup
 
 from .bookkeeping import PolicyError, apply_event, begin, stalled
@@ -36,6 +41,11 @@ LoadFn = Callable[[int], Awaitable[int]]
 
 #: faults of a load that turn the chunk into a miss (recomputed) instead of failing the restore
 LOAD_FAULTS = (ChunkDecodeError, StoreError, OSError, TimeoutError)
+
+
+def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    """`torch.cuda.stream(stream)`, or nothing to do off CUDA."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _single(exc: BaseException) -> BaseException:
@@ -57,6 +67,22 @@ class Engine:
             raise ValueError(f"load_lanes must be positive, got {load_lanes}")
         self.load_lanes = load_lanes
         self._limiters: tuple[object, CapacityLimiter, CapacityLimiter] | None = None
+        self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+
+    def cuda_stream(self, lane: str, device: torch.device | str) -> torch.cuda.Stream | None:
+        """The CUDA stream of a lane ("compute" or "load") on `device`, None off CUDA.
+
+        Each lane queues its kernels and copies on its own stream, so a load's host-to-device copy
+        overlaps the compute lane's kernels instead of waiting behind them on the default stream.
+        """
+        device = torch.device(device)
+        if device.type != "cuda":
+            return None
+        key = (lane, device.index if device.index is not None else torch.cuda.current_device())
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(device=key[1])
+        return stream
 
     def _lanes(self) -> tuple[CapacityLimiter, CapacityLimiter]:
         """(compute, load) limiters, created in (and bound to) the running event loop."""

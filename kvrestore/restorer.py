@@ -15,7 +15,7 @@ import torch
 
 from . import codec
 from .backend import ComputeBackend
-from .engine import LOAD_FAULTS, Engine
+from .engine import LOAD_FAULTS, Engine, on_stream
 from .errors import ChunkDecodeError, InvalidInputError, MissingChunkError
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from .kv import KVCache
@@ -188,12 +188,15 @@ class Restorer:
         kv = self._buffer(out, len(tokens))
         progress = Progress([r.n_tokens for r in refs], list(stored))
 
+        stream = self.engine.cuda_stream("compute", kv.data.device)
+
         def compute(a: int, b: int) -> None:
             start, end = refs[a].start, refs[b - 1].end
             past = kv.prefix(start) if start else None
-            kv.write(self.backend.prefill_chunk(tokens[start:end], past, start))
-            if kv.data.is_cuda:  # a unit is done when its kernels are, not when they are queued
-                torch.cuda.current_stream(kv.data.device).synchronize()
+            with on_stream(stream):  # its own CUDA stream, so load copies overlap it
+                kv.write(self.backend.prefill_chunk(tokens[start:end], past, start))
+            if stream is not None:  # a unit is done when its kernels are, not when they are queued
+                stream.synchronize()
 
         async def load(i: int) -> int:
             return await self._load_chunk(refs[i], kv)
@@ -247,32 +250,41 @@ class Restorer:
     async def _read_chunk(self, ref: ChunkRef, kv: KVCache) -> int:
         """Fetch, verify and place one chunk in the cache; returns the stored bytes read.
 
-        On CPU an uncompressed chunk is read straight into the cache's token range (`read_into`) and
-        verified there; otherwise (zstd, a CUDA cache, a header past the probe) it is fetched whole and
-        decoded. Either way a fault raises a ChunkDecodeError before the chunk counts as loaded.
+        An uncompressed chunk is read straight into the cache's token range (`read_into`) and verified
+        there; otherwise (zstd, a header past the probe) it is fetched whole and decoded into it. A CUDA
+        cache gets the bytes in a pinned host buffer first, copied over on the engine's load stream.
+        Either way a fault raises a ChunkDecodeError before the chunk counts as loaded.
         """
         dest = kv.chunk(ref.start, ref.end).data
-        if dest.device.type == "cpu":
-            reader = codec.InPlaceRead(self.spec, ref.key, ref.start, ref.n_tokens, dest)
-            placed = await self.store.read_into(ref.key, reader)
-            if placed is None:
-                raise _missing(ref)
-            if reader.in_place:
-                reader.finish(placed)
-                return reader.header.end
-
-        data = await self.store.get(ref.key)
-        if data is None:
+        host = (
+            dest if dest.device.type == "cpu" else torch.empty(dest.shape, dtype=dest.dtype, pin_memory=True)
+        )
+        reader = codec.InPlaceRead(self.spec, ref.key, ref.start, ref.n_tokens, host)
+        placed = await self.store.read_into(ref.key, reader)
+        if placed is None:
             raise _missing(ref)
+        if reader.in_place:
+            reader.finish(placed)
+            nbytes = reader.header.end
+        else:
+            data = await self.store.get(ref.key)
+            if data is None:
+                raise _missing(ref)
+            await anyio.to_thread.run_sync(
+                lambda: codec.decode_chunk(data, self.spec, ref.key, ref.start, ref.n_tokens, out=host),
+                abandon_on_cancel=False,
+            )
+            nbytes = len(data)
+        if host is not dest:
+            stream = self.engine.cuda_stream("load", dest.device)
 
-        def decode() -> None:
-            if dest.device.type == "cpu":  # one copy: stored bytes -> the cache's token range
-                codec.decode_chunk(data, self.spec, ref.key, ref.start, ref.n_tokens, out=dest)
-            else:
-                kv.write(codec.decode_chunk(data, self.spec, ref.key, ref.start, ref.n_tokens))
+            def upload() -> None:
+                with on_stream(stream):
+                    dest.copy_(host, non_blocking=True)
+                stream.synchronize()  # type: ignore[union-attr]
 
-        await anyio.to_thread.run_sync(decode, abandon_on_cancel=False)
-        return len(data)
+            await anyio.to_thread.run_sync(upload, abandon_on_cancel=False)
+        return nbytes
 
     async def _write_chunks(self, kv: KVCache, refs: list[ChunkRef]) -> int:
         written = 0

@@ -214,3 +214,26 @@ def test_bandwidth_trace_arithmetic():
     assert trace.finish_time(0.5, 10) == pytest.approx(3.0)  # 5 bytes, a stall, then 5 at 5/s
     assert trace.bytes_between(0.0, 3.0) == pytest.approx(15.0)
     assert trace.rate_at(1.5) == 0.0 and trace.rate_at(99) == 5.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_two_pointer_on_cuda_streams_is_exact():
+    """On CUDA: compute on the compute lane's stream, loads through pinned memory on the load stream."""
+    from kvrestore.backends.hf import HFBackend
+
+    from .conftest import tiny_model
+
+    backend = HFBackend(tiny_model("llama").to("cuda"), name="tiny-llama-cuda")
+    tokens = random_tokens(512, backend.spec.vocab_size)
+
+    async def main():
+        inner = MemoryStore()
+        await Restorer(backend, inner, chunk_size=32).save(tokens)
+        r = Restorer(backend, ThrottledStore(inner, 2e6), chunk_size=32)
+        res = await r.restore(tokens, TokenTwoPointer())
+        assert r.engine.cuda_stream("compute", "cuda") is not r.engine.cuda_stream("load", "cuda")
+        return res
+
+    res = anyio.run(main)
+    assert res.kv.data.is_cuda and res.stats.loaded_chunks >= 1 and res.stats.computed_chunks >= 1
+    torch.testing.assert_close(res.kv.data, full_prefill(backend, tokens), atol=1e-4, rtol=0)

@@ -20,7 +20,7 @@ from .errors import (
 )
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from .kv import KVCache, KVChunk
-from .policies import ComputeOnly, LoadOnly, Policy, TokenTwoPointer
+from .policies import Blend, ComputeOnly, LoadOnly, Policy, TokenTwoPointer
 from .restorer import Restorer, RestoreResult, RestoreStats, SaveStats, SyncRestorer
 from .spec import ModelSpec
 from .stores import ChunkStore, ThrottledStore, open_store
@@ -30,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "BandwidthTrace",
+    "Blend",
     "ChunkDecodeError",
     "ChunkRef",
     "ChunkStore",

@@ -6,7 +6,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.from_thread
@@ -23,6 +23,10 @@ from .policies import ComputeOnly, LoadOnly, Policy, Progress
 from .spec import ModelSpec
 from .stores.base import ChunkStore
 from .trace import Trace, TraceEvent
+
+if TYPE_CHECKING:
+    from .blend import BlendResult
+    from .policies.blend import Blend
 
 TokenIds = Sequence[int] | torch.Tensor
 
@@ -216,6 +220,49 @@ class Restorer:
             errors=errors + [f"chunk {e.first_chunk}: {e.error}" for e in failed],
         )
         return RestoreResult(kv, stats, trace)
+
+    async def save_chunk(self, token_ids: TokenIds, prefix: TokenIds | None = None) -> str:
+        """Prefill a chunk on its own and store its KV under a content key, for `restore_blend`.
+
+        The key depends on the chunk's tokens (and the optional shared `prefix`, e.g. a system prompt,
+        that it is prefilled after), not on its neighbours, so the chunk is found again in any prompt,
+        at any position. Returns the key; a stored chunk is not recomputed.
+        """
+        from .blend import save_chunk
+
+        tokens = as_token_tensor(token_ids)
+        self.backend.validate_tokens(tokens)
+        head = self._optional_tokens(prefix)
+        key, _ = await save_chunk(self.backend, self.store, tokens, prefix=head, compression=self.compression)
+        return key
+
+    async def restore_blend(
+        self,
+        chunks: Sequence[TokenIds],
+        suffix: TokenIds | None = None,
+        policy: Blend | None = None,
+        prefix: TokenIds | None = None,
+    ) -> BlendResult:
+        """CacheBlend: the KV of `prefix` + `chunks` (saved with `save_chunk`, in any order) + `suffix`,
+        reusing the chunks' KV with selective recompute (`kvrestore.policies.Blend`). Returns a
+        `kvrestore.blend.BlendResult`: `kv` and `tokens` go straight into `backend.generate()`."""
+        from .blend import restore_blend
+
+        if isinstance(chunks, (str, bytes, torch.Tensor)) or not isinstance(chunks, Sequence):
+            raise InvalidInputError("chunks must be a list of token-id sequences, one per chunk")
+        parts = [as_token_tensor(c) for c in chunks]
+        for t in parts:
+            self.backend.validate_tokens(t)
+        tail, head = self._optional_tokens(suffix), self._optional_tokens(prefix)
+        return await restore_blend(self.backend, self.store, parts, tail, policy, prefix=head)
+
+    def _optional_tokens(self, token_ids: TokenIds | None) -> torch.Tensor:
+        """Validated tokens, or an empty tensor for None / an empty sequence."""
+        if token_ids is None or len(token_ids) == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        tokens = as_token_tensor(token_ids)
+        self.backend.validate_tokens(tokens)
+        return tokens
 
     async def close(self) -> None:
         await self.store.close()

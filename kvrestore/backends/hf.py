@@ -27,6 +27,8 @@ from ..paths import cache_root
 from ..spec import ModelSpec
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+# RoPE variants whose frequencies do not depend on the sequence: cached keys can be moved exactly
+REROTATABLE_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
@@ -204,6 +206,151 @@ class HFBackend:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
         mask = _causal_mask(t, n_past, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+    # -- CacheBlend: re-rotation and selective recompute ----------------------------------------
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """The model's own RoPE inverse frequencies [D/2], checked to make re-rotation exact.
+
+        Keys are cached after RoPE, and RoPE is a rotation per frequency pair, so moving a key from
+        position p to p + delta is one more rotation by delta * inv_freq -- exact whenever the
+        frequencies do not depend on the position or sequence length (default, linear, Llama-3 and
+        YaRN scaling; YaRN's attention factor is already inside the cached keys). Dynamic NTK and
+        LongRoPE pick frequencies from the sequence length, so a key cached alone cannot be moved
+        exactly: they raise UnsupportedModelError, as does a rotary module without `inv_freq`.
+        """
+        rope_type = getattr(self._rotary, "rope_type", "default")
+        inv_freq = getattr(self._rotary, "inv_freq", None)
+        if rope_type not in REROTATABLE_ROPE_TYPES or inv_freq is None:
+            raise UnsupportedModelError(
+                f"cannot re-rotate cached keys of a {rope_type!r} RoPE model exactly (its frequencies "
+                f"depend on the sequence length); CacheBlend supports {sorted(REROTATABLE_ROPE_TYPES)}"
+            )
+        if inv_freq.numel() * 2 != self._head_dim:
+            raise UnsupportedModelError(
+                f"partial rotary embedding ({inv_freq.numel() * 2} of {self._head_dim} dims) is not supported"
+            )
+        return inv_freq
+
+    @torch.inference_mode()
+    def rerotate_keys(
+        self, k: torch.Tensor, old_pos: torch.Tensor | int, new_pos: torch.Tensor | int
+    ) -> torch.Tensor:
+        """Keys k [..., T, D] cached (after RoPE) at `old_pos` moved to `new_pos` (ints or [T] tensors).
+
+        Returns a new tensor; R(new) = R(new - old) . R(old), with the delta angle computed in float64.
+        """
+        inv_freq = self.rope_inv_freq().to(device=k.device, dtype=torch.float64)
+        t = k.shape[-2]
+        old = torch.as_tensor(old_pos, device=k.device, dtype=torch.float64).expand(t)
+        new = torch.as_tensor(new_pos, device=k.device, dtype=torch.float64).expand(t)
+        angles = (new - old)[:, None] * inv_freq[None, :]
+        emb = torch.cat((angles, angles), dim=-1)
+        cos, sin = emb.cos().to(k.dtype), emb.sin().to(k.dtype)
+        return k * cos + _rotate_half(k) * sin
+
+    @torch.inference_mode()
+    def project_kv(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (after RoPE) and V [H, T, D] that `layer` makes of `hidden` [1, T, hidden]: no attention.
+
+        CacheBlend uses it to measure the KV deviation of candidate tokens before choosing which ones
+        to recompute.
+        """
+        cos, sin = rope if rope is not None else self.rotary(hidden, positions)
+        mod = self._layers[layer]
+        attn = mod.self_attn
+        t = hidden.shape[1]
+        x = mod.input_layernorm(hidden)
+        k = attn.k_proj(x).view(1, t, -1, self._head_dim)
+        v = attn.v_proj(x).view(1, t, -1, self._head_dim).transpose(1, 2)
+        if self._qk_norm:
+            k = attn.k_norm(k)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        return k[0], v[0]
+
+    @torch.inference_mode()
+    def run_layer_selective(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        index: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decoder layer for a subset of tokens of a sequence whose KV for this layer is `k`, `v`.
+
+        `hidden` [1, S, hidden] are the inputs of the tokens at sequence positions `index` [S] (sorted,
+        position = index: the sequence starts at 0). `k`, `v` [H, N, D] hold the layer's KV for all N
+        tokens; the selected rows are **overwritten in place** with the recomputed ones before the
+        attention runs, so each selected query attends over the blended KV with a causal mask at its
+        position. Returns (hidden out [1, S, hidden], K rows [H, S, D], V rows [H, S, D]).
+        """
+        index = index.to(self.device)
+        cos, sin = rope if rope is not None else self.rotary(hidden, index)
+        mod = self._layers[layer]
+        attn = mod.self_attn
+        s = hidden.shape[1]
+        x = mod.input_layernorm(hidden)
+        q = attn.q_proj(x).view(1, s, -1, self._head_dim)
+        kr = attn.k_proj(x).view(1, s, -1, self._head_dim)
+        vr = attn.v_proj(x).view(1, s, -1, self._head_dim).transpose(1, 2)
+        if self._qk_norm:
+            q, kr = attn.q_norm(q), attn.k_norm(kr)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        kr = apply_rope(kr.transpose(1, 2), cos, sin)
+        k.index_copy_(1, index, kr[0])
+        v.index_copy_(1, index, vr[0])
+        mask = torch.arange(k.shape[1], device=self.device)[None, :] <= index[:, None]
+        out = self._attention_masked(q, k.unsqueeze(0), v.unsqueeze(0), mask)
+        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, s, -1))
+        hidden = hidden + mod.mlp(mod.post_attention_layernorm(hidden))
+        return hidden, kr[0], vr[0]
+
+    @torch.inference_mode()
+    def attention_probs(
+        self, layer: int, hidden: torch.Tensor, k: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention probabilities [heads, S, N] of the tokens at `index` (inputs `hidden` [1, S, hidden])
+        over a layer's keys `k` [H, N, D], causal at each token's position: the forward attention matrix
+        rows that CacheBlend's attention deviation compares."""
+        index = index.to(self.device)
+        cos, sin = self.rotary(hidden, index)
+        mod = self._layers[layer]
+        attn = mod.self_attn
+        s = hidden.shape[1]
+        q = attn.q_proj(mod.input_layernorm(hidden)).view(1, s, -1, self._head_dim)
+        if self._qk_norm:
+            q = attn.q_norm(q)
+        q = apply_rope(q.transpose(1, 2), cos, sin)[0]
+        keys = k.repeat_interleave(self._n_heads // self._n_kv, dim=0)
+        scores = (q.float() @ keys.float().transpose(1, 2)) * self._scaling
+        mask = torch.arange(k.shape[1], device=self.device)[None, :] <= index[:, None]
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1)
+
+    def _attention_masked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        kwargs: dict[str, Any] = {"scale": self._scaling}
+        if self._n_heads != self._n_kv:
+            if _SDPA_GQA:
+                kwargs["enable_gqa"] = True
+            else:
+                rep = self._n_heads // self._n_kv
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+
+    def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [vocab] (float32) of the last position of a last-layer output `hidden` [1, T, hidden]."""
+        with torch.inference_mode():
+            return self._lm_head(self._norm(hidden[:, -1:]))[0, -1].float()
 
     @torch.inference_mode()
     def forward(

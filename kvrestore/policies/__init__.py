@@ -1,6 +1,7 @@
 """Restore policies: pure decision objects (see `base.Policy`)."""
 
 from .base import ChunkStatus, Decision, Policy, Progress
+from .blend import Blend
 from .compute_only import ComputeOnly
 from .load_only import LoadOnly
 from .token_two_pointer import TokenTwoPointer
@@ -11,4 +12,14 @@ def available() -> list[Policy]:
     return [ComputeOnly(), LoadOnly(), TokenTwoPointer()]
 
 
-__all__ = ["ChunkStatus", "ComputeOnly", "Decision", "LoadOnly", "Policy", "Progress", "TokenTwoPointer", "available"]
+__all__ = [
+    "Blend",
+    "ChunkStatus",
+    "ComputeOnly",
+    "Decision",
+    "LoadOnly",
+    "Policy",
+    "Progress",
+    "TokenTwoPointer",
+    "available",
+]

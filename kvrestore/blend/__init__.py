@@ -1,0 +1,41 @@
+"""CacheBlend (EuroSys 2025): reuse the KV of chunks that are not a prefix, with selective recompute.
+
+    key = await restorer.save_chunk(chunk_tokens)        # prefilled alone, stored under a content key
+    result = await restorer.restore_blend([c2, c0, c1], question, Blend(recompute_ratio=0.15))
+    backend.generate(result.tokens, result.kv)
+
+Parts: `chunks` (content-keyed save, per-layer loading and re-rotation), `select` (KV deviation,
+HKVD selection), `controller` (the loading controller's pure choices), `fuse` (the pipelined fusor).
+"""
+
+from ..policies.blend import Blend, ratio_schedule
+from .chunks import ChunkLoadFailed, StoreChunkSource, chunk_key, save_chunk
+from .controller import (
+    StoreOption,
+    choose_ratio,
+    choose_store,
+    load_seconds_per_layer,
+    recompute_seconds_per_layer,
+)
+from .fuse import BlendResult, BlendStats, restore_blend
+from .select import kv_deviation, select_hkvd, selection_sizes
+
+__all__ = [
+    "Blend",
+    "BlendResult",
+    "BlendStats",
+    "ChunkLoadFailed",
+    "StoreChunkSource",
+    "StoreOption",
+    "chunk_key",
+    "choose_ratio",
+    "choose_store",
+    "kv_deviation",
+    "load_seconds_per_layer",
+    "ratio_schedule",
+    "recompute_seconds_per_layer",
+    "restore_blend",
+    "save_chunk",
+    "select_hkvd",
+    "selection_sizes",
+]

@@ -1,0 +1,263 @@
+"""The CacheBlend fusor: per-layer loading pipelined with selective recompute (§4.2, §5.1).
+
+One blend of chunks c_0..c_{m-1} plus a new suffix lays them out at positions 0..N-1 (chunk j at offset
+o_j) and builds the KV of all N tokens:
+
+* a loader task fetches layer 1, 2, ... of every chunk from the store (each layer one range read per
+  chunk), re-rotates the keys to their new positions and signals the layer as ready; it runs ahead of
+  the compute, so loading layer i+1 overlaps the recompute of layer i;
+* the compute lane (a worker thread) recomputes layer 0 fully -- its KV needs no cross-attention and
+  every token gets a hidden state -- then, on each layer i >= 1 once it is loaded, projects the
+  candidates' K/V, keeps the forced tokens plus the reused ones with the highest KV deviation
+  (`select`), and runs the layer for those only (`HFBackend.run_layer_selective`): their K/V overwrite
+  the loaded rows, their queries attend over the blended KV. The kept set is the next layer's candidates.
+
+Layer 0 is never loaded (it is recomputed). The suffix, the last token and the tokens of chunks that
+could not be loaded are forced: recomputed on every layer, so a missing or damaged chunk costs time,
+never correctness. A chunk that fails part-way restarts the blend with that chunk forced.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.to_thread
+import torch
+
+from ..errors import InvalidInputError
+from ..kv import KVCache
+from ..policies.blend import Blend
+from ..stores.base import ChunkStore
+from .chunks import ChunkLoadFailed, StoreChunkSource, chunk_key
+from .controller import choose_ratio
+from .select import kv_deviation, select_hkvd, selection_sizes
+
+if TYPE_CHECKING:
+    from ..backends.hf import HFBackend
+
+
+@dataclass
+class BlendStats:
+    n_tokens: int
+    n_chunks: int
+    n_suffix: int
+    n_prefix: int
+    ratio: float  # the average recompute ratio used (chosen by the controller when the policy is auto)
+    schedule: list[float]  # per-layer ratios of layers 1..L-1
+    recomputed: list[int]  # tokens recomputed per layer (layer 0 first), forced ones included
+    hkvd: list[int]  # reused tokens recomputed per layer 1..L-1 (the HKVD tokens)
+    loaded_chunks: int
+    missing_chunks: list[int]  # recomputed instead: not stored, or unusable
+    bytes_loaded: int
+    seconds: float
+    load_seconds: list[float]  # per layer (layer 0 is not loaded: 0.0)
+    compute_seconds: list[float]  # per layer
+    wait_seconds: float  # the compute lane waiting for a layer to load
+    restarts: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+@dataclass
+class BlendResult:
+    kv: KVCache  # all N tokens: the prefix, the chunks at their new positions, then the suffix
+    tokens: torch.Tensor  # the N token ids, the prompt to pass to generate() with `kv`
+    logits: torch.Tensor  # next-token logits after the last token [vocab], float32
+    stats: BlendStats
+
+
+@dataclass
+class _Layout:
+    prefix: torch.Tensor
+    chunks: list[torch.Tensor]
+    suffix: torch.Tensor
+    offsets: list[int]
+    tokens: torch.Tensor
+
+    @classmethod
+    def of(cls, prefix: torch.Tensor, chunks: Sequence[torch.Tensor], suffix: torch.Tensor) -> _Layout:
+        offsets, o = [], len(prefix)
+        for c in chunks:
+            offsets.append(o)
+            o += len(c)
+        tokens = torch.cat([prefix, *chunks, suffix])
+        return cls(prefix, list(chunks), suffix, offsets, tokens)
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens)
+
+
+async def restore_blend(
+    backend: HFBackend,
+    store: ChunkStore,
+    chunks: Sequence[torch.Tensor],
+    suffix: torch.Tensor,
+    policy: Blend | None = None,
+    prefix: torch.Tensor | None = None,
+) -> BlendResult:
+    """Blend stored chunk KV (any order, any neighbours) with a recomputed suffix; see the module doc.
+
+    `chunks`, `suffix` and `prefix` are validated 1-D int64 token tensors (suffix and prefix may be
+    empty). `prefix` is the shared prefix the chunks were saved after (`save_chunk(..., prefix=)`); it
+    starts the prompt and is recomputed on every layer, like the suffix.
+    """
+    t0 = time.perf_counter()
+    policy = policy or Blend()
+    prefix = torch.zeros(0, dtype=torch.int64) if prefix is None else prefix
+    layout = _Layout.of(prefix, chunks, suffix)
+    if layout.n == 0:
+        raise InvalidInputError("nothing to blend: no chunks and an empty suffix")
+    backend.rope_inv_freq()  # an UnsupportedModelError before any work, not half-way
+    keys = [chunk_key(backend, c, prefix) for c in layout.chunks]
+    lengths = [len(c) for c in layout.chunks]
+    source = StoreChunkSource(backend, store, keys, layout.offsets, lengths, stored_at=len(prefix))
+    available = await source.open()
+    missing = {j for j, ok in enumerate(available) if not ok}
+    restarts = 0
+    while True:
+        try:
+            result = await _fuse(backend, layout, source, policy, missing)
+            break
+        except ChunkLoadFailed as exc:  # a layer failed part-way: its chunk's tokens are recomputed
+            for j in exc.indices:
+                missing.add(j)
+                source.drop(j)
+            restarts += 1
+    st = result.stats
+    st.missing_chunks = sorted(missing)
+    st.loaded_chunks = len(layout.chunks) - len(missing)
+    st.bytes_loaded = source.bytes_loaded
+    st.restarts = restarts
+    st.errors = list(source.errors)
+    st.seconds = time.perf_counter() - t0
+    return result
+
+
+async def _fuse(
+    backend: HFBackend, layout: _Layout, source: StoreChunkSource, policy: Blend, missing: set[int]
+) -> BlendResult:
+    spec = backend.spec
+    n_layers, n = spec.num_layers, layout.n
+    device = backend.device
+    kv = KVCache(
+        spec,
+        torch.zeros((n_layers, 2, spec.num_kv_heads, n, spec.head_dim), dtype=spec.dtype, device=device),
+    )
+    forced = torch.zeros(n, dtype=torch.bool, device=device)
+    forced[n - len(layout.suffix) :] = True
+    forced[: len(layout.prefix)] = True
+    forced[n - 1] = True
+    for j in missing:
+        forced[layout.offsets[j] : layout.offsets[j] + len(layout.chunks[j])] = True
+    n_reused = int((~forced).sum())
+
+    ready = [anyio.Event() for _ in range(n_layers)]
+    load_s = [0.0] * n_layers
+    failure: list[ChunkLoadFailed] = []
+
+    async def loader() -> None:
+        try:
+            for i in range(1, n_layers):
+                t = time.perf_counter()
+                await source.load_layer(i, kv)
+                load_s[i] = time.perf_counter() - t
+                ready[i].set()
+        except ChunkLoadFailed as exc:
+            failure.append(exc)
+            for ev in ready:
+                ev.set()
+
+    compute_s = [0.0] * n_layers
+    recomputed = [n]
+    hkvd: list[int] = []
+    wait = 0.0
+    state: dict[str, object] = {}
+
+    def layer0() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        t = time.perf_counter()
+        hidden = backend.embed(layout.tokens)
+        positions = torch.arange(n, device=device)
+        rope = backend.rotary(hidden, positions)
+        hidden, k, v = backend.run_layer(0, hidden, None, None, positions, rope=rope)
+        kv.data[0, 0].copy_(k)
+        kv.data[0, 1].copy_(v)
+        _sync(device)
+        compute_s[0] = time.perf_counter() - t
+        return hidden, rope
+
+    def layer(
+        i: int, hidden: torch.Tensor, cand: torch.Tensor, size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        t = time.perf_counter()
+        cos, sin = state["rope"]  # type: ignore[misc]
+        k_layer, v_layer = kv.data[i, 0], kv.data[i, 1]
+        k_new, v_new = backend.project_kv(i, hidden, cand, rope=(cos[:, cand], sin[:, cand]))
+        dev = kv_deviation(k_new, v_new, k_layer[:, cand], v_layer[:, cand], policy.deviation)
+        keep = select_hkvd(dev, forced[cand], size)
+        sel = cand[keep]
+        hidden, _, _ = backend.run_layer_selective(
+            i, hidden[:, keep], sel, k_layer, v_layer, rope=(cos[:, sel], sin[:, sel])
+        )
+        _sync(device)
+        compute_s[i] = time.perf_counter() - t
+        recomputed.append(int(sel.numel()))
+        hkvd.append(int((~forced[sel]).sum()))
+        return hidden, sel
+
+    logits = None
+    ratio = 0.0
+    schedule: list[float] = []
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loader)
+        hidden, state["rope"] = await anyio.to_thread.run_sync(layer0)
+        if policy.recompute_ratio is not None:
+            ratio = policy.recompute_ratio
+        elif n_layers > 1:  # the loading controller: measured layer-1 load vs a full layer's compute
+            t = time.perf_counter()
+            await ready[1].wait()
+            wait += time.perf_counter() - t
+            ratio = choose_ratio(load_s[1], compute_s[0], policy.min_ratio, policy.max_ratio)
+        else:
+            ratio = policy.min_ratio
+        schedule = policy.schedule(ratio, n_layers)
+        sizes = selection_sizes(schedule, n_reused)
+        cand = torch.arange(n, device=device)
+        for i in range(1, n_layers):
+            t = time.perf_counter()
+            await ready[i].wait()
+            wait += time.perf_counter() - t
+            if failure:
+                break
+            hidden, cand = await anyio.to_thread.run_sync(layer, i, hidden, cand, sizes[i - 1])
+        if not failure:
+            logits = await anyio.to_thread.run_sync(backend.final_logits, hidden)
+    if failure:
+        raise failure[0]
+    assert logits is not None
+    stats = BlendStats(
+        n_tokens=n,
+        n_chunks=len(layout.chunks),
+        n_suffix=len(layout.suffix),
+        n_prefix=len(layout.prefix),
+        ratio=ratio,
+        schedule=schedule,
+        recomputed=recomputed,
+        hkvd=hkvd,
+        loaded_chunks=0,
+        missing_chunks=[],
+        bytes_loaded=0,
+        seconds=0.0,
+        load_seconds=load_s,
+        compute_seconds=compute_s,
+        wait_seconds=wait,
+    )
+    return BlendResult(kv, layout.tokens, logits, stats)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # a layer is done when its kernels are, not when they are queued
+        torch.cuda.current_stream(device).synchronize()

@@ -1,0 +1,82 @@
+"""Blend: the CacheBlend plan (EuroSys 2025, §4-§5) for prompts made of reusable chunks plus a new suffix.
+
+Unlike the prefix policies (`base.Policy`), Blend does not choose between computing and loading whole
+chunks: every stored chunk is loaded, and on each layer a fraction of its tokens is recomputed. This
+object only holds the numbers that decide how much: the average recompute ratio, the quality floor and
+ceiling the loading controller keeps to, and the gradual-filtering schedule over layers. It is pure
+(no tensor, no clock); `kvrestore.blend` runs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import InvalidInputError
+
+DEVIATIONS = ("kv", "k", "v")
+
+
+@dataclass(frozen=True)
+class Blend:
+    """How much of the reused KV to recompute.
+
+    * `recompute_ratio`: average fraction of the reused (chunk) tokens recomputed per layer, over
+      layers 1..L-1 (layer 0 is always recomputed fully: it is cheap and gives every token the hidden
+      state the first HKVD check needs). `None` lets the loading controller pick it from the measured
+      load and compute times (§5.1), within [`min_ratio`, `max_ratio`].
+    * `min_ratio`: the quality floor the controller never goes below (the paper's 15%).
+    * `spread`: gradual filtering (§4.3). Layer 1 recomputes ratio x (1 + spread) of the tokens, the
+      last layer ratio x (1 - spread), linearly in between, so the ratios fall layer by layer and
+      average `recompute_ratio`. Each layer's set is taken from the previous layer's by KV deviation.
+    * `deviation`: what the KV deviation compares: "kv" (both), "k" or "v".
+
+    The new suffix (the question) and the tokens of chunks that could not be loaded are recomputed on
+    every layer, on top of the ratio.
+    """
+
+    recompute_ratio: float | None = 0.15
+    min_ratio: float = 0.15
+    max_ratio: float = 1.0
+    spread: float = 0.5
+    deviation: str = "kv"
+
+    name = "blend"
+
+    def __post_init__(self) -> None:
+        r = self.recompute_ratio
+        if r is not None and not 0.0 <= r <= 1.0:
+            raise InvalidInputError(f"recompute_ratio must be in [0, 1] (or None for auto), got {r!r}")
+        if not 0.0 <= self.min_ratio <= self.max_ratio <= 1.0:
+            raise InvalidInputError(
+                f"need 0 <= min_ratio <= max_ratio <= 1, got min_ratio={self.min_ratio!r}, "
+                f"max_ratio={self.max_ratio!r}"
+            )
+        if not 0.0 <= self.spread <= 1.0:
+            raise InvalidInputError(f"spread must be in [0, 1], got {self.spread!r}")
+        if self.deviation not in DEVIATIONS:
+            raise InvalidInputError(f"deviation must be one of {DEVIATIONS}, got {self.deviation!r}")
+
+    @property
+    def auto(self) -> bool:
+        return self.recompute_ratio is None
+
+    def schedule(self, ratio: float, num_layers: int) -> list[float]:
+        """Recompute ratios of layers 1..num_layers-1 (see `ratio_schedule`)."""
+        return ratio_schedule(ratio, num_layers, self.spread)
+
+
+def ratio_schedule(ratio: float, num_layers: int, spread: float = 0.5) -> list[float]:
+    """Per-layer ratios r_1 >= r_2 >= ... >= r_{L-1} for layers 1..L-1, linear, averaging `ratio`.
+
+    The spread is narrowed where needed so that r_1 <= 1 (and r_{L-1} >= 0), which keeps the mean
+    exact: ratio 1.0 recomputes everything on every layer, ratio 0.0 nothing (full KV reuse).
+    """
+    if not 0.0 <= ratio <= 1.0:
+        raise InvalidInputError(f"ratio must be in [0, 1], got {ratio!r}")
+    m = num_layers - 1
+    if m <= 0:
+        return []
+    if m == 1 or ratio in (0.0, 1.0):
+        return [ratio] * m
+    s = min(spread, (1.0 - ratio) / ratio, 1.0)
+    return [ratio * (1.0 + s * (1.0 - 2.0 * j / (m - 1))) for j in range(m)]

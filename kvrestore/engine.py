@@ -87,7 +87,7 @@ class Engine:
     def _lanes(self) -> tuple[CapacityLimiter, CapacityLimiter]:
         """(compute, load) limiters, created in (and bound to) the running event loop."""
         token = anyio.lowlevel.current_token()
-        if self._limiters is None or self._limiters[0] is not token:
+        if self._limiters is None or self._limiters[0] != token:
             self._limiters = (token, anyio.CapacityLimiter(1), anyio.CapacityLimiter(self.load_lanes))
         return self._limiters[1], self._limiters[2]
 

@@ -237,3 +237,32 @@ def test_two_pointer_on_cuda_streams_is_exact():
     res = anyio.run(main)
     assert res.kv.data.is_cuda and res.stats.loaded_chunks >= 1 and res.stats.computed_chunks >= 1
     torch.testing.assert_close(res.kv.data, full_prefill(backend, tokens), atol=1e-4, rtol=0)
+
+
+def test_concurrent_restores_share_one_compute_lane():
+    """Two restores on one engine: their compute units never overlap (one lane), both finish."""
+    engine = Engine(load_lanes=2)
+    running, overlaps = [0], [0]
+    lock = threading.Lock()
+
+    def compute(a: int, b: int) -> None:
+        with lock:
+            running[0] += 1
+            overlaps[0] = max(overlaps[0], running[0])
+        time.sleep(0.01)
+        with lock:
+            running[0] -= 1
+
+    async def load(i: int) -> int:
+        await anyio.sleep(0.01)
+        return 1
+
+    async def main():
+        progresses = [Progress([16] * 6, [False, True] * 3) for _ in range(2)]
+        async with anyio.create_task_group() as tg:
+            for p in progresses:
+                tg.start_soon(engine.run, p, TokenTwoPointer(1), compute, load)
+        return progresses
+
+    assert all(p.finished for p in anyio.run(main))
+    assert overlaps[0] == 1

@@ -23,7 +23,7 @@ from .kv import KVCache, KVChunk
 from .policies import Blend, ComputeOnly, LoadOnly, Policy, TokenTwoPointer
 from .restorer import Restorer, RestoreResult, RestoreStats, SaveStats, SyncRestorer
 from .spec import ModelSpec
-from .stores import ChunkStore, ThrottledStore, open_store
+from .stores import ChunkStore, ThrottledStore, TieredStore, open_store
 
 __version__ = "0.1.0"
 
@@ -52,6 +52,7 @@ __all__ = [
     "StoreError",
     "SyncRestorer",
     "ThrottledStore",
+    "TieredStore",
     "TokenTwoPointer",
     "TruncatedChunkError",
     "UnsupportedModelError",

@@ -10,6 +10,8 @@ import torch
 
 from kvrestore.backends.hf import HFBackend
 
+pytest_plugins = ["tests.s3_server"]  # s3_server / s3_bucket / s3_options: a real moto_server
+
 
 def tiny_model(family: str = "llama", seed: int = 0, layers: int = 3):
     """A randomly initialised, seeded HF causal LM of the given family (milliseconds per call)."""

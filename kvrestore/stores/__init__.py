@@ -3,6 +3,8 @@
 Like fsspec's protocol registry: a URL's scheme picks a factory `factory(url, **options) -> ChunkStore`.
 Built in: `memory://` (MemoryStore, option `capacity_bytes`), `file://` and plain paths (FsspecStore on
 local disk), `s3://` (FsspecStore over s3fs, the `kvrestore[s3]` extra). `register_store` adds more.
+Every built-in scheme takes `capacity_bytes` (and `eviction`, default LRU): a store that really evicts.
+Wrappers compose: `TieredStore([memory, disk, s3])`, `PrefetchStore(s3)`, `BoundedStore(any, n)`.
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidInputError, StoreError, UnsupportedURLError
-from .base import ChunkStore, check_key
+from .base import ChunkStore, StoredObject, check_key
+from .bounded import BoundedStore
+from .eviction import FIFO, LRU, EvictionPolicy
 from .fsspec_store import FsspecStore
 from .memory import MemoryStore
+from .prefetch import PrefetchStore
 from .throttled import ThrottledStore
+from .tiered import TieredStore, TierStats
 
 StoreFactory = Callable[..., ChunkStore]
 
@@ -52,18 +58,35 @@ def open_store(url: str, **options: Any) -> ChunkStore:
     return factory(url, **options)
 
 
-def _memory(url: str, capacity_bytes: int | None = None) -> ChunkStore:
-    return MemoryStore(capacity_bytes=capacity_bytes)
+def _memory(url: str, capacity_bytes: int | None = None, eviction: Any = None) -> ChunkStore:
+    return MemoryStore(capacity_bytes=capacity_bytes, eviction=eviction)
 
 
-def _fsspec(url: str, **options: Any) -> ChunkStore:
-    return FsspecStore(url, **options)
+def _bounded(store: ChunkStore, capacity_bytes: int | None, eviction: Any) -> ChunkStore:
+    if capacity_bytes is None:
+        if eviction is not None:
+            raise ValueError("eviction needs capacity_bytes (a store without a capacity never evicts)")
+        return store
+    return BoundedStore(store, capacity_bytes, eviction=eviction)
 
 
-def _s3(url: str, **options: Any) -> ChunkStore:
+def _fsspec(url: str, capacity_bytes: int | None = None, eviction: Any = None, **options: Any) -> ChunkStore:
+    return _bounded(FsspecStore(url, **options), capacity_bytes, eviction)
+
+
+def _s3(url: str, capacity_bytes: int | None = None, eviction: Any = None, **options: Any) -> ChunkStore:
+    """s3fs options pass through: key/secret, endpoint_url, client_kwargs, config_kwargs, ...
+
+    Unless given, botocore's connect timeout is 5 s and it tries a request twice (not 60 s, 5
+    times): a restore against an unreachable server falls back to compute within seconds.
+    """
     if importlib.util.find_spec("s3fs") is None:
         raise StoreError(f"{url!r} needs s3fs, which is not installed: pip install kvrestore[s3]")
-    return FsspecStore(url, **options)
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", 5)
+    config.setdefault("retries", {"max_attempts": 2})
+    options["config_kwargs"] = config
+    return _bounded(FsspecStore(url, **options), capacity_bytes, eviction)
 
 
 register_store("memory", _memory)
@@ -71,10 +94,18 @@ register_store("file", _fsspec)
 register_store("s3", _s3)
 
 __all__ = [
+    "FIFO",
+    "LRU",
+    "BoundedStore",
     "ChunkStore",
+    "EvictionPolicy",
     "FsspecStore",
     "MemoryStore",
+    "PrefetchStore",
     "StoreFactory",
+    "StoredObject",
+    "TierStats",
+    "TieredStore",
     "ThrottledStore",
     "check_key",
     "known_schemes",

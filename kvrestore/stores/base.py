@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import anyio
@@ -57,11 +58,36 @@ def scatter(data: memoryview, offset: int, groups: Sequence[Sequence[memoryview]
     return pos - offset
 
 
+async def place(data: bytes, plan: ReadPlan) -> int:
+    """Copy a whole fetched object into the buffers `plan` names (off the event loop); bytes placed."""
+
+    def run() -> int:
+        mv = memoryview(data)
+        offset, groups = plan.locate(mv[:PROBE_BYTES])
+        return scatter(mv, offset, groups, plan)
+
+    return await anyio.to_thread.run_sync(run)
+
+
 def check_key(key: str) -> str:
     """Return `key` if it is a valid store key (16-128 lowercase hex digits), else raise ValueError."""
     if not isinstance(key, str) or not _KEY_RE.match(key):
         raise ValueError(f"invalid store key {key!r}: keys are 16-128 lowercase hex digits")
     return key
+
+
+def is_key(name: str) -> bool:
+    """Whether `name` is a valid store key (for scans that must skip foreign files)."""
+    return bool(_KEY_RE.match(name))
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """One object found by `ChunkStore.scan`: its key, size in bytes and last write time (epoch s)."""
+
+    key: str
+    size: int
+    mtime: float = 0.0
 
 
 class ChunkStore(ABC):
@@ -115,15 +141,7 @@ class ChunkStore(ABC):
         object stores) and copies; a local store overrides it to read into the buffers with no copy.
         """
         data = await self.get(key)
-        if data is None:
-            return None
-
-        def place() -> int:
-            mv = memoryview(data)
-            offset, groups = plan.locate(mv[:PROBE_BYTES])
-            return scatter(mv, offset, groups, plan)
-
-        return await anyio.to_thread.run_sync(place)
+        return None if data is None else await place(data, plan)
 
     async def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
         """Several byte ranges of one object, fetched concurrently."""
@@ -137,6 +155,19 @@ class ChunkStore(ABC):
                 tg.start_soon(one, i, a, b)
         return out
 
+    async def scan(self) -> list[StoredObject]:
+        """Every object the store holds (to rebuild a capacity index after a restart).
+
+        Optional: stores that cannot list raise NotImplementedError.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot list its objects")
+
+    def prefetch(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional hook
+        """Hint: these keys will be read soon, in this order. Stores with a read-ahead buffer start them."""
+
+    async def flush(self) -> None:  # noqa: B027 - optional hook
+        """Wait until every write accepted so far has reached its final place (write-back stores)."""
+
     async def __aenter__(self) -> ChunkStore:
         return self
 
@@ -144,4 +175,14 @@ class ChunkStore(ABC):
         await self.close()
 
 
-__all__ = ["PROBE_BYTES", "ChunkStore", "ReadPlan", "StoreError", "check_key", "scatter"]
+__all__ = [
+    "PROBE_BYTES",
+    "ChunkStore",
+    "ReadPlan",
+    "StoreError",
+    "StoredObject",
+    "check_key",
+    "is_key",
+    "place",
+    "scatter",
+]

@@ -4,11 +4,14 @@ Objects live at `<root>/<key[:2]>/<key>.kvc` (256 shard directories keep listing
 
 Three ways of doing I/O, picked from the filesystem:
 
-* local disk: plain `open`/`os.replace` in a worker thread. A put writes `.tmp-<uuid>` in the target
-  directory and renames it over the final name, so readers never see half an object, even when several
-  writers race on one key (the last rename wins, each rename is whole).
+* local disk: plain `open`/`os.replace` in a worker thread. A put writes `.tmp-<host>-<pid>-<uuid>` in
+  the target directory and renames it over the final name, so readers never see half an object, even
+  when several writers race on one key (the last rename wins, each rename is whole). Temp files are
+  never listed as objects; opening a store removes those of dead writers on this host at once and
+  any older than `STALE_TMP_SECONDS`.
 * async filesystems (`fs.async_impl`, e.g. s3fs): the `_cat_file`/`_pipe_file`/... coroutines on the
-  caller's event loop. Object stores make each PUT atomic themselves.
+  caller's event loop. Object stores make each PUT atomic themselves. The client session is bound to
+  the loop that made it, so a store used from a new event loop (another `anyio.run`) makes a new one.
 * other sync filesystems: their sync calls in a worker thread (`anyio.to_thread.run_sync`).
 
 A missing object reads as None; any other filesystem failure raises StoreError, which the restorer
@@ -19,6 +22,9 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
+import socket
+import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -27,19 +33,64 @@ from functools import partial
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import StoreError
-from .base import PROBE_BYTES, ChunkStore, ReadPlan, check_key
+from .base import PROBE_BYTES, ChunkStore, ReadPlan, StoredObject, check_key, is_key
 
 SUFFIX = ".kvc"
 TMP_PREFIX = ".tmp-"
 #: temp files older than this are leftovers of a killed writer (a live one finishes in seconds)
 STALE_TMP_SECONDS = 3600.0
+#: concurrent requests one batch call (contains, get_many, get_ranges) keeps in flight on a remote store
+REMOTE_CONCURRENCY = 32
+_HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+_TMP_OWNER = re.compile(rf"^{re.escape(TMP_PREFIX)}([A-Za-z0-9]+)-(\d+)-[0-9a-f]+$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """A failure to reach the server at all (not an answer such as 403), by type, across libraries."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    names = {c.__name__ for c in type(exc).__mro__}
+    return bool(
+        names
+        & {
+            "EndpointConnectionError",
+            "ConnectTimeoutError",
+            "ConnectionClosedError",
+            "ClientConnectorError",
+            "ServerDisconnectedError",
+            "ConnectionError",
+        }
+    )
+
+
+def _dead_writer(name: str) -> bool:
+    """A temp file written by a process of this host that no longer runs (so it will never be renamed)."""
+    m = _TMP_OWNER.match(name)
+    return (
+        bool(m) and m.group(1) == _HOST and int(m.group(2)) != os.getpid() and not _pid_alive(int(m.group(2)))
+    )
+
 
 T = TypeVar("T")
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
 
 
 def _check_range(start: int, end: int) -> None:
@@ -73,7 +124,14 @@ class FsspecStore(ChunkStore):
 
     `storage_options` go to the filesystem (credentials, endpoint_url, ...). `fsync=True` makes local
     puts durable across power loss at the cost of a disk flush per object (a cache rarely needs it).
+
+    A remote store that cannot be reached (connection refused or timed out) fails fast for
+    `unreachable_cooloff_s` seconds before it asks again, so a restore running while its server is down
+    recomputes at once instead of paying a connection attempt (and retries) per chunk.
     """
+
+    #: seconds a remote store answers "unreachable" without asking after a connection failure
+    unreachable_cooloff_s: float = 2.0
 
     def __init__(self, url: str, *, fsync: bool = False, **storage_options: Any) -> None:
         protocol = fsspec.core.split_protocol(url)[0] or "file"
@@ -105,8 +163,11 @@ class FsspecStore(ChunkStore):
         self.fsync = fsync
         self.local = isinstance(fs, LocalFileSystem)
         self.is_async = bool(getattr(fs, "async_impl", False)) and not self.local
+        self._down_until = 0.0  # monotonic time before which a remote store does not ask again
+        self._down_reason = ""
         self._session: Any = None
-        self._session_lock = anyio.Lock()
+        self._session_loop: Any = None  # the event loop token the session belongs to
+        self._session_lock: anyio.Lock | None = None
         if self.local:
             self.root = os.path.abspath(root)
             self._open_local()
@@ -149,7 +210,7 @@ class FsspecStore(ChunkStore):
                 for e in it:
                     if e.name.startswith(TMP_PREFIX) and e.is_file(follow_symlinks=False):
                         with suppress(OSError):
-                            if e.stat(follow_symlinks=False).st_mtime < cutoff:
+                            if e.stat(follow_symlinks=False).st_mtime < cutoff or _dead_writer(e.name):
                                 os.remove(e.path)
 
     # -- local I/O (runs in worker threads) ------------------------------------------------------
@@ -198,7 +259,7 @@ class FsspecStore(ChunkStore):
 
     def _write_local(self, path: str, data: bytes) -> None:
         d = os.path.dirname(path)
-        tmp = os.path.join(d, f"{TMP_PREFIX}{uuid.uuid4().hex}")
+        tmp = os.path.join(d, f"{TMP_PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex}")
         try:
             try:
                 f = open(tmp, "wb")  # noqa: SIM115 - closed by the with below
@@ -228,19 +289,66 @@ class FsspecStore(ChunkStore):
     # -- generic fsspec I/O ------------------------------------------------------------------------
 
     async def _ensure_session(self) -> None:
-        """Async filesystems with a client session (s3fs, http) must create it on the running loop."""
-        if self._session is not None or not hasattr(self.fs, "set_session"):
+        """Async filesystems with a client session (s3fs, http) must create it on the running loop.
+
+        A session made on another (possibly closed) loop is dropped, its sockets closed, and a new one
+        made here: the same store then works across `anyio.run` calls and blocking portals.
+        """
+        if not hasattr(self.fs, "set_session"):
             return
+        loop = anyio.lowlevel.current_token()
+        if self._session is not None and self._session_loop == loop:
+            return
+        if self._session_loop != loop:
+            stale, self._session = self._session, None
+            self._session_loop, self._session_lock = loop, anyio.Lock()
+            if stale is not None:
+                self._drop_stale_session()
+        assert self._session_lock is not None
         async with self._session_lock:
             if self._session is None:
-                self._session = await self.fs.set_session()
+                self._session = await self.fs.set_session(refresh=True)
+
+    def _drop_stale_session(self) -> None:
+        """Close, without its (gone) loop, the sockets of a session made on another loop.
+
+        Best effort over private attributes (aiobotocore's aiohttp sessions); the worst case is a
+        ResourceWarning at garbage collection.
+        """
+        client = getattr(self.fs, "_s3", None)
+        http = getattr(getattr(client, "_endpoint", None), "http_session", None)
+        for sess in list((getattr(http, "_sessions", None) or {}).values()):
+            with suppress(Exception):
+                connector = sess.connector
+                sess.detach()
+                if connector is not None:
+                    connector._close()
+        with suppress(AttributeError):
+            self.fs._s3 = None
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """`fs.<method>(...)`: the `_<method>` coroutine on async filesystems, else in a worker thread."""
-        if self.is_async:
-            await self._ensure_session()
-            return await getattr(self.fs, "_" + method)(*args, **kwargs)
-        return await self._thread(partial(getattr(self.fs, method), *args, **kwargs))
+        if self._down_until and time.monotonic() < self._down_until:
+            raise StoreError(
+                f"{self.name} is unreachable ({self._down_reason}); asking again in "
+                f"{self._down_until - time.monotonic():.1f} s"
+            )
+        try:
+            if self.is_async:
+                await self._ensure_session()
+                out = await getattr(self.fs, "_" + method)(*args, **kwargs)
+            else:
+                out = await self._thread(partial(getattr(self.fs, method), *args, **kwargs))
+        except FileNotFoundError:
+            self._down_until = 0.0  # the server answered
+            raise
+        except Exception as e:
+            if _unreachable(e):
+                self._down_until = time.monotonic() + self.unreachable_cooloff_s
+                self._down_reason = f"{type(e).__name__}: {e}"
+            raise
+        self._down_until = 0.0
+        return out
 
     @staticmethod
     async def _thread(fn: Callable[[], T]) -> T:
@@ -312,17 +420,81 @@ class FsspecStore(ChunkStore):
         try:
             if not self.is_async:
                 return await self._thread(lambda: [bool(self.fs.exists(p)) for p in paths])
-            out = [False] * len(paths)
-
-            async def one(i: int, p: str) -> None:
-                out[i] = bool(await self._call("exists", p))
-
-            async with anyio.create_task_group() as tg:
-                for i, p in enumerate(paths):
-                    tg.start_soon(one, i, p)
-            return out
+            # Object stores have no multi-key HEAD: all requests go out at once (one round trip of
+            # latency for up to REMOTE_CONCURRENCY keys), never one after another.
+            return await self._batch([partial(self._exists, p) for p in paths], bool)
         except Exception as e:
             raise StoreError(f"cannot list {self.name}: {type(e).__name__}: {e}") from e
+
+    async def _exists(self, path: str) -> bool:
+        """One HEAD on s3fs (its `exists` may add a LIST for a missing key, and may answer from a
+        listing cache that other writers have made stale); `exists` elsewhere."""
+        if not hasattr(self.fs, "_call_s3"):
+            return bool(await self._call("exists", path))
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            await self._call("call_s3", "head_object", Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    @staticmethod
+    async def _batch(calls: Sequence[Callable[[], Any]], convert: Callable[[Any], T]) -> list[T]:
+        """Run coroutine factories concurrently, at most REMOTE_CONCURRENCY at a time, results in order."""
+        out: list[Any] = [None] * len(calls)
+        limiter = anyio.CapacityLimiter(REMOTE_CONCURRENCY)
+
+        async def one(i: int) -> None:
+            async with limiter:
+                out[i] = convert(await calls[i]())
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(calls)):
+                    tg.start_soon(one, i)
+        except BaseExceptionGroup as group:  # the first failure, by itself, says what went wrong
+            raise group.exceptions[0] from None
+        return out
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if self.local:
+            return await super().get_many(keys)
+        return await self._batch([partial(self._cat, k) for k in keys], lambda x: x)
+
+    async def scan(self) -> list[StoredObject]:
+        """Every object under the root (temp files and foreign names skipped): one listing."""
+        if self.local:
+            return await self._thread(self._scan_local)
+        try:
+            found = await self._call("find", self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        except Exception as e:
+            raise StoreError(f"cannot list {self.name}: {type(e).__name__}: {e}") from e
+        out = []
+        for path, info in found.items():
+            name = path.rsplit("/", 1)[-1]
+            key = name[: -len(SUFFIX)]
+            if name.endswith(SUFFIX) and is_key(key) and path.endswith(f"{key[:2]}/{name}"):
+                mtime = info.get("LastModified") or info.get("mtime") or info.get("created") or 0.0
+                if hasattr(mtime, "timestamp"):
+                    mtime = mtime.timestamp()
+                out.append(StoredObject(key, int(info.get("size") or 0), float(mtime)))
+        return out
+
+    def _scan_local(self) -> list[StoredObject]:
+        out = []
+        with suppress(OSError), os.scandir(self.root) as top:
+            shards = [e.path for e in top if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+        for d in shards:
+            with suppress(OSError), os.scandir(d) as it:
+                for e in it:
+                    key = e.name[: -len(SUFFIX)]
+                    if e.name.endswith(SUFFIX) and is_key(key) and key[:2] == os.path.basename(d):
+                        with suppress(OSError):
+                            st = e.stat(follow_symlinks=False)
+                            out.append(StoredObject(key, st.st_size, st.st_mtime))
+        return out
 
     async def delete(self, key: str) -> None:
         path = self.path(key)
@@ -337,6 +509,9 @@ class FsspecStore(ChunkStore):
             raise StoreError(f"cannot delete {self.name} {path}: {type(e).__name__}: {e}") from e
 
     async def close(self) -> None:
+        if self._session is not None and self._session_loop != anyio.lowlevel.current_token():
+            self._drop_stale_session()  # made on another loop: its own close() cannot run here
+            self._session = None
         session, self._session = self._session, None
         if session is not None and hasattr(session, "close"):
             with suppress(Exception):

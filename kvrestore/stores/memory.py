@@ -1,15 +1,15 @@
-"""In-process chunk store with a byte-capacity LRU."""
+"""In-process chunk store with a byte capacity that evicts (LRU unless another policy is given)."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
-from .base import ChunkStore, check_key
+from .base import ChunkStore, StoredObject, check_key
+from .eviction import EvictionPolicy, make_policy
 
 
 class MemoryStore(ChunkStore):
-    """A dict of objects, least-recently-used first, evicted once `bytes_used` exceeds `capacity_bytes`.
+    """A dict of objects, evicted by `eviction` (default LRU) once `bytes_used` exceeds `capacity_bytes`.
 
     `get` and `get_range` count as use; `contains` does not. An object larger than the whole capacity is
     not stored (and any older object under its key is dropped). Everything runs on the event loop
@@ -18,11 +18,14 @@ class MemoryStore(ChunkStore):
 
     name = "memory://"
 
-    def __init__(self, capacity_bytes: int | None = None) -> None:
+    def __init__(
+        self, capacity_bytes: int | None = None, *, eviction: EvictionPolicy | str | None = None
+    ) -> None:
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0 or None, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self._objects: OrderedDict[str, bytes] = OrderedDict()
+        self.eviction = make_policy(eviction)
+        self._objects: dict[str, bytes] = {}
         self.bytes_used = 0
         self.hits = 0
         self.misses = 0
@@ -36,12 +39,13 @@ class MemoryStore(ChunkStore):
         if data is None:
             self.misses += 1
             return None
-        self._objects.move_to_end(key)
+        self.eviction.touch(key)
         self.hits += 1
         return data
 
     def _drop(self, key: str) -> None:
         old = self._objects.pop(key, None)
+        self.eviction.remove(key)
         if old is not None:
             self.bytes_used -= len(old)
 
@@ -61,11 +65,14 @@ class MemoryStore(ChunkStore):
         if self.capacity_bytes is not None and len(data) > self.capacity_bytes:
             return
         self._objects[key] = data
+        self.eviction.add(key, len(data))
         self.bytes_used += len(data)
         if self.capacity_bytes is not None:
             while self.bytes_used > self.capacity_bytes:
-                _, victim = self._objects.popitem(last=False)
-                self.bytes_used -= len(victim)
+                victim = self.eviction.victim()
+                if victim is None or victim not in self._objects:  # a policy out of step: fall back
+                    victim = next(iter(self._objects))
+                self._drop(victim)
                 self.evictions += 1
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
@@ -73,3 +80,6 @@ class MemoryStore(ChunkStore):
 
     async def delete(self, key: str) -> None:
         self._drop(check_key(key))
+
+    async def scan(self) -> list[StoredObject]:
+        return [StoredObject(k, len(v)) for k, v in self._objects.items()]

@@ -1,0 +1,422 @@
+"""TieredStore: fast small stores in front of slow big ones, e.g. `TieredStore([memory, disk, s3])`.
+
+* Reads try the tiers top-down; a hit in a lower tier is copied into every tier above it (promotion, in
+  the background, best effort). A tier that fails counts as a miss there; the read raises StoreError
+  only when no tier had the object and one of them failed (the restorer then recomputes and reports it).
+* Writes go to the top tier and reach the lower ones either in the background (`write="back"`, the
+  default: `put` returns once the top tier has the object) or before `put` returns
+  (`write="through"`). Write-back keeps every not-yet-flushed object in a bounded dirty buffer of its
+  own (`max_dirty_bytes`), so an object is never lost because the top tier evicted it or the event loop
+  that was flushing ended; `flush()` / `close()` write whatever is left and raise StoreError naming the
+  tier that refused it. When the buffer is full, `put` writes through (back-pressure).
+* `contains` asks each tier once for all keys still unanswered (one batch per tier, not per key).
+* Capacities and eviction belong to the tiers (`MemoryStore(capacity_bytes=...)`,
+  `open_store("file:///...", capacity_bytes=...)`): the tiered store only moves objects between them.
+
+Keys name their content (a chunk's key hashes its whole token prefix and the model), so two copies of one
+key are interchangeable; the only race that matters is a `delete` (of an object found corrupt) meeting a
+promotion or flush still in flight, and that copy is deleted again when it lands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import anyio
+import anyio.to_thread
+
+from ..errors import StoreError
+from .background import Background
+from .base import PROBE_BYTES, ChunkStore, ReadPlan, StoredObject, check_key, scatter
+
+#: what a tier may raise that makes it a miss for this call, not a failure of the whole read
+TIER_FAULTS = (StoreError, OSError, TimeoutError)
+WRITE_MODES = ("back", "through")
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier as seen through the tiered store."""
+
+    name: str
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0
+    promoted_in: int = 0  # objects copied into this tier from a lower one
+    flushed_in: int = 0  # write-back copies that reached this tier
+    last_error: str | None = None
+
+
+@dataclass(eq=False)
+class _Dirty:
+    data: bytes
+    pending: set[int]  # tiers the object has not reached yet
+    busy: bool = False
+    deleted: bool = False
+
+
+class TieredStore(ChunkStore):
+    """Tiers top (fastest) first. See the module docstring for the read, write and failure rules."""
+
+    def __init__(
+        self,
+        tiers: Sequence[ChunkStore],
+        *,
+        write: str = "back",
+        promote: bool = True,
+        max_dirty_bytes: int = 1 << 30,
+        max_promote_bytes: int = 256 << 20,
+        flush_concurrency: int = 4,
+        flush_retries: int = 5,
+    ) -> None:
+        tiers = list(tiers)
+        if not tiers:
+            raise ValueError("TieredStore needs at least one tier")
+        for t in tiers:
+            if not isinstance(t, ChunkStore):
+                raise TypeError(f"every tier must be a ChunkStore, got {type(t).__name__}")
+        if write not in WRITE_MODES:
+            raise ValueError(f"write must be one of {WRITE_MODES}, got {write!r}")
+        if flush_concurrency <= 0 or flush_retries <= 0:
+            raise ValueError("flush_concurrency and flush_retries must be positive")
+        self.tiers = tiers
+        self.write = write
+        self.promote = promote
+        self.max_dirty_bytes = max_dirty_bytes
+        self.max_promote_bytes = max_promote_bytes
+        self.flush_concurrency = flush_concurrency
+        self.flush_retries = flush_retries
+        self.name = "tiered(" + " > ".join(t.name for t in tiers) + ")"
+        self.stats = [TierStats(t.name) for t in tiers]
+        self.dirty_hits = 0
+        self.dirty_bytes = 0
+        self.promote_bytes = 0
+        self._dirty: dict[str, _Dirty] = {}
+        self._promoting: dict[str, object] = {}
+        self._bg = Background()
+        self._flusher: asyncio.Task[None] | None = None
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+
+    def _failed(self, i: int, exc: BaseException) -> str:
+        msg = f"{self.tiers[i].name}: {type(exc).__name__}: {exc}"
+        self.stats[i].errors += 1
+        self.stats[i].last_error = msg
+        return msg
+
+    @property
+    def pending_writes(self) -> int:
+        """Objects accepted by `put` that have not reached every tier yet."""
+        return len(self._dirty)
+
+    async def _put_tiers(self, key: str, data: bytes, tiers: Iterable[int]) -> dict[int, str]:
+        """Write to several tiers at once; returns {tier: error} of those that failed."""
+        failures: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            try:
+                await self.tiers[i].put(key, data)
+            except TIER_FAULTS as exc:
+                failures[i] = self._failed(i, exc)
+
+        async with anyio.create_task_group() as tg:
+            for i in tiers:
+                tg.start_soon(one, i)
+        return failures
+
+    async def _delete_tiers(self, key: str, tiers: Iterable[int]) -> dict[int, str]:
+        failures: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            try:
+                await self.tiers[i].delete(key)
+            except TIER_FAULTS as exc:
+                failures[i] = self._failed(i, exc)
+
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for i in tiers:
+                    tg.start_soon(one, i)
+        return failures
+
+    # -- promotion -------------------------------------------------------------------------------------
+
+    def _promote(self, key: str, data: bytes, found_in: int) -> None:
+        """Copy an object read from tier `found_in` into the tiers above it, in the background."""
+        if not self.promote or found_in == 0 or key in self._promoting:
+            return
+        if self.promote_bytes + len(data) > self.max_promote_bytes:
+            return  # promotions are an optimisation: skip rather than queue without bound
+        token = object()
+        self._promoting[key] = token
+        self.promote_bytes += len(data)
+        if self._bg.spawn(self._promote_task, key, data, found_in, token) is None:
+            self._promoting.pop(key, None)
+            self.promote_bytes -= len(data)
+
+    async def _promote_task(self, key: str, data: bytes, found_in: int, token: object) -> None:
+        try:
+            if self._promoting.get(key) is not token:
+                return  # deleted before it started
+            failed = await self._put_tiers(key, data, range(found_in))
+            written = [i for i in range(found_in) if i not in failed]
+            for i in written:
+                self.stats[i].promoted_in += 1
+            if self._promoting.get(key) is not token:  # deleted while it was written: undo
+                await self._delete_tiers(key, written)
+        finally:
+            self.promote_bytes -= len(data)
+            if self._promoting.get(key) is token:
+                del self._promoting[key]
+
+    # -- write-back ------------------------------------------------------------------------------------
+
+    def _kick(self) -> None:
+        """Make sure a flusher runs on this loop."""
+        if not self._bg.is_live(self._flusher):
+            self._flusher = self._bg.spawn(self._flush_loop)
+
+    async def _flush_loop(self) -> None:
+        failures = 0
+        while failures < self.flush_retries:
+            batch = [(k, e) for k, e in self._dirty.items() if not e.busy][: self.flush_concurrency]
+            if not batch:
+                return
+            # a background task is always an asyncio one (see Background): gather is the plain way
+            results = await asyncio.gather(*(self._flush_entry(k, e) for k, e in batch))
+            if all(results):
+                failures = 0
+            else:
+                failures += 1
+                await anyio.sleep(min(0.05 * 2**failures, 2.0))
+        # gave up for now: the entries stay dirty; the next put, flush() or close() tries again
+
+    async def _flush_entry(self, key: str, e: _Dirty) -> bool:
+        """Write one dirty object to the tiers it has not reached; True when none is left."""
+        if e.busy:
+            return False
+        e.busy = True
+        try:
+            tiers = sorted(e.pending)
+            failed = await self._put_tiers(key, e.data, tiers)
+            for i in tiers:
+                if i not in failed:
+                    e.pending.discard(i)
+                    self.stats[i].flushed_in += 1
+            if e.deleted:  # deleted while it was written: undo
+                await self._delete_tiers(key, [i for i in tiers if i not in failed])
+                return True
+            if not e.pending and self._dirty.get(key) is e:
+                del self._dirty[key]
+                self.dirty_bytes -= len(e.data)
+            return not failed
+        finally:
+            e.busy = False
+
+    # -- ChunkStore ------------------------------------------------------------------------------------
+
+    async def get(self, key: str) -> bytes | None:
+        check_key(key)
+        errors: list[str] = []
+        for i, tier in enumerate(self.tiers):
+            try:
+                data = await tier.get(key)
+            except TIER_FAULTS as exc:
+                errors.append(self._failed(i, exc))
+                continue
+            if data is not None:
+                self.stats[i].hits += 1
+                self._promote(key, data, i)
+                return data
+            self.stats[i].misses += 1
+        return self._dirty_or_miss(key, errors)
+
+    def _dirty_or_miss(self, key: str, errors: list[str]) -> bytes | None:
+        e = self._dirty.get(key)
+        if e is not None:  # the top tier let it go before the lower ones got it
+            self.dirty_hits += 1
+            return e.data
+        if errors:
+            raise StoreError(f"{key[:12]} found in no tier; " + "; ".join(errors))
+        return None
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        check_key(key)
+        errors: list[str] = []
+        for i, tier in enumerate(self.tiers):
+            try:
+                data = await tier.get_range(key, start, end)
+            except TIER_FAULTS as exc:
+                errors.append(self._failed(i, exc))
+                continue
+            if data is not None:
+                self.stats[i].hits += 1
+                return data
+            self.stats[i].misses += 1
+        whole = self._dirty_or_miss(key, errors)
+        return None if whole is None else whole[start:end]
+
+    async def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        check_key(key)
+        errors: list[str] = []
+        for i, tier in enumerate(self.tiers):
+            try:
+                got = await tier.get_ranges(key, ranges)
+            except TIER_FAULTS as exc:
+                errors.append(self._failed(i, exc))
+                continue
+            if any(g is not None for g in got):
+                self.stats[i].hits += 1
+                return got
+            self.stats[i].misses += 1
+        whole = self._dirty_or_miss(key, errors)
+        return [None if whole is None else whole[a:b] for a, b in ranges]
+
+    async def read_into(self, key: str, plan: ReadPlan) -> int | None:
+        """Top tier: its own read_into (no copy on disk). Lower tiers: fetch whole, place, then promote.
+
+        An object is promoted only when the plan took all of it without raising (the plan checks each
+        group as it is filled), so a corrupt object is never copied upwards.
+        """
+        check_key(key)
+        errors: list[str] = []
+        for i, tier in enumerate(self.tiers):
+            try:
+                if i == 0 or not self.promote:
+                    placed = await tier.read_into(key, plan)
+                    if placed is None:
+                        self.stats[i].misses += 1
+                        continue
+                    self.stats[i].hits += 1
+                    return placed
+                data = await tier.get(key)
+            except TIER_FAULTS as exc:
+                errors.append(self._failed(i, exc))
+                continue
+            if data is None:
+                self.stats[i].misses += 1
+                continue
+            self.stats[i].hits += 1
+            return await self._place(key, data, plan, found_in=i)
+        data = self._dirty_or_miss(key, errors)
+        return None if data is None else await self._place(key, data, plan, found_in=None)
+
+    async def _place(self, key: str, data: bytes, plan: ReadPlan, found_in: int | None) -> int:
+        def place() -> tuple[int, int]:
+            mv = memoryview(data)
+            offset, groups = plan.locate(mv[:PROBE_BYTES])
+            return scatter(mv, offset, groups, plan), len(data) - offset
+
+        placed, body = await anyio.to_thread.run_sync(place)
+        # Placed whole and every filled group passed the plan's checks. A truncated object passes too
+        # (the plan's caller finds it short afterwards and deletes it, which cancels this promotion
+        # before it starts: the delete drops its token without awaiting first).
+        if found_in is not None and placed == body:
+            self._promote(key, data, found_in)
+        return placed
+
+    async def put(self, key: str, data: bytes) -> None:
+        check_key(key)
+        data = bytes(data)
+        old = self._dirty.pop(key, None)
+        if old is not None:
+            old.deleted = False  # same key, same content: let its flush finish normally
+            self.dirty_bytes -= len(old.data)
+        lower = set(range(1, len(self.tiers)))
+        inline = (
+            self.write == "through"
+            or not lower
+            or self.dirty_bytes + len(data) > self.max_dirty_bytes
+            or not self._bg.available()
+        )
+        if inline:
+            failed = await self._put_tiers(key, data, range(len(self.tiers)))
+            if failed:
+                raise StoreError(f"cannot write {key[:12]}: " + "; ".join(failed.values()))
+            return
+        failed = await self._put_tiers(key, data, [0])
+        if failed:  # the top tier refused it: go straight to the others
+            failed = await self._put_tiers(key, data, sorted(lower))
+            if len(failed) == len(lower):
+                raise StoreError(f"cannot write {key[:12]} to any tier: " + "; ".join(failed.values()))
+            return
+        self._dirty[key] = _Dirty(data, lower)
+        self.dirty_bytes += len(data)
+        self._kick()
+
+    async def contains(self, keys: Sequence[str]) -> list[bool]:
+        """One batch `contains` per tier for the keys no upper tier had; a failing tier answers no."""
+        for k in keys:
+            check_key(k)
+        out = [k in self._dirty for k in keys]
+        todo = [i for i, ok in enumerate(out) if not ok]
+        for t, tier in enumerate(self.tiers):
+            if not todo:
+                break
+            try:
+                got = await tier.contains([keys[i] for i in todo])
+            except TIER_FAULTS as exc:
+                self._failed(t, exc)
+                continue
+            for i, ok in zip(todo, got, strict=True):
+                out[i] = ok
+            todo = [i for i in todo if not out[i]]
+        return out
+
+    async def delete(self, key: str) -> None:
+        check_key(key)
+        e = self._dirty.pop(key, None)
+        if e is not None:
+            e.deleted = True
+            self.dirty_bytes -= len(e.data)
+        self._promoting.pop(key, None)
+        failed = await self._delete_tiers(key, range(len(self.tiers)))
+        if failed:
+            raise StoreError(f"cannot delete {key[:12]}: " + "; ".join(failed.values()))
+
+    async def scan(self) -> list[StoredObject]:
+        seen: dict[str, StoredObject] = {}
+        for tier in reversed(self.tiers):
+            with contextlib.suppress(NotImplementedError):
+                for obj in await tier.scan():
+                    seen[obj.key] = obj
+        return list(seen.values())
+
+    def prefetch(self, keys: Sequence[str]) -> None:
+        for tier in self.tiers:
+            tier.prefetch(keys)
+
+    async def flush(self) -> None:
+        """Wait for promotions and write-back; write what is still dirty; raise if a tier refuses it."""
+        await self._bg.wait()
+        for key, e in list(self._dirty.items()):
+            if not e.busy:
+                await self._flush_entry(key, e)
+        await self._bg.wait()
+        if self._dirty:
+            tiers = sorted({self.tiers[i].name for e in self._dirty.values() for i in e.pending})
+            raise StoreError(
+                f"{len(self._dirty)} objects not yet written to {', '.join(tiers)}; "
+                + "; ".join(s.last_error for s in self.stats if s.last_error)
+            )
+        for tier in self.tiers:
+            await tier.flush()
+
+    async def close(self) -> None:
+        """Flush, then close every tier (also when the flush failed; its error is raised after)."""
+        try:
+            await self.flush()
+        finally:
+            self._bg.cancel()
+            for tier in self.tiers:
+                with contextlib.suppress(Exception):
+                    await tier.close()
+
+    def __repr__(self) -> str:
+        return f"TieredStore({self.tiers!r}, write={self.write!r})"
+
+
+__all__ = ["TierStats", "TieredStore"]

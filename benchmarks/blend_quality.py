@@ -7,12 +7,25 @@ by a question that names two or three of those sections, so answering it needs s
 chunk was prefilled on its own and saved with `Restorer.save_chunk` to a local directory store; each
 blend loads them from there (`file://`, warm page cache).
 
+Two framings of the same cases (same sections, order and questions; `--framing`, recorded in the JSON):
+`bare` (the default) feeds the raw chunks from position 0 and a "Question: ...\nAnswer:" suffix;
+`chat` uses the model's chat template as a RAG service would -- the system prompt and the opening of the
+user turn are a shared prefix every chunk is saved after (`save_chunk(..., prefix=)`), each chunk ends
+with a blank line inside its own 512 tokens, and the suffix is the question, the end of the user turn
+and the assistant header.
+
 Compared, against **full recompute** (a plain prefill of the whole prompt):
 
 * **full reuse**: the chunks' KV re-rotated and concatenated, only the question computed on top
   (`Blend(recompute_ratio=0.0)`: its layer-0 recompute gives the same KV as reuse, as layer 0 has no
   cross-attention);
-* **Blend@r** for r = 5, 10, 15, 25% (and 50%, to show where the curve goes).
+* **Blend@r** for r = 5, 10, 15, 25% (and 50%, to show where the curve goes);
+* **Blend@15% and @50% +candidate KV** (`update_candidates=True`): every candidate's fresh K/V, not
+  only the recomputed tokens', replaces the loaded K/V (no extra compute);
+* the **noise floor**: two exact computations of the same prompt -- a chunk-by-chunk prefill through
+  the same layer loop, and `model.generate` with no cache -- compared with full recompute the same way.
+  For each case the smallest top-1/top-2 logit gap along full recompute's greedy continuation is
+  recorded too: how close to a tie the continuation already is.
 
 Per case and method: KL(full || method) of the next-token distribution after the prompt, top-1
 agreement, whether the 16-token greedy continuation (`backend.generate` from the method's cache) is
@@ -55,6 +68,7 @@ CHUNK_TOKENS = 512
 N_CHUNKS = 4
 RATIOS = (0.05, 0.10, 0.15, 0.25, 0.50)  # 50%: an extra row beyond the compared settings
 GREEDY_TOKENS = 16
+SENSITIVITY = ("full-reuse", "blend@15%", "blend@50%")
 SEED = 2025
 
 TARGETS = {
@@ -64,12 +78,31 @@ TARGETS = {
 }
 
 QUESTIONS = (
-    "Question: What do the sections on {a} and on {b} have in common?\nAnswer:",
-    "Question: Name one rule stated in the section on {a} and one stated in the section on {b}.\nAnswer:",
-    "Question: Which of the texts above, the one on {a} or the one on {b}, appears first, and what does "
-    "each describe?\nAnswer:",
-    "Question: How are {a}, {b} and {c} related, according to the text above?\nAnswer:",
+    "What do the sections on {a} and on {b} have in common?",
+    "Name one rule stated in the section on {a} and one stated in the section on {b}.",
+    "Which of the texts above, the one on {a} or the one on {b}, appears first, and what does each describe?",
+    "How are {a}, {b} and {c} related, according to the text above?",
 )
+FRAMINGS = ("chat", "bare")
+# chat framing: the model's own chat template, as a RAG service sends it. The system prompt and the
+# opening of the user turn are the shared prefix every chunk is saved after; each chunk ends with a
+# blank line (inside its own tokens); the question closes the user turn and opens the assistant's.
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+INSTRUCTION = "Answer the question using the documents below.\n\n"
+SEPARATOR = "\n\n"
+_SLOT = "\x00"
+
+
+def chat_parts(tokenizer: Any, question: str) -> tuple[str, str]:
+    """(prefix, suffix) text of a chat prompt: system + user turn up to the documents, then the question
+    and the template up to the assistant's first token (the template rendered around a placeholder)."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": INSTRUCTION + _SLOT + question}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    head, tail = text.split(_SLOT)
+    return head, tail
 
 
 # -- the question set --------------------------------------------------------------------------------
@@ -90,23 +123,40 @@ def section_pool(tokenizer: Any) -> list[tuple[str, list[int]]]:
     return pool
 
 
-def question_set(tokenizer: Any, n_cases: int) -> list[dict[str, Any]]:
-    """Cases of 4 shuffled chunks and a question that names 2-3 of them (never only one)."""
+def question_set(tokenizer: Any, n_cases: int, framing: str = "chat") -> list[dict[str, Any]]:
+    """Cases of 4 shuffled chunks and a question that names 2-3 of them (never only one).
+
+    The sections, their order and the questions depend on the seed only, not on the framing. `bare`:
+    raw chunks from position 0, then "\\n\\nQuestion: ...\\nAnswer:". `chat`: the chat template (see
+    `chat_parts`), the shared prefix in front, each chunk its first 512 - len("\\n\\n") tokens plus a
+    blank line, the question + end of turn + assistant header as the suffix.
+    """
+    if framing not in FRAMINGS:
+        raise ValueError(f"framing must be one of {FRAMINGS}, got {framing!r}")
     pool = section_pool(tokenizer)
     rng = random.Random(SEED)
+    sep = tokenizer(SEPARATOR, add_special_tokens=False)["input_ids"]
     cases = []
     for i in range(n_cases):
         picked = rng.sample(range(len(pool)), N_CHUNKS)  # random order: the shuffle
         template = QUESTIONS[i % len(QUESTIONS)]
         asked = rng.sample(picked, 3 if "{c}" in template else 2)
         names = [pool[j][0] for j in asked]
-        question = "\n\n" + template.format(a=names[0], b=names[1], c=names[-1])
+        body = "Question: " + template.format(a=names[0], b=names[1], c=names[-1])
+        if framing == "bare":
+            prefix, chunks = "", [pool[j][1] for j in picked]
+            question = "\n\n" + body + "\nAnswer:"
+        else:
+            prefix, question = chat_parts(tokenizer, body)
+            chunks = [pool[j][1][: CHUNK_TOKENS - len(sep)] + sep for j in picked]
         cases.append(
             {
-                "chunks": [pool[j][1] for j in picked],
+                "chunks": chunks,
                 "titles": [pool[j][0] for j in picked],
                 "asked": names,
                 "question": question,
+                "prefix_text": prefix,
+                "prefix": tokenizer(prefix, add_special_tokens=False)["input_ids"],
                 "suffix": tokenizer(question, add_special_tokens=False)["input_ids"],
             }
         )
@@ -148,26 +198,73 @@ def attention_deviation(rows: list[torch.Tensor], ref: list[torch.Tensor]) -> li
     return [float((a - b).norm(dim=-1).mean()) for a, b in zip(rows, ref, strict=True)]
 
 
+def prompt_tokens(case: dict[str, Any]) -> torch.Tensor:
+    """The whole prompt: prefix, chunks in order, suffix."""
+    return torch.tensor(case["prefix"] + [t for c in case["chunks"] for t in c] + case["suffix"])
+
+
+def greedy_margins(backend: HFBackend, tokens: torch.Tensor, kv: KVCache, greedy: list[int]) -> list[float]:
+    """Top-1 minus top-2 logit at each step of a greedy continuation (how close each step was to a
+    tie: a perturbation of the prompt's KV that moves the logits by more than this can flip it)."""
+    n = len(tokens)
+    ids = torch.tensor([[int(tokens[-1]), *greedy[:-1]]], device=backend.device)
+    with torch.inference_mode():
+        out = backend.model(input_ids=ids, past_key_values=kv.to_hf(backend.config, n_tokens=n - 1))
+    top2 = out.logits[0].float().topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def noise_floor(
+    backend: HFBackend, case: dict[str, Any], tokens: torch.Tensor, ref_logits: torch.Tensor, ref: list[int]
+) -> dict[str, Any]:
+    """How far two *exact* computations of the same prompt already are from full recompute's
+    (one prefill of the prompt, then `generate` from its KV): a chunk-by-chunk prefill through the same
+    layer loop (prefix, each chunk, suffix on top of the previous KV), and `model.generate` with no
+    cache at all (transformers' own prefill). Their greedy divergence is float noise, not blending."""
+    past, start, logits = None, 0, None
+    for part in [case["prefix"], *case["chunks"], case["suffix"]]:
+        if not part:
+            continue
+        chunk, logits = backend.forward(torch.tensor(part), past, start, logits=True)
+        past = chunk.data if past is None else torch.cat([past, chunk.data], dim=3)
+        start += len(part)
+    assert past is not None and logits is not None
+    chunked = backend.generate(tokens, KVCache(backend.spec, past), GREEDY_TOKENS)
+    nocache = backend.generate(tokens, None, GREEDY_TOKENS)
+    return {
+        "chunked_prefill_kl": kl_divergence(ref_logits, logits),
+        "chunked_prefill_greedy_identical": chunked == ref,
+        "chunked_prefill_common_prefix": common_prefix(chunked, ref),
+        "hf_nocache_greedy_identical": nocache == ref,
+        "hf_nocache_common_prefix": common_prefix(nocache, ref),
+    }
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     backend = HFBackend.from_smollm2(dtype=torch.float32)
     tok = backend.tokenizer
-    cases = question_set(tok, args.cases)
-    methods = {"full-reuse": Blend(recompute_ratio=0.0)} | {
-        f"blend@{int(r * 100)}%": Blend(recompute_ratio=r) for r in RATIOS
-    }
+    cases = question_set(tok, args.cases, args.framing)
+    methods = (
+        {"full-reuse": Blend(recompute_ratio=0.0)}
+        | {f"blend@{int(r * 100)}%": Blend(recompute_ratio=r) for r in RATIOS}
+        | {
+            f"blend@{int(r * 100)}% +candidate KV": Blend(recompute_ratio=r, update_candidates=True)
+            for r in (0.15, 0.50)
+        }
+    )
     store_dir = tempfile.mkdtemp(prefix="kvrestore-blend-")
     restorer = Restorer(backend, open_store(f"file://{store_dir}"))
     t0 = time.perf_counter()
     for case in cases:
         for chunk in case["chunks"]:
-            await restorer.save_chunk(chunk)
+            await restorer.save_chunk(chunk, prefix=case["prefix"] or None)
     save_s = time.perf_counter() - t0
     print(f"saved the chunks of {len(cases)} cases in {save_s:.1f} s to {store_dir}", flush=True)
 
     per_case: list[dict[str, Any]] = []
     for ci, case in enumerate(cases):
-        tokens = torch.tensor([t for c in case["chunks"] for t in c] + case["suffix"])
+        tokens = prompt_tokens(case)
         n_suffix = len(case["suffix"])
         full_chunk, full_logits = backend.forward(tokens, None, 0, logits=True)
         full_kv = KVCache(backend.spec, full_chunk.data)
@@ -178,11 +275,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "asked": case["asked"],
             "question": case["question"].strip(),
             "n_tokens": len(tokens),
+            "n_prefix": len(case["prefix"]),
             "full_greedy": tok.decode(full_greedy),
+            "full_greedy_margins": greedy_margins(backend, tokens, full_kv, full_greedy),
+            "noise_floor": noise_floor(backend, case, tokens, full_logits, full_greedy),
             "methods": {},
         }
         for name, policy in methods.items():
-            res = await restorer.restore_blend(case["chunks"], case["suffix"], policy)
+            res = await restorer.restore_blend(
+                case["chunks"], case["suffix"], policy, prefix=case["prefix"] or None
+            )
             assert torch.equal(res.tokens, tokens)
             greedy = backend.generate(tokens, res.kv, GREEDY_TOKENS)
             row["methods"][name] = {
@@ -208,11 +310,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     # TTFT, interleaved: full recompute vs Blend@15% (which loads from the file store)
     ttft: dict[str, list] = {"full-recompute": [], "blend@15%": []}
     for ci, case in enumerate(cases[: args.ttft_cases]):
-        tokens = torch.tensor([t for c in case["chunks"] for t in c] + case["suffix"])
-        chunks, suffix = case["chunks"], case["suffix"]
+        tokens = prompt_tokens(case)
+        chunks, suffix, prefix = case["chunks"], case["suffix"], case["prefix"] or None
 
-        async def blend15(chunks=chunks, suffix=suffix) -> None:
-            await restorer.restore_blend(chunks, suffix, Blend(recompute_ratio=0.15))
+        async def blend15(chunks=chunks, suffix=suffix, prefix=prefix) -> None:
+            await restorer.restore_blend(chunks, suffix, Blend(recompute_ratio=0.15), prefix=prefix)
 
         cases_t = {
             "full-recompute": timed(lambda tokens=tokens: backend.forward(tokens, None, 0, logits=True)),
@@ -242,6 +344,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             / sum(c["n_tokens"] * layers for c in per_case),
         }
         agg[name]["attn_deviation_mean"] = sum(agg[name]["attn_deviation_per_layer"]) / layers
+    floors = [c["noise_floor"] for c in per_case]
+    noise = {
+        "chunked_prefill_kl_mean": sum(f["chunked_prefill_kl"] for f in floors) / n,
+        "chunked_prefill_greedy_identical": sum(f["chunked_prefill_greedy_identical"] for f in floors) / n,
+        "chunked_prefill_common_prefix_mean": sum(f["chunked_prefill_common_prefix"] for f in floors) / n,
+        "hf_nocache_greedy_identical": sum(f["hf_nocache_greedy_identical"] for f in floors) / n,
+        "hf_nocache_common_prefix_mean": sum(f["hf_nocache_common_prefix"] for f in floors) / n,
+        "full_greedy_min_margin_per_case": [min(c["full_greedy_margins"]) for c in per_case],
+    }
     t_full = median([s.seconds for s in ttft["full-recompute"]])
     t_blend = median([s.seconds for s in ttft["blend@15%"]])
     speedup = ratio(t_full, t_blend)
@@ -258,7 +369,29 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         >= TARGETS["blend15_greedy_identical_min"],
     }
 
-    rows = [["full-recompute", 0.0, 1.0, 1.0, float(GREEDY_TOKENS), 0.0, 1.0, t_full]]
+    rows = [
+        ["full-recompute", 0.0, 1.0, 1.0, float(GREEDY_TOKENS), 0.0, 1.0, t_full],
+        [
+            "exact: chunked prefill",
+            noise["chunked_prefill_kl_mean"],
+            None,
+            noise["chunked_prefill_greedy_identical"],
+            noise["chunked_prefill_common_prefix_mean"],
+            None,
+            1.0,
+            None,
+        ],
+        [
+            "exact: HF generate, no cache",
+            None,
+            None,
+            noise["hf_nocache_greedy_identical"],
+            noise["hf_nocache_common_prefix_mean"],
+            None,
+            1.0,
+            None,
+        ],
+    ]
     for name, a in agg.items():
         rows.append(
             [
@@ -285,13 +418,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "TTFT s",
         ],
         rows,
-        title=f"CacheBlend on SmolLM2-135M, {n} cases x {N_CHUNKS} chunks x {CHUNK_TOKENS} tokens (CPU fp32)",
+        title=f"CacheBlend on SmolLM2-135M, {n} cases x {N_CHUNKS} chunks x {CHUNK_TOKENS} tokens, "
+        f"{args.framing} framing (CPU fp32)",
     )
     print()
     layer_rows = [
         [i] + [agg[m]["attn_deviation_per_layer"][i] for m in methods] for i in range(backend.spec.num_layers)
     ]
     print_table(["layer", *methods], layer_rows, title="attention deviation per layer (question rows)")
+    print()
+    print_table(
+        ["case", "min top-1/top-2 logit gap of full's greedy", *[f"{m}: same first" for m in SENSITIVITY]],
+        [
+            [i + 1, min(c["full_greedy_margins"])]
+            + [c["methods"][m]["greedy_common_prefix"] for m in SENSITIVITY]
+            for i, c in enumerate(per_case)
+        ],
+        title=f"how close full recompute's {GREEDY_TOKENS} greedy steps are to a tie, and where each method leaves them",
+    )
     print()
     print_table(
         ["check", "value", "target", "pass"],
@@ -312,6 +456,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {
             "model": backend.spec.name,
             "cases": n,
+            "framing": args.framing,
+            "chat_system_prompt": SYSTEM if args.framing == "chat" else None,
+            "chat_instruction": INSTRUCTION if args.framing == "chat" else None,
+            "prefix_tokens": len(cases[0]["prefix"]),
             "chunks_per_case": N_CHUNKS,
             "chunk_tokens": CHUNK_TOKENS,
             "ratios": RATIOS,
@@ -327,6 +475,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "ttft": {k: summarize(v) for k, v in ttft.items()},
         "ttft_speedup_blend15": speedup,
         "methods": agg,
+        "noise_floor": noise,
         "cases": per_case,
         "save_seconds": save_s,
         "total_seconds": time.perf_counter() - t_start,
@@ -339,6 +488,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-cases", type=int, default=3)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="3 cases, 1 TTFT case, 1 round: a smoke test")
+    p.add_argument(
+        "--framing",
+        choices=FRAMINGS,
+        default="bare",
+        help="bare: raw chunks from position 0 and a 'Question: ...\\nAnswer:' suffix (default); chat: "
+        "the model's chat template, system prompt + start of the user turn as a shared prefix",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if args.quick:

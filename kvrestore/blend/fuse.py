@@ -199,6 +199,9 @@ async def _fuse(
         dev = kv_deviation(k_new, v_new, k_layer[:, cand], v_layer[:, cand], policy.deviation)
         keep = select_hkvd(dev, forced[cand], size)
         sel = cand[keep]
+        if policy.update_candidates:  # every candidate's fresh K/V replaces its loaded K/V (no compute)
+            k_layer.index_copy_(1, cand, k_new)
+            v_layer.index_copy_(1, cand, v_new)
         hidden, _, _ = backend.run_layer_selective(
             i, hidden[:, keep], sel, k_layer, v_layer, rope=(cos[:, sel], sin[:, sel])
         )

@@ -29,6 +29,13 @@ class Blend:
       last layer ratio x (1 - spread), linearly in between, so the ratios fall layer by layer and
       average `recompute_ratio`. Each layer's set is taken from the previous layer's by KV deviation.
     * `deviation`: what the KV deviation compares: "kv" (both), "k" or "v".
+    * `update_candidates`: on layer i the K/V of every candidate (the tokens recomputed on layer i-1;
+      all tokens on layer 1) are projected from their fresh hidden states to measure the deviation.
+      False (the default, as LMCache's blender) writes only the K/V of the tokens the layer then
+      recomputes and leaves the other candidates' loaded K/V in place. True keeps the fresh K/V of all
+      candidates ("we recompute the KV of these r1% HKVD tokens on the second layer and pick r2%",
+      §4.3): no extra compute, and layer 1's KV is exact for every token. On the SmolLM2 benchmark it
+      helped at a 50% ratio and was neutral to slightly worse at 5-25% (`benchmarks/blend_quality.py`).
 
     The new suffix (the question) and the tokens of chunks that could not be loaded are recomputed on
     every layer, on top of the ratio.
@@ -39,6 +46,7 @@ class Blend:
     max_ratio: float = 1.0
     spread: float = 0.5
     deviation: str = "kv"
+    update_candidates: bool = False
 
     name = "blend"
 

@@ -171,16 +171,7 @@ class HFBackend:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cos, sin = rope if rope is not None else self.rotary(hidden, positions)
         mod = self._layers[layer]
-        attn = mod.self_attn
-        t = hidden.shape[1]
-        x = mod.input_layernorm(hidden)
-        q = attn.q_proj(x).view(1, t, -1, self._head_dim)
-        k = attn.k_proj(x).view(1, t, -1, self._head_dim)
-        v = attn.v_proj(x).view(1, t, -1, self._head_dim).transpose(1, 2)
-        if self._qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
+        q, k, v = self._project(mod, hidden, cos, sin)
         n_past = 0 if past_k is None else past_k.shape[1]
         if n_past:
             keys = torch.cat([past_k.unsqueeze(0), k], dim=2)
@@ -188,9 +179,32 @@ class HFBackend:
         else:
             keys, values = k, v
         out = self._attention(q, keys, values, n_past)
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, t, -1))
-        hidden = hidden + mod.mlp(mod.post_attention_layernorm(hidden))
-        return hidden, k[0], v[0]
+        return self._mix(mod, hidden, out), k[0], v[0]
+
+    def _project(
+        self, mod: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, with_q: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """A layer's Q (unless `with_q` is False), K (both normed if the model does, after RoPE) and V
+        of `hidden` [1, T, hidden], each [1, heads, T, D]."""
+        attn = mod.self_attn
+        t = hidden.shape[1]
+        x = mod.input_layernorm(hidden)
+        q = attn.q_proj(x).view(1, t, -1, self._head_dim) if with_q else None
+        k = attn.k_proj(x).view(1, t, -1, self._head_dim)
+        v = attn.v_proj(x).view(1, t, -1, self._head_dim).transpose(1, 2)
+        if self._qk_norm:
+            k = attn.k_norm(k)
+            q = attn.q_norm(q) if q is not None else None
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        q = apply_rope(q.transpose(1, 2), cos, sin) if q is not None else None
+        return q, k, v
+
+    @staticmethod
+    def _mix(mod: Any, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The rest of a decoder layer after attention: output projection, residual, MLP, residual."""
+        t = hidden.shape[1]
+        hidden = hidden + mod.self_attn.o_proj(attn_out.transpose(1, 2).reshape(1, t, -1))
+        return hidden + mod.mlp(mod.post_attention_layernorm(hidden))
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_past: int) -> torch.Tensor:
         t = q.shape[2]
@@ -263,15 +277,7 @@ class HFBackend:
         to recompute.
         """
         cos, sin = rope if rope is not None else self.rotary(hidden, positions)
-        mod = self._layers[layer]
-        attn = mod.self_attn
-        t = hidden.shape[1]
-        x = mod.input_layernorm(hidden)
-        k = attn.k_proj(x).view(1, t, -1, self._head_dim)
-        v = attn.v_proj(x).view(1, t, -1, self._head_dim).transpose(1, 2)
-        if self._qk_norm:
-            k = attn.k_norm(k)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
+        _, k, v = self._project(self._layers[layer], hidden, cos, sin, with_q=False)
         return k[0], v[0]
 
     @torch.inference_mode()
@@ -295,23 +301,12 @@ class HFBackend:
         index = index.to(self.device)
         cos, sin = rope if rope is not None else self.rotary(hidden, index)
         mod = self._layers[layer]
-        attn = mod.self_attn
-        s = hidden.shape[1]
-        x = mod.input_layernorm(hidden)
-        q = attn.q_proj(x).view(1, s, -1, self._head_dim)
-        kr = attn.k_proj(x).view(1, s, -1, self._head_dim)
-        vr = attn.v_proj(x).view(1, s, -1, self._head_dim).transpose(1, 2)
-        if self._qk_norm:
-            q, kr = attn.q_norm(q), attn.k_norm(kr)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        kr = apply_rope(kr.transpose(1, 2), cos, sin)
+        q, kr, vr = self._project(mod, hidden, cos, sin)
         k.index_copy_(1, index, kr[0])
         v.index_copy_(1, index, vr[0])
         mask = torch.arange(k.shape[1], device=self.device)[None, :] <= index[:, None]
         out = self._attention_masked(q, k.unsqueeze(0), v.unsqueeze(0), mask)
-        hidden = hidden + attn.o_proj(out.transpose(1, 2).reshape(1, s, -1))
-        hidden = hidden + mod.mlp(mod.post_attention_layernorm(hidden))
-        return hidden, kr[0], vr[0]
+        return self._mix(mod, hidden, out), kr[0], vr[0]
 
     @torch.inference_mode()
     def attention_probs(

@@ -207,8 +207,12 @@ class HFBackend:
         return hidden + mod.mlp(mod.post_attention_layernorm(hidden))
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_past: int) -> torch.Tensor:
-        t = q.shape[2]
-        kwargs: dict[str, Any] = {"scale": self._scaling}
+        if n_past == 0:
+            return self._sdpa(q, k, v, is_causal=True)
+        return self._sdpa(q, k, v, attn_mask=_causal_mask(q.shape[2], n_past, q.device))
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Scaled dot-product attention with the model's scale, grouped-query heads expanded if needed."""
         if self._n_heads != self._n_kv:
             if _SDPA_GQA:
                 kwargs["enable_gqa"] = True
@@ -216,10 +220,7 @@ class HFBackend:
                 rep = self._n_heads // self._n_kv
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
-        if n_past == 0:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kwargs)
-        mask = _causal_mask(t, n_past, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, scale=self._scaling, **kwargs)
 
     # -- CacheBlend: re-rotation and selective recompute ----------------------------------------
 
@@ -332,15 +333,7 @@ class HFBackend:
     def _attention_masked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        kwargs: dict[str, Any] = {"scale": self._scaling}
-        if self._n_heads != self._n_kv:
-            if _SDPA_GQA:
-                kwargs["enable_gqa"] = True
-            else:
-                rep = self._n_heads // self._n_kv
-                k = k.repeat_interleave(rep, dim=1)
-                v = v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+        return self._sdpa(q, k, v, attn_mask=mask)
 
     def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [vocab] (float32) of the last position of a last-layer output `hidden` [1, T, hidden]."""

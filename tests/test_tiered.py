@@ -510,3 +510,34 @@ def test_restore_through_tiers_is_exact_and_warms_the_upper_tiers(llama_backend,
     for res in (first, second):
         assert res.stats.loaded_chunks == 4
         torch.testing.assert_close(res.kv.data, ref, atol=ATOL, rtol=0)
+
+
+def test_write_back_put_and_delete_are_not_overtaken_by_an_older_flush(tmp_path):
+    """A flush still writing an older object to a slow lower tier must not land after a newer put or a
+    delete of the same key (it would resurrect stale or deleted bytes)."""
+
+    class SlowPuts(MemoryStore):
+        async def put(self, key, data):
+            await anyio.sleep(0.05)
+            await super().put(key, data)
+
+    key = "ab" * 16
+
+    async def body():
+        lower = SlowPuts()
+        store = TieredStore([MemoryStore(), lower], write="back")
+        await store.put(key, b"first")
+        await anyio.sleep(0.01)  # its flush to the slow tier is now in flight
+        await store.put(key, b"second")
+        await store.delete(key)
+        await store.flush()
+        await anyio.sleep(0.1)
+        assert await lower.get(key) is None and await store.get(key) is None
+        await store.put(key, b"third")
+        await anyio.sleep(0.01)
+        await store.put(key, b"fourth")
+        await store.flush()
+        await anyio.sleep(0.1)
+        assert await lower.get(key) == b"fourth"
+
+    run(body)

@@ -56,6 +56,7 @@ class _Dirty:
     pending: set[int]  # tiers the object has not reached yet
     busy: bool = False
     deleted: bool = False
+    idle: asyncio.Event | None = None  # set when a flush in flight ends
 
 
 class TieredStore(ChunkStore):
@@ -199,6 +200,7 @@ class TieredStore(ChunkStore):
         if e.busy:
             return False
         e.busy = True
+        e.idle = asyncio.Event()
         try:
             tiers = sorted(e.pending)
             failed = await self._put_tiers(key, e.data, tiers)
@@ -215,6 +217,13 @@ class TieredStore(ChunkStore):
             return not failed
         finally:
             e.busy = False
+            e.idle.set()
+
+    async def _settle(self, key: str) -> None:
+        """Wait until no flush of `key` is in flight, so a put or delete after it cannot be overtaken by
+        an older object landing in a lower tier."""
+        while (e := self._dirty.get(key)) is not None and e.busy and e.idle is not None:
+            await e.idle.wait()
 
     # -- ChunkStore ------------------------------------------------------------------------------------
 
@@ -321,6 +330,7 @@ class TieredStore(ChunkStore):
     async def put(self, key: str, data: bytes) -> None:
         check_key(key)
         data = bytes(data)
+        await self._settle(key)
         old = self._dirty.pop(key, None)
         if old is not None:
             old.deleted = False  # same key, same content: let its flush finish normally
@@ -368,6 +378,7 @@ class TieredStore(ChunkStore):
 
     async def delete(self, key: str) -> None:
         check_key(key)
+        await self._settle(key)
         e = self._dirty.pop(key, None)
         if e is not None:
             e.deleted = True

@@ -90,18 +90,21 @@ class MotoServer:
             **extra,
         }
 
-    def make_bucket(self, name: str | None = None) -> str:
+    def client(self):
+        """A boto3 S3 client of this server (for setting up and inspecting buckets in tests)."""
         import boto3
 
-        name = name or f"kv-{uuid.uuid4().hex[:12]}"
-        client = boto3.client(
+        return boto3.client(
             "s3",
             endpoint_url=self.endpoint,
             aws_access_key_id="testing",
             aws_secret_access_key="testing",
             region_name="us-east-1",
         )
-        client.create_bucket(Bucket=name)
+
+    def make_bucket(self, name: str | None = None) -> str:
+        name = name or f"kv-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
         return name
 
     def __enter__(self) -> MotoServer:

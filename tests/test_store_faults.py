@@ -37,14 +37,8 @@ def run(fn, *args):
 
 
 def s3_keys(server: MotoServer, bucket: str) -> list[str]:
-    client = boto3.client(
-        "s3",
-        endpoint_url=server.endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
-    return sorted(o["Key"] for o in client.list_objects_v2(Bucket=bucket).get("Contents", []))
+    listing = server.client().list_objects_v2(Bucket=bucket)
+    return sorted(o["Key"] for o in listing.get("Contents", []))
 
 
 def make_store(kind: str, tmp_path, server: MotoServer, bucket: str):

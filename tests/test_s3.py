@@ -26,18 +26,8 @@ def run(fn, *args):
     return anyio.run(partial(fn, *args))
 
 
-def s3_client(server):
-    return boto3.client(
-        "s3",
-        endpoint_url=server.endpoint,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-        region_name="us-east-1",
-    )
-
-
 def object_names(server, bucket: str) -> list[str]:
-    listing = s3_client(server).list_objects_v2(Bucket=bucket)
+    listing = server.client().list_objects_v2(Bucket=bucket)
     return sorted(o["Key"] for o in listing.get("Contents", []))
 
 
@@ -122,8 +112,8 @@ def test_s3_batch_calls(s3_bucket, s3_options):
 
 
 def test_s3_scan_lists_objects_and_skips_foreign_names(s3_server, s3_bucket, s3_options):
-    s3_client(s3_server).put_object(Bucket=s3_bucket, Key="scan/readme.txt", Body=b"not a chunk")
-    s3_client(s3_server).put_object(Bucket=s3_bucket, Key=f"scan/zz/{K1}.kvc", Body=b"wrong shard")
+    s3_server.client().put_object(Bucket=s3_bucket, Key="scan/readme.txt", Body=b"not a chunk")
+    s3_server.client().put_object(Bucket=s3_bucket, Key=f"scan/zz/{K1}.kvc", Body=b"wrong shard")
 
     async def body():
         async with open_store(f"s3://{s3_bucket}/scan", **s3_options) as s:

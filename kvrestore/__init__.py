@@ -20,7 +20,7 @@ from .errors import (
 )
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from .kv import KVCache, KVChunk
-from .policies import Blend, ComputeOnly, LoadOnly, Policy, TokenTwoPointer
+from .policies import Blend, ComputeOnly, LayerTwoPointer, LoadOnly, Policy, TokenTwoPointer
 from .restorer import Restorer, RestoreResult, RestoreStats, SaveStats, SyncRestorer
 from .spec import ModelSpec
 from .stores import ChunkStore, ThrottledStore, TieredStore, open_store
@@ -53,6 +53,7 @@ __all__ = [
     "SyncRestorer",
     "ThrottledStore",
     "TieredStore",
+    "LayerTwoPointer",
     "TokenTwoPointer",
     "TruncatedChunkError",
     "UnsupportedModelError",

@@ -19,6 +19,7 @@ from .engine import LOAD_FAULTS, Engine, on_stream
 from .errors import ChunkDecodeError, InvalidInputError, MissingChunkError
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from .kv import KVCache
+from .layers import LayerReader, StoredChunk
 from .policies import ComputeOnly, LoadOnly, Policy, Progress
 from .spec import ModelSpec
 from .stores.base import ChunkStore
@@ -43,6 +44,9 @@ class RestoreStats:
     bytes_loaded: int
     seconds: float
     errors: list[str] = field(default_factory=list)
+    axis: str = "tokens"  # "layers": the stored prefix was restored layer by layer (LayerTwoPointer)
+    computed_layers: int = 0  # on the layer axis: layers computed / loaded over the stored prefix
+    loaded_layers: int = 0
 
 
 @dataclass
@@ -175,7 +179,10 @@ class Restorer:
         except LOAD_FAULTS as exc:  # the store is down: a restore still finishes, by computing
             stored = [False] * len(refs)
             errors.append(f"lookup: {type(exc).__name__}: {exc}")
-        return await self._restore(tokens, refs, stored, errors, policy or ComputeOnly(), on_event, out)
+        policy = policy or ComputeOnly()
+        if policy.axis == "layers":
+            return await self._restore_layers(tokens, refs, stored, errors, policy, on_event, out)
+        return await self._restore(tokens, refs, stored, errors, policy, on_event, out)
 
     async def _restore(
         self,
@@ -220,6 +227,86 @@ class Restorer:
             errors=errors + [f"chunk {e.first_chunk}: {e.error}" for e in failed],
         )
         return RestoreResult(kv, stats, trace)
+
+    async def _restore_layers(
+        self,
+        tokens: torch.Tensor,
+        refs: list[ChunkRef],
+        stored: list[bool],
+        errors: list[str],
+        policy: Policy,
+        on_event: Callable[[TraceEvent], None] | None,
+        out: KVCache | None,
+    ) -> RestoreResult:
+        """`restore` along layers: the stored prefix layer by layer (compute bottom-up, load top-down,
+        as `policy` decides), then the chunks after it computed token-wise.
+
+        A fault on any layer read (missing, damaged or foreign chunk, store error) fails that layer and
+        every later one, which are computed instead: once a chunk is unusable, no layer read that
+        includes it can be used.
+        """
+        k = stored.index(False) if False in stored else len(stored)
+        if k == 0:  # nothing stored: layers have nothing to load
+            return await self._restore(tokens, refs, stored, errors, ComputeOnly(), on_event, out)
+        t0 = time.perf_counter()
+        kv = self._buffer(out, len(tokens))
+        n_layers, prefix = self.spec.num_layers, refs[k - 1].end
+        progress = Progress([prefix] * n_layers, [True] * n_layers)
+        reader = LayerReader(
+            self.spec, self.store, [StoredChunk(r.key, r.start, r.start, r.n_tokens) for r in refs[:k]]
+        )
+        compute = _LayerCompute(
+            self.backend, tokens[:prefix], kv, self.engine.cuda_stream("compute", kv.data.device)
+        )
+        opening = anyio.Lock()
+        broken: list[str] = []
+
+        async def load(layer: int) -> int:
+            async with opening:
+                if broken:
+                    raise MissingChunkError(f"layer reads stopped after a fault: {broken[0]}")
+                if not reader.headers:
+                    try:
+                        await reader.open()
+                    except LOAD_FAULTS as exc:
+                        broken.append(f"{type(exc).__name__}: {exc}")
+                        raise
+            try:
+                return await reader.read_layer(layer, kv)
+            except LOAD_FAULTS as exc:
+                broken.append(f"{type(exc).__name__}: {exc}")
+                raise
+
+        trace = await self.engine.run(progress, policy, compute, load, on_event, self.load_timeout_s)
+        for a in range(k, len(refs), 1):  # the chunks after the stored prefix: computed in order
+            await self.engine.compute(self._prefill_into, kv, tokens, refs[a])
+        failed = trace.of_kind("load-failed")
+        computed_layers = sum(e.last_chunk - e.first_chunk + 1 for e in trace.of_kind("compute"))
+        loaded_layers = len(trace.of_kind("load"))
+        stats = RestoreStats(
+            policy=policy.name,
+            n_tokens=len(tokens),
+            n_chunks=len(refs),
+            hit_chunks=sum(stored),
+            computed_chunks=len(refs) - k + (k if computed_layers else 0),
+            loaded_chunks=k if loaded_layers else 0,
+            failed_loads=len(failed),
+            bytes_loaded=reader.bytes_read,
+            seconds=time.perf_counter() - t0,
+            errors=errors + [f"layer {e.first_chunk}: {e.error}" for e in failed],
+            axis="layers",
+            computed_layers=computed_layers,
+            loaded_layers=loaded_layers,
+        )
+        return RestoreResult(kv, stats, trace)
+
+    def _prefill_into(self, kv: KVCache, tokens: torch.Tensor, ref: ChunkRef) -> None:
+        """Compute one chunk after the restored prefix (blocking, on the compute lane)."""
+        stream = self.engine.cuda_stream("compute", kv.data.device)
+        with on_stream(stream):
+            kv.write(self.backend.prefill_chunk(tokens[ref.start : ref.end], kv.prefix(ref.start), ref.start))
+        if stream is not None:
+            stream.synchronize()
 
     async def save_chunk(self, token_ids: TokenIds, prefix: TokenIds | None = None) -> str:
         """Prefill a chunk on its own and store its KV under a content key, for `restore_blend`.
@@ -351,6 +438,36 @@ class Restorer:
             for ref in refs:
                 tg.start_soon(write, ref)
         return written
+
+
+class _LayerCompute:
+    """The compute lane of a layer-axis restore: layers [a, b) over every token of the prefix.
+
+    It keeps the hidden states between units, so a unit continues where the last one stopped. Should a
+    unit start above layers that were loaded (after a failed read lower down), it runs through them
+    too: only computing gives the hidden states a higher layer needs.
+    """
+
+    def __init__(
+        self, backend: ComputeBackend, tokens: torch.Tensor, kv: KVCache, stream: torch.cuda.Stream | None
+    ) -> None:
+        self.backend, self.tokens, self.kv, self.stream = backend, tokens, kv, stream
+        self.positions = torch.arange(len(tokens))
+        self.hidden: torch.Tensor | None = None
+        self.layer = 0
+
+    def __call__(self, a: int, b: int) -> None:
+        n = len(self.tokens)
+        with on_stream(self.stream):
+            if self.hidden is None:
+                self.hidden = self.backend.embed(self.tokens)
+            for layer in range(self.layer, b):
+                self.hidden, k, v = self.backend.run_layer(layer, self.hidden, None, None, self.positions)
+                self.kv.data[layer, 0, :, :n].copy_(k)
+                self.kv.data[layer, 1, :, :n].copy_(v)
+            self.layer = b
+        if self.stream is not None:
+            self.stream.synchronize()
 
 
 def _missing(ref: ChunkRef) -> MissingChunkError:

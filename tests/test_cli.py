@@ -19,7 +19,7 @@ def test_demo_answers_with_every_policy(smollm2, tmp_path):
         lambda: run_demo(n_tokens=600, store_url=f"file://{tmp_path}", max_new_tokens=8, out=out)
     )
     text = out.getvalue()
-    assert {r.name for r in runs} == {"compute-only", "load-only", "two-pointer"}
+    assert {r.name for r in runs} == {"compute-only", "load-only", "two-pointer", "layer-wise"}
     assert "identical for every policy" in text
     by_name = {(r.name, r.store): r for r in runs}
     assert {store for _, store in by_name} == {
@@ -76,7 +76,7 @@ def test_bench_writes_its_json_and_plot(smollm2, tmp_path, capsys):
     assert point["two_pointer_computed"] + point["two_pointer_loaded"] == 2
     assert point["oracle_s"] > 0 and point["two_pointer_s"] > 0
     assert result["targets"]["first_tokens_identical"]
-    assert set(result["fluctuation"]) >= {"compute-only", "load-only", "two-pointer"}
+    assert set(result["fluctuation"]) >= {"compute-only", "load-only", "two-pointer", "layer-wise"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "two-pointer" in capsys.readouterr().out
 

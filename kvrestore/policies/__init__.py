@@ -3,13 +3,14 @@
 from .base import ChunkStatus, Decision, Policy, Progress
 from .blend import Blend
 from .compute_only import ComputeOnly
+from .layer_two_pointer import LayerTwoPointer
 from .load_only import LoadOnly
 from .token_two_pointer import TokenTwoPointer
 
 
 def available() -> list[Policy]:
     """One instance of every restore policy, with defaults (what `kvrestore demo` compares)."""
-    return [ComputeOnly(), LoadOnly(), TokenTwoPointer()]
+    return [ComputeOnly(), LoadOnly(), TokenTwoPointer(), LayerTwoPointer()]
 
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "ChunkStatus",
     "ComputeOnly",
     "Decision",
+    "LayerTwoPointer",
     "LoadOnly",
     "Policy",
     "Progress",

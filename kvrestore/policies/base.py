@@ -99,6 +99,9 @@ class Policy(ABC):
     """Decides the next units of a restore from its progress."""
 
     name: str = "policy"
+    #: what a unit is: a chunk of tokens ("tokens": `Progress.chunk_tokens` are the chunks' lengths) or
+    #: a layer over the whole stored prefix ("layers": one entry per layer, each the prefix's length)
+    axis: str = "tokens"
 
     @abstractmethod
     def decide(self, progress: Progress) -> Decision:

@@ -1,0 +1,135 @@
+"""LayerTwoPointer on the real engine: exact restores along layers, partial stores, faults."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import torch
+
+from kvrestore import LayerTwoPointer, Restorer, ThrottledStore
+from kvrestore.backends.hf import HFBackend
+from kvrestore.keys import chunk_keys
+from kvrestore.stores.memory import MemoryStore
+
+from .conftest import random_tokens, tiny_model
+
+ATOL = 1e-5
+
+
+@pytest.fixture(params=["llama", "qwen2", "qwen3"])
+def deep_backend(request) -> HFBackend:
+    """A tiny model with enough layers for the two pointers to meet somewhere in between."""
+    return HFBackend(tiny_model(request.param, layers=12), name=f"tiny-{request.param}-12")
+
+
+def full_prefill(backend: HFBackend, tokens: torch.Tensor) -> torch.Tensor:
+    return backend.prefill_chunk(tokens, None, 0).data
+
+
+async def _saved(backend: HFBackend, tokens: torch.Tensor, chunk_size: int = 16) -> tuple[MemoryStore, int]:
+    inner = MemoryStore()
+    await Restorer(backend, inner, chunk_size=chunk_size).save(tokens)
+    return inner, backend.spec.kv_bytes_per_token // backend.spec.num_layers * len(tokens)
+
+
+def _layers(trace, kind: str) -> set[int]:
+    return {j for e in trace.of_kind(kind) for j in range(e.first_chunk, e.last_chunk + 1)}
+
+
+@pytest.mark.parametrize("layer_seconds", [0.0002, 0.003, 0.03])
+def test_layer_two_pointer_equals_full_prefill(deep_backend, layer_seconds):
+    """Loads faster than, near and slower than compute: exact, each layer once, computed layers below
+    loaded ones."""
+    tokens = random_tokens(150, deep_backend.spec.vocab_size)
+
+    async def main():
+        inner, layer_bytes = await _saved(deep_backend, tokens)
+        store = ThrottledStore(inner, layer_bytes / layer_seconds)
+        return await Restorer(deep_backend, store, chunk_size=16, load_lanes=3).restore(
+            tokens, LayerTwoPointer()
+        )
+
+    res = anyio.run(main)
+    s = res.stats
+    assert s.axis == "layers" and s.failed_loads == 0
+    computed, loaded = _layers(res.trace, "compute"), _layers(res.trace, "load")
+    assert computed | loaded == set(range(12)) and not computed & loaded
+    assert computed == set(range(len(computed)))  # a bottom run: the pointers met without crossing
+    assert s.computed_layers == len(computed) and s.loaded_layers == len(loaded)
+    torch.testing.assert_close(res.kv.data, full_prefill(deep_backend, tokens), atol=ATOL, rtol=0)
+
+
+def test_speed_moves_the_cutover(llama_backend):
+    backend = HFBackend(tiny_model("llama", layers=12), name="tiny-llama-12")
+    tokens = random_tokens(300, backend.spec.vocab_size)
+
+    async def main():
+        inner, layer_bytes = await _saved(backend, tokens)
+        loaded = []
+        for seconds in (0.05, 0.0001):
+            r = Restorer(backend, ThrottledStore(inner, layer_bytes / seconds), chunk_size=16)
+            loaded.append((await r.restore(tokens, LayerTwoPointer())).stats.loaded_layers)
+        return loaded
+
+    slow, fast = anyio.run(main)
+    assert fast > slow
+
+
+def test_partly_stored_prompt_restores_prefix_by_layers_then_computes_the_rest(deep_backend):
+    tokens = random_tokens(150, deep_backend.spec.vocab_size)
+
+    async def main():
+        inner, _ = await _saved(deep_backend, tokens[:100])  # chunks 0..5 stored (96 tokens)
+        return await Restorer(deep_backend, inner, chunk_size=16).restore(tokens, LayerTwoPointer())
+
+    res = anyio.run(main)
+    assert res.stats.hit_chunks == 6 and res.stats.loaded_chunks == 6
+    assert res.stats.computed_chunks >= 4 and res.stats.loaded_layers > 0
+    torch.testing.assert_close(res.kv.data, full_prefill(deep_backend, tokens), atol=ATOL, rtol=0)
+
+
+def test_nothing_stored_computes_everything(llama_backend):
+    tokens = random_tokens(70, llama_backend.spec.vocab_size)
+    res = anyio.run(
+        lambda: Restorer(llama_backend, MemoryStore(), chunk_size=16).restore(tokens, LayerTwoPointer())
+    )
+    assert res.stats.loaded_chunks == 0 and res.stats.computed_chunks == res.stats.n_chunks
+    torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "delete", "foreign"])
+@pytest.mark.parametrize("which", [0, 3])
+def test_damaged_chunk_turns_layers_into_compute(damage, which):
+    """A chunk that cannot be used fails its layer reads: those layers are computed, never used."""
+    backend = HFBackend(tiny_model("llama", layers=12), name="tiny-llama-12")
+    tokens = random_tokens(150, backend.spec.vocab_size)
+    key = chunk_keys(tokens, backend.spec.fingerprint, 16)[which].key
+
+    async def main():
+        inner, layer_bytes = await _saved(backend, tokens)
+        blob = await inner.get(key)
+        if damage == "corrupt":
+            await inner.put(key, blob[:-10] + bytes(10))
+        elif damage == "truncate":
+            await inner.put(key, blob[: len(blob) // 2])
+        elif damage == "delete":
+            await inner.delete(key)
+        else:
+            await inner.put(
+                key, await inner.get(chunk_keys(tokens, backend.spec.fingerprint, 16)[which + 1].key)
+            )
+        # everything listed as stored; the damage is found only when the layers are read
+        store = ThrottledStore(inner, layer_bytes / 0.0005)
+        store.contains = _all_present  # type: ignore[method-assign]
+        return await Restorer(backend, store, chunk_size=16).restore(tokens, LayerTwoPointer()), inner
+
+    res, inner = anyio.run(main)
+    assert res.stats.failed_loads > 0 and res.stats.errors
+    assert res.stats.loaded_layers < 12
+    torch.testing.assert_close(res.kv.data, full_prefill(backend, tokens), atol=ATOL, rtol=0)
+    if damage in ("corrupt", "truncate", "foreign"):
+        assert not anyio.run(inner.contains, [key])[0]  # a damaged object is never served again
+
+
+async def _all_present(keys):
+    return [True] * len(keys)

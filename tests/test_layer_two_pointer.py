@@ -5,10 +5,14 @@ from __future__ import annotations
 import anyio
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvrestore import LayerTwoPointer, Restorer, ThrottledStore
 from kvrestore.backends.hf import HFBackend
+from kvrestore.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
 from kvrestore.keys import chunk_keys
+from kvrestore.simulate import simulate
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens, tiny_model
@@ -133,3 +137,52 @@ def test_damaged_chunk_turns_layers_into_compute(damage, which):
 
 async def _all_present(keys):
     return [True] * len(keys)
+
+
+# -- the layer pointers on a simulated clock (no model) ----------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    layers=st.integers(1, 64),
+    layer_s=st.floats(0.001, 1.0),
+    overhead=st.floats(0.0, 0.05),
+    speed=st.floats(0.1, 10.0),
+    latency_frac=st.floats(0.0, 0.5),
+    lanes=st.integers(1, 4),
+    unit=st.integers(1, 4),
+)
+def test_layer_pointers_meet_once_near_the_best_cutover(
+    layers, layer_s, overhead, speed, latency_frac, lanes, unit
+):
+    """Every layer once; computed layers are a bottom run and loaded ones the top run above it; the
+    makespan is at most the best cutover (known costs) plus one layer's time."""
+    layer_bytes = 1000
+    rate = (
+        speed * layer_bytes / layer_s
+    )  # `speed` x the rate at which loading a layer takes as long as computing it
+    latency = latency_frac * layer_s
+    result = simulate(
+        LayerTwoPointer(compute_layers=unit),
+        [128] * layers,
+        [True] * layers,
+        lambda a, b, t: overhead + (b - a) * layer_s,
+        [layer_bytes] * layers,
+        Link(BandwidthTrace.constant(rate), latency_s=latency),
+        load_lanes=lanes,
+    )
+    computed = [j for e in result.trace.of_kind("compute") for j in range(e.first_chunk, e.last_chunk + 1)]
+    loaded = [e.first_chunk for e in result.trace.of_kind("load")]
+    assert sorted(computed + loaded) == list(range(layers))
+    assert set(computed) == set(range(len(computed))) and set(loaded) == set(range(len(computed), layers))
+    compute_s = [layer_s + overhead / unit] * layers
+    # with few lanes the round trips no longer overlap: each lane waits latency + transfer per layer
+    per_layer = max(layer_bytes / rate, (latency + layer_bytes / rate) / lanes)
+    load_suffix = trace_suffix_times(
+        [layer_bytes] * layers, BandwidthTrace.constant(layer_bytes / per_layer), latency
+    )
+    unlimited = trace_suffix_times([layer_bytes] * layers, BandwidthTrace.constant(rate), latency)
+    best, _ = oracle_split([layer_s] * layers, unlimited)
+    one_layer = max(unit * layer_s + overhead, per_layer + latency)
+    assert result.makespan >= best - 1e-9
+    assert result.makespan <= oracle_split(compute_s, load_suffix)[0] + one_layer + 1e-9

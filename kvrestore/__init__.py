@@ -20,7 +20,8 @@ from .errors import (
 )
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from .kv import KVCache, KVChunk
-from .policies import Blend, ComputeOnly, LayerTwoPointer, LoadOnly, Policy, TokenTwoPointer
+from .policies import Auto, Blend, ComputeOnly, LayerTwoPointer, LoadOnly, Policy, TokenTwoPointer
+from .profile import Profile
 from .restorer import Restorer, RestoreResult, RestoreStats, SaveStats, SyncRestorer
 from .spec import ModelSpec
 from .stores import ChunkStore, ThrottledStore, TieredStore, open_store
@@ -28,6 +29,8 @@ from .stores import ChunkStore, ThrottledStore, TieredStore, open_store
 __version__ = "0.1.0"
 
 __all__ = [
+    "Profile",
+    "Auto",
     "DEFAULT_CHUNK_SIZE",
     "BandwidthTrace",
     "Blend",

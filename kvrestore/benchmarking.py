@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from .profile import cpu_model
+
 # -- samples and interleaving ----------------------------------------------------------------------
 
 
@@ -116,7 +118,7 @@ def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "machine": platform.machine(),
-        "processor": platform.processor() or _cpu_model(),
+        "processor": cpu_model(),
         "python": sys.version.split()[0],
         "cpu_count": os.cpu_count(),
         "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -139,17 +141,6 @@ def machine_info() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             info[dist] = None
     return info
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 # -- output ----------------------------------------------------------------------------------------

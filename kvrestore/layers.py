@@ -85,25 +85,36 @@ class LayerReader:
         self.headers[j] = header
 
     async def read_layer(self, layer: int, kv: KVCache) -> int:
-        """Place layer `layer` of every chunk into `kv`; returns the bytes read. Call `open` first."""
-        total = 0
+        """Place layer `layer` of every chunk into `kv`; returns the bytes read. Call `open` first.
 
-        async def one(j: int) -> None:
-            nonlocal total
-            chunk, header = self.chunks[j], self.headers[j]
-            (a, b) = codec.layer_ranges(header, [layer])[0]
-            try:
-                data = await self._get(chunk.key, a, b)
-                await anyio.to_thread.run_sync(self.place, layer, j, data, kv, abandon_on_cancel=False)
-            except ChunkDecodeError as exc:
-                if not isinstance(exc, MissingChunkError):
-                    await self._forget(chunk.key)
-                raise
-            total += len(data)
+        The sections are fetched concurrently, then verified and placed in one worker-thread call (one
+        thread hop per layer, not one per chunk: short prompts have many small sections)."""
+        sections: list[bytes] = [b""] * len(self.chunks)
 
-        await _each(one, len(self.chunks))
+        async def fetch(j: int) -> None:
+            (a, b) = codec.layer_ranges(self.headers[j], [layer])[0]
+            sections[j] = await self._get(self.chunks[j].key, a, b)
+
+        await _each(fetch, len(self.chunks))
+        bad = await anyio.to_thread.run_sync(self._place_all, layer, sections, kv, abandon_on_cancel=False)
+        if bad:
+            for j, _ in bad:
+                await self._forget(self.chunks[j].key)
+            raise bad[0][1]
+        total = sum(len(data) for data in sections)
         self.bytes_read += total
         return total
+
+    def _place_all(
+        self, layer: int, sections: list[bytes], kv: KVCache
+    ) -> list[tuple[int, ChunkDecodeError]]:
+        bad = []
+        for j, data in enumerate(sections):
+            try:
+                self.place(layer, j, data, kv)
+            except ChunkDecodeError as exc:
+                bad.append((j, exc))
+        return bad
 
     def place(self, layer: int, j: int, data: bytes, kv: KVCache) -> None:
         """Verify one section and copy it to chunk j's token range of layer `layer` (blocking)."""

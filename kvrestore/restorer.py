@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,9 @@ from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from .kv import KVCache
 from .layers import LayerReader, StoredChunk
 from .policies import ComputeOnly, LoadOnly, Policy, Progress
-from .spec import ModelSpec
+from .policies.planner import Auto, Plan, Workload
+from .profile import LinkEstimate, Profile
+from .spec import ModelSpec, dtype_name
 from .stores.base import ChunkStore
 from .trace import Trace, TraceEvent
 
@@ -54,6 +57,7 @@ class RestoreResult:
     kv: KVCache
     stats: RestoreStats
     trace: Trace
+    plan: Plan | None = None  # with `Auto` (the default): what it predicted, and why it chose
 
 
 @dataclass
@@ -89,6 +93,9 @@ class Restorer:
 
     `chunk_size` tokens per stored chunk (default 256); `load_lanes` concurrent fetches;
     `compression` "none" or "zstd" for written chunks. Restorers may share an `Engine` (its lanes).
+    `profile` is the cost model the `Auto` planner predicts with: a `Profile`, a path to one, or None
+    for the one `kvrestore profile` saved for this machine and model (if any). Its store link is only a
+    starting point: `link` follows the loads of every restore.
     """
 
     def __init__(
@@ -101,6 +108,7 @@ class Restorer:
         compression: str = "none",
         engine: Engine | None = None,
         load_timeout_s: float | None = 30.0,
+        profile: Profile | str | os.PathLike | None = None,
     ) -> None:
         if not isinstance(chunk_size, int) or chunk_size <= 0:
             raise InvalidInputError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
@@ -112,6 +120,32 @@ class Restorer:
         self.compression = compression
         self.engine = engine or Engine(load_lanes)
         self.load_timeout_s = load_timeout_s
+        self.profile = self._profile(profile)
+        self.link = LinkEstimate(self.profile.link if self.profile is not None else None)
+
+    def _profile(self, profile: Profile | str | os.PathLike | None) -> Profile | None:
+        if profile is None:
+            return Profile.find(self.spec, self.backend.device)
+        if not isinstance(profile, Profile):
+            profile = Profile.load(profile)
+        if not profile.matches(self.spec, self.backend.device):
+            raise InvalidInputError(
+                f"the profile is of {profile.model} ({profile.dtype}, {profile.device}), not of "
+                f"{self.spec.name} ({dtype_name(self.spec.dtype)}, {torch.device(self.backend.device).type})"
+            )
+        return profile
+
+    def plan(self, token_ids: TokenIds, stored: Sequence[bool], policy: Auto | None = None) -> Plan:
+        """What `Auto` would choose for `token_ids` given which chunks are `stored` (see `Plan.explain`)."""
+        _, refs = self.chunks(token_ids)
+        work = Workload(
+            tuple(r.n_tokens for r in refs),
+            tuple(bool(s) for s in stored),
+            self.spec.num_layers,
+            self.spec.kv_bytes_per_token,
+            self.engine.load_lanes,
+        )
+        return (policy or Auto()).plan(self.profile, self.link.current, work)
 
     @property
     def spec(self) -> ModelSpec:
@@ -167,9 +201,10 @@ class Restorer:
         on_event: Callable[[TraceEvent], None] | None = None,
         out: KVCache | None = None,
     ) -> RestoreResult:
-        """The KV cache of `token_ids`, assembled by `policy` (default ComputeOnly) from compute and loads.
+        """The KV cache of `token_ids`, assembled by `policy` from compute and loads.
 
-        `out` is a buffer to restore into (a serving process reuses its KV memory instead of allocating
+        The default policy, `Auto`, predicts every strategy with the restorer's profile and picks the
+        fastest (`result.plan` says what it predicted and why). `out` is a buffer to restore into (a serving process reuses its KV memory instead of allocating
         and first-touching a new buffer per request); the result's `kv` then shares it.
         """
         tokens, refs = self.chunks(token_ids)
@@ -179,10 +214,18 @@ class Restorer:
         except LOAD_FAULTS as exc:  # the store is down: a restore still finishes, by computing
             stored = [False] * len(refs)
             errors.append(f"lookup: {type(exc).__name__}: {exc}")
-        policy = policy or ComputeOnly()
+        policy = policy or Auto()
+        plan = None
+        if isinstance(policy, Auto):
+            plan = self.plan(tokens, stored, policy)
+            policy = plan.choice
         if policy.axis == "layers":
-            return await self._restore_layers(tokens, refs, stored, errors, policy, on_event, out)
-        return await self._restore(tokens, refs, stored, errors, policy, on_event, out)
+            result = await self._restore_layers(tokens, refs, stored, errors, policy, on_event, out)
+        else:
+            result = await self._restore(tokens, refs, stored, errors, policy, on_event, out)
+        self.link.observe(result.trace)
+        result.plan = plan
+        return result
 
     async def _restore(
         self,

@@ -1,0 +1,232 @@
+"""Auto: the planner that picks how to restore a prompt (CacheFlow §3.1; Cake §5.4's fallback).
+
+Before a restore, `Auto.plan` predicts how long each strategy would take on this machine, model and
+store -- compute-only, load-only, the token-wise two-pointer and the layer-wise one -- by running the
+very policy objects in the discrete-event simulator (`simulate`) against the measured cost model
+(`profile.Profile`) and the live estimate of the store's link. It picks the fastest prediction, so:
+
+* token-wise above the crossover length L_delta and layer-wise below it (CacheFlow: a short prompt has
+  too few chunks to split, a long one has cheap early chunks that only the token axis exploits);
+* one resource alone where using both would be slower (a store far faster than compute: load-only; a
+  hopeless store: compute-only), which Cake leaves as future work.
+
+The `Plan` keeps every prediction, the harmonic-mean bound T* = Tc * Tio / (Tc + Tio), the crossover
+length and a sentence saying why, and comes back with the restore's result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import NamedTuple
+
+from ..bandwidth import BandwidthTrace, Link
+from ..profile import ChunkCost, LayerCost, LinkCost, Profile
+from ..simulate import simulate
+from .base import Decision, Policy, Progress
+from .compute_only import ComputeOnly
+from .layer_two_pointer import LayerTwoPointer
+from .load_only import LoadOnly
+from .token_two_pointer import TokenTwoPointer
+
+#: the prompt lengths (tokens) searched for the crossover L_delta
+L_DELTA_GRID = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the planner needs to know about one restore."""
+
+    chunk_tokens: tuple[int, ...]
+    stored: tuple[bool, ...]
+    num_layers: int
+    kv_bytes_per_token: int
+    load_lanes: int = 4
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's choice for one restore, with what it predicted for every strategy."""
+
+    choice: Policy
+    predicted_s: dict[str, float] = field(default_factory=dict)  # by policy name
+    compute_s: float | None = None  # Tc: compute-only
+    load_s: float | None = None  # Tio: load-only
+    bound_s: float | None = None  # T* = Tc Tio / (Tc + Tio)
+    l_delta: int | None = None  # tokens: token-wise is predicted faster from here on
+    reason: str = ""
+
+    def explain(self) -> str:
+        """A few lines a user can read: the predictions, the bound, the crossover, the choice."""
+        lines = [f"chose {self.choice.name}: {self.reason}"]
+        for name, s in sorted(self.predicted_s.items(), key=lambda kv: kv[1]):
+            mark = " <-" if name == self.choice.name else ""
+            lines.append(f"  {name:<14} {s:8.3f} s{mark}")
+        if self.bound_s is not None:
+            lines.append(
+                f"  {'T* bound':<14} {self.bound_s:8.3f} s  (Tc {self.compute_s:.3f} s, Tio {self.load_s:.3f} s)"
+            )
+        if self.l_delta is not None:
+            lines.append(
+                f"  L_delta        {self.l_delta} tokens (token-wise from here on, layer-wise below)"
+            )
+        return "\n".join(lines)
+
+
+class Auto(Policy):
+    """Pick the restore strategy predicted fastest (see the module docstring).
+
+    Pass it to `Restorer.restore` (it is the default there); the restorer plans with its profile and
+    link estimate and runs the chosen policy. Without a profile (run `kvrestore profile` once per
+    machine and model) or any estimate of the store's speed, it picks the token-wise two-pointer,
+    which adapts to whatever it meets.
+    """
+
+    name = "auto"
+    axis = "plan"
+
+    def __init__(self, candidates: Sequence[Policy] | None = None) -> None:
+        self.candidates = tuple(candidates) if candidates is not None else None
+
+    def __repr__(self) -> str:
+        return "Auto()"
+
+    def decide(self, progress: Progress) -> Decision:
+        raise TypeError(
+            "Auto plans a whole restore: pass it to Restorer.restore, or run Auto.plan(...).choice"
+        )
+
+    def plan(self, profile: Profile | None, link: LinkCost | None, work: Workload) -> Plan:
+        if profile is None:
+            return Plan(
+                TokenTwoPointer(), reason="no profile of this machine and model (run `kvrestore profile`)"
+            )
+        if not any(work.stored):
+            return Plan(ComputeOnly(), reason="nothing of this prompt is stored")
+        if link is None:
+            return Plan(
+                TokenTwoPointer(), reason="no estimate of the store's speed yet (profile it, or restore once)"
+            )
+        candidates = self.candidates or (ComputeOnly(), LoadOnly(), TokenTwoPointer(), LayerTwoPointer())
+        predicted = {p.name: predict(p, profile, link, work) for p in candidates}
+        order = {p.name: i for i, p in enumerate(candidates)}  # ties go to the simpler, listed first
+        choice = min(candidates, key=lambda p: (round(predicted[p.name], 9), order[p.name]))
+        tc = predict(ComputeOnly(), profile, link, work)
+        tio = predict(LoadOnly(), profile, link, _all_stored(work))
+        l_delta = crossover_length(
+            profile, link, work.num_layers, work.kv_bytes_per_token, work.load_lanes, max(work.chunk_tokens)
+        )
+        return Plan(
+            choice=choice,
+            predicted_s=predicted,
+            compute_s=tc,
+            load_s=tio,
+            bound_s=tc * tio / (tc + tio),
+            l_delta=l_delta,
+            reason=_reason(choice, predicted, work.n_tokens, l_delta),
+        )
+
+
+def predict(policy: Policy, profile: Profile | _Costs, link: LinkCost, work: Workload) -> float:
+    """Seconds `policy` is predicted to take on `work`: the simulator, driven by the cost model."""
+    channel = Link(BandwidthTrace.constant(link.bytes_per_s), latency_s=link.latency_s)
+    if policy.axis == "layers":
+        return _predict_layers(policy, profile, channel, work)
+    starts = [sum(work.chunk_tokens[:i]) for i in range(len(work.chunk_tokens))]
+
+    def cost(a: int, b: int, _t: float) -> float:
+        return profile.chunk.seconds(sum(work.chunk_tokens[a:b]), starts[a])
+
+    chunk_bytes = [n * work.kv_bytes_per_token for n in work.chunk_tokens]
+    result = simulate(policy, work.chunk_tokens, work.stored, cost, chunk_bytes, channel, work.load_lanes)
+    return result.makespan
+
+
+def _predict_layers(policy: Policy, profile: Profile | _Costs, channel: Link, work: Workload) -> float:
+    """The stored prefix by layers (one range read per chunk per layer), then the rest computed."""
+    k = work.stored.index(False) if False in work.stored else len(work.stored)
+    prefix, n = sum(work.chunk_tokens[:k]), work.n_tokens
+    layer_s = profile.layer.seconds(prefix)
+    layer_bytes = prefix * work.kv_bytes_per_token // work.num_layers
+    result = simulate(
+        policy,
+        [prefix] * work.num_layers,
+        [True] * work.num_layers,
+        lambda a, b, _t: (b - a) * layer_s,
+        [layer_bytes] * work.num_layers,
+        channel,
+        work.load_lanes,
+    )
+    tail = profile.chunk.seconds(n - prefix, prefix) if n > prefix else 0.0
+    # reading the chunks' headers first costs one round trip before the first layer arrives
+    return result.makespan + tail + channel.latency_s
+
+
+def crossover_length(
+    profile: Profile,
+    link: LinkCost,
+    num_layers: int,
+    kv_bytes_per_token: int,
+    load_lanes: int = 4,
+    chunk_size: int = 256,
+) -> int | None:
+    """L_delta: the shortest fully stored prompt on which the token-wise two-pointer is predicted no
+    slower than the layer-wise one (CacheFlow's min{N | T_token(N) <= T_layer(N)}), None if none is."""
+    costs = _Costs(profile.chunk, profile.layer)
+    return _crossover(costs, link, num_layers, kv_bytes_per_token, load_lanes, chunk_size)
+
+
+class _Costs(NamedTuple):
+    """The part of a profile predictions use (hashable, for the cache below)."""
+
+    chunk: ChunkCost
+    layer: LayerCost
+
+
+@lru_cache(maxsize=256)
+def _crossover(
+    profile: _Costs,
+    link: LinkCost,
+    num_layers: int,
+    kv_bytes_per_token: int,
+    load_lanes: int,
+    chunk_size: int,
+) -> int | None:
+    for n in L_DELTA_GRID:
+        chunks = tuple([chunk_size] * (n // chunk_size) + ([n % chunk_size] if n % chunk_size else []))
+        work = Workload(chunks, (True,) * len(chunks), num_layers, kv_bytes_per_token, load_lanes)
+        if predict(TokenTwoPointer(), profile, link, work) <= predict(LayerTwoPointer(), profile, link, work):
+            return n
+    return None
+
+
+def _all_stored(work: Workload) -> Workload:
+    return Workload(
+        work.chunk_tokens,
+        (True,) * len(work.stored),
+        work.num_layers,
+        work.kv_bytes_per_token,
+        work.load_lanes,
+    )
+
+
+def _reason(choice: Policy, predicted: dict[str, float], n_tokens: int, l_delta: int | None) -> str:
+    best = predicted[choice.name]
+    others = ", ".join(f"{name} {s:.3f} s" for name, s in predicted.items() if name != choice.name)
+    why = {
+        "two-pointer": "both resources, along tokens",
+        "layer-wise": "both resources, along layers",
+        "compute-only": "the store is too slow to help",
+        "load-only": "the store alone is faster than sharing with compute",
+    }.get(choice.name, "fastest prediction")
+    side = ""
+    if l_delta is not None and choice.name in ("two-pointer", "layer-wise"):
+        side = (
+            f"; {n_tokens} tokens is {'at or above' if n_tokens >= l_delta else 'below'} L_delta = {l_delta}"
+        )
+    return f"{why}: predicted {best:.3f} s against {others}{side}"

@@ -42,14 +42,21 @@ PROFILE_VERSION = 1
 
 
 class ChunkCost(msgspec.Struct, frozen=True):
-    """Seconds to prefill `n` tokens after `past` tokens whose KV is known (one call of the backend)."""
+    """Seconds to prefill `n` tokens after `past` tokens whose KV is known (one call of the backend):
+    ``fixed + n * per_token + n * past * per_token_past + n^2 * per_token2``. The past and the new
+    tokens' own attention get separate terms: a whole-prompt prefill runs causal attention far more
+    efficiently than a chunk attending to a past does."""
 
     fixed_s: float
     per_token_s: float
     per_token_past_s: float
+    per_token2_s: float = 0.0
 
     def seconds(self, n_tokens: int, past: int = 0) -> float:
-        return self.fixed_s + n_tokens * (self.per_token_s + self.per_token_past_s * (past + n_tokens / 2))
+        n = n_tokens
+        return (
+            self.fixed_s + n * self.per_token_s + n * past * self.per_token_past_s + n * n * self.per_token2_s
+        )
 
 
 class LayerCost(msgspec.Struct, frozen=True):
@@ -147,8 +154,8 @@ class Profile(msgspec.Struct, frozen=True):
         c, layer = self.chunk, self.layer
         lines = [
             f"profile of {self.model} ({self.dtype}, {self.device}) on machine {self.machine}",
-            f"  prefill n tokens after p: {c.fixed_s * 1e3:.2f} ms + n x ({c.per_token_s * 1e6:.1f} us"
-            f" + {c.per_token_past_s * 1e9:.2f} ns x (p + n/2))",
+            f"  prefill n tokens after p: {c.fixed_s * 1e3:.2f} ms + {c.per_token_s * 1e6:.1f} us x n"
+            f" + {c.per_token_past_s * 1e9:.2f} ns x n p + {c.per_token2_s * 1e9:.2f} ns x n^2",
             f"  one layer over N tokens:  {layer.fixed_s * 1e3:.3f} ms + {layer.per_token_s * 1e6:.2f} us x N"
             f" + {layer.per_token2_s * 1e9:.4f} ns x N^2",
         ]
@@ -200,10 +207,13 @@ def cpu_model() -> str:
 
 
 def fit_nonnegative(features: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float]:
-    """Least squares with every coefficient >= 0 (a cost model has no negative costs): features whose
-    coefficient comes out negative are dropped and the rest refitted."""
-    x = torch.tensor(features, dtype=torch.float64)
+    """Least squares of the relative error, every coefficient >= 0 (a cost model has no negative
+    costs): features whose coefficient comes out negative are dropped and the rest refitted. Relative,
+    so that a 128-token prompt is predicted as well as a 4096-token one."""
     y = torch.tensor(targets, dtype=torch.float64).unsqueeze(1)
+    weight = 1.0 / y.clamp_min(1e-9)
+    x = torch.tensor(features, dtype=torch.float64) * weight
+    y = y * weight
     active = list(range(x.shape[1]))
     coef = [0.0] * x.shape[1]
     while active:
@@ -221,7 +231,7 @@ def fit_nonnegative(features: Sequence[Sequence[float]], targets: Sequence[float
 
 def fit_chunk_cost(samples: Sequence[Sequence[float]]) -> ChunkCost:
     """Fit [n, past, seconds] samples to `ChunkCost`."""
-    feats = [[1.0, n, n * (p + n / 2)] for n, p, _ in samples]
+    feats = [[1.0, n, n * p, n * n] for n, p, _ in samples]
     return ChunkCost(*fit_nonnegative(feats, [s for _, _, s in samples]))
 
 
@@ -257,45 +267,47 @@ def _sample_tokens(backend: Any, n: int) -> torch.Tensor:
     return torch.randint(0, backend.spec.vocab_size, (n,), generator=g)
 
 
-def measure_chunks(backend: Any, max_tokens: int, chunk_size: int, repeats: int = 3) -> list[list[float]]:
-    """[n, past, seconds] of prefills: every chunk of a `max_tokens` prompt after its past, and whole
-    prompts of several lengths (the units of compute-only and of the two-pointer's compute lane)."""
+def measure_chunks(backend: Any, max_tokens: int, chunk_size: int, repeats: int = 2) -> list[list[float]]:
+    """[n, past, seconds] of prefills: the chunks (of one and two `chunk_size`s) of a `max_tokens`
+    prompt after their past, and whole prompts of doubling lengths (compute-only's one unit)."""
     tokens = _sample_tokens(backend, max_tokens)
-    full = backend.prefill_chunk(tokens, None, 0).data  # the past every chunk below is computed after
     backend.prefill_chunk(tokens[:chunk_size], None, 0)  # warm-up
-    samples = []
+    t0 = time.perf_counter()
+    full = backend.prefill_chunk(tokens, None, 0).data  # the past every chunk below is computed after
+    samples = [[max_tokens, 0, time.perf_counter() - t0]]
     for start in range(0, max_tokens, chunk_size):
-        for n in (chunk_size, 2 * chunk_size):
+        sizes = (chunk_size, 2 * chunk_size) if (start // chunk_size) % 2 else (chunk_size,)
+        for n in sizes:
             end = min(start + n, max_tokens)
             past = full[:, :, :, :start] if start else None
-            s = _timed(
-                lambda start=start, end=end, past=past: backend.prefill_chunk(tokens[start:end], past, start),
-                repeats,
-            )
-            samples.append([end - start, start, s])
-    n = chunk_size // 2
-    while n <= max_tokens:
-        s = _timed(lambda n=n: backend.prefill_chunk(tokens[:n], None, 0), repeats)
-        samples.append([n, 0, s])
-        n *= 2
+
+            def unit(start: int = start, end: int = end, past: torch.Tensor | None = past) -> None:
+                backend.prefill_chunk(tokens[start:end], past, start)
+
+            samples.append([end - start, start, _timed(unit, repeats)])
+    for n in _doublings(chunk_size // 2, max_tokens // 2):
+        samples.append([n, 0, _timed(lambda n=n: backend.prefill_chunk(tokens[:n], None, 0), repeats)])
     return samples
 
 
-def measure_layers(backend: Any, lengths: Sequence[int], repeats: int = 3) -> list[list[float]]:
-    """[n, seconds per layer] of running the model's layers one at a time over n tokens at once."""
-    num_layers = backend.spec.num_layers
+def measure_layers(
+    backend: Any, lengths: Sequence[int], repeats: int = 2, layers: int = 4
+) -> list[list[float]]:
+    """[n, seconds per layer] of running decoder layers one at a time over n tokens at once. Every
+    layer of a decoder costs the same, so the first `layers` of them stand for all."""
+    count = min(layers, backend.spec.num_layers)
     samples = []
     for n in lengths:
         tokens = _sample_tokens(backend, n)
         positions = torch.arange(n)
+        hidden = backend.embed(tokens)
 
-        def stack(tokens: torch.Tensor = tokens, positions: torch.Tensor = positions) -> None:
-            hidden = backend.embed(tokens)
-            for layer in range(num_layers):
+        def stack(hidden: torch.Tensor = hidden, positions: torch.Tensor = positions) -> None:
+            for layer in range(count):
                 hidden, _, _ = backend.run_layer(layer, hidden, None, None, positions)
 
         stack()  # warm-up
-        samples.append([n, _timed(stack, repeats) / num_layers])
+        samples.append([n, _timed(stack, repeats) / count])
     return samples
 
 
@@ -333,12 +345,12 @@ async def profile(
     max_tokens: int = 2048,
     chunk_size: int = 256,
     layer_lengths: Sequence[int] | None = None,
-    repeats: int = 3,
+    repeats: int = 2,
     log: Callable[[str], None] | None = None,
 ) -> Profile:
     """Measure `backend` (and `store`, if given) on this machine; see the module docstring.
 
-    Takes about 20 s for SmolLM2 on a 2-core CPU with the defaults; a tiny model takes well under one.
+    Takes about 40 s for SmolLM2 (fp32) on a 2-core CPU with the defaults; a tiny model takes well under one.
     """
     if max_tokens < chunk_size or chunk_size <= 0:
         raise InvalidInputError(f"need 0 < chunk_size <= max_tokens, got {chunk_size} and {max_tokens}")

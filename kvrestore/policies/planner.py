@@ -134,9 +134,9 @@ class Auto(Policy):
 
 def predict(policy: Policy, profile: Profile | _Costs, link: LinkCost, work: Workload) -> float:
     """Seconds `policy` is predicted to take on `work`: the simulator, driven by the cost model."""
-    channel = Link(BandwidthTrace.constant(link.bytes_per_s), latency_s=link.latency_s)
     if policy.axis == "layers":
-        return _predict_layers(policy, profile, channel, work)
+        return _predict_layers(policy, profile, link, work)
+    channel = Link(BandwidthTrace.constant(link.bytes_per_s), latency_s=link.latency_s)
     starts = [sum(work.chunk_tokens[:i]) for i in range(len(work.chunk_tokens))]
 
     def cost(a: int, b: int, _t: float) -> float:
@@ -147,9 +147,11 @@ def predict(policy: Policy, profile: Profile | _Costs, link: LinkCost, work: Wor
     return result.makespan
 
 
-def _predict_layers(policy: Policy, profile: Profile | _Costs, channel: Link, work: Workload) -> float:
+def _predict_layers(policy: Policy, profile: Profile | _Costs, link: LinkCost, work: Workload) -> float:
     """The stored prefix by layers (one range read per chunk per layer), then the rest computed."""
     k = work.stored.index(False) if False in work.stored else len(work.stored)
+    if k == 0:  # what the restorer does then: nothing to load along layers
+        return predict(ComputeOnly(), profile, link, work)
     prefix, n = sum(work.chunk_tokens[:k]), work.n_tokens
     layer_s = profile.layer.seconds(prefix)
     layer_bytes = prefix * work.kv_bytes_per_token // work.num_layers
@@ -159,12 +161,12 @@ def _predict_layers(policy: Policy, profile: Profile | _Costs, channel: Link, wo
         [True] * work.num_layers,
         lambda a, b, _t: (b - a) * layer_s,
         [layer_bytes] * work.num_layers,
-        channel,
+        Link(BandwidthTrace.constant(link.bytes_per_s), latency_s=link.latency_s),
         work.load_lanes,
     )
     tail = profile.chunk.seconds(n - prefix, prefix) if n > prefix else 0.0
     # reading the chunks' headers first costs one round trip before the first layer arrives
-    return result.makespan + tail + channel.latency_s
+    return result.makespan + tail + link.latency_s
 
 
 def crossover_length(

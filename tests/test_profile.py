@@ -1,0 +1,136 @@
+"""The cost model: fitting, the profile file, measuring a real (tiny) model and store, the live link."""
+
+from __future__ import annotations
+
+import anyio
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrestore import Profile, Restorer
+from kvrestore.backends.hf import HFBackend
+from kvrestore.errors import InvalidInputError
+from kvrestore.profile import (
+    ChunkCost,
+    LayerCost,
+    LinkCost,
+    LinkEstimate,
+    _busy_seconds,
+    fit_chunk_cost,
+    fit_layer_cost,
+    fit_link,
+    fit_nonnegative,
+    machine_id,
+    profile,
+)
+from kvrestore.stores.memory import MemoryStore
+from kvrestore.trace import Trace, TraceEvent
+
+from .conftest import tiny_model
+
+
+def make_profile(backend: HFBackend | None = None, **kw) -> Profile:
+    base = dict(
+        machine="m",
+        model=backend.spec.name if backend else "model",
+        fingerprint=backend.spec.fingerprint if backend else "f" * 32,
+        dtype="float32",
+        device="cpu",
+        chunk=ChunkCost(1e-3, 1e-5, 1e-9, 1e-9),
+        layer=LayerCost(1e-4, 1e-6, 1e-10),
+        link=LinkCost(1e8, 1e-3),
+    )
+    base.update(kw)
+    return Profile(**base)
+
+
+def test_fits_recover_the_costs_that_made_the_samples():
+    truth = ChunkCost(2e-3, 3e-5, 4e-9, 1e-9)
+    samples = [[n, p, truth.seconds(n, p)] for n in (64, 256, 512, 2048) for p in (0, 256, 1024)]
+    fitted = fit_chunk_cost(samples)
+    for n, p, s in samples:
+        assert fitted.seconds(n, p) == pytest.approx(s, rel=1e-6)
+    layer = LayerCost(1e-3, 2e-6, 3e-10)
+    fitted_layer = fit_layer_cost([[n, layer.seconds(n)] for n in (128, 256, 1024, 4096)])
+    assert fitted_layer.seconds(3000) == pytest.approx(layer.seconds(3000), rel=1e-6)
+    link = fit_link([[b, 0.002 + b / 5e7] for b in (4096, 1 << 20, 8 << 20)])
+    assert link.bytes_per_s == pytest.approx(5e7, rel=1e-6) and link.latency_s == pytest.approx(
+        0.002, rel=1e-6
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.floats(1, 1e4), st.floats(0, 1e4), st.floats(1e-6, 10.0)), min_size=1, max_size=30)
+)
+def test_fitted_costs_are_never_negative(rows):
+    coef = fit_nonnegative([[1.0, a, b] for a, b, _ in rows], [s for _, _, s in rows])
+    assert all(c >= 0 for c in coef)
+
+
+def test_profile_file_round_trip_and_clear_errors(tmp_path, llama_backend):
+    p = make_profile(llama_backend, samples={"layer": [[128.0, 0.01]]})
+    path = p.save(tmp_path / "p.json")
+    assert Profile.load(path) == p
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(InvalidInputError, match="bad.json"):
+        Profile.load(tmp_path / "bad.json")
+    (tmp_path / "other.json").write_text('{"hello": 1}')
+    with pytest.raises(InvalidInputError, match="not a kvrestore profile"):
+        Profile.load(tmp_path / "other.json")
+    old = msgspec.structs.replace(p, version=0)
+    old.save(tmp_path / "old.json")
+    with pytest.raises(InvalidInputError, match="kvrestore profile` again"):
+        Profile.load(tmp_path / "old.json")
+    with pytest.raises(InvalidInputError, match="cannot read profile"):
+        Profile.load(tmp_path / "missing.json")
+
+
+def test_restorer_finds_the_saved_profile_and_refuses_another_models(tmp_path, monkeypatch, llama_backend):
+    monkeypatch.setenv("KVRESTORE_CACHE_DIR", str(tmp_path))
+    assert Restorer(llama_backend, MemoryStore()).profile is None
+    p = make_profile(llama_backend)
+    p = msgspec.structs.replace(p, machine=machine_id())
+    p.save()
+    assert Restorer(llama_backend, MemoryStore()).profile == p
+    other = HFBackend(tiny_model("qwen2"), name="tiny-qwen2")
+    with pytest.raises(InvalidInputError, match="profile is of"):
+        Restorer(other, MemoryStore(), profile=p)
+    with pytest.raises(InvalidInputError, match="cannot read profile"):
+        Restorer(llama_backend, MemoryStore(), profile=tmp_path / "nope.json")
+
+
+def test_profile_measures_a_real_model_and_store(llama_backend):
+    store = MemoryStore()
+    p = anyio.run(lambda: profile(llama_backend, store, max_tokens=256, chunk_size=64, repeats=1))
+    assert p.matches(llama_backend.spec, "cpu")
+    assert {len(s) for s in p.samples["chunk"]} == {3} and len(p.samples["layer"]) >= 3
+    assert p.chunk.seconds(256) > p.chunk.seconds(64) > 0
+    assert p.layer.seconds(256) > 0 and p.link is not None and p.link.bytes_per_s > 0
+    assert anyio.run(store.scan) == []  # its test objects are gone
+    assert "prefill n tokens" in p.summary()
+
+
+def test_profile_rejects_bad_sizes(llama_backend):
+    with pytest.raises(InvalidInputError, match="chunk_size"):
+        anyio.run(lambda: profile(llama_backend, max_tokens=32, chunk_size=64))
+
+
+def test_link_estimate_follows_the_loads():
+    est = LinkEstimate(LinkCost(1e6, 0.0), weight=0.5)
+    trace = Trace()
+    for i in range(4):  # 1 MB every 0.1 s on one lane, back to back: 10 MB/s
+        trace.add(TraceEvent("load", i, i, 0.1 * i, 0.1 * (i + 1), 1_000_000))
+    est.observe(trace)
+    assert est.current.bytes_per_s == pytest.approx((1e6 + 1e7) / 2)
+    est.observe(Trace())  # nothing loaded: nothing learned
+    assert est.observations == 1
+    fresh = LinkEstimate()
+    fresh.observe(trace)
+    assert fresh.current.bytes_per_s == pytest.approx(1e7)
+
+
+def test_busy_time_is_the_union_of_intervals():
+    assert _busy_seconds([(0, 1), (0.5, 2), (3, 4)]) == pytest.approx(3.0)
+    assert _busy_seconds([]) == 0.0

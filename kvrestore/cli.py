@@ -1,4 +1,4 @@
-"""Command line: `kvrestore demo`, `kvrestore bench`."""
+"""Command line: `kvrestore demo`, `kvrestore bench`, `kvrestore profile`."""
 
 from __future__ import annotations
 
@@ -38,10 +38,24 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--no-fluctuation", action="store_true", help="skip the fluctuation run and its plot")
     bench.add_argument("--json", default="kvrestore-bench.json", help="where to write the results")
     bench.add_argument("--plot", default="kvrestore-bench.png", help="where to write the fluctuation plot")
+    prof = sub.add_parser(
+        "profile",
+        help="measure compute and store costs on this machine; saves the profile the Auto planner uses",
+    )
+    prof.add_argument("--model", default=None, help="a local HF checkpoint dir (default: bundled SmolLM2)")
+    prof.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    prof.add_argument("--device", default=None, help="torch device, e.g. cuda:0 (default: cpu)")
+    prof.add_argument("--store", default=None, help="also measure this store URL's bandwidth and latency")
+    prof.add_argument("--max-tokens", type=int, default=2048, help="longest prompt measured (default 2048)")
+    prof.add_argument("--chunk-size", type=int, default=256, help="tokens per stored chunk (default 256)")
+    prof.add_argument("--repeats", type=int, default=2, help="timings per measurement (median; default 2)")
+    prof.add_argument("--out", default=None, help="where to save (default: the cache dir, found by Restorer)")
     args = parser.parse_args(argv)
 
     if args.command == "bench":
         return _bench(parser, args)
+    if args.command == "profile":
+        return _profile(parser, args)
 
     if args.command == "demo":
         from .demo import QUESTION, run_demo
@@ -90,6 +104,47 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     )
     result = anyio.run(Bench(config, log=lambda line: print(line, flush=True)).run)
     return 0 if result["targets"]["first_tokens_identical"] else 1
+
+
+def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import torch
+
+    from .backends.hf import HFBackend
+    from .errors import KVRestoreError
+    from .profile import profile
+    from .stores import open_store
+
+    if args.max_tokens <= 0 or args.chunk_size <= 0 or args.repeats <= 0:
+        parser.error("--max-tokens, --chunk-size and --repeats must be positive")
+    dtype = getattr(torch, args.dtype)
+
+    async def run() -> None:
+        if args.model:
+            backend = HFBackend.from_pretrained(args.model, dtype=dtype, device=args.device)
+        else:
+            backend = HFBackend.from_smollm2(dtype=dtype, device=args.device)
+        store = open_store(args.store) if args.store else None
+        try:
+            result = await profile(
+                backend,
+                store,
+                max_tokens=args.max_tokens,
+                chunk_size=args.chunk_size,
+                repeats=args.repeats,
+                log=lambda line: print(line, flush=True),
+            )
+        finally:
+            if store is not None:
+                await store.close()
+        print(result.summary())
+        print(f"saved {result.save(args.out)}")
+
+    try:
+        anyio.run(run)
+    except KVRestoreError as exc:
+        print(f"kvrestore: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -76,7 +76,7 @@ def test_bench_writes_its_json_and_plot(smollm2, tmp_path, capsys):
     assert point["two_pointer_computed"] + point["two_pointer_loaded"] == 2
     assert point["oracle_s"] > 0 and point["two_pointer_s"] > 0
     assert result["targets"]["first_tokens_identical"]
-    assert set(result["fluctuation"]) >= {"compute-only", "load-only", "two-pointer", "layer-wise"}
+    assert set(result["fluctuation"]) >= {"compute-only", "load-only", "two-pointer"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "two-pointer" in capsys.readouterr().out
 
@@ -85,3 +85,20 @@ def test_bench_rejects_bad_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--multipliers", "1,x"])
     assert "--multipliers" in capsys.readouterr().err
+
+
+@pytest.mark.model
+def test_profile_command_saves_a_profile_restorer_can_use(smollm2, tmp_path, capsys):
+    from kvrestore import Profile, Restorer
+    from kvrestore.stores.memory import MemoryStore
+
+    out = tmp_path / "p.json"
+    args = ["profile", "--max-tokens", "256", "--chunk-size", "128", "--repeats", "1"]
+    assert main([*args, "--store", f"file://{tmp_path}/store", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "prefill n tokens" in text and f"saved {out}" in text
+    profile = Profile.load(out)
+    assert profile.link is not None and profile.chunk.seconds(256) > 0
+    assert Restorer(smollm2, MemoryStore(), profile=out).profile == profile
+    with pytest.raises(SystemExit):
+        main(["profile", "--max-tokens", "0"])

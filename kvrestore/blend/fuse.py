@@ -158,6 +158,7 @@ async def _fuse(
         device
     )
     pinned &= ~forced
+    n_queries = max(1, len(layout.suffix))
 
     ready = [anyio.Event() for _ in range(n_layers)]
     load_s = [0.0] * n_layers
@@ -201,6 +202,8 @@ async def _fuse(
         k_layer, v_layer = kv.data[i, 0], kv.data[i, 1]
         k_new, v_new = backend.project_kv(i, hidden, cand, rope=(cos[:, cand], sin[:, cand]))
         dev = kv_deviation(k_new, v_new, k_layer[:, cand], v_layer[:, cand], policy.deviation)
+        if policy.attention_weighted:
+            dev = dev * _query_attention(backend, i, hidden, cand, k_layer, k_new, n_queries)
         dev = dev.masked_fill(pinned[cand], float("inf"))
         keep = select_hkvd(dev, forced[cand], size)
         sel = cand[keep]
@@ -264,6 +267,22 @@ async def _fuse(
         wait_seconds=wait,
     )
     return BlendResult(kv, layout.tokens, logits, stats)
+
+
+def _query_attention(
+    backend: HFBackend,
+    layer: int,
+    hidden: torch.Tensor,
+    cand: torch.Tensor,
+    k_layer: torch.Tensor,
+    k_new: torch.Tensor,
+    n_queries: int,
+) -> torch.Tensor:
+    """Mean attention [C] that the last `n_queries` candidates (the suffix) pay to each candidate on
+    `layer`, over the loaded keys with the candidates' fresh keys in place."""
+    keys = k_layer.index_copy(1, cand, k_new)
+    probs = backend.attention_probs(layer, hidden[:, -n_queries:], keys, cand[-n_queries:])
+    return probs.float().mean(dim=(0, 1))[cand]
 
 
 def _sync(device: torch.device) -> None:

@@ -48,6 +48,7 @@ class Blend:
     deviation: str = "kv"
     update_candidates: bool = False
     sink_tokens: int = 0
+    attention_weighted: bool = False
 
     name = "blend"
 

@@ -16,9 +16,9 @@ length and a sentence saying why, and comes back with the restore's result.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 from ..bandwidth import BandwidthTrace, Link
@@ -58,8 +58,15 @@ class Plan:
     compute_s: float | None = None  # Tc: compute-only
     load_s: float | None = None  # Tio: load-only
     bound_s: float | None = None  # T* = Tc Tio / (Tc + Tio)
-    l_delta: int | None = None  # tokens: token-wise is predicted faster from here on
     reason: str = ""
+    crossover: Callable[[], int | None] | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def l_delta(self) -> int | None:
+        """Tokens: the shortest fully stored prompt on which the token-wise two-pointer is predicted no
+        slower than the layer-wise one, at this link (worked out when first asked: it takes a few
+        dozen simulations, more than the plan itself)."""
+        return self.crossover() if self.crossover is not None else None
 
     def explain(self) -> str:
         """A few lines a user can read: the predictions, the bound, the crossover, the choice."""
@@ -118,17 +125,25 @@ class Auto(Policy):
         choice = min(candidates, key=lambda p: (round(predicted[p.name], 9), order[p.name]))
         tc = predict(ComputeOnly(), profile, link, work)
         tio = predict(LoadOnly(), profile, link, _all_stored(work))
-        l_delta = crossover_length(
-            profile, link, work.num_layers, work.kv_bytes_per_token, work.load_lanes, max(work.chunk_tokens)
-        )
+
+        def l_delta() -> int | None:
+            return crossover_length(
+                profile,
+                link,
+                work.num_layers,
+                work.kv_bytes_per_token,
+                work.load_lanes,
+                max(work.chunk_tokens),
+            )
+
         return Plan(
             choice=choice,
             predicted_s=predicted,
             compute_s=tc,
             load_s=tio,
             bound_s=tc * tio / (tc + tio),
-            l_delta=l_delta,
-            reason=_reason(choice, predicted, work.n_tokens, l_delta),
+            reason=_reason(choice, predicted),
+            crossover=l_delta,
         )
 
 
@@ -217,7 +232,7 @@ def _all_stored(work: Workload) -> Workload:
     )
 
 
-def _reason(choice: Policy, predicted: dict[str, float], n_tokens: int, l_delta: int | None) -> str:
+def _reason(choice: Policy, predicted: dict[str, float]) -> str:
     best = predicted[choice.name]
     others = ", ".join(f"{name} {s:.3f} s" for name, s in predicted.items() if name != choice.name)
     why = {
@@ -226,9 +241,4 @@ def _reason(choice: Policy, predicted: dict[str, float], n_tokens: int, l_delta:
         "compute-only": "the store is too slow to help",
         "load-only": "the store alone is faster than sharing with compute",
     }.get(choice.name, "fastest prediction")
-    side = ""
-    if l_delta is not None and choice.name in ("two-pointer", "layer-wise"):
-        side = (
-            f"; {n_tokens} tokens is {'at or above' if n_tokens >= l_delta else 'below'} L_delta = {l_delta}"
-        )
-    return f"{why}: predicted {best:.3f} s against {others}{side}"
+    return f"{why}: predicted {best:.3f} s against {others}"

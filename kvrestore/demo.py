@@ -61,6 +61,7 @@ class PolicyRun:
     loaded: int
     answer: str
     store: str = "local disk"
+    unit: str = "chunks"  # what `computed` and `loaded` count: "chunks", or "layers" for layer-wise
 
 
 def default_store_url() -> str:
@@ -131,14 +132,16 @@ async def run_demo(
         cases += [
             ("link", slow, p) for p in policy_mod.available() if not isinstance(p, policy_mod.ComputeOnly)
         ]
+        cases.append(("link", slow, policy_mod.Auto()))  # the planner: what it picks, and why
         for place, r, policy in cases:
-            n_chunks = -(-len(prefix) // chunk_size)
+            unit = "layers" if policy.axis == "layers" else "chunks"
+            n_units = backend.spec.num_layers if unit == "layers" else -(-len(prefix) // chunk_size)
             done = 0
 
-            def on_event(event, policy=policy, n_chunks=n_chunks) -> None:
+            def on_event(event, policy=policy, n_units=n_units, unit=unit) -> None:
                 nonlocal done
                 done += event.last_chunk - event.first_chunk + 1 if event.kind in ("compute", "load") else 0
-                say.tick(f"{policy.name}: {done}/{n_chunks} chunks restored")
+                say.tick(f"{policy.name}: {done}/{n_units} {unit} restored")
 
             say(f"restoring with {policy.name} from the {where[place]}")
             link.reset()
@@ -157,28 +160,35 @@ async def run_demo(
             )
             answer = tok.decode(answer_ids, skip_special_tokens=True).strip()
             s = result.stats
+            if result.plan is not None:
+                say(f"auto {result.plan.explain()}")
             if s.failed_loads:
                 say(
                     f"warning: {s.failed_loads} stored chunks were unusable and were recomputed: {s.errors[0]}"
                 )
                 await restorer.save(prefix, kv=result.kv)  # replace them, for the next run
-            runs.append(
-                PolicyRun(
-                    policy.name, restore_s, ttft, s.computed_chunks, s.loaded_chunks, answer, where[place]
-                )
+            name = f"auto: {s.policy}" if result.plan is not None else policy.name
+            counts = (
+                (s.computed_layers, s.loaded_layers)
+                if s.axis == "layers"
+                else (s.computed_chunks, s.loaded_chunks)
             )
-            say(
-                f"{policy.name}: TTFT {ttft:.2f} s ({s.computed_chunks} chunks computed, {s.loaded_chunks} loaded)"
-            )
+            unit = "layers" if s.axis == "layers" else "chunks"
+            runs.append(PolicyRun(name, restore_s, ttft, *counts, answer, where[place], unit))
+            say(f"{name}: TTFT {ttft:.2f} s ({counts[0]} {unit} computed, {counts[1]} loaded)")
 
     print(f"\nQuestion: {question}", file=out)
-    print(f"\n{'policy':<16}{'store':<16}{'TTFT s':>8}{'vs full':>9}{'computed':>10}{'loaded':>8}", file=out)
-    print(f"{'full prefill':<16}{'(no cache)':<16}{base_ttft:8.2f}{1.0:9.2f}{'-':>10}{'-':>8}", file=out)
+    head = f"\n{'policy':<22}{'store':<16}{'TTFT s':>8}{'vs full':>9}{'computed':>11}{'loaded':>11}"
+    print(head, file=out)
+    print(f"{'full prefill':<22}{'(no cache)':<16}{base_ttft:8.2f}{1.0:9.2f}{'-':>11}{'-':>11}", file=out)
     for r in runs:
+        unit = "L" if r.unit == "layers" else ""
+        computed, loaded = f"{r.computed}{unit}", f"{r.loaded}{unit}"
         print(
-            f"{r.name:<16}{r.store:<16}{r.ttft_s:8.2f}{r.ttft_s / base_ttft:9.2f}{r.computed:10d}{r.loaded:8d}",
+            f"{r.name:<22}{r.store:<16}{r.ttft_s:8.2f}{r.ttft_s / base_ttft:9.2f}{computed:>11}{loaded:>11}",
             file=out,
         )
+    print("(L: layers, for the layer-wise two-pointer; otherwise chunks)", file=out)
     answers = {r.answer for r in runs}
     print(
         f"\nAnswer ({'identical for every policy' if len(answers) == 1 else 'policies differ!'}):", file=out

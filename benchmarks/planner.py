@@ -84,7 +84,7 @@ async def main(args: argparse.Namespace) -> dict:
         balance = n * backend.spec.kv_bytes_per_token / compute_s[n]
         for m in multipliers:
             store = ThrottledStore(disk, balance * m, latency_s=latency)
-            sizes = (4096, backend.spec.kv_bytes_per_token * min(n, 256))
+            sizes = (4096, backend.spec.kv_bytes_per_token * min(n, 64))
             link = fit_link(await measure_link(store, sizes, repeats=2))
             points[n, m] = (
                 Restorer(backend, store, profile=prof.with_link(link, repr(store))),

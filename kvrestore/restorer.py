@@ -7,7 +7,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 import anyio.from_thread
@@ -183,7 +183,7 @@ class Restorer:
         if todo:
             if kv is None:
                 policy = LoadOnly() if any(present) else ComputeOnly()
-                result = await self._restore(tokens, refs, present, [], policy, None, None)
+                result = await self._restore(_Job(tokens, refs, present, [], None, None), policy)
                 kv = result.kv
                 failed = {e.first_chunk for e in result.trace.of_kind("load-failed")}
                 todo = [r for r, ok in zip(refs, present, strict=True) if not ok or r.index in failed]
@@ -219,38 +219,24 @@ class Restorer:
         if isinstance(policy, Auto):
             plan = self.plan(tokens, stored, policy)
             policy = plan.choice
+        job = _Job(tokens, refs, stored, errors, on_event, out)
         if policy.axis == "layers":
-            result = await self._restore_layers(tokens, refs, stored, errors, policy, on_event, out)
+            result = await self._restore_layers(job, policy)
         else:
-            result = await self._restore(tokens, refs, stored, errors, policy, on_event, out)
+            result = await self._restore(job, policy)
         self.link.observe(result.trace)
         result.plan = plan
         return result
 
-    async def _restore(
-        self,
-        tokens: torch.Tensor,
-        refs: list[ChunkRef],
-        stored: list[bool],
-        errors: list[str],
-        policy: Policy,
-        on_event: Callable[[TraceEvent], None] | None,
-        out: KVCache | None,
-    ) -> RestoreResult:
+    async def _restore(self, job: _Job, policy: Policy) -> RestoreResult:
         """`restore` for tokens already chunked and looked up (`save` has done both before it needs KV)."""
+        tokens, refs, stored, errors, on_event, out = job
         t0 = time.perf_counter()
         kv = self._buffer(out, len(tokens))
         progress = Progress([r.n_tokens for r in refs], list(stored))
 
-        stream = self.engine.cuda_stream("compute", kv.data.device)
-
         def compute(a: int, b: int) -> None:
-            start, end = refs[a].start, refs[b - 1].end
-            past = kv.prefix(start) if start else None
-            with on_stream(stream):  # its own CUDA stream, so load copies overlap it
-                kv.write(self.backend.prefill_chunk(tokens[start:end], past, start))
-            if stream is not None:  # a unit is done when its kernels are, not when they are queued
-                stream.synchronize()
+            self._prefill_into(kv, tokens, refs[a].start, refs[b - 1].end)
 
         async def load(i: int) -> int:
             return await self._load_chunk(refs[i], kv)
@@ -271,16 +257,7 @@ class Restorer:
         )
         return RestoreResult(kv, stats, trace)
 
-    async def _restore_layers(
-        self,
-        tokens: torch.Tensor,
-        refs: list[ChunkRef],
-        stored: list[bool],
-        errors: list[str],
-        policy: Policy,
-        on_event: Callable[[TraceEvent], None] | None,
-        out: KVCache | None,
-    ) -> RestoreResult:
+    async def _restore_layers(self, job: _Job, policy: Policy) -> RestoreResult:
         """`restore` along layers: the stored prefix layer by layer (compute bottom-up, load top-down,
         as `policy` decides), then the chunks after it computed token-wise.
 
@@ -288,9 +265,10 @@ class Restorer:
         every later one, which are computed instead: once a chunk is unusable, no layer read that
         includes it can be used.
         """
+        tokens, refs, stored, errors, on_event, out = job
         k = stored.index(False) if False in stored else len(stored)
         if k == 0:  # nothing stored: layers have nothing to load
-            return await self._restore(tokens, refs, stored, errors, ComputeOnly(), on_event, out)
+            return await self._restore(job, ComputeOnly())
         t0 = time.perf_counter()
         kv = self._buffer(out, len(tokens))
         n_layers, prefix = self.spec.num_layers, refs[k - 1].end
@@ -321,8 +299,8 @@ class Restorer:
                 raise
 
         trace = await self.engine.run(progress, policy, compute, load, on_event, self.load_timeout_s)
-        for a in range(k, len(refs), 1):  # the chunks after the stored prefix: computed in order
-            await self.engine.compute(self._prefill_into, kv, tokens, refs[a])
+        if k < len(refs):  # the chunks after the stored prefix, computed on top of it
+            await self.engine.compute(self._prefill_into, kv, tokens, prefix, len(tokens))
         failed = trace.of_kind("load-failed")
         computed_layers = sum(e.last_chunk - e.first_chunk + 1 for e in trace.of_kind("compute"))
         loaded_layers = len(trace.of_kind("load"))
@@ -343,12 +321,13 @@ class Restorer:
         )
         return RestoreResult(kv, stats, trace)
 
-    def _prefill_into(self, kv: KVCache, tokens: torch.Tensor, ref: ChunkRef) -> None:
-        """Compute one chunk after the restored prefix (blocking, on the compute lane)."""
+    def _prefill_into(self, kv: KVCache, tokens: torch.Tensor, start: int, end: int) -> None:
+        """Compute tokens [start, end) on top of the KV of [0, start) (blocking, on the compute lane)."""
         stream = self.engine.cuda_stream("compute", kv.data.device)
-        with on_stream(stream):
-            kv.write(self.backend.prefill_chunk(tokens[ref.start : ref.end], kv.prefix(ref.start), ref.start))
-        if stream is not None:
+        past = kv.prefix(start) if start else None
+        with on_stream(stream):  # its own CUDA stream, so load copies overlap it
+            kv.write(self.backend.prefill_chunk(tokens[start:end], past, start))
+        if stream is not None:  # a unit is done when its kernels are, not when they are queued
             stream.synchronize()
 
     async def save_chunk(self, token_ids: TokenIds, prefix: TokenIds | None = None) -> str:
@@ -481,6 +460,17 @@ class Restorer:
             for ref in refs:
                 tg.start_soon(write, ref)
         return written
+
+
+class _Job(NamedTuple):
+    """One restore's tokens, chunks and lookup, as both axes take them."""
+
+    tokens: torch.Tensor
+    refs: list[ChunkRef]
+    stored: list[bool]
+    errors: list[str]
+    on_event: Callable[[TraceEvent], None] | None
+    out: KVCache | None
 
 
 class _LayerCompute:

@@ -122,7 +122,7 @@ class Auto(Policy):
         candidates = self.candidates or (ComputeOnly(), LoadOnly(), TokenTwoPointer(), LayerTwoPointer())
         predicted = {p.name: predict(p, profile, link, work) for p in candidates}
         order = {p.name: i for i, p in enumerate(candidates)}  # ties go to the simpler, listed first
-        choice = min(candidates, key=lambda p: (round(predicted[p.name], 9), order[p.name]))
+        choice = min(candidates, key=lambda p: (predicted[p.name], order[p.name]))
         tc = predict(ComputeOnly(), profile, link, work)
         tio = predict(LoadOnly(), profile, link, _all_stored(work))
 

@@ -26,6 +26,11 @@ Compared, against **full recompute** (a plain prefill of the whole prompt):
   the same layer loop, and `model.generate` with no cache -- compared with full recompute the same way.
   For each case the smallest top-1/top-2 logit gap along full recompute's greedy continuation is
   recorded too: how close to a tie the continuation already is.
+* two **oracles** at 15% (`oracle_blend`), an upper bound for any choice of the recomputed tokens:
+  on each layer the exact full-recompute KV of the 15% of the reused tokens with the highest true KV
+  deviation (alone, or weighted by the attention the question pays to them), the reused KV of the
+  rest, the question computed exactly on top. They need the full prefill, so no real blend can pick
+  better; when they miss the greedy target too, the miss is the tokens left reused, not the selection.
 
 Per case and method: KL(full || method) of the next-token distribution after the prompt, top-1
 agreement, whether the 16-token greedy continuation (`backend.generate` from the method's cache) is
@@ -68,6 +73,7 @@ CHUNK_TOKENS = 512
 N_CHUNKS = 4
 RATIOS = (0.05, 0.10, 0.15, 0.25, 0.50)  # 50%: an extra row beyond the compared settings
 GREEDY_TOKENS = 16
+ORACLE_RATIO = 0.15  # the oracle rows: exact KV for this share of the reused tokens, per layer
 SENSITIVITY = ("full-reuse", "blend@15%", "blend@50%")
 SEED = 2025
 
@@ -214,6 +220,65 @@ def greedy_margins(backend: HFBackend, tokens: torch.Tensor, kv: KVCache, greedy
     return (top2[:, 0] - top2[:, 1]).tolist()
 
 
+def oracle_blend(
+    backend: HFBackend,
+    tokens: torch.Tensor,
+    n_suffix: int,
+    full_kv: KVCache,
+    reuse_kv: KVCache,
+    score: torch.Tensor,
+    size: int,
+) -> tuple[torch.Tensor, list[int]]:
+    """An upper bound for token selection: on each layer, the exact (full-recompute) KV of the `size`
+    context tokens with the highest `score` [L, context] (known only from the full prefill), the
+    reused KV of the others; then the suffix computed exactly on top. Returns (next-token logits,
+    greedy continuation)."""
+    n_ctx = len(tokens) - n_suffix
+    full, reuse = full_kv.data[..., :n_ctx, :], reuse_kv.data[..., :n_ctx, :]
+    exact = torch.zeros(score.shape, dtype=torch.bool).scatter_(1, score.topk(size, dim=1).indices, True)
+    mixed = torch.where(exact[:, None, None, :, None], full, reuse)
+    suffix, logits = backend.forward(tokens[n_ctx:], mixed, n_ctx, logits=True)
+    assert logits is not None
+    kv = KVCache(backend.spec, torch.cat([mixed, suffix.data], dim=3))
+    return logits, backend.generate(tokens, kv, GREEDY_TOKENS)
+
+
+def oracle_scores(
+    full_kv: KVCache, reuse_kv: KVCache, full_attn: list[torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Per layer and context token: the true KV deviation of full reuse (the HKVD definition, §4.3),
+    and that deviation weighted by the attention the question pays to the token under full recompute."""
+    n_ctx = full_attn[0].shape[-1] - full_attn[0].shape[-2]
+    dev = (full_kv.data[..., :n_ctx, :].float() - reuse_kv.data[..., :n_ctx, :].float()).square()
+    dev = dev.sum(dim=(1, 2, 4))
+    attn = torch.stack([a[..., :n_ctx].float().mean(dim=(0, 1)) for a in full_attn])
+    return {"oracle HKVD": dev, "oracle HKVD x question attention": dev * attn}
+
+
+def agreement(
+    full_logits: torch.Tensor, full_greedy: list[int], logits: torch.Tensor, greedy: list[int]
+) -> dict[str, Any]:
+    """How a method's next-token logits and greedy continuation compare with full recompute's."""
+    return {
+        "kl": kl_divergence(full_logits, logits),
+        "top1_agree": bool(logits.argmax() == full_logits.argmax()),
+        "greedy_identical": greedy == full_greedy,
+        "greedy_common_prefix": common_prefix(greedy, full_greedy),
+    }
+
+
+def mean_agreement(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The `agreement` fields of one method averaged over cases."""
+    n = len(rows)
+    return {
+        "kl_mean": sum(m["kl"] for m in rows) / n,
+        "kl_median": median([m["kl"] for m in rows]),
+        "top1_agreement": sum(m["top1_agree"] for m in rows) / n,
+        "greedy_identical": sum(m["greedy_identical"] for m in rows) / n,
+        "greedy_common_prefix_mean": sum(m["greedy_common_prefix"] for m in rows) / n,
+    }
+
+
 def noise_floor(
     backend: HFBackend, case: dict[str, Any], tokens: torch.Tensor, ref_logits: torch.Tensor, ref: list[int]
 ) -> dict[str, Any]:
@@ -280,18 +345,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "full_greedy_margins": greedy_margins(backend, tokens, full_kv, full_greedy),
             "noise_floor": noise_floor(backend, case, tokens, full_logits, full_greedy),
             "methods": {},
+            "oracles": {},
         }
+        reuse_kv: KVCache | None = None
         for name, policy in methods.items():
             res = await restorer.restore_blend(
                 case["chunks"], case["suffix"], policy, prefix=case["prefix"] or None
             )
             assert torch.equal(res.tokens, tokens)
             greedy = backend.generate(tokens, res.kv, GREEDY_TOKENS)
-            row["methods"][name] = {
-                "kl": kl_divergence(full_logits, res.logits),
-                "top1_agree": bool(res.logits.argmax() == full_logits.argmax()),
-                "greedy_identical": greedy == full_greedy,
-                "greedy_common_prefix": common_prefix(greedy, full_greedy),
+            reuse_kv = res.kv if name == "full-reuse" else reuse_kv
+            row["methods"][name] = agreement(full_logits, full_greedy, res.logits, greedy) | {
                 "greedy": tok.decode(greedy),
                 "attn_deviation": attention_deviation(
                     suffix_attention(backend, res.kv, tokens, n_suffix), full_attn
@@ -300,6 +364,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "loaded_chunks": res.stats.loaded_chunks,
                 "seconds": res.stats.seconds,
             }
+        assert reuse_kv is not None  # full-reuse runs first
+        size = round(ORACLE_RATIO * (len(tokens) - n_suffix - len(case["prefix"])))
+        for name, score in oracle_scores(full_kv, reuse_kv, full_attn).items():
+            logits, greedy = oracle_blend(backend, tokens, n_suffix, full_kv, reuse_kv, score, size)
+            row["oracles"][name] = agreement(full_logits, full_greedy, logits, greedy)
         per_case.append(row)
         summary = "  ".join(
             f"{m}: kl={v['kl']:.3f}{' =' if v['greedy_identical'] else ' x'}"
@@ -333,17 +402,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for name in methods:
         ms = [c["methods"][name] for c in per_case]
         layers = backend.spec.num_layers
-        agg[name] = {
-            "kl_mean": sum(m["kl"] for m in ms) / n,
-            "kl_median": median([m["kl"] for m in ms]),
-            "top1_agreement": sum(m["top1_agree"] for m in ms) / n,
-            "greedy_identical": sum(m["greedy_identical"] for m in ms) / n,
-            "greedy_common_prefix_mean": sum(m["greedy_common_prefix"] for m in ms) / n,
+        agg[name] = mean_agreement(ms) | {
             "attn_deviation_per_layer": [sum(m["attn_deviation"][i] for m in ms) / n for i in range(layers)],
             "recompute_fraction": sum(sum(m["recomputed_per_layer"]) for m in ms)
             / sum(c["n_tokens"] * layers for c in per_case),
         }
         agg[name]["attn_deviation_mean"] = sum(agg[name]["attn_deviation_per_layer"]) / layers
+    oracles = {
+        name: mean_agreement([c["oracles"][name] for c in per_case]) for name in per_case[0]["oracles"]
+    }
     floors = [c["noise_floor"] for c in per_case]
     noise = {
         "chunked_prefill_kl_mean": sum(f["chunked_prefill_kl"] for f in floors) / n,
@@ -403,6 +470,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 a["attn_deviation_mean"],
                 a["recompute_fraction"],
                 t_blend if name == "blend@15%" else None,
+            ]
+        )
+    for name, a in oracles.items():
+        rows.append(
+            [
+                f"{name}@{int(ORACLE_RATIO * 100)}%",
+                a["kl_mean"],
+                a["top1_agreement"],
+                a["greedy_identical"],
+                a["greedy_common_prefix_mean"],
+                None,
+                None,
+                None,
             ]
         )
     print()
@@ -475,6 +555,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "ttft": {k: summarize(v) for k, v in ttft.items()},
         "ttft_speedup_blend15": speedup,
         "methods": agg,
+        "oracles": {"ratio": ORACLE_RATIO} | oracles,
         "noise_floor": noise,
         "cases": per_case,
         "save_seconds": save_s,

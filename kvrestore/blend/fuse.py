@@ -34,7 +34,7 @@ from ..policies.blend import Blend
 from ..stores.base import ChunkStore
 from .chunks import ChunkLoadFailed, StoreChunkSource, chunk_key
 from .controller import choose_ratio
-from .select import chunk_heads, kv_deviation, select_hkvd, selection_sizes
+from .select import kv_deviation, select_hkvd, selection_sizes
 
 if TYPE_CHECKING:
     from ..backends.hf import HFBackend
@@ -154,11 +154,6 @@ async def _fuse(
     for j in missing:
         forced[layout.offsets[j] : layout.offsets[j] + len(layout.chunks[j])] = True
     n_reused = int((~forced).sum())
-    pinned = chunk_heads(layout.offsets[1:], [len(c) for c in layout.chunks[1:]], policy.sink_tokens, n).to(
-        device
-    )
-    pinned &= ~forced
-    n_queries = max(1, len(layout.suffix))
 
     ready = [anyio.Event() for _ in range(n_layers)]
     load_s = [0.0] * n_layers
@@ -202,9 +197,6 @@ async def _fuse(
         k_layer, v_layer = kv.data[i, 0], kv.data[i, 1]
         k_new, v_new = backend.project_kv(i, hidden, cand, rope=(cos[:, cand], sin[:, cand]))
         dev = kv_deviation(k_new, v_new, k_layer[:, cand], v_layer[:, cand], policy.deviation)
-        if policy.attention_weighted:
-            dev = dev * _query_attention(backend, i, hidden, cand, k_layer, k_new, n_queries)
-        dev = dev.masked_fill(pinned[cand], float("inf"))
         keep = select_hkvd(dev, forced[cand], size)
         sel = cand[keep]
         if policy.update_candidates:  # every candidate's fresh K/V replaces its loaded K/V (no compute)
@@ -267,22 +259,6 @@ async def _fuse(
         wait_seconds=wait,
     )
     return BlendResult(kv, layout.tokens, logits, stats)
-
-
-def _query_attention(
-    backend: HFBackend,
-    layer: int,
-    hidden: torch.Tensor,
-    cand: torch.Tensor,
-    k_layer: torch.Tensor,
-    k_new: torch.Tensor,
-    n_queries: int,
-) -> torch.Tensor:
-    """Mean attention [C] that the last `n_queries` candidates (the suffix) pay to each candidate on
-    `layer`, over the loaded keys with the candidates' fresh keys in place."""
-    keys = k_layer.index_copy(1, cand, k_new)
-    probs = backend.attention_probs(layer, hidden[:, -n_queries:], keys, cand[-n_queries:])
-    return probs.float().mean(dim=(0, 1))[cand]
 
 
 def _sync(device: torch.device) -> None:

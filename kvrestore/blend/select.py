@@ -47,11 +47,3 @@ def selection_sizes(schedule: Sequence[float], n_reused: int) -> list[int]:
         n = min(n_reused, max(0, round(r * n_reused)))
         sizes.append(min(n, sizes[-1]) if sizes else n)
     return sizes
-
-
-def chunk_heads(offsets: Sequence[int], lengths: Sequence[int], k: int, n: int) -> torch.Tensor:
-    """Mask [n] of the first `k` tokens of each chunk (at `offsets`, of `lengths`)."""
-    mask = torch.zeros(n, dtype=torch.bool)
-    for o, length in zip(offsets, lengths, strict=True):
-        mask[o : o + min(k, length)] = True
-    return mask

@@ -47,8 +47,6 @@ class Blend:
     spread: float = 0.5
     deviation: str = "kv"
     update_candidates: bool = False
-    sink_tokens: int = 0
-    attention_weighted: bool = False
 
     name = "blend"
 
@@ -63,8 +61,6 @@ class Blend:
             )
         if not 0.0 <= self.spread <= 1.0:
             raise InvalidInputError(f"spread must be in [0, 1], got {self.spread!r}")
-        if self.sink_tokens < 0:
-            raise InvalidInputError(f"sink_tokens must be >= 0, got {self.sink_tokens!r}")
         if self.deviation not in DEVIATIONS:
             raise InvalidInputError(f"deviation must be one of {DEVIATIONS}, got {self.deviation!r}")
 

@@ -20,7 +20,7 @@ from .engine import LOAD_FAULTS, Engine, on_stream
 from .errors import ChunkDecodeError, InvalidInputError, MissingChunkError
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from .kv import KVCache
-from .layers import LayerReader, StoredChunk
+from .layers import ChunkLoadFailed, LayerReader, StoredChunk
 from .policies import ComputeOnly, LoadOnly, Policy, Progress
 from .policies.planner import Auto, Plan, Workload
 from .profile import LinkEstimate, Profile
@@ -280,23 +280,15 @@ class Restorer:
             self.backend, tokens[:prefix], kv, self.engine.cuda_stream("compute", kv.data.device)
         )
         opening = anyio.Lock()
-        broken: list[str] = []
 
         async def load(layer: int) -> int:
-            async with opening:
-                if broken:
-                    raise MissingChunkError(f"layer reads stopped after a fault: {broken[0]}")
-                if not reader.headers:
-                    try:
-                        await reader.open()
-                    except LOAD_FAULTS as exc:
-                        broken.append(f"{type(exc).__name__}: {exc}")
-                        raise
-            try:
-                return await reader.read_layer(layer, kv)
-            except LOAD_FAULTS as exc:
-                broken.append(f"{type(exc).__name__}: {exc}")
-                raise
+            async with opening:  # the first read opens every chunk's header
+                if not reader.opened:
+                    await reader.open()
+            if reader.unusable:  # a layer read without a chunk would leave its rows unset
+                error = reader.errors[-1] if reader.errors else "not in the store"
+                raise ChunkLoadFailed(reader.unusable, f"layer reads stopped: {error}")
+            return await reader.read_layer(layer, kv)
 
         trace = await self.engine.run(progress, policy, compute, load, on_event, self.load_timeout_s)
         if k < len(refs):  # the chunks after the stored prefix, computed on top of it

@@ -8,8 +8,9 @@ Parts: `chunks` (content-keyed save, per-layer loading and re-rotation), `select
 HKVD selection), `controller` (the loading controller's pure choices), `fuse` (the pipelined fusor).
 """
 
+from ..layers import ChunkLoadFailed
 from ..policies.blend import Blend, ratio_schedule
-from .chunks import ChunkLoadFailed, StoreChunkSource, chunk_key, save_chunk
+from .chunks import StoreChunkSource, chunk_key, save_chunk
 from .controller import (
     StoreOption,
     choose_ratio,

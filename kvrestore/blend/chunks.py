@@ -14,9 +14,7 @@ used: `open` reports it unavailable (and deletes a damaged object), or `load_lay
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anyio
@@ -24,23 +22,13 @@ import anyio.to_thread
 import torch
 
 from .. import codec
-from ..engine import LOAD_FAULTS
-from ..errors import ChunkDecodeError, KVRestoreError, MissingChunkError
 from ..keys import content_key
 from ..kv import KVCache
+from ..layers import LayerReader, StoredChunk
 from ..stores.base import ChunkStore
 
 if TYPE_CHECKING:
     from ..backends.hf import HFBackend
-
-
-class ChunkLoadFailed(KVRestoreError):
-    """A chunk's layer could not be loaded after the blend started; the fusor restarts without it."""
-
-    def __init__(self, indices: Sequence[int], error: str) -> None:
-        super().__init__(f"chunks {list(indices)}: {error}")
-        self.indices = list(indices)
-        self.error = error
 
 
 _NO_PREFIX = torch.zeros(0, dtype=torch.int64)
@@ -86,15 +74,10 @@ async def save_chunk(
     return key, len(blob)
 
 
-@dataclass
-class _Opened:
-    header: codec.ChunkHeader
-    offset: int  # the chunk's first position in the blended prompt
-    n_tokens: int
-
-
-class StoreChunkSource:
-    """Loads the chunks of one blend from a store, layer by layer, into a KVCache at their offsets."""
+class StoreChunkSource(LayerReader):
+    """Loads the chunks of one blend from a store, layer by layer, into a KVCache at their offsets,
+    re-rotating the keys of every chunk placed elsewhere than where it was saved (`stored_at`, the
+    shared prefix's length)."""
 
     def __init__(
         self,
@@ -105,90 +88,22 @@ class StoreChunkSource:
         lengths: Sequence[int],
         stored_at: int = 0,
     ) -> None:
+        chunks = [StoredChunk(k, stored_at, o, n) for k, o, n in zip(keys, offsets, lengths, strict=True)]
+        super().__init__(backend.spec, store, chunks)
         self.backend = backend
-        self.stored_at = stored_at  # the position every chunk was saved at (the shared prefix's length)
-        self.spec = backend.spec
-        self.store = store
-        self.keys = list(keys)
-        self.offsets = list(offsets)
-        self.lengths = list(lengths)
-        self._opened: dict[int, _Opened] = {}
-        self.errors: list[str] = []
-        self.bytes_loaded = 0
 
-    async def open(self) -> list[bool]:
-        """Fetch and check every chunk's header concurrently; which chunks can be loaded."""
-
-        async def one(j: int) -> None:
-            key = self.keys[j]
-            try:
-                prefix = await self.store.get_range(key, 0, codec.HEADER_PROBE)
-                if prefix is None:
-                    raise MissingChunkError("not in the store")
-                if len(prefix) >= codec.PREFIX_SIZE and codec.header_length(prefix) > len(prefix):
-                    prefix = await self.store.get_range(key, 0, codec.header_length(prefix))
-                    if prefix is None:
-                        raise MissingChunkError("disappeared from the store")
-                header, _ = codec.read_header(prefix)
-                codec.check_header(header, self.spec, key, self.stored_at, self.lengths[j])
-                self.bytes_loaded += len(prefix)
-                self._opened[j] = _Opened(header, self.offsets[j], self.lengths[j])
-            except LOAD_FAULTS as exc:
-                if not isinstance(exc, MissingChunkError):
-                    self.errors.append(f"chunk {j}: {type(exc).__name__}: {exc}")
-                if isinstance(exc, ChunkDecodeError) and not isinstance(exc, MissingChunkError):
-                    await self._forget(key)
-
-        async with anyio.create_task_group() as tg:
-            for j in range(len(self.keys)):
-                tg.start_soon(one, j)
-        return [j in self._opened for j in range(len(self.keys))]
-
-    def drop(self, j: int) -> None:
-        """Stop loading chunk j (it failed; its tokens are recomputed)."""
-        self._opened.pop(j, None)
+    @property
+    def bytes_loaded(self) -> int:
+        return self.bytes_read
 
     async def load_layer(self, layer: int, kv: KVCache) -> int:
         """Place layer `layer` of every open chunk into `kv` (keys re-rotated); returns bytes read."""
-        total = 0
-        failed: list[int] = []
+        return await self.read_layer(layer, kv)
 
-        async def one(j: int, opened: _Opened) -> None:
-            nonlocal total
-            key = self.keys[j]
-            try:
-                (a, b) = codec.layer_ranges(opened.header, [layer])[0]
-                data = await self.store.get_range(key, a, b)
-                if data is None:
-                    raise MissingChunkError("disappeared from the store")
-                await anyio.to_thread.run_sync(self._place, layer, opened, data, kv)
-                total += len(data)
-            except LOAD_FAULTS as exc:
-                self.errors.append(f"chunk {j} layer {layer}: {type(exc).__name__}: {exc}")
-                if isinstance(exc, ChunkDecodeError) and not isinstance(exc, MissingChunkError):
-                    await self._forget(key)
-                failed.append(j)
-
-        async with anyio.create_task_group() as tg:
-            for j, opened in list(self._opened.items()):
-                tg.start_soon(one, j, opened)
-        self.bytes_loaded += total
-        if failed:
-            raise ChunkLoadFailed(sorted(failed), self.errors[-1])
-        return total
-
-    def _place(self, layer: int, opened: _Opened, data: bytes, kv: KVCache) -> None:
-        o, n = opened.offset, opened.n_tokens
-        dest = kv.data[layer : layer + 1, :, :, o : o + n]
-        if dest.device.type == "cpu":
-            codec.decode_layers(opened.header, {layer: data}, self.spec, [layer], out=dest)
-        else:
-            dest.copy_(codec.decode_layers(opened.header, {layer: data}, self.spec, [layer]))
-        if o != self.stored_at:
+    def place(self, layer: int, j: int, data: bytes, kv: KVCache) -> None:
+        super().place(layer, j, data, kv)
+        chunk = self.chunks[j]
+        if chunk.offset != chunk.stored_at:
+            o, n = chunk.offset, chunk.n_tokens
             k = kv.data[layer, 0, :, o : o + n]
-            k.copy_(self.backend.rerotate_keys(k, self.stored_at, o))
-
-    async def _forget(self, key: str) -> None:
-        """A damaged object is never served again (best effort; the miss is what matters)."""
-        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-            await self.store.delete(key)
+            k.copy_(self.backend.rerotate_keys(k, chunk.stored_at, o))

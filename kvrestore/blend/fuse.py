@@ -30,9 +30,10 @@ import torch
 
 from ..errors import InvalidInputError
 from ..kv import KVCache
+from ..layers import ChunkLoadFailed
 from ..policies.blend import Blend
 from ..stores.base import ChunkStore
-from .chunks import ChunkLoadFailed, StoreChunkSource, chunk_key
+from .chunks import StoreChunkSource, chunk_key
 from .controller import choose_ratio
 from .select import kv_deviation, select_hkvd, selection_sizes
 

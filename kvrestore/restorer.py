@@ -138,6 +138,11 @@ class Restorer:
     def plan(self, token_ids: TokenIds, stored: Sequence[bool], policy: Auto | None = None) -> Plan:
         """What `Auto` would choose for `token_ids` given which chunks are `stored` (see `Plan.explain`)."""
         _, refs = self.chunks(token_ids)
+        if len(stored) != len(refs):
+            raise InvalidInputError(f"stored has {len(stored)} flags for {len(refs)} chunks")
+        return self._plan(refs, stored, policy)
+
+    def _plan(self, refs: list[ChunkRef], stored: Sequence[bool], policy: Auto | None) -> Plan:
         work = Workload(
             tuple(r.n_tokens for r in refs),
             tuple(bool(s) for s in stored),
@@ -217,7 +222,7 @@ class Restorer:
         policy = policy or Auto()
         plan = None
         if isinstance(policy, Auto):
-            plan = self.plan(tokens, stored, policy)
+            plan = self._plan(refs, stored, policy)
             policy = plan.choice
         job = _Job(tokens, refs, stored, errors, on_event, out)
         if policy.axis == "layers":

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, ThrottledStore, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
+from kvrestore.errors import InvalidInputError
 from kvrestore.policies.planner import Workload, crossover_length, predict
 from kvrestore.profile import ChunkCost, LayerCost, LinkCost, profile
 from kvrestore.stores.memory import MemoryStore
@@ -109,6 +110,9 @@ def test_restore_defaults_to_auto_and_returns_its_plan(llama_backend):
     res = anyio.run(main)
     assert res.plan is not None and res.plan.choice.name == res.stats.policy
     assert res.plan.predicted_s[res.stats.policy] == min(res.plan.predicted_s.values())
+    r = Restorer(llama_backend, MemoryStore(), chunk_size=32, profile=make_profile(llama_backend))
+    with pytest.raises(InvalidInputError, match="2 flags for 7 chunks"):
+        r.plan(tokens, [True, True])
     with pytest.raises(TypeError, match="Restorer.restore"):
         Auto().decide(None)  # type: ignore[arg-type]
 

@@ -7,10 +7,16 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 from kvrestore.backends.hf import HFBackend
 
 pytest_plugins = ["tests.s3_server"]  # s3_server / s3_bucket / s3_options: a real moto_server
+
+# CI runs every property test on the same examples (a red CI run is then reproducible and never a
+# coin toss); local runs draw new examples each time, which is how they find new failures.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
 
 def tiny_model(family: str = "llama", seed: int = 0, layers: int = 3):

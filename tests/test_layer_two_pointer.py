@@ -146,18 +146,23 @@ async def _all_present(keys):
 @given(
     layers=st.integers(1, 64),
     layer_s=st.floats(0.001, 1.0),
-    overhead=st.floats(0.0, 0.05),
+    overhead_frac=st.floats(0.0, 1.0),
     speed=st.floats(0.1, 10.0),
     latency_frac=st.floats(0.0, 0.5),
     lanes=st.integers(1, 4),
     unit=st.integers(1, 4),
 )
 def test_layer_pointers_meet_once_near_the_best_cutover(
-    layers, layer_s, overhead, speed, latency_frac, lanes, unit
+    layers, layer_s, overhead_frac, speed, latency_frac, lanes, unit
 ):
     """Every layer once; computed layers are a bottom run and loaded ones the top run above it; the
-    makespan is at most the best cutover (known costs) plus one layer's time."""
+    makespan is at most the best cutover (known costs) plus one unit's time.
+
+    The per-call overhead (up to one layer's time, as in a real model) counts in full per layer in the
+    bound: the pointer measures the lane with a single layer and shortens units near the meeting, so it
+    cannot always spread the overhead over `unit` layers."""
     layer_bytes = 1000
+    overhead = overhead_frac * layer_s
     rate = (
         speed * layer_bytes / layer_s
     )  # `speed` x the rate at which loading a layer takes as long as computing it
@@ -175,7 +180,7 @@ def test_layer_pointers_meet_once_near_the_best_cutover(
     loaded = [e.first_chunk for e in result.trace.of_kind("load")]
     assert sorted(computed + loaded) == list(range(layers))
     assert set(computed) == set(range(len(computed))) and set(loaded) == set(range(len(computed), layers))
-    compute_s = [layer_s + overhead / unit] * layers
+    compute_s = [layer_s + overhead] * layers
     # with few lanes the round trips no longer overlap: each lane waits latency + transfer per layer
     per_layer = max(layer_bytes / rate, (latency + layer_bytes / rate) / lanes)
     load_suffix = trace_suffix_times(

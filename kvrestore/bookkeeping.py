@@ -8,7 +8,10 @@ load never lands; each chunk is applied once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from .policies.base import ChunkStatus, Decision, Policy, Progress
+from .policies.batch import BatchJob, ComputeStep, LoadGrant
 from .trace import TraceEvent
 
 
@@ -84,3 +87,24 @@ def stalled(progress: Progress, decision: Decision) -> bool:
         and progress.loads_in_flight == 0
         and decision.wake_at is None
     )
+
+
+def begin_step(jobs: Mapping[int, BatchJob], step: ComputeStep) -> None:
+    """Mark a batch compute step's units (and the loads they take over) as started."""
+    drops: dict[int, list[int]] = {}
+    for j, i in step.drops:
+        drops.setdefault(j, []).append(i)
+    for u in step.units:
+        job = jobs[u.job]
+        begin(job.progress, Decision(compute=(u.a, u.b), drop=tuple(drops.pop(u.job, ()))), job.policy)
+    if drops:
+        raise PolicyError(f"a step dropped loads of jobs {sorted(drops)} without computing their chunks")
+
+
+def begin_loads(jobs: Mapping[int, BatchJob], grant: LoadGrant) -> None:
+    """Mark a batch load grant's loads as started, job by job."""
+    by_job: dict[int, list[int]] = {}
+    for j, i in grant.loads:
+        by_job.setdefault(j, []).append(i)
+    for j, chunks in by_job.items():
+        begin(jobs[j].progress, Decision(loads=tuple(chunks)), jobs[j].policy)

@@ -14,9 +14,12 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from .bandwidth import Link
-from .bookkeeping import PolicyError, apply_event, begin, stalled
+from .bookkeeping import PolicyError, apply_event, begin, begin_loads, begin_step, stalled
 from .policies.base import Policy, Progress
+from .policies.batch import BatchJob, BatchScheduler, Unit, global_wake, note_step
+from .profile import ChunkCost
 from .trace import Trace, TraceEvent
+from .workload import Request
 
 #: compute_cost(a, b, start_s) -> seconds to compute chunks [a, b) starting at simulated time start_s
 ComputeCost = Callable[[int, int, float], float]
@@ -87,3 +90,301 @@ def simulate(
             apply_event(progress, event)
             trace.add(event)
     raise PolicyError(f"{policy!r} did not finish within {max_steps} steps")
+
+
+# -- many requests on shared lanes -------------------------------------------------------------------
+
+
+@dataclass
+class SimRequest:
+    """One request of a simulated batch: its chunks, which are stored, and what each costs.
+
+    `compute_cost(a, b)` is the seconds to compute its chunks [a, b); `chunk_cost` ranks its chunks for
+    the scheduler (usually each chunk's own compute seconds)."""
+
+    arrival_s: float
+    kind: str
+    chunk_tokens: Sequence[int]
+    stored: Sequence[bool]
+    chunk_bytes: Sequence[int]
+    policy: Policy
+    compute_cost: Callable[[int, int], float]
+    chunk_cost: Sequence[float]
+
+
+@dataclass
+class BatchSimResult:
+    """Per request (in the order given): arrival-to-finish time (`ttft_s`) and finish time, its trace
+    (on its own clock) and progress; per step: start time and units; the most steps in a row each job
+    wanted compute and was passed over."""
+
+    ttft_s: list[float]
+    finish_s: list[float]
+    traces: list[Trace]
+    progress: list[Progress]
+    steps: list[tuple[float, tuple[Unit, ...]]]
+    max_skipped: list[int]
+
+    @property
+    def makespan(self) -> float:
+        return max(self.finish_s, default=0.0)
+
+
+def simulate_batch(
+    scheduler: BatchScheduler,
+    requests: Sequence[SimRequest],
+    link: Link,
+    load_lanes: int = 4,
+    max_steps: int = 10_000_000,
+) -> BatchSimResult:
+    """Run a batch of requests arriving over time on one compute lane and `load_lanes` lanes over `link`.
+
+    The same scheduler and per-request policy objects as `BatchEngine`, with the same bookkeeping; a
+    step's units run one after another on the compute lane, and the scheduler is asked again when the
+    step ends, when a load lands and when a request arrives."""
+    n = len(requests)
+    jobs: dict[int, BatchJob] = {}
+    finish = [math.nan] * n
+    traces = [Trace() for _ in range(n)]
+    progress = [Progress(list(r.chunk_tokens), list(r.stored)) for r in requests]
+    steps: list[tuple[float, tuple[Unit, ...]]] = []
+    max_skipped = [0] * n
+    arrivals = sorted(range(n), key=lambda i: (requests[i].arrival_s, i))
+    queue: list[tuple[float, int, int, TraceEvent | None]] = []  # (time, seq, job, event); None: step end
+    seq = 0
+    live_loads: dict[tuple[int, int], int] = {}
+    compute_free = True
+    in_flight = 0
+    now = 0.0
+
+    def push(t: float, j: int, event: TraceEvent | None) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(queue, (t, seq, j, event))
+        if event is not None and event.kind != "compute":
+            live_loads[(j, event.first_chunk)] = seq
+
+    def local(j: int, kind: str, i: int, k: int, start: float, end: float, nbytes: int = 0) -> TraceEvent:
+        t0 = requests[j].arrival_s
+        return TraceEvent(kind, i, k, start - t0, end - t0, nbytes)
+
+    for _ in range(max_steps):
+        while arrivals and requests[arrivals[0]].arrival_s <= now:
+            j = arrivals.pop(0)
+            r = requests[j]
+            jobs[j] = BatchJob(j, r.kind, progress[j], r.policy, r.arrival_s, r.chunk_cost)
+            scheduler.check(jobs[j])
+            if progress[j].finished:  # nothing to restore
+                del jobs[j]
+                finish[j] = r.arrival_s
+        if not jobs and not arrivals:
+            return BatchSimResult(
+                [f - r.arrival_s for f, r in zip(finish, requests, strict=True)],
+                finish,
+                traces,
+                progress,
+                steps,
+                max_skipped,
+            )
+        wake = math.inf
+        if compute_free and jobs:
+            step = scheduler.compute_step(list(jobs.values()), now)
+            note_step(jobs, step)
+            for j in jobs:
+                max_skipped[j] = max(max_skipped[j], jobs[j].skipped)
+            for j, i in step.drops:
+                live_loads.pop((j, i), None)
+                start = requests[j].arrival_s + (progress[j].load_started[i] or 0.0)
+                push(now, j, local(j, "load-dropped", i, i, start, now))
+            begin_step(jobs, step)
+            if step.units:
+                steps.append((now, step.units))
+                t = now
+                for u in step.units:
+                    end = t + requests[u.job].compute_cost(u.a, u.b)
+                    push(end, u.job, local(u.job, "compute", u.a, u.b - 1, t, end))
+                    t = end
+                push(t, -1, None)
+                compute_free = False
+            if step.wake_at is not None:
+                wake = min(wake, step.wake_at)
+        free = load_lanes - in_flight
+        if free > 0 and jobs:
+            grant = scheduler.load_grants(list(jobs.values()), free, now)
+            begin_loads(jobs, grant)
+            for j, i in grant.loads:
+                end = link.reserve(now, requests[j].chunk_bytes[i])
+                push(end, j, local(j, "load", i, i, now, end, requests[j].chunk_bytes[i]))
+                in_flight += 1
+            if grant.wake_at is not None:
+                wake = min(wake, grant.wake_at)
+        nxt = min(
+            queue[0][0] if queue else math.inf,
+            wake,
+            requests[arrivals[0]].arrival_s if arrivals else math.inf,
+        )
+        if nxt == math.inf:
+            left = {j: progress[j].pending() for j in jobs}
+            raise PolicyError(f"{scheduler!r} left chunks {left} (job: chunks) with no unit running")
+        now = max(now, nxt)
+        while queue and queue[0][0] <= now:
+            _, s, j, event = heapq.heappop(queue)
+            if event is None:
+                compute_free = True
+                continue
+            if event.kind != "compute":
+                if event.kind == "load" and live_loads.get((j, event.first_chunk)) != s:
+                    continue  # a load dropped earlier (its drop event was applied instead)
+                live_loads.pop((j, event.first_chunk), None)
+                in_flight -= 1
+            apply_event(progress[j], event)
+            traces[j].add(event)
+            if progress[j].finished and j in jobs:
+                del jobs[j]
+                finish[j] = now
+    raise PolicyError(f"{scheduler!r} did not finish the batch within {max_steps} steps")
+
+
+def sim_requests(
+    workload: Sequence[Request],
+    cost: ChunkCost,
+    kv_bytes_per_token: int,
+    chunk_size: int,
+    policy: Callable[[], Policy],
+) -> list[SimRequest]:
+    """Simulated requests for a workload (`kvrestore.workload`), as a `Restorer` would chunk them.
+
+    A restore's prompt is its stored prefix plus its new tokens, cut into `chunk_size` chunks from the
+    start; the chunks wholly inside the prefix are stored. A prefill stores nothing. A decode step is
+    one token attending to its context. `cost` (a profile's `chunk`) prices every compute unit; each
+    request gets its own `policy()`."""
+    out = []
+    for r in workload:
+        if r.kind == "decode":
+            tokens, stored, starts = [1], [False], [r.prefix_tokens]
+        else:
+            total = r.prefix_tokens + r.new_tokens
+            starts = list(range(0, total, chunk_size))
+            tokens = [min(chunk_size, total - s) for s in starts]
+            stored = [
+                r.kind == "restore" and s + n <= r.prefix_tokens for s, n in zip(starts, tokens, strict=True)
+            ]
+
+        def compute(a: int, b: int, starts: list[int] = starts, tokens: list[int] = tokens) -> float:
+            return cost.seconds(sum(tokens[a:b]), starts[a])
+
+        out.append(
+            SimRequest(
+                r.arrival_s,
+                r.kind,
+                tokens,
+                stored,
+                [n * kv_bytes_per_token for n in tokens],
+                policy(),
+                compute,
+                [cost.seconds(n, s) for n, s in zip(tokens, starts, strict=True)],
+            )
+        )
+    return out
+
+
+def simulate_independent(requests: Sequence[SimRequest], link: Link, load_lanes: int = 4) -> BatchSimResult:
+    """The same requests as independent restores on one `Engine` (no batch scheduler): each runs its own
+    policy as if alone, and the lanes serve units in the order they were asked for (the compute lane's
+    and the load lanes' FIFO queues). This is what concurrent `Restorer.restore` calls do on a plain
+    `Engine`, and the baseline the batch schedulers are measured against."""
+    n = len(requests)
+    progress = [Progress(list(r.chunk_tokens), list(r.stored)) for r in requests]
+    traces = [Trace() for _ in range(n)]
+    finish = [math.nan] * n
+    compute_q: list[tuple[int, int, int]] = []  # (job, a, b) waiting for the compute lane
+    load_q: list[tuple[int, int]] = []  # (job, chunk) waiting for a load lane
+    serving: dict[tuple[int, int], tuple[float, int]] = {}  # load in service -> (start, event seq)
+    queue: list[tuple[float, int, int, TraceEvent | None]] = []
+    seq = 0
+    compute_busy_until: float | None = None
+    to_decide = set()
+    wakes: list[tuple[float, int]] = []
+    arrivals = sorted(range(n), key=lambda i: (requests[i].arrival_s, i))
+    now = 0.0
+
+    def push(t: float, j: int, event: TraceEvent | None) -> int:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(queue, (t, seq, j, event))
+        return seq
+
+    def local(j: int, kind: str, i: int, k: int, start: float, end: float, nbytes: int = 0) -> TraceEvent:
+        t0 = requests[j].arrival_s
+        return TraceEvent(kind, i, k, start - t0, end - t0, nbytes)
+
+    while True:
+        while arrivals and requests[arrivals[0]].arrival_s <= now:
+            to_decide.add(arrivals.pop(0))
+        while wakes and wakes[0][0] <= now:
+            to_decide.add(heapq.heappop(wakes)[1])
+        for j in sorted(to_decide):
+            p, r = progress[j], requests[j]
+            if p.finished:
+                if math.isnan(finish[j]):
+                    finish[j] = now
+                continue
+            p.now = now - r.arrival_s
+            p.free_load_lanes = max(0, load_lanes - p.loads_in_flight)
+            d = r.policy.decide(p)
+            for i in d.drop:
+                if (j, i) in load_q:
+                    load_q.remove((j, i))
+                    start = now
+                else:
+                    start, _ = serving.pop((j, i))
+                push(now, j, local(j, "load-dropped", i, i, start, now))
+            begin(p, d, r.policy)
+            if d.compute is not None:
+                compute_q.append((j, *d.compute))
+            load_q.extend((j, i) for i in d.loads)
+            if d.wake_at is not None:
+                heapq.heappush(wakes, (global_wake(d.wake_at, r.arrival_s, now), j))
+            if stalled(p, d):
+                raise PolicyError(f"{r.policy!r} left chunks {p.pending()} with no unit running")
+        to_decide.clear()
+        if compute_busy_until is None and compute_q:
+            j, a, b = compute_q.pop(0)
+            end = now + requests[j].compute_cost(a, b)
+            push(end, j, local(j, "compute", a, b - 1, now, end))
+            compute_busy_until = end
+        while load_q and len(serving) < load_lanes:
+            j, i = load_q.pop(0)
+            end = link.reserve(now, requests[j].chunk_bytes[i])
+            serving[(j, i)] = (
+                now,
+                push(end, j, local(j, "load", i, i, now, end, requests[j].chunk_bytes[i])),
+            )
+        if all(not math.isnan(f) for f in finish):
+            return BatchSimResult(
+                [f - r.arrival_s for f, r in zip(finish, requests, strict=True)],
+                finish,
+                traces,
+                progress,
+                [],
+                [0] * n,
+            )
+        nxt = min(
+            queue[0][0] if queue else math.inf,
+            wakes[0][0] if wakes else math.inf,
+            requests[arrivals[0]].arrival_s if arrivals else math.inf,
+        )
+        if nxt == math.inf:
+            raise PolicyError("independent restores stalled with nothing running")
+        now = max(now, nxt)
+        while queue and queue[0][0] <= now:
+            _, s, j, event = heapq.heappop(queue)
+            if event.kind == "compute":
+                compute_busy_until = None
+            elif event.kind == "load":
+                if serving.get((j, event.first_chunk), (0, -1))[1] != s:
+                    continue  # dropped while in service
+                del serving[(j, event.first_chunk)]
+            apply_event(progress[j], event)
+            traces[j].add(event)
+            to_decide.add(j)

@@ -69,6 +69,13 @@ class Engine:
         self._limiters: tuple[object, CapacityLimiter, CapacityLimiter] | None = None
         self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
 
+    def default_policy(self) -> Policy:
+        """The policy a restore on this engine uses when given none: the `Auto` planner (it predicts
+        each strategy as if the restore had the lanes to itself, which on a plain engine it mostly has)."""
+        from .policies.planner import Auto
+
+        return Auto()
+
     def cuda_stream(self, lane: str, device: torch.device | str) -> torch.cuda.Stream | None:
         """The CUDA stream of a lane ("compute" or "load") on `device`, None off CUDA.
 

@@ -208,9 +208,12 @@ class Restorer:
     ) -> RestoreResult:
         """The KV cache of `token_ids`, assembled by `policy` from compute and loads.
 
-        The default policy, `Auto`, predicts every strategy with the restorer's profile and picks the
-        fastest (`result.plan` says what it predicted and why). `out` is a buffer to restore into (a serving process reuses its KV memory instead of allocating
-        and first-touching a new buffer per request); the result's `kv` then shares it.
+        The default policy is the engine's (`Engine.default_policy`): on a plain `Engine` the `Auto`
+        planner, which predicts every strategy with the restorer's profile and picks the fastest
+        (`result.plan` says what it predicted and why); on a `BatchEngine` the token-wise two-pointer,
+        whose lanes the batch scheduler shares out. `out` is a buffer to restore into (a serving process
+        reuses its KV memory instead of allocating and first-touching a new buffer per request); the
+        result's `kv` then shares it.
         """
         tokens, refs = self.chunks(token_ids)
         errors: list[str] = []
@@ -219,7 +222,7 @@ class Restorer:
         except LOAD_FAULTS as exc:  # the store is down: a restore still finishes, by computing
             stored = [False] * len(refs)
             errors.append(f"lookup: {type(exc).__name__}: {exc}")
-        policy = policy or Auto()
+        policy = policy or self.engine.default_policy()
         plan = None
         if isinstance(policy, Auto):
             plan = self._plan(refs, stored, policy)

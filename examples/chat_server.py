@@ -16,10 +16,13 @@ Endpoints:
     GET  /v1/conversations/{id}           -> {"id", "messages"}; 404 if the conversation is unknown
     GET  /healthz                          -> {"status": "ok", ...}
 
-Model work never runs on the event loop: restores use the Restorer's engine (a compute lane in a worker
-thread, load lanes as tasks), and generation and the save's tail prefill run on the same compute lane
-(`Engine.compute`), so concurrent conversations share one device one unit at a time. Turns of one
-conversation are serialized by a per-conversation lock; a turn also waits for the previous turn's save.
+Model work never runs on the event loop. Every conversation shares one `BatchEngine` (a compute lane in
+a worker thread, load lanes as tasks) under the `BatchAware` scheduler: each decode step of a reply is
+its own highest-priority unit (`engine.compute`), new prompts come next, and restores of long stored
+conversations get the rest of each step's token budget, while the load lanes go to the restores they
+save the most compute for. So a long restore never holds up the replies of other conversations, and a
+reply never holds up a restore for longer than one decode step. Turns of one conversation are
+serialized by a per-conversation lock; a turn also waits for the previous turn's save.
 Messages live in this process's memory (a restart forgets them; the KV stays in the store).
 """
 
@@ -34,7 +37,7 @@ import logging
 import re
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,8 +46,11 @@ from aiohttp import web
 
 from kvrestore import ChunkStore, InvalidInputError, KVCache, Restorer, open_store
 from kvrestore.backends.hf import HFBackend
+from kvrestore.batch import BatchEngine
+from kvrestore.engine import Engine
 from kvrestore.paths import cache_root
 from kvrestore.policies import Policy, TokenTwoPointer
+from kvrestore.policies.batch import BatchAware
 from kvrestore.restorer import RestoreResult
 
 log = logging.getLogger("kvrestore.chat_server")
@@ -78,22 +84,6 @@ class Conversation:
     saving: asyncio.Task[None] | None = None  # the previous turn's save, awaited by the next turn
 
 
-class _FirstTokenClock:
-    """A `generate()` streamer that notes when the first new token exists (its first `put` is the prompt)."""
-
-    def __init__(self) -> None:
-        self.puts = 0
-        self.first_token_at: float | None = None
-
-    def put(self, value: torch.Tensor) -> None:
-        self.puts += 1
-        if self.puts == 2:
-            self.first_token_at = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-
 class ChatService:
     """Conversations, their locks, and the turn logic; `app()` wraps it in an aiohttp application."""
 
@@ -106,12 +96,16 @@ class ChatService:
         policy: Policy | None = None,
         limits: Limits | None = None,
         system_prompt: str | None = None,
+        engine: Engine | None = None,
     ) -> None:
         if backend.tokenizer is None:
             raise ValueError("the backend needs a tokenizer with a chat template")
         self.backend = backend
         self.tokenizer = backend.tokenizer
-        self.restorer = Restorer(backend, store, chunk_size)
+        # one batch engine for every conversation: decode steps first, then new prompts, then restores
+        # (Cake's order), load lanes where they save the most compute (CacheFlow's rule)
+        self.engine = engine or BatchEngine(BatchAware(token_budget=max(512, chunk_size)))
+        self.restorer = Restorer(backend, store, chunk_size, engine=self.engine)
         self.policy = policy or TokenTwoPointer()
         self.limits = limits or Limits()
         self.system_prompt = system_prompt
@@ -132,9 +126,7 @@ class ChatService:
                 self.backend.spec, len(prompt) + max_new_tokens + KV_SLACK_TOKENS, device=self.backend.device
             )
             restored = await self.restorer.restore(prompt, self.policy, out=buffer)
-            reply_ids, first_token_at = await self._on_compute_lane(
-                self._generate, prompt, restored.kv, max_new_tokens
-            )
+            reply_ids, first_token_at = await self._reply(prompt, restored.kv, max_new_tokens)
             reply = self.tokenizer.decode(reply_ids, skip_special_tokens=True)
             conv.messages = [*messages, {"role": "assistant", "content": reply}]
             conv.saving = self._start_save(conv.messages, prompt, buffer)
@@ -166,26 +158,37 @@ class ChatService:
         """Blocking torch work in a worker thread, one unit at a time with every restore's compute."""
         return await self.restorer.engine.compute(fn, *args)
 
-    @torch.inference_mode()
-    def _generate(
+    async def _reply(
         self, prompt: list[int], kv: KVCache, max_new_tokens: int
     ) -> tuple[list[int], float | None]:
-        """Greedy reply on top of the restored KV (as `HFBackend.generate`, plus a first-token clock).
+        """Greedy reply on top of the restored KV, one decode step per compute unit (as `generate()`
+        would, stopping after an end-of-sequence token), so that other conversations' restores and
+        steps interleave with it instead of waiting for the whole reply.
 
-        The last prompt position is left uncached: `generate()` needs one input token to run.
+        The last prompt position is left uncached: the first step runs it and yields the first token.
         """
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.backend.device)
-        clock = _FirstTokenClock()
-        out = self.backend.model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            past_key_values=kv.to_hf(self.backend.config, n_tokens=len(prompt) - 1),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            pad_token_id=getattr(self.backend.config, "eos_token_id", None),
-            streamer=clock,
-        )
-        return out[0, len(prompt) :].tolist(), clock.first_token_at
+        cache = kv.to_hf(self.backend.config, n_tokens=len(prompt) - 1)
+        eos = self._eos_ids()
+        token, reply, first_token_at = prompt[-1], [], None
+        for _ in range(max_new_tokens):
+            token = await self._on_compute_lane(self._decode_step, cache, token)
+            first_token_at = first_token_at or time.perf_counter()
+            reply.append(token)
+            if token in eos:
+                break
+        return reply, first_token_at
+
+    @torch.inference_mode()
+    def _decode_step(self, cache: Any, token: int) -> int:
+        ids = torch.tensor([[token]], dtype=torch.long, device=self.backend.device)
+        logits = self.backend.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        return int(logits[0, -1].argmax())
+
+    def _eos_ids(self) -> set[int]:
+        eos = getattr(self.backend.model.generation_config, "eos_token_id", None)
+        if eos is None:
+            eos = getattr(self.backend.config, "eos_token_id", None)
+        return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     # -- saving in the background ------------------------------------------------------------------
 
@@ -243,8 +246,33 @@ class ChatService:
         app.router.add_post("/v1/conversations/{id}/messages", self._post_message)
         app.router.add_get("/v1/conversations/{id}", self._get_conversation)
         app.router.add_get("/healthz", self._healthz)
-        app.on_cleanup.append(lambda _app: self.close())
+        app.cleanup_ctx.append(self._lifetime)
         return app
+
+    async def _lifetime(self, app: web.Application) -> AsyncIterator[None]:
+        """Run the batch engine while the app serves: its driver lives in one task of its own, entered
+        at startup and left at cleanup, after the saves in flight have finished."""
+        if not isinstance(self.engine, BatchEngine):
+            yield
+            await self.close()
+            return
+        started, stop = asyncio.Event(), asyncio.Event()
+
+        async def run_engine() -> None:
+            async with self.engine:
+                started.set()
+                await stop.wait()
+
+        task = asyncio.create_task(run_engine())
+        await asyncio.wait([task, asyncio.ensure_future(started.wait())], return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()  # the engine failed to start: raise why
+        try:
+            yield
+        finally:
+            await self.close()
+            stop.set()
+            await task
 
     async def _post_message(self, request: web.Request) -> web.Response:
         arrived = time.perf_counter()

@@ -16,14 +16,15 @@ import torch
 
 from . import codec
 from .backend import ComputeBackend
+from .batch import BatchEngine
 from .engine import LOAD_FAULTS, Engine, on_stream
 from .errors import ChunkDecodeError, InvalidInputError, MissingChunkError
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from .kv import KVCache
 from .layers import ChunkLoadFailed, LayerReader, StoredChunk
 from .policies import ComputeOnly, LoadOnly, Policy, Progress
-from .policies.planner import Auto, Plan, Workload
-from .profile import LinkEstimate, Profile
+from .policies.planner import PLANNED, Auto, Plan, Workload, predict
+from .profile import Calibration, LinkEstimate, Profile
 from .spec import ModelSpec, dtype_name
 from .stores.base import ChunkStore
 from .trace import Trace, TraceEvent
@@ -122,6 +123,7 @@ class Restorer:
         self.load_timeout_s = load_timeout_s
         self.profile = self._profile(profile)
         self.link = LinkEstimate(self.profile.link if self.profile is not None else None)
+        self.calibration = Calibration()  # how this restorer's restores compare with predictions
 
     def _profile(self, profile: Profile | str | os.PathLike | None) -> Profile | None:
         if profile is None:
@@ -143,14 +145,31 @@ class Restorer:
         return self._plan(refs, stored, policy)
 
     def _plan(self, refs: list[ChunkRef], stored: Sequence[bool], policy: Auto | None) -> Plan:
-        work = Workload(
+        work = self._workload(refs, stored)
+        return (policy or Auto()).plan(self.profile, self.link.current, work, self.calibration)
+
+    def _workload(self, refs: list[ChunkRef], stored: Sequence[bool]) -> Workload:
+        return Workload(
             tuple(r.n_tokens for r in refs),
             tuple(bool(s) for s in stored),
             self.spec.num_layers,
             self.spec.kv_bytes_per_token,
             self.engine.load_lanes,
         )
-        return (policy or Auto()).plan(self.profile, self.link.current, work)
+
+    def _predicted(
+        self, policy: Policy, plan: Plan | None, refs: list[ChunkRef], stored: Sequence[bool]
+    ) -> float | None:
+        """The profile's own (uncalibrated) prediction for running `policy`, where there is one to learn
+        from: a profile, a link estimate, a strategy the planner knows, and a plain engine (on a
+        `BatchEngine` a restore's time is mostly the other requests')."""
+        if self.profile is None or self.link.current is None or isinstance(self.engine, BatchEngine):
+            return None
+        if plan is not None and policy.name in plan.predicted_s:
+            return plan.predicted_s[policy.name] / plan.calibration.get(policy.name, 1.0)
+        if policy.name not in PLANNED or not any(stored):
+            return None
+        return predict(policy, self.profile, self.link.current, self._workload(refs, stored))
 
     @property
     def spec(self) -> ModelSpec:
@@ -227,11 +246,14 @@ class Restorer:
         if isinstance(policy, Auto):
             plan = self._plan(refs, stored, policy)
             policy = plan.choice
+        predicted = self._predicted(policy, plan, refs, stored)
         job = _Job(tokens, refs, stored, errors, on_event, out)
         if policy.axis == "layers":
             result = await self._restore_layers(job, policy)
         else:
             result = await self._restore(job, policy)
+        if predicted is not None and not result.stats.errors:
+            self.calibration.observe(policy.name, predicted, result.stats.seconds)
         self.link.observe(result.trace)
         result.plan = plan
         return result

@@ -15,7 +15,7 @@ from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, Th
 from kvrestore.backends.hf import HFBackend
 from kvrestore.errors import InvalidInputError
 from kvrestore.policies.planner import Workload, crossover_length, predict
-from kvrestore.profile import ChunkCost, LayerCost, LinkCost, profile
+from kvrestore.profile import Calibration, ChunkCost, LayerCost, LinkCost, profile
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens, tiny_model
@@ -115,6 +115,45 @@ def test_restore_defaults_to_auto_and_returns_its_plan(llama_backend):
         r.plan(tokens, [True, True])
     with pytest.raises(TypeError, match="Restorer.restore"):
         Auto().decide(None)  # type: ignore[arg-type]
+
+
+def test_calibration_learns_how_each_strategy_compares_with_its_prediction():
+    cal = Calibration(weight=0.5, limit=2.0)
+    assert cal.factor("layer-wise") == 1.0  # never observed: the model as it is
+    cal.observe("layer-wise", predicted_s=1.0, measured_s=1.5)
+    assert cal.factor("layer-wise") == pytest.approx(1.5)
+    cal.observe("layer-wise", predicted_s=1.0, measured_s=1.5)
+    assert cal.factor("layer-wise") == pytest.approx(1.5)
+    cal.observe("layer-wise", predicted_s=1.0, measured_s=100.0)  # an outlier moves it, within the limit
+    assert 1.5 < cal.factor("layer-wise") <= 2.0
+    cal.observe("two-pointer", predicted_s=0.0, measured_s=1.0)  # nothing to learn from
+    assert cal.factors().keys() == {"layer-wise"}
+    # a strategy that ran slower than predicted stops being picked where it only just won
+    plain = smol_plan(4096, 1.0)
+    close = sorted(plain.predicted_s.items(), key=lambda kv: kv[1])
+    best, runner_up = close[0][0], close[1][0]
+    cal = Calibration()
+    cal.observe(best, 1.0, 1.0 * plain.predicted_s[runner_up] / plain.predicted_s[best] * 1.2)
+    p = make_profile(chunk=SMOL_CHUNK, layer=SMOL_LAYER)
+    balance = 4096 * SMOL_BYTES / SMOL_CHUNK.seconds(4096)
+    again = Auto().plan(p, LinkCost(balance, 0.0), smol_work(4096), cal)
+    assert again.choice.name != best and best in again.calibration and "learned" in again.explain()
+
+
+def test_a_restorer_calibrates_from_its_own_restores(llama_backend):
+    tokens = random_tokens(200, llama_backend.spec.vocab_size)
+
+    async def main():
+        r = Restorer(llama_backend, MemoryStore(), chunk_size=32, profile=make_profile(llama_backend))
+        await r.save(tokens)
+        await r.restore(tokens, TokenTwoPointer())
+        first = dict(r.calibration.observations)
+        res = await r.restore(tokens)  # Auto: plans with what it learned
+        return first, r.calibration.observations, res
+
+    first, later, res = anyio.run(main)
+    assert first.get("two-pointer") == 1
+    assert sum(later.values()) == 2 and res.plan is not None
 
 
 #: how far a prediction may be from what the engine does on this (shared, noisy) CPU: a relative part

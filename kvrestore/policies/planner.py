@@ -22,7 +22,7 @@ from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 from ..bandwidth import BandwidthTrace, Link
-from ..profile import ChunkCost, LayerCost, LinkCost, Profile
+from ..profile import Calibration, ChunkCost, LayerCost, LinkCost, Profile
 from ..simulate import simulate
 from .base import Decision, Policy, Progress
 from .compute_only import ComputeOnly
@@ -32,6 +32,10 @@ from .token_two_pointer import TokenTwoPointer
 
 #: the prompt lengths (tokens) searched for the crossover L_delta
 L_DELTA_GRID = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
+
+
+#: the strategies `Auto` predicts and chooses from, by name
+PLANNED = ("compute-only", "load-only", "two-pointer", "layer-wise")
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class Plan:
     bound_s: float | None = None  # T* = Tc Tio / (Tc + Tio)
     reason: str = ""
     crossover: Callable[[], int | None] | None = field(default=None, repr=False, compare=False)
+    #: the factors (measured / predicted, learned from earlier restores) applied to `predicted_s`
+    calibration: dict[str, float] = field(default_factory=dict)
 
     @cached_property
     def l_delta(self) -> int | None:
@@ -73,7 +79,8 @@ class Plan:
         lines = [f"chose {self.choice.name}: {self.reason}"]
         for name, s in sorted(self.predicted_s.items(), key=lambda kv: kv[1]):
             mark = " <-" if name == self.choice.name else ""
-            lines.append(f"  {name:<14} {s:8.3f} s{mark}")
+            scaled = f"  (x{self.calibration[name]:.2f}, learned)" if name in self.calibration else ""
+            lines.append(f"  {name:<14} {s:8.3f} s{scaled}{mark}")
         if self.bound_s is not None:
             lines.append(
                 f"  {'T* bound':<14} {self.bound_s:8.3f} s  (Tc {self.compute_s:.3f} s, Tio {self.load_s:.3f} s)"
@@ -108,7 +115,16 @@ class Auto(Policy):
             "Auto plans a whole restore: pass it to Restorer.restore, or run Auto.plan(...).choice"
         )
 
-    def plan(self, profile: Profile | None, link: LinkCost | None, work: Workload) -> Plan:
+    def plan(
+        self,
+        profile: Profile | None,
+        link: LinkCost | None,
+        work: Workload,
+        calibration: Calibration | None = None,
+    ) -> Plan:
+        """Predict every candidate for `work` and pick the fastest. With a `calibration` (the restorer's
+        record of how its restores compared with predictions) each prediction is scaled by its
+        strategy's factor."""
         if profile is None:
             return Plan(
                 TokenTwoPointer(), reason="no profile of this machine and model (run `kvrestore profile`)"
@@ -120,7 +136,8 @@ class Auto(Policy):
                 TokenTwoPointer(), reason="no estimate of the store's speed yet (profile it, or restore once)"
             )
         candidates = self.candidates or (ComputeOnly(), LoadOnly(), TokenTwoPointer(), LayerTwoPointer())
-        predicted = {p.name: predict(p, profile, link, work) for p in candidates}
+        factors = {p.name: calibration.factor(p.name) if calibration else 1.0 for p in candidates}
+        predicted = {p.name: predict(p, profile, link, work) * factors[p.name] for p in candidates}
         order = {p.name: i for i, p in enumerate(candidates)}  # ties go to the simpler, listed first
         choice = min(candidates, key=lambda p: (predicted[p.name], order[p.name]))
         tc = predict(ComputeOnly(), profile, link, work)
@@ -144,6 +161,7 @@ class Auto(Policy):
             bound_s=tc * tio / (tc + tio),
             reason=_reason(choice, predicted),
             crossover=l_delta,
+            calibration={k: v for k, v in factors.items() if v != 1.0},
         )
 
 

@@ -204,7 +204,16 @@ class BatchEngine(Engine):
 
     async def _drive(self, tg: TaskGroup, receive: Any) -> None:
         while True:
-            wake = self._schedule(tg)
+            try:
+                wake = self._schedule(tg)
+            except Exception as exc:  # a scheduler or policy broke a rule: fail the restores, not the engine
+                for live in list(self._live.values()):
+                    if live.active:
+                        live.error = exc
+                        for scope, _ in live.loads.values():
+                            scope.cancel()
+                        self._retire(live)
+                wake = None
             timeout = math.inf if wake is None else max(0.0, wake - self._now())
             with anyio.move_on_after(timeout):
                 self._handle(await receive.receive())

@@ -303,3 +303,23 @@ def test_batch_engine_errors_name_the_problem(deep_backend):
 
     with pytest.raises(ValueError, match="token budget"):
         anyio.run(too_big_chunks)
+
+
+def test_a_broken_policy_fails_its_restore_and_the_engine_serves_on(deep_backend):
+    tokens = random_tokens(64, deep_backend.spec.vocab_size)
+
+    class Broken(ComputeOnly):
+        def decide(self, progress):
+            raise RuntimeError("policy bug")
+
+    async def main():
+        async with BatchEngine() as engine:
+            restorer = Restorer(deep_backend, MemoryStore(), chunk_size=16, engine=engine)
+            with pytest.raises(RuntimeError, match="policy bug"):
+                await restorer.restore(tokens, Broken())
+            return await restorer.restore(tokens)
+
+    res = anyio.run(main)
+    torch.testing.assert_close(
+        res.kv.data, deep_backend.prefill_chunk(tokens, None, 0).data, atol=1e-5, rtol=0
+    )

@@ -114,7 +114,7 @@ def _workload(raw):
 )
 def test_batch_schedules_keep_every_rule(raw, speed, lanes, budget, aware, max_skipped):
     """The budget is never exceeded; every chunk of every request is computed or loaded exactly once,
-    loads only of stored chunks; a job that wants compute is passed over at most `max_skipped_steps`
+    loads only of stored chunks, and the pointers never cross; a job that wants compute is passed over at most `max_skipped_steps`
     plus the number of jobs steps in a row; every request finishes."""
     workload = _workload(raw)
     reqs = sim_requests(workload, COST, KV_PER_TOKEN, 256, TokenTwoPointer)
@@ -130,6 +130,8 @@ def test_batch_schedules_keep_every_rule(raw, speed, lanes, budget, aware, max_s
         loaded = [e.first_chunk for e in trace.of_kind("load")]
         assert sorted(computed + loaded) == list(range(len(r.chunk_tokens)))
         assert all(r.stored[i] for i in loaded)
+        # the two pointers never cross: stored chunks computed from the front, loaded from the back
+        assert max((j for j in computed if r.stored[j]), default=-1) < min(loaded, default=len(r.stored))
         assert all(s is ChunkStatus.COMPUTED or s is ChunkStatus.LOADED for s in progress.status)
     assert all(t >= 0 for t in res.ttft_s)
     assert max(res.max_skipped) <= max_skipped + len(reqs)

@@ -17,6 +17,7 @@ from .bandwidth import Link
 from .bookkeeping import PolicyError, apply_event, begin, begin_loads, begin_step, stalled
 from .policies.base import Policy, Progress
 from .policies.batch import BatchJob, BatchScheduler, Unit, global_wake, note_step
+from .policies.compute_only import ComputeOnly
 from .profile import ChunkCost
 from .trace import Trace, TraceEvent
 from .workload import Request
@@ -388,3 +389,34 @@ def simulate_independent(requests: Sequence[SimRequest], link: Link, load_lanes:
             apply_event(progress[j], event)
             traces[j].add(event)
             to_decide.add(j)
+
+
+def batch_lower_bound(
+    workload: Sequence[Request], cost: ChunkCost, kv_bytes_per_token: int, chunk_size: int, bytes_per_s: float
+) -> float:
+    """Seconds before which no schedule can finish all of `workload` (taken as arriving at once) on one
+    compute lane priced by `cost` and one link of `bytes_per_s`.
+
+    Every stored chunk is either computed or loaded, every other chunk computed; the lane and the link
+    each do one thing at a time, so the makespan is at least the smaller of max(compute, load) over all
+    such splits. Relaxed to stay a bound whatever the units: no per-call cost, each chunk priced at what
+    any unit containing it must spend on it at least (attention to the past at min(past, own-length)
+    rate), no order between chunks, and a chunk may be split between lane and link. The best split loads
+    the chunks that save the most compute per byte.
+    """
+    if bytes_per_s <= 0:
+        raise ValueError(f"bytes_per_s must be positive, got {bytes_per_s}")
+    floor = ChunkCost(0.0, cost.per_token_s, min(cost.per_token_past_s, cost.per_token2_s), cost.per_token2_s)
+    compute, loadable = 0.0, []
+    for r in sim_requests(workload, floor, kv_bytes_per_token, chunk_size, ComputeOnly):
+        for c, nbytes, stored in zip(r.chunk_cost, r.chunk_bytes, r.stored, strict=True):
+            compute += c
+            if stored:
+                loadable.append((c, nbytes / bytes_per_s))
+    load = 0.0
+    for c, t in sorted(loadable, key=lambda x: -x[0] / x[1]):
+        if compute - c <= load + t:  # the balance falls inside this chunk
+            return load + (compute - load) / (c + t) * t
+        compute -= c
+        load += t
+    return compute

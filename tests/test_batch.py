@@ -18,7 +18,7 @@ from kvrestore.policies import ComputeOnly, LayerTwoPointer, Progress
 from kvrestore.policies.base import ChunkStatus
 from kvrestore.policies.batch import BatchAware, BatchJob, FifoLanes
 from kvrestore.profile import ChunkCost
-from kvrestore.simulate import sim_requests, simulate_batch, simulate_independent
+from kvrestore.simulate import batch_lower_bound, sim_requests, simulate_batch, simulate_independent
 from kvrestore.stores.memory import MemoryStore
 from kvrestore.workload import Request
 
@@ -325,3 +325,21 @@ def test_a_broken_policy_fails_its_restore_and_the_engine_serves_on(deep_backend
     torch.testing.assert_close(
         res.kv.data, deep_backend.prefill_chunk(tokens, None, 0).data, atol=1e-5, rtol=0
     )
+
+
+@settings(max_examples=80, deadline=None)
+@given(raw=requests, speed=st.floats(0.05, 20.0), lanes=st.integers(1, 4), aware=st.booleans())
+def test_no_schedule_beats_the_lower_bound(raw, speed, lanes, aware):
+    """`batch_lower_bound` is a bound: neither scheduler nor independent restores finish a batch sooner."""
+    workload = [Request(0.0, r.kind, r.prefix_tokens, r.new_tokens) for r in _workload(raw)]
+    bps = speed * KV_PER_TOKEN / COST.per_token_s
+    bound = batch_lower_bound(workload, COST, KV_PER_TOKEN, 256, bps)
+    reqs = sim_requests(workload, COST, KV_PER_TOKEN, 256, TokenTwoPointer)
+    link = Link(BandwidthTrace.constant(bps))
+    scheduler = BatchAware() if aware else FifoLanes()
+    assert simulate_batch(scheduler, reqs, link, lanes).makespan >= bound * (1 - 1e-9)
+    reqs = sim_requests(workload, COST, KV_PER_TOKEN, 256, TokenTwoPointer)
+    assert simulate_independent(reqs, Link(BandwidthTrace.constant(bps)), lanes).makespan >= bound * (
+        1 - 1e-9
+    )
+    assert bound > 0

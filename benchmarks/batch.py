@@ -28,6 +28,7 @@ run of hundreds of requests. Writes benchmarks/results/batch.json.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -333,6 +334,18 @@ def summarize(args, work, setup, runs, prof, kv_per_token, worst_kv) -> dict:
     }
 
 
+def resummarize(args: argparse.Namespace) -> dict:
+    """The summary of a saved run, recomputed (its measurements as they were; the analysis as it is now)."""
+    saved = json.loads(Path(args.from_json).read_text())
+    prof = msgspec.convert(saved["profile"], Profile)
+    args.rounds, args.bandwidth = saved["rounds"], saved["bandwidth_x_balance"]
+    work = {row["scenario"]: [Request(**r) for r in row["requests"]] for row in saved["scenarios"]}
+    setup = {row["scenario"]: (None, None, None, row["link_bytes_per_s"]) for row in saved["scenarios"]}
+    runs = {(row["scenario"], c): row["runs"][c] for row in saved["scenarios"] for c in CASES}
+    kv_per_token = 46_080  # SmolLM2-135M: 30 layers x 3 KV heads x 64 x 2 x 4 bytes
+    return summarize(args, work, setup, runs, prof, kv_per_token, saved["worst_kv_error"])
+
+
 def sim_sweep(prof: Profile, kv_per_token: int, max_prefix: int) -> dict:
     """What the simulator says where real runs would take too long: batch 8 across bandwidths (4 seeds),
     and a Poisson run of a few hundred requests."""
@@ -386,6 +399,7 @@ if __name__ == "__main__":
     parser.add_argument("--max-prefix", type=int, default=4096)
     parser.add_argument("--profile", help="a saved profile (skips measuring)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "batch.json"))
+    parser.add_argument("--from-json", help="recompute the summary of a saved run (no model runs)")
     args = parser.parse_args()
-    result = anyio.run(main, args)
+    result = resummarize(args) if args.from_json else anyio.run(main, args)
     print(f"wrote {write_json(args.out, result)}")

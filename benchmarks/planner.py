@@ -126,6 +126,18 @@ async def main(args: argparse.Namespace) -> dict:
     return summarize(args, lengths, multipliers, times, choices, plans, points, compute_s, prof, worst_kv)
 
 
+def paired_auto_vs_best(samples: dict[str, list[float]]) -> float:
+    """Median over rounds of Auto's time over the best other policy's in the same round.
+
+    The rounds interleave the policies, so a round's runs share the machine's state of the moment (a
+    2-core shared machine drifts by 10-20% between rounds); pairing within a round removes that drift,
+    which a ratio of two medians taken over different rounds keeps."""
+    rounds = len(samples["auto"])
+    return median(
+        [samples["auto"][r] / min(v[r] for k, v in samples.items() if k != "auto") for r in range(rounds)]
+    )
+
+
 def summarize(args, lengths, multipliers, times, choices, plans, points, compute_s, prof, worst_kv) -> dict:
     def med(n: int, m: float, name: str) -> float:
         key = (n, multipliers[0], name) if name == "compute-only" else (n, m, name)
@@ -150,6 +162,9 @@ def summarize(args, lengths, multipliers, times, choices, plans, points, compute
                 "best": best_name,
                 "auto_choices": choices[n, m],
                 "auto_vs_best": t["auto"] / t[best_name],
+                "auto_vs_best_paired": paired_auto_vs_best(
+                    {name: times[(n, multipliers[0] if name == "compute-only" else m, name)] for name in t}
+                ),
                 "auto_vs_best_single": t["auto"] / single,
                 "predicted_s": plans[n, m].predicted_s,
                 "plan": plans[n, m].explain(),
@@ -163,6 +178,7 @@ def summarize(args, lengths, multipliers, times, choices, plans, points, compute
                     f"{bound:.3f}",
                     "/".join(sorted(set(choices[n, m]))),
                     f"{point['auto_vs_best']:.2f}",
+                    f"{point['auto_vs_best_paired']:.2f}",
                     f"{point['auto_vs_best_single']:.2f}",
                 ]
             )
@@ -179,6 +195,7 @@ def summarize(args, lengths, multipliers, times, choices, plans, points, compute
                 "T*",
                 "auto picked",
                 "auto/best",
+                "paired",
                 "auto/single",
             ],
             rows,
@@ -208,14 +225,17 @@ def summarize(args, lengths, multipliers, times, choices, plans, points, compute
             f" layer-wise faster below it: {below_ok}"
         )
     targets = {
-        "worst_auto_vs_best": max(p["auto_vs_best"] for p in grid),
+        "worst_auto_vs_best": max(p["auto_vs_best_paired"] for p in grid),
+        "worst_auto_vs_best_of_medians": max(p["auto_vs_best"] for p in grid),
         "worst_auto_vs_best_single": max(p["auto_vs_best_single"] for p in grid),
         "layer_wise_faster_below_l_delta": all(v["layer_wise_faster_below"] for v in l_delta.values()),
         "worst_kv_abs_diff": worst_kv,
         "kv_exact": worst_kv <= KV_ATOL,
     }
     print(
-        f"targets: worst auto/best {targets['worst_auto_vs_best']:.3f} (<= 1.10), worst auto/best single "
+        f"targets: worst auto/best {targets['worst_auto_vs_best']:.3f} (<= 1.10; median over rounds of each round's"
+        f" auto / best, the same round's runs; the ratio of the medians: {targets['worst_auto_vs_best_of_medians']:.3f}),"
+        " worst auto/best single "
         f"{targets['worst_auto_vs_best_single']:.3f} (<= 1.05), layer-wise faster below L_delta "
         f"{targets['layer_wise_faster_below_l_delta']}, KV max |diff| {worst_kv:.2e} (<= {KV_ATOL})"
     )

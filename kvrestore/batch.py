@@ -36,7 +36,7 @@ import anyio.to_thread
 from anyio.abc import TaskGroup
 
 from .bookkeeping import apply_event, begin_loads, begin_step
-from .engine import LOAD_FAULTS, ComputeFn, Engine, LoadFn, PolicyStalledError
+from .engine import ComputeFn, Engine, LoadFn, PolicyStalledError, timed_load
 from .errors import InvalidInputError
 from .policies.base import Policy, Progress
 from .policies.batch import BatchAware, BatchJob, BatchScheduler, ComputeStep, note_step
@@ -292,20 +292,17 @@ class BatchEngine(Engine):
     async def _load(self, live: _Live, i: int) -> None:
         scope, stopped = live.loads[i]
         t0 = live.job.arrival_s
-        start = self._now()
+
+        def now() -> float:  # the job's own clock
+            return self._now() - t0
+
+        start = now()
         event: TraceEvent | None = None
         try:
             with scope:
-                try:
-                    with anyio.fail_after(live.load_timeout_s):
-                        nbytes = await live.load(i)
-                except LOAD_FAULTS as exc:
-                    error = f"{type(exc).__name__}: {exc}"
-                    event = TraceEvent("load-failed", i, i, start - t0, self._now() - t0, error=error)
-                else:
-                    event = TraceEvent("load", i, i, start - t0, self._now() - t0, nbytes)
+                event = await timed_load(live.load, i, live.load_timeout_s, now)
             if scope.cancel_called or event is None:  # dropped: whatever it read is not applied
-                event = TraceEvent("load-dropped", i, i, start - t0, self._now() - t0)
+                event = TraceEvent("load-dropped", i, i, start, now())
             self._send.send_nowait(("event", live.job.id, event))
         except BaseException as exc:
             self._send.send_nowait(("failed", live.job.id, exc))

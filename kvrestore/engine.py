@@ -55,6 +55,18 @@ def _single(exc: BaseException) -> BaseException:
     return exc
 
 
+async def timed_load(load: LoadFn, i: int, timeout_s: float | None, now: Callable[[], float]) -> TraceEvent:
+    """Run one load; its event on the `now` clock: "load", or "load-failed" for a fault that makes the
+    chunk a miss (cancellation passes through)."""
+    start = now()
+    try:
+        with anyio.fail_after(timeout_s):
+            nbytes = await load(i)
+    except LOAD_FAULTS as exc:
+        return TraceEvent("load-failed", i, i, start, now(), error=f"{type(exc).__name__}: {exc}")
+    return TraceEvent("load", i, i, start, now(), nbytes)
+
+
 class PolicyStalledError(PolicyError):
     """The policy started nothing while nothing was running and chunks were left."""
 
@@ -166,14 +178,7 @@ class _Run:
             with scope:
                 async with self.load_lane:
                     start = self._now()
-                    try:
-                        with anyio.fail_after(self.load_timeout_s):
-                            nbytes = await self.load_fn(i)
-                    except LOAD_FAULTS as exc:
-                        error = f"{type(exc).__name__}: {exc}"
-                        event = TraceEvent("load-failed", i, i, start, self._now(), error=error)
-                    else:
-                        event = TraceEvent("load", i, i, start, self._now(), nbytes)
+                    event = await timed_load(self.load_fn, i, self.load_timeout_s, self._now)
             if scope.cancel_called:  # dropped: whatever it read is not applied
                 event = TraceEvent("load-dropped", i, i, start, self._now())
             if event is not None:

@@ -6,6 +6,7 @@ from kvrestore.policies import ComputeOnly, LoadOnly
 """
 
 from .bandwidth import BandwidthTrace
+from .batch import BatchEngine
 from .engine import Engine
 from .errors import (
     ChunkDecodeError,
@@ -21,6 +22,7 @@ from .errors import (
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from .kv import KVCache, KVChunk
 from .policies import Auto, Blend, ComputeOnly, LayerTwoPointer, LoadOnly, Policy, TokenTwoPointer
+from .policies.batch import BatchAware, FifoLanes
 from .profile import Profile
 from .restorer import Restorer, RestoreResult, RestoreStats, SaveStats, SyncRestorer
 from .spec import ModelSpec
@@ -33,6 +35,8 @@ __all__ = [
     "Auto",
     "DEFAULT_CHUNK_SIZE",
     "BandwidthTrace",
+    "BatchAware",
+    "BatchEngine",
     "Blend",
     "ChunkDecodeError",
     "ChunkRef",
@@ -40,6 +44,7 @@ __all__ = [
     "ComputeOnly",
     "CorruptChunkError",
     "Engine",
+    "FifoLanes",
     "ForeignChunkError",
     "InvalidInputError",
     "KVCache",

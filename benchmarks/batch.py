@@ -36,17 +36,16 @@ from pathlib import Path
 import anyio
 import msgspec
 import torch
-from _common import format_table, machine_info, median, write_json
+from _common import format_table, machine_info, median, percentile, write_json
 
 from kvrestore import Profile, Restorer, ThrottledStore, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
-from kvrestore.bandwidth import BandwidthTrace, Link
 from kvrestore.batch import BatchEngine
 from kvrestore.engine import Engine
 from kvrestore.kv import KVCache
 from kvrestore.policies.batch import BatchAware, FifoLanes
 from kvrestore.profile import profile
-from kvrestore.simulate import batch_lower_bound, sim_requests, simulate_batch, simulate_independent
+from kvrestore.simulate import CASES, balance_bytes_per_s, batch_lower_bound, compare_schedulers
 from kvrestore.stores.memory import MemoryStore
 from kvrestore.text import reference_tokens
 from kvrestore.workload import LogNormalLengths, Request, Shapes, burst, mix, poisson
@@ -56,13 +55,6 @@ BUDGET = 512
 LANES = 4
 LATENCY_S = 0.001
 KV_ATOL = 1e-3
-CASES = ("independent", "fifo", "batch-aware")
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (with 8 requests, P99 is the slowest one)."""
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
 def scenarios(max_prefix: int) -> dict[str, tuple[list[Request], float]]:
@@ -84,21 +76,20 @@ def scenarios(max_prefix: int) -> dict[str, tuple[list[Request], float]]:
 
 
 def balance_bps(workload: list[Request], prof: Profile, kv_per_token: int) -> float:
-    """Stored bytes of the workload's restores over their predicted compute-only time."""
-    reqs = sim_requests(workload, prof.chunk, kv_per_token, CHUNK, TokenTwoPointer)
-    restores = [r for r in reqs if r.kind == "restore"]
-    compute = sum(r.compute_cost(0, len(r.chunk_tokens)) for r in restores)
-    stored = sum(b for r in restores for b, s in zip(r.chunk_bytes, r.stored, strict=True) if s)
-    return stored / compute
+    return balance_bytes_per_s(workload, prof.chunk, kv_per_token, CHUNK)
 
 
-def simulate(case: str, workload: list[Request], prof: Profile, kv_per_token: int, bps: float):
-    reqs = sim_requests(workload, prof.chunk, kv_per_token, CHUNK, TokenTwoPointer)
-    link = Link(BandwidthTrace.constant(bps), LATENCY_S)
-    if case == "independent":
-        return simulate_independent(reqs, link, LANES)
-    scheduler = FifoLanes(BUDGET) if case == "fifo" else BatchAware(BUDGET)
-    return simulate_batch(scheduler, reqs, link, LANES)
+def simulate_all(workload: list[Request], prof: Profile, kv_per_token: int, bps: float) -> dict:
+    return compare_schedulers(
+        workload,
+        prof.chunk,
+        kv_per_token,
+        bps,
+        chunk_size=CHUNK,
+        load_lanes=LANES,
+        token_budget=BUDGET,
+        latency_s=LATENCY_S,
+    )
 
 
 def stats(ttft: list[float], makespan: float, tokens: int) -> dict:
@@ -221,10 +212,10 @@ def summarize(args, work, setup, runs, prof, kv_per_token, worst_kv) -> dict:
             c: {k: median([r[k] for r in runs[name, c]]) for k in runs[name, c][0] if k != "ttft_s"}
             for c in CASES
         }
-        sims = {}
-        for c in CASES:
-            res = simulate(c, workload, prof, kv_per_token, bps)
-            sims[c] = stats(res.ttft_s, res.makespan, 1)
+        sims = {
+            c: stats(r.ttft_s, r.makespan, 1)
+            for c, r in simulate_all(workload, prof, kv_per_token, bps).items()
+        }
         for c in CASES:
             m = med[c]
             table.append(
@@ -357,7 +348,7 @@ def sim_sweep(prof: Profile, kv_per_token: int, max_prefix: int) -> dict:
         for seed in range(4):
             wl = burst(8, seed=100 + seed, weights={"restore": 1.0}, shapes=shapes)
             bps = x * balance_bps(wl, prof, kv_per_token)
-            res = {c: simulate(c, wl, prof, kv_per_token, bps) for c in CASES}
+            res = simulate_all(wl, prof, kv_per_token, bps)
             for base in ("independent", "fifo"):
                 b, a = res[base].ttft_s, res["batch-aware"].ttft_s
                 ratios[f"mean_vs_{base}"].append(statistics.mean(b) / statistics.mean(a))
@@ -366,7 +357,7 @@ def sim_sweep(prof: Profile, kv_per_token: int, max_prefix: int) -> dict:
         table.append(["batch-8", x, *out["batch-8"][x].values()])
     wl = poisson(0.12, 2400.0, seed=11, weights={"restore": 0.6, "prefill": 0.4}, shapes=shapes)
     bps = balance_bps(wl, prof, kv_per_token)
-    res = {c: simulate(c, wl, prof, kv_per_token, bps) for c in CASES}
+    res = simulate_all(wl, prof, kv_per_token, bps)
     out["poisson-hundreds"] = {
         "requests": len(wl),
         **{c: stats(res[c].ttft_s, res[c].makespan, 1) for c in CASES},

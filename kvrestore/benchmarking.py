@@ -47,6 +47,14 @@ def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
 
 
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile, q in [0, 1] (with 8 samples, P99 is the largest); NaN when empty."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return float(xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))])
+
+
 def ratio(a: float, b: float) -> float:
     """a / b, NaN when b is zero or NaN."""
     return a / b if b and b == b else float("nan")
@@ -225,6 +233,7 @@ __all__ = [
     "interleave",
     "machine_info",
     "median",
+    "percentile",
     "print_table",
     "ratio",
     "summarize",

@@ -50,12 +50,35 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("--chunk-size", type=int, default=256, help="tokens per stored chunk (default 256)")
     prof.add_argument("--repeats", type=int, default=2, help="timings per measurement (median; default 2)")
     prof.add_argument("--out", default=None, help="where to save (default: the cache dir, found by Restorer)")
+    sim = sub.add_parser(
+        "simulate",
+        help="compare batch schedulers on a simulated workload (no model): independent, FIFO, batch-aware",
+    )
+    sim.add_argument("--profile", required=True, help="a saved profile (`kvrestore profile --out PATH`)")
+    sim.add_argument(
+        "--batch", type=int, default=None, help="N restores arriving together (instead of Poisson)"
+    )
+    sim.add_argument("--rate", type=float, default=0.3, help="Poisson arrivals per second (default 0.3)")
+    sim.add_argument(
+        "--duration", type=float, default=1000.0, help="seconds of Poisson arrivals (default 1000)"
+    )
+    sim.add_argument(
+        "--restore-share", type=float, default=0.6, help="share of restores; the rest are prefills"
+    )
+    sim.add_argument("--bandwidth", type=float, default=1.0, help="link speed, multiple of the balance point")
+    sim.add_argument("--kv-bytes-per-token", type=int, default=46_080, help="default: SmolLM2-135M fp32")
+    sim.add_argument("--chunk-size", type=int, default=256)
+    sim.add_argument("--load-lanes", type=int, default=4)
+    sim.add_argument("--token-budget", type=int, default=512)
+    sim.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     if args.command == "bench":
         return _bench(parser, args)
     if args.command == "profile":
         return _profile(parser, args)
+    if args.command == "simulate":
+        return _simulate(parser, args)
 
     if args.command == "demo":
         from .demo import QUESTION, run_demo
@@ -144,6 +167,66 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     except KVRestoreError as exc:
         print(f"kvrestore: error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import statistics
+
+    from .benchmarking import format_table, percentile
+    from .errors import KVRestoreError
+    from .profile import Profile
+    from .simulate import CASES, balance_bytes_per_s, batch_lower_bound, compare_schedulers
+    from .workload import burst, poisson
+
+    if not 0 <= args.restore_share <= 1:
+        parser.error("--restore-share must be between 0 and 1")
+    if (
+        args.bandwidth <= 0
+        or args.rate <= 0
+        or args.duration <= 0
+        or (args.batch is not None and args.batch <= 0)
+    ):
+        parser.error("--bandwidth, --rate, --duration and --batch must be positive")
+    try:
+        prof = Profile.load(args.profile)
+    except (OSError, KVRestoreError, ValueError) as exc:
+        print(f"kvrestore: error: {exc}", file=sys.stderr)
+        return 2
+    if args.batch is not None:
+        workload = burst(args.batch, seed=args.seed, weights={"restore": 1.0})
+        what = f"{args.batch} restores arriving together"
+    else:
+        weights = {"restore": args.restore_share, "prefill": 1 - args.restore_share}
+        workload = poisson(args.rate, args.duration, seed=args.seed, weights=weights)
+        what = f"{len(workload)} requests, Poisson at {args.rate}/s"
+    if not any(r.kind == "restore" for r in workload):
+        parser.error("the workload has no restore: raise --restore-share or --duration")
+    bps = args.bandwidth * balance_bytes_per_s(workload, prof.chunk, args.kv_bytes_per_token, args.chunk_size)
+    runs = compare_schedulers(
+        workload,
+        prof.chunk,
+        args.kv_bytes_per_token,
+        bps,
+        chunk_size=args.chunk_size,
+        load_lanes=args.load_lanes,
+        token_budget=args.token_budget,
+    )
+    rows = [
+        [c, statistics.mean(r.ttft_s), percentile(r.ttft_s, 0.9), percentile(r.ttft_s, 0.99), r.makespan]
+        for c, r in runs.items()
+    ]
+    print(
+        format_table(
+            ["case", "mean TTFT s", "P90 s", "P99 s", "finish s"],
+            rows,
+            title=f"{what}; {prof.model} costs ({prof.machine}); link {bps / 1e6:.1f} MB/s ({args.bandwidth}x balance)",
+        )
+    )
+    if args.batch is not None:
+        bound = batch_lower_bound(workload, prof.chunk, args.kv_bytes_per_token, args.chunk_size, bps)
+        print(f"no schedule finishes this batch before {bound:.2f} s (batch_lower_bound)")
+    assert set(runs) == set(CASES)
     return 0
 
 

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from .bandwidth import Link
+from .bandwidth import BandwidthTrace, Link
 from .bookkeeping import PolicyError, apply_event, begin, begin_loads, begin_step, stalled
 from .policies.base import Policy, Progress
 from .policies.batch import BatchJob, BatchScheduler, Unit, global_wake, note_step
@@ -420,3 +420,52 @@ def batch_lower_bound(
         compute -= c
         load += t
     return compute
+
+
+#: the three ways `compare_schedulers` runs a workload
+CASES = ("independent", "fifo", "batch-aware")
+
+
+def compare_schedulers(
+    workload: Sequence[Request],
+    cost: ChunkCost,
+    kv_bytes_per_token: int,
+    bytes_per_s: float,
+    *,
+    chunk_size: int = 256,
+    load_lanes: int = 4,
+    token_budget: int = 512,
+    latency_s: float = 0.001,
+) -> dict[str, BatchSimResult]:
+    """`workload` three ways on the same simulated machine: independent restores (a plain `Engine`),
+    `FifoLanes` and `BatchAware`, each request with its own token-wise two-pointer."""
+    from .policies.batch import BatchAware, FifoLanes
+    from .policies.token_two_pointer import TokenTwoPointer
+
+    out = {}
+    for case in CASES:
+        requests = sim_requests(workload, cost, kv_bytes_per_token, chunk_size, TokenTwoPointer)
+        link = Link(BandwidthTrace.constant(bytes_per_s), latency_s)
+        if case == "independent":
+            out[case] = simulate_independent(requests, link, load_lanes)
+        else:
+            scheduler = FifoLanes(token_budget) if case == "fifo" else BatchAware(token_budget)
+            out[case] = simulate_batch(scheduler, requests, link, load_lanes)
+    return out
+
+
+def balance_bytes_per_s(
+    workload: Sequence[Request], cost: ChunkCost, kv_bytes_per_token: int, chunk_size: int = 256
+) -> float:
+    """The link speed at which loading the workload's stored chunks takes as long as computing its
+    restores from scratch (its restores' stored bytes over their compute-only time)."""
+    requests = [
+        r
+        for r in sim_requests(workload, cost, kv_bytes_per_token, chunk_size, ComputeOnly)
+        if r.kind == "restore"
+    ]
+    compute = sum(r.compute_cost(0, len(r.chunk_tokens)) for r in requests)
+    stored = sum(b for r in requests for b, s in zip(r.chunk_bytes, r.stored, strict=True) if s)
+    if compute <= 0 or stored <= 0:
+        raise ValueError("the workload has no stored chunk to restore")
+    return stored / compute

@@ -111,3 +111,22 @@ def test_profile_command_saves_a_profile_restorer_can_use(smollm2, tmp_path, cap
     assert Restorer(smollm2, MemoryStore(), profile=out).profile == profile
     with pytest.raises(SystemExit):
         main(["profile", "--max-tokens", "0"])
+
+
+def test_simulate_compares_the_schedulers_from_a_saved_profile(tmp_path, capsys):
+    from kvrestore.profile import ChunkCost
+
+    from .test_profile import make_profile
+
+    path = make_profile(chunk=ChunkCost(0.05, 1.4e-3, 7.6e-7, 3.8e-7)).save(tmp_path / "p.json")
+    assert main(["simulate", "--profile", str(path), "--batch", "4", "--bandwidth", "2"]) == 0
+    out = capsys.readouterr().out
+    assert all(case in out for case in ("independent", "fifo", "batch-aware"))
+    assert "4 restores arriving together" in out and "batch_lower_bound" in out
+    assert main(["simulate", "--profile", str(path), "--rate", "0.5", "--duration", "40"]) == 0
+    assert "Poisson at 0.5/s" in capsys.readouterr().out
+    assert main(["simulate", "--profile", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read profile" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["simulate", "--profile", str(path), "--restore-share", "1.5"])
+    assert "--restore-share" in capsys.readouterr().err

@@ -77,6 +77,8 @@ class _Live:
 class BatchEngine(Engine):
     """Shared lanes for many concurrent restores, scheduled together by `scheduler`."""
 
+    times_restores_alone = False
+
     def __init__(
         self,
         scheduler: BatchScheduler | None = None,
@@ -93,7 +95,6 @@ class BatchEngine(Engine):
         self._send: Any = None
         self._t0 = time.perf_counter()
         self._computing = False
-        self._loads = 0
 
     def default_policy(self) -> Policy:
         """Each request's own pointers: the token-wise two-pointer (the scheduler shares the lanes)."""
@@ -127,7 +128,7 @@ class BatchEngine(Engine):
         self._tg.cancel_scope.cancel()
         await stack.aclose()  # waits for compute units already in their thread
         self._live.clear()
-        self._computing, self._loads = False, 0
+        self._computing = False
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
@@ -223,6 +224,10 @@ class BatchEngine(Engine):
                 except anyio.WouldBlock:
                     break
 
+    def _loads_in_flight(self) -> int:
+        """Loads started and not yet reported (a retired job has none: it retires once idle)."""
+        return sum(len(live.loads) for live in self._live.values())
+
     def _active(self) -> list[BatchJob]:
         return [live.job for live in self._live.values() if live.active]
 
@@ -246,7 +251,7 @@ class BatchEngine(Engine):
                     self._live[u.job].busy += 1
                 tg.start_soon(self._run_step, step, stopped)
             wake = min(wake, step.wake_at if step.wake_at is not None else math.inf)
-        free = self.load_lanes - self._loads
+        free = self.load_lanes - self._loads_in_flight()
         if free > 0 and jobs:
             grant = self.scheduler.load_grants(list(jobs.values()), free, now)
             begin_loads(jobs, grant)
@@ -254,10 +259,9 @@ class BatchEngine(Engine):
                 live = self._live[j]
                 live.loads[i] = (anyio.CancelScope(), anyio.Event())
                 live.busy += 1
-                self._loads += 1
                 tg.start_soon(self._load, live, i)
             wake = min(wake, grant.wake_at if grant.wake_at is not None else math.inf)
-        if wake == math.inf and not self._computing and self._loads == 0:
+        if wake == math.inf and not self._computing and self._loads_in_flight() == 0:
             for live in list(self._live.values()):
                 if live.active:  # nothing runs and nobody asked to be woken: it can never finish
                     live.error = PolicyStalledError(
@@ -337,7 +341,6 @@ class BatchEngine(Engine):
             return
         event: TraceEvent = msg[2]
         if event.kind != "compute":
-            self._loads -= 1
             live.loads.pop(event.first_chunk, None)
         if not live.active:
             self._retire(live)

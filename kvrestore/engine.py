@@ -74,6 +74,10 @@ class PolicyStalledError(PolicyError):
 class Engine:
     """Shared lanes for any number of concurrent restores in one event loop."""
 
+    #: whether a restore's time on this engine is its own work, so a restorer may learn from it how its
+    #: predictions compare (`Restorer.calibration`); under a batch scheduler it is mostly other requests'
+    times_restores_alone = True
+
     def __init__(self, load_lanes: int = 4) -> None:
         if load_lanes <= 0:
             raise ValueError(f"load_lanes must be positive, got {load_lanes}")

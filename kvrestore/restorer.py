@@ -16,7 +16,6 @@ import torch
 
 from . import codec
 from .backend import ComputeBackend
-from .batch import BatchEngine
 from .engine import LOAD_FAULTS, Engine, on_stream
 from .errors import ChunkDecodeError, InvalidInputError, MissingChunkError
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
@@ -161,9 +160,9 @@ class Restorer:
         self, policy: Policy, plan: Plan | None, refs: list[ChunkRef], stored: Sequence[bool]
     ) -> float | None:
         """The profile's own (uncalibrated) prediction for running `policy`, where there is one to learn
-        from: a profile, a link estimate, a strategy the planner knows, and a plain engine (on a
-        `BatchEngine` a restore's time is mostly the other requests')."""
-        if self.profile is None or self.link.current is None or isinstance(self.engine, BatchEngine):
+        from: a profile, a link estimate, a strategy the planner knows, and an engine whose restore
+        times are their own (`Engine.times_restores_alone`; not a `BatchEngine`)."""
+        if self.profile is None or self.link.current is None or not self.engine.times_restores_alone:
             return None
         if plan is not None and policy.name in plan.predicted_s:
             return plan.predicted_s[policy.name] / plan.calibration.get(policy.name, 1.0)

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from .bandwidth import BandwidthTrace, Link
 from .bookkeeping import PolicyError, apply_event, begin, begin_loads, begin_step, stalled
 from .policies.base import Policy, Progress
-from .policies.batch import BatchJob, BatchScheduler, Unit, global_wake, note_step
+from .policies.batch import BatchAware, BatchJob, BatchScheduler, FifoLanes, Unit, global_wake, note_step
 from .policies.compute_only import ComputeOnly
+from .policies.token_two_pointer import TokenTwoPointer
 from .profile import ChunkCost
 from .trace import Trace, TraceEvent
 from .workload import Request
@@ -96,6 +97,14 @@ def simulate(
 # -- many requests on shared lanes -------------------------------------------------------------------
 
 
+def _own_clock(request: SimRequest, event: TraceEvent) -> TraceEvent:
+    """An event on the global clock, moved to its request's own (0 at its arrival), as traces are kept."""
+    t0 = request.arrival_s
+    return TraceEvent(
+        event.kind, event.first_chunk, event.last_chunk, event.start_s - t0, event.end_s - t0, event.nbytes
+    )
+
+
 @dataclass
 class SimRequest:
     """One request of a simulated batch: its chunks, which are stored, and what each costs.
@@ -166,8 +175,7 @@ def simulate_batch(
             live_loads[(j, event.first_chunk)] = seq
 
     def local(j: int, kind: str, i: int, k: int, start: float, end: float, nbytes: int = 0) -> TraceEvent:
-        t0 = requests[j].arrival_s
-        return TraceEvent(kind, i, k, start - t0, end - t0, nbytes)
+        return _own_clock(requests[j], TraceEvent(kind, i, k, start, end, nbytes))
 
     for _ in range(max_steps):
         while arrivals and requests[arrivals[0]].arrival_s <= now:
@@ -316,8 +324,7 @@ def simulate_independent(requests: Sequence[SimRequest], link: Link, load_lanes:
         return seq
 
     def local(j: int, kind: str, i: int, k: int, start: float, end: float, nbytes: int = 0) -> TraceEvent:
-        t0 = requests[j].arrival_s
-        return TraceEvent(kind, i, k, start - t0, end - t0, nbytes)
+        return _own_clock(requests[j], TraceEvent(kind, i, k, start, end, nbytes))
 
     while True:
         while arrivals and requests[arrivals[0]].arrival_s <= now:
@@ -439,9 +446,6 @@ def compare_schedulers(
 ) -> dict[str, BatchSimResult]:
     """`workload` three ways on the same simulated machine: independent restores (a plain `Engine`),
     `FifoLanes` and `BatchAware`, each request with its own token-wise two-pointer."""
-    from .policies.batch import BatchAware, FifoLanes
-    from .policies.token_two_pointer import TokenTwoPointer
-
     out = {}
     for case in CASES:
         requests = sim_requests(workload, cost, kv_bytes_per_token, chunk_size, TokenTwoPointer)

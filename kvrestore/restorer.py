@@ -29,7 +29,7 @@ from .stores.base import ChunkStore
 from .trace import Trace, TraceEvent
 
 if TYPE_CHECKING:
-    from .blend import BlendResult
+    from .blend import BlendResult, StoreCandidate, StorePlacement
     from .policies.blend import Blend
 
 TokenIds = Sequence[int] | torch.Tensor
@@ -385,6 +385,20 @@ class Restorer:
             self.backend.validate_tokens(t)
         tail, head = self._optional_tokens(suffix), self._optional_tokens(prefix)
         return await restore_blend(self.backend, self.store, parts, tail, policy, prefix=head)
+
+    async def choose_blend_store(
+        self, candidates: Sequence[StoreCandidate], n_tokens: int, ratio: float = 0.15
+    ) -> StorePlacement:
+        """Where to `save_chunk` for blends of about `n_tokens` tokens at `ratio`: the cheapest of the
+        `candidates` whose per-layer load hides behind the recompute (CacheBlend §5.1), measured on the
+        stores themselves and on this restorer's profile (or the model, timed, without one); see
+        `kvrestore.blend.placement`."""
+        from .blend.placement import choose_blend_store
+
+        layer_cost = self.profile.layer if self.profile is not None else None
+        return await choose_blend_store(
+            self.backend, candidates, n_tokens=n_tokens, ratio=ratio, layer_cost=layer_cost
+        )
 
     def _optional_tokens(self, token_ids: TokenIds | None) -> torch.Tensor:
         """Validated tokens, or an empty tensor for None / an empty sequence."""

@@ -16,7 +16,9 @@ from kvrestore import InvalidInputError, Restorer, UnsupportedModelError, open_s
 from kvrestore.backends.hf import HFBackend
 from kvrestore.blend import (
     Blend,
+    StoreCandidate,
     StoreOption,
+    choose_blend_store,
     choose_ratio,
     choose_store,
     chunk_key,
@@ -26,7 +28,9 @@ from kvrestore.blend import (
     select_hkvd,
     selection_sizes,
 )
+from kvrestore.profile import LayerCost
 from kvrestore.stores.memory import MemoryStore
+from kvrestore.stores.throttled import ThrottledStore
 from kvrestore.text import reference_tokens
 
 from .conftest import random_tokens, tiny_model
@@ -493,6 +497,66 @@ def test_choose_store_picks_the_cheapest_that_adds_no_delay():
     assert choose_store(options, 0.15, 4096, per_token, 1e-6).name == "ram"
     with pytest.raises(InvalidInputError):
         choose_store([], 0.15, 4096, per_token, 0.01)
+
+    # a round trip counts: a store with the bandwidth but a slow round trip adds delay
+    laggy = StoreOption("laggy", 20e9, 0.01, latency_s=0.010)
+    assert choose_store([*options, laggy], 0.15, 4096, per_token, 0.030).name == "nvme"
+
+
+def _placement(be, candidates, **kw):
+    return anyio.run(lambda: choose_blend_store(be, candidates, **kw))
+
+
+def test_choose_blend_store_measures_the_stores_and_picks_the_cheapest_that_hides():
+    be = HFBackend(tiny_model("llama", layers=2), name="tiny")
+    n = 1024  # one layer of KV: 256 KB
+    ram, remote = MemoryStore(), MemoryStore()
+    candidates = [
+        StoreCandidate("ram", ram, 5.0),
+        StoreCandidate("remote", ThrottledStore(remote, bytes_per_s=2e6), 0.02),  # ~0.13 s a layer
+    ]
+    # recomputing 15% of a 4 s layer hides a 0.13 s load: the cheap, slow store
+    slow_model = _placement(be, candidates, n_tokens=n, layer_cost=LayerCost(4.0, 0.0, 0.0))
+    assert slow_model.candidate.name == "remote" and not slow_model.adds_delay
+    assert 1e6 < slow_model.options[1].bandwidth_bytes_per_s < 3e6  # the throttle, measured
+    assert slow_model.options[0].bandwidth_bytes_per_s > 20e6
+    # 15% of a 0.1 s layer is 15 ms: only RAM hides
+    fast_model = _placement(be, candidates, n_tokens=n, layer_cost=LayerCost(0.1, 0.0, 0.0))
+    assert fast_model.candidate.name == "ram" and not fast_model.adds_delay
+    # nothing to hide behind: the fastest, and it says so
+    instant = _placement(be, candidates, n_tokens=n, ratio=0.0, layer_cost=LayerCost(0.1, 0.0, 0.0))
+    assert instant.candidate.name == "ram" and instant.adds_delay
+    text = slow_model.explain()
+    assert "remote" in text and "<- chosen" in text and "hides" in text
+    # the test objects are gone
+    assert anyio.run(ram.scan) == [] and anyio.run(remote.scan) == []
+
+
+def test_restorer_choose_blend_store_times_the_model_without_a_profile(tmp_path):
+    be = HFBackend(tiny_model("llama", layers=2), name="tiny")
+    disk = open_store(f"file://{tmp_path}")
+
+    async def choose():
+        async with Restorer(be, MemoryStore()) as r:
+            assert r.profile is None
+            return await r.choose_blend_store([StoreCandidate("disk", disk, 0.1)], n_tokens=256)
+
+    placement = anyio.run(choose)
+    assert placement.candidate.name == "disk"
+    assert placement.recompute_s_per_layer > 0  # 15% of a layer the model was timed running
+
+
+def test_choose_blend_store_rejects_bad_input():
+    be = HFBackend(tiny_model("llama", layers=2), name="tiny")
+    store = MemoryStore()
+    with pytest.raises(InvalidInputError, match="no candidate"):
+        _placement(be, [], n_tokens=100)
+    with pytest.raises(InvalidInputError, match="names must differ"):
+        _placement(be, [StoreCandidate("a", store, 1.0), StoreCandidate("a", store, 2.0)], n_tokens=100)
+    with pytest.raises(InvalidInputError, match="n_tokens"):
+        _placement(be, [StoreCandidate("a", store, 1.0)], n_tokens=0)
+    with pytest.raises(InvalidInputError, match="ratio"):
+        _placement(be, [StoreCandidate("a", store, 1.0)], n_tokens=10, ratio=1.5)
 
 
 # -- the real model -----------------------------------------------------------------------------------

@@ -5,7 +5,8 @@
     backend.generate(result.tokens, result.kv)
 
 Parts: `chunks` (content-keyed save, per-layer loading and re-rotation), `select` (KV deviation,
-HKVD selection), `controller` (the loading controller's pure choices), `fuse` (the pipelined fusor).
+HKVD selection), `controller` (the loading controller's pure choices), `placement` (those choices
+measured on real stores: `restorer.choose_blend_store`), `fuse` (the pipelined fusor).
 """
 
 from ..layers import ChunkLoadFailed
@@ -19,6 +20,7 @@ from .controller import (
     recompute_seconds_per_layer,
 )
 from .fuse import BlendResult, BlendStats, restore_blend
+from .placement import StoreCandidate, StorePlacement, choose_blend_store, measure_store
 from .select import kv_deviation, select_hkvd, selection_sizes
 
 __all__ = [
@@ -27,12 +29,16 @@ __all__ = [
     "BlendStats",
     "ChunkLoadFailed",
     "StoreChunkSource",
+    "StoreCandidate",
     "StoreOption",
+    "StorePlacement",
+    "choose_blend_store",
     "chunk_key",
     "choose_ratio",
     "choose_store",
     "kv_deviation",
     "load_seconds_per_layer",
+    "measure_store",
     "ratio_schedule",
     "recompute_seconds_per_layer",
     "restore_blend",

@@ -9,7 +9,8 @@ than loading a layer. Two questions follow:
   time is no longer than the recompute time, i.e. that adds no delay (`choose_store`).
 
 Estimators (the paper's footnotes 5 and 6): T_recompute(r) = r x T_prefill_layer(L) and
-T_load = KV bytes per token per layer x L / bandwidth.
+T_load = KV bytes per token per layer x L / bandwidth (plus one round trip: a layer of every chunk is
+read at once). `kvrestore.blend.placement` measures these inputs on real stores and a real model.
 """
 
 from __future__ import annotations
@@ -23,11 +24,19 @@ from ..errors import InvalidInputError
 
 @dataclass(frozen=True)
 class StoreOption:
-    """A place the chunks' KV could live: its read bandwidth and what keeping bytes there costs."""
+    """A place the chunks' KV could live: its read bandwidth (and round trip) and what keeping bytes
+    there costs."""
 
     name: str
     bandwidth_bytes_per_s: float
     cost_per_gb: float  # any unit, e.g. $ per GB-month; only the order matters
+    latency_s: float = 0.0
+
+    def load_seconds_per_layer(self, kv_bytes_per_token_layer: float, n_tokens: int) -> float:
+        """T_load of one layer of `n_tokens` tokens' KV from this store."""
+        return self.latency_s + load_seconds_per_layer(
+            kv_bytes_per_token_layer, n_tokens, self.bandwidth_bytes_per_s
+        )
 
 
 def load_seconds_per_layer(
@@ -72,15 +81,13 @@ def choose_store(
     """The cheapest store whose per-layer load hides behind recompute at `ratio` (adds no delay).
 
     When none is fast enough, the fastest one (the least added delay). Ties on cost go to the faster.
+    A store's per-layer load time counts its round trip (`StoreOption.latency_s`) as well as its bandwidth.
     """
     if not options:
         raise InvalidInputError("no store options to choose from")
     budget = recompute_seconds_per_layer(ratio, prefill_s_per_layer)
-    ok = [
-        o
-        for o in options
-        if load_seconds_per_layer(kv_bytes_per_token_layer, n_tokens, o.bandwidth_bytes_per_s) <= budget
-    ]
+    load = {id(o): o.load_seconds_per_layer(kv_bytes_per_token_layer, n_tokens) for o in options}
+    ok = [o for o in options if load[id(o)] <= budget]
     if ok:
-        return min(ok, key=lambda o: (o.cost_per_gb, -o.bandwidth_bytes_per_s))
-    return max(options, key=lambda o: o.bandwidth_bytes_per_s)
+        return min(ok, key=lambda o: (o.cost_per_gb, load[id(o)]))
+    return min(options, key=lambda o: load[id(o)])

@@ -14,6 +14,10 @@ user turn are a shared prefix every chunk is saved after (`save_chunk(..., prefi
 with a blank line inside its own 512 tokens, and the suffix is the question, the end of the user turn
 and the assistant header.
 
+Two sets of questions (`--questions`): `open` (the default) asks what the named sections say, have in
+common or how they relate; `answerable` asks for spans of the chunks -- the titles in order, which
+document follows which, their opening lines -- whose answers a model can copy from its context.
+
 Compared, against **full recompute** (a plain prefill of the whole prompt):
 
 * **full reuse**: the chunks' KV re-rotated and concatenated, only the question computed on top
@@ -45,6 +49,8 @@ continuation identical to full recompute's in >= 80% of the cases.
 
     flock /tmp/kvrestore-cpu.lock python benchmarks/blend_quality.py            # 12 cases
     flock /tmp/kvrestore-cpu.lock python benchmarks/blend_quality.py --quick    # 3 cases, 1 round
+    flock /tmp/kvrestore-cpu.lock python benchmarks/blend_quality.py --questions answerable \
+        --out benchmarks/results/blend_quality-answerable.json
 """
 
 from __future__ import annotations
@@ -89,6 +95,15 @@ QUESTIONS = (
     "Which of the texts above, the one on {a} or the one on {b}, appears first, and what does each describe?",
     "How are {a}, {b} and {c} related, according to the text above?",
 )
+# questions whose answers are spans of the chunks (titles, their order, opening lines): a model that
+# copies from its context is more sure of its next tokens than one asked an open question
+ANSWERABLE = (
+    "List the titles of the documents above, in the order they appear.",
+    "Which document comes right after the one on {a}, and which comes right before the one on {b}?",
+    "Quote the first line of the section on {a}, then the first line of the section on {b}.",
+    "Which words open the sections on {a}, {b} and {c}?",
+)
+QUESTION_SETS = {"open": QUESTIONS, "answerable": ANSWERABLE}
 FRAMINGS = ("chat", "bare")
 # chat framing: the model's own chat template, as a RAG service sends it. The system prompt and the
 # opening of the user turn are the shared prefix every chunk is saved after; each chunk ends with a
@@ -129,7 +144,9 @@ def section_pool(tokenizer: Any) -> list[tuple[str, list[int]]]:
     return pool
 
 
-def question_set(tokenizer: Any, n_cases: int, framing: str = "chat") -> list[dict[str, Any]]:
+def question_set(
+    tokenizer: Any, n_cases: int, framing: str = "chat", questions: str = "open"
+) -> list[dict[str, Any]]:
     """Cases of 4 shuffled chunks and a question that names 2-3 of them (never only one).
 
     The sections, their order and the questions depend on the seed only, not on the framing. `bare`:
@@ -139,13 +156,16 @@ def question_set(tokenizer: Any, n_cases: int, framing: str = "chat") -> list[di
     """
     if framing not in FRAMINGS:
         raise ValueError(f"framing must be one of {FRAMINGS}, got {framing!r}")
+    if questions not in QUESTION_SETS:
+        raise ValueError(f"questions must be one of {tuple(QUESTION_SETS)}, got {questions!r}")
+    templates = QUESTION_SETS[questions]
     pool = section_pool(tokenizer)
     rng = random.Random(SEED)
     sep = tokenizer(SEPARATOR, add_special_tokens=False)["input_ids"]
     cases = []
     for i in range(n_cases):
         picked = rng.sample(range(len(pool)), N_CHUNKS)  # random order: the shuffle
-        template = QUESTIONS[i % len(QUESTIONS)]
+        template = templates[i % len(templates)]
         asked = rng.sample(picked, 3 if "{c}" in template else 2)
         names = [pool[j][0] for j in asked]
         body = "Question: " + template.format(a=names[0], b=names[1], c=names[-1])
@@ -309,7 +329,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     backend = HFBackend.from_smollm2(dtype=torch.float32)
     tok = backend.tokenizer
-    cases = question_set(tok, args.cases, args.framing)
+    cases = question_set(tok, args.cases, args.framing, args.questions)
     methods = (
         {"full-reuse": Blend(recompute_ratio=0.0)}
         | {f"blend@{int(r * 100)}%": Blend(recompute_ratio=r) for r in RATIOS}
@@ -499,7 +519,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         ],
         rows,
         title=f"CacheBlend on SmolLM2-135M, {n} cases x {N_CHUNKS} chunks x {CHUNK_TOKENS} tokens, "
-        f"{args.framing} framing (CPU fp32)",
+        f"{args.framing} framing, {args.questions} questions (CPU fp32)",
     )
     print()
     layer_rows = [
@@ -537,6 +557,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "model": backend.spec.name,
             "cases": n,
             "framing": args.framing,
+            "questions": args.questions,
+            "question_templates": list(QUESTION_SETS[args.questions]),
             "chat_system_prompt": SYSTEM if args.framing == "chat" else None,
             "chat_instruction": INSTRUCTION if args.framing == "chat" else None,
             "prefix_tokens": len(cases[0]["prefix"]),
@@ -575,6 +597,13 @@ def main(argv: list[str] | None = None) -> int:
         default="bare",
         help="bare: raw chunks from position 0 and a 'Question: ...\\nAnswer:' suffix (default); chat: "
         "the model's chat template, system prompt + start of the user turn as a shared prefix",
+    )
+    p.add_argument(
+        "--questions",
+        choices=tuple(QUESTION_SETS),
+        default="open",
+        help="open: questions about what 2-3 named sections say (the default); answerable: questions "
+        "whose answers are spans of the chunks (titles, their order, opening lines)",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)

@@ -86,8 +86,11 @@ def choose_store(
     if not options:
         raise InvalidInputError("no store options to choose from")
     budget = recompute_seconds_per_layer(ratio, prefill_s_per_layer)
-    load = {id(o): o.load_seconds_per_layer(kv_bytes_per_token_layer, n_tokens) for o in options}
-    ok = [o for o in options if load[id(o)] <= budget]
+
+    def load(o: StoreOption) -> float:
+        return o.load_seconds_per_layer(kv_bytes_per_token_layer, n_tokens)
+
+    ok = [o for o in options if load(o) <= budget]
     if ok:
-        return min(ok, key=lambda o: (o.cost_per_gb, load[id(o)]))
-    return min(options, key=lambda o: load[id(o)])
+        return min(ok, key=lambda o: (o.cost_per_gb, load(o)))
+    return min(options, key=load)

@@ -33,7 +33,7 @@ import anyio.to_thread
 import msgspec
 import torch
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, StoreError
 from .paths import cache_root
 from .spec import ModelSpec, dtype_name
 from .stores.base import ChunkStore
@@ -331,7 +331,7 @@ async def measure_link(
                 data = await store.get(key)
                 times.append(time.perf_counter() - t0)
                 if data is None or len(data) != size:
-                    raise InvalidInputError(f"the store lost a {size}-byte test object while being profiled")
+                    raise StoreError(f"the store lost a {size}-byte test object while being profiled")
             samples.append([float(size), statistics.median(times)])
     finally:
         with anyio.CancelScope(shield=True):

@@ -328,3 +328,31 @@ def test_every_accepted_key_maps_inside_the_root(tmp_path_factory, key):
         return  # refused: nothing to check
     assert os.path.realpath(paths[0]).startswith(root + os.sep)
     assert paths[1] == f"bucket/prefix/{key[:2]}/{key}.kvc" and ".." not in paths[1]
+
+
+# -- choosing a store for CacheBlend while one is down ------------------------------------------------
+
+
+def test_choose_blend_store_leaves_out_a_store_that_is_down():
+    from kvrestore.blend import StoreCandidate, choose_blend_store
+    from kvrestore.errors import StoreError
+    from kvrestore.profile import LayerCost
+
+    b = HFBackend(tiny_model("llama", layers=2), name="tiny")
+    with MotoServer() as server:
+        s3 = open_store(f"s3://{server.make_bucket()}/kv", **server.options())
+        server.stop()
+        memory = StoreCandidate("memory", MemoryStore(), 5.0)
+        down = StoreCandidate("s3", s3, 0.02)  # cheapest, but its server is gone
+
+        async def choose(candidates):
+            return await choose_blend_store(b, candidates, n_tokens=256, layer_cost=LayerCost(10.0, 0.0, 0.0))
+
+        placement = run(choose, [down, memory])
+        assert placement.candidate.name == "memory"
+        assert [o.name for o in placement.options] == ["memory"]
+        assert "StoreError" in placement.unreachable["s3"]
+        assert "s3: left out" in placement.explain()
+        with pytest.raises(StoreError, match="none of the candidate stores"):
+            run(choose, [down])
+        run(s3.close)

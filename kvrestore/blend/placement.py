@@ -10,6 +10,8 @@ module measures both on the real parts, then asks it:
   one, else the model's whole layer stack timed here over that many tokens (`profile.measure_layers`).
 
 The answer says why: every store's per-layer load time against the recompute time it must hide behind.
+A store that cannot be measured (down, refusing writes, losing objects) is left out and named in the
+answer; only when none can be measured is it an error.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import TYPE_CHECKING
 
 import anyio.to_thread
 
-from ..errors import InvalidInputError
+from ..engine import LOAD_FAULTS
+from ..errors import InvalidInputError, StoreError
 from ..profile import LayerCost, fit_link, measure_layers, measure_link
 from ..stores.base import ChunkStore
 from .controller import StoreOption, choose_store, recompute_seconds_per_layer
@@ -48,6 +51,7 @@ class StorePlacement:
     n_tokens: int
     kv_bytes_per_token_layer: int
     recompute_s_per_layer: float  # what a layer's load must hide behind: ratio x one layer's prefill
+    unreachable: dict[str, str]  # candidates that could not be measured: name -> the error
 
     @property
     def option(self) -> StoreOption:
@@ -74,6 +78,9 @@ class StorePlacement:
                 f"  {o.name}: {_rate(o.bandwidth_bytes_per_s)}, round trip {o.latency_s * 1e3:.2f} ms, "
                 f"load {load * 1e3:.2f} ms per layer ({fits}), cost {o.cost_per_gb:g} {mark}".rstrip()
             )
+        lines += [
+            f"  {name}: left out, could not be measured ({err})" for name, err in self.unreachable.items()
+        ]
         return "\n".join(lines)
 
 
@@ -122,13 +129,21 @@ async def choose_blend_store(
         prefill_s = layer_cost.seconds(n_tokens)
     else:
         [[_, prefill_s]] = await anyio.to_thread.run_sync(measure_layers, backend, [n_tokens], 1)
-    options = [await measure_store(c, per_token_layer, n_tokens, repeats) for c in candidates]
+    options, unreachable = [], {}
+    for c in candidates:
+        try:
+            options.append(await measure_store(c, per_token_layer, n_tokens, repeats))
+        except LOAD_FAULTS as exc:
+            unreachable[c.name] = f"{type(exc).__name__}: {exc}"
+    if not options:
+        raise StoreError(f"none of the candidate stores could be measured: {unreachable}")
     best = choose_store(options, ratio, n_tokens, per_token_layer, prefill_s)
     return StorePlacement(
-        candidate=candidates[options.index(best)],
+        candidate=next(c for c in candidates if c.name == best.name),
         options=options,
         ratio=ratio,
         n_tokens=n_tokens,
         kv_bytes_per_token_layer=per_token_layer,
         recompute_s_per_layer=recompute_seconds_per_layer(ratio, prefill_s),
+        unreachable=unreachable,
     )

@@ -46,7 +46,7 @@ class StorePlacement:
     """The measured choice: `candidate` is where to `save_chunk`."""
 
     candidate: StoreCandidate
-    options: list[StoreOption]  # as measured, in the candidates' order
+    options: list[StoreOption]  # the stores that could be measured, in the candidates' order
     ratio: float
     n_tokens: int
     kv_bytes_per_token_layer: int

@@ -38,7 +38,10 @@ Compared, against **full recompute** (a plain prefill of the whole prompt):
 
 Per case and method: KL(full || method) of the next-token distribution after the prompt, top-1
 agreement, whether the 16-token greedy continuation (`backend.generate` from the method's cache) is
-identical to full recompute's (and how many leading tokens match), and the attention deviation per layer: for the question's tokens, the
+identical to full recompute's (and how many leading tokens match), how far the method moves each step's
+lead along full recompute's greedy path (teacher-forced: |lead - lead_full| of full's top token over its
+runner-up; a step flips when that exceeds full's margin there), and the attention deviation per layer:
+for the question's tokens, the
 mean L2 distance between the rows of their attention matrix under the method's KV and under full
 recompute's (CacheBlend §4.1). TTFT (prompt -> first-token logits; for Blend this includes loading the
 chunks from the store) is timed for full recompute and Blend@15% on the first `--ttft-cases` cases,
@@ -67,7 +70,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import interleave, machine_info, median, print_table, ratio, summarize, timed, write_json
+from _common import (
+    interleave,
+    machine_info,
+    median,
+    percentile,
+    print_table,
+    ratio,
+    summarize,
+    timed,
+    write_json,
+)
 
 from kvrestore import KVCache, Restorer, open_store
 from kvrestore.backends.hf import HFBackend
@@ -229,15 +242,34 @@ def prompt_tokens(case: dict[str, Any]) -> torch.Tensor:
     return torch.tensor(case["prefix"] + [t for c in case["chunks"] for t in c] + case["suffix"])
 
 
-def greedy_margins(backend: HFBackend, tokens: torch.Tensor, kv: KVCache, greedy: list[int]) -> list[float]:
-    """Top-1 minus top-2 logit at each step of a greedy continuation (how close each step was to a
-    tie: a perturbation of the prompt's KV that moves the logits by more than this can flip it)."""
+def path_logits(backend: HFBackend, tokens: torch.Tensor, kv: KVCache, greedy: list[int]) -> torch.Tensor:
+    """Logits [steps, vocab] at each step of a greedy continuation, teacher-forced from the prompt's
+    `kv` (step 0: after the prompt; step j: after greedy[:j])."""
     n = len(tokens)
     ids = torch.tensor([[int(tokens[-1]), *greedy[:-1]]], device=backend.device)
     with torch.inference_mode():
         out = backend.model(input_ids=ids, past_key_values=kv.to_hf(backend.config, n_tokens=n - 1))
-    top2 = out.logits[0].float().topk(2, dim=-1).values
+    return out.logits[0].float()
+
+
+def greedy_margins(path: torch.Tensor) -> list[float]:
+    """Top-1 minus top-2 logit at each step of a greedy path's logits (`path_logits`): how close each
+    step was to a tie (a perturbation of the prompt's KV that moves the logits by more can flip it)."""
+    top2 = path.topk(2, dim=-1).values
     return (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def path_error(ref: torch.Tensor, logits: torch.Tensor) -> dict[str, Any]:
+    """How a method's logits along full recompute's greedy path ([steps, vocab] each, teacher-forced)
+    differ from full recompute's: per step, how far the lead of full's top token over its runner-up
+    moved (a step flips when this exceeds full's margin there), and whether its top token changed."""
+    top2 = ref.topk(2, dim=-1).indices
+    lead_ref = ref.gather(1, top2[:, :1]) - ref.gather(1, top2[:, 1:])
+    lead = logits.gather(1, top2[:, :1]) - logits.gather(1, top2[:, 1:])
+    return {
+        "path_lead_error": (lead - lead_ref).abs().flatten().tolist(),
+        "path_flipped_steps": int((logits.argmax(-1) != ref.argmax(-1)).sum()),
+    }
 
 
 def oracle_blend(
@@ -355,6 +387,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         full_kv = KVCache(backend.spec, full_chunk.data)
         full_greedy = backend.generate(tokens, full_kv, GREEDY_TOKENS)
         full_attn = suffix_attention(backend, full_kv, tokens, n_suffix)
+        full_path = path_logits(backend, tokens, full_kv, full_greedy)
         row: dict[str, Any] = {
             "titles": case["titles"],
             "asked": case["asked"],
@@ -362,7 +395,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "n_tokens": len(tokens),
             "n_prefix": len(case["prefix"]),
             "full_greedy": tok.decode(full_greedy),
-            "full_greedy_margins": greedy_margins(backend, tokens, full_kv, full_greedy),
+            "full_greedy_margins": greedy_margins(full_path),
             "noise_floor": noise_floor(backend, case, tokens, full_logits, full_greedy),
             "methods": {},
             "oracles": {},
@@ -376,6 +409,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             greedy = backend.generate(tokens, res.kv, GREEDY_TOKENS)
             reuse_kv = res.kv if name == "full-reuse" else reuse_kv
             row["methods"][name] = agreement(full_logits, full_greedy, res.logits, greedy) | {
+                **path_error(full_path, path_logits(backend, tokens, res.kv, full_greedy)),
                 "greedy": tok.decode(greedy),
                 "attn_deviation": attention_deviation(
                     suffix_attention(backend, res.kv, tokens, n_suffix), full_attn
@@ -428,6 +462,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             / sum(c["n_tokens"] * layers for c in per_case),
         }
         agg[name]["attn_deviation_mean"] = sum(agg[name]["attn_deviation_per_layer"]) / layers
+        leads = [e for m in ms for e in m["path_lead_error"]]
+        agg[name] |= {
+            "path_lead_error_median": median(leads),
+            "path_lead_error_p90": percentile(leads, 0.9),
+            "path_flipped_steps_mean": sum(m["path_flipped_steps"] for m in ms) / n,
+        }
+    margins = [x for c in per_case for x in c["full_greedy_margins"]]
     oracles = {
         name: mean_agreement([c["oracles"][name] for c in per_case]) for name in per_case[0]["oracles"]
     }
@@ -439,6 +480,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "hf_nocache_greedy_identical": sum(f["hf_nocache_greedy_identical"] for f in floors) / n,
         "hf_nocache_common_prefix_mean": sum(f["hf_nocache_common_prefix"] for f in floors) / n,
         "full_greedy_min_margin_per_case": [min(c["full_greedy_margins"]) for c in per_case],
+        "full_greedy_margin_median": median(margins),
     }
     t_full = median([s.seconds for s in ttft["full-recompute"]])
     t_blend = median([s.seconds for s in ttft["blend@15%"]])
@@ -535,6 +577,28 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for i, c in enumerate(per_case)
         ],
         title=f"how close full recompute's {GREEDY_TOKENS} greedy steps are to a tie, and where each method leaves them",
+    )
+    print()
+    print_table(
+        [
+            "method",
+            "lead error, median step",
+            "lead error, P90 step",
+            f"flipped steps (of {GREEDY_TOKENS})",
+            "steps whose margin is below the median error",
+        ],
+        [
+            [
+                name,
+                a["path_lead_error_median"],
+                a["path_lead_error_p90"],
+                a["path_flipped_steps_mean"],
+                sum(x < a["path_lead_error_median"] for x in margins) / len(margins),
+            ]
+            for name, a in agg.items()
+        ],
+        title="along full recompute's greedy path, teacher-forced: how far each method moves the lead of "
+        f"full's top token over its runner-up (full's own lead: median {median(margins):.2f})",
     )
     print()
     print_table(

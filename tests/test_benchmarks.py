@@ -1,0 +1,79 @@
+"""Smoke tests of the issue-14 benchmarks: each runs in its tiny mode on the CPU, in a subprocess (as a
+user runs it), and writes every section of its JSON. Speed is claimed from the benchmarks themselves,
+never from these tests: they only check that the scripts run, measure every case and stay exact."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def run_script(name: str, out: Path, *extra: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / name), "--tiny", "--out", str(out), *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_gpu_restore_tiny(tmp_path: Path) -> None:
+    data = run_script("gpu_restore.py", tmp_path / "gpu_restore-tiny.json")
+    for key in ("config", "machine", "lengths", "targets"):
+        assert key in data, key
+    assert data["config"]["tiny"] and data["machine"]["cpu_count"]
+    assert "torch" in data["machine"] and "cuda" in data["machine"]
+    assert not data.get("failed_lengths")
+    (length,) = data["lengths"]
+    for key in ("hf_prefill", "compute_only", "load_only", "ceiling", "grid", "chunk_time", "exactness"):
+        assert key in length, key
+    assert not length["errors"], length["errors"]
+    assert length["hf_prefill"]["median_s"] > 0 and length["compute_only"]["median_s"] > 0
+    assert length["load_only"]["bytes_per_s"] > 0 and length["ceiling"]["bytes_per_s"] > 0
+    assert [p["multiplier"] for p in length["grid"]] == [0.5, 1.0, 2.0]
+    for point in length["grid"]:
+        for key in ("load_only_s", "two_pointer_s", "layer_wise_s", "auto_s", "oracle_s"):
+            assert point[key] is not None and point[key] > 0, (point["multiplier"], key)
+        assert point["two_pointer_over_best_single"] > 0 and point["two_pointer_over_oracle"] > 0
+    assert length["chunk_time"]["alone_ms"] > 0
+    exact = length["exactness"]
+    assert set(exact["strategies"]) >= {
+        "compute-only",
+        "load-only",
+        "two-pointer@1.0",
+        "layer-wise@1.0",
+        "auto@1.0",
+    }
+    for name, e in exact["strategies"].items():
+        assert e["passed"], (name, e)
+        assert e["same_argmax"], (name, e)
+    assert exact["strategies"]["load-only"]["bit_identical"]  # the saved stock KV, loaded back
+    assert exact["all_passed"]
+
+
+@pytest.mark.slow
+def test_data_path_tiny(tmp_path: Path) -> None:
+    data = run_script("data_path.py", tmp_path / "data_path-tiny.json", "--device", "cpu")
+    for key in ("config", "machine", "throughput", "launch_rate", "targets"):
+        assert key in data, key
+    assert data["machine"]["cpu_count"] and "torch" in data["machine"]
+    t = data["throughput"]
+    assert t["memcpy"]["bytes_per_s"] > 0
+    for store in ("load_memory", "load_file"):
+        assert t[store]["bytes_per_s"] > 0 and t[store]["over_memcpy"] > 0
+    launch = data["launch_rate"]
+    assert launch["alone_ops_per_s"] > 0
+    one = launch["lanes"]["1"]
+    assert one["ops_per_s"] > 0 and one["during_over_alone"] > 0
+    assert one["coverage_min"] > 0.9  # the restores ran for the whole window

@@ -9,10 +9,13 @@ bytes of the tensor), optionally zstd-compressed per section. The header lists e
 offset, stored length, raw length and xxh3-64 checksum, so
 
 * one layer of one chunk is exactly one range read (`layer_ranges` + `decode_layers`), and
-* every byte of the object is covered by a check: magic, header crc32, section xxh3-64 checksums, and
-  the object must end exactly where the last section ends. A damaged chunk is always reported, never
-  decoded wrongly. (xxh3 runs at ~24 GB/s here, crc32 at ~3.7 GB/s: with crc32 the checksum alone cost
-  three times the read of a chunk from the page cache.)
+* every byte of the object is covered by a check: magic, header crc32, two checksums per section
+  (`checksums`: xxh3-64 of the stored bytes for a host reader, a weighted int64 sum of the raw bytes
+  for a reader that uploads the section to a GPU first and verifies it there), and the object must end
+  exactly where the last section ends. A damaged chunk is always reported, never decoded wrongly.
+
+Format 3 added the device checksum. A chunk of an older format is foreign to this reader: a clean miss,
+recomputed and written again in the current format.
 
 Readers fetch `HEADER_PROBE` bytes first; `read_header` raises `TruncatedChunkError` when the header is
 longer than what was fetched, and `header_length` says how much to fetch instead.
@@ -29,15 +32,15 @@ from typing import Literal
 
 import msgspec
 import torch
-import xxhash
 import zstandard
 
+from .checksums import as_signed, device_checkable, device_checksums, host_checksum
 from .errors import CorruptChunkError, ForeignChunkError, TruncatedChunkError
 from .kv import KVChunk
 from .spec import ModelSpec, dtype_name
 
 MAGIC = b"KVRC"
-FORMAT_VERSION = 2  # 2: xxh3-64 section checksums (1 used crc32)
+FORMAT_VERSION = 3  # 3: a device checksum per section; 2: xxh3-64 section checksums (1 used crc32)
 HEADER_PROBE = 4096
 COMPRESSIONS = ("none", "zstd")
 
@@ -45,6 +48,9 @@ _PREFIX = struct.Struct("<4sII")  # magic, header length, header crc32
 PREFIX_SIZE = _PREFIX.size
 # A sane header is a few KiB even for 128 layers; a larger length field is damage, not a big header.
 MAX_HEADER = 1 << 20
+#: sections start at a multiple of this offset, so a section read into an aligned buffer can be viewed as
+#: a tensor of any dtype (and DMA copies start on a cache line)
+BODY_ALIGN = 64
 
 Buffer = bytes | bytearray | memoryview
 
@@ -56,6 +62,7 @@ class LayerSection(msgspec.Struct, frozen=True, array_like=True):
     length: int  # stored (possibly compressed) bytes
     raw_length: int  # bytes of the [2, H, T, D] tensor
     checksum: int  # xxh3-64 of the stored bytes
+    device_sum: int  # `checksums.device_checksums` of the raw bytes (0 where rows are not whole words)
 
 
 class ChunkHeader(msgspec.Struct, frozen=True):
@@ -126,8 +133,13 @@ def encode_chunk(
         raise ValueError(f"chunk dtype {data.dtype} does not match spec dtype {spec.dtype}")
     n_tokens = int(data.shape[3])
 
+    dense = data.detach().contiguous()
+    if device_checkable(D * data.element_size()):
+        dsums = [as_signed(int(x)) for x in device_checksums(dense).tolist()]  # where the KV is
+    else:
+        dsums = [0] * L
     # uint8 view of the contiguous CPU tensor: works for bfloat16, which numpy has no dtype for.
-    host = data.detach().to("cpu").contiguous()
+    host = dense.to("cpu")
     rows = host.view(torch.uint8).reshape(L, -1).numpy()
     raw_len = rows.shape[1]
     if compression == "zstd":
@@ -136,12 +148,12 @@ def encode_chunk(
     else:
         payloads = [rows[i].data for i in range(L)]
     lengths = [len(p) if isinstance(p, bytes) else p.nbytes for p in payloads]
-    sums = [xxhash.xxh3_64_intdigest(p) for p in payloads]
+    sums = [host_checksum(p) for p in payloads]
 
     def header_for(body_start: int) -> bytes:
         sections, off = [], body_start
-        for n, c in zip(lengths, sums, strict=True):
-            sections.append(LayerSection(off, n, raw_len, c))
+        for n, c, d in zip(lengths, sums, dsums, strict=True):
+            sections.append(LayerSection(off, n, raw_len, c, d))
             off += n
         header = ChunkHeader(
             version=FORMAT_VERSION,
@@ -163,11 +175,12 @@ def encode_chunk(
     body_start = PREFIX_SIZE
     while True:
         hdr = header_for(body_start)
-        if PREFIX_SIZE + len(hdr) == body_start:
+        if body_start_after(PREFIX_SIZE + len(hdr)) == body_start:
             break
-        body_start = PREFIX_SIZE + len(hdr)
+        body_start = body_start_after(PREFIX_SIZE + len(hdr))
     prefix = _PREFIX.pack(MAGIC, len(hdr), zlib.crc32(hdr))
-    return b"".join([prefix, hdr, *payloads])
+    pad = bytes(body_start - PREFIX_SIZE - len(hdr))
+    return b"".join([prefix, hdr, pad, *payloads])
 
 
 # -- header ---------------------------------------------------------------------------------------
@@ -212,11 +225,17 @@ def read_header(prefix: Buffer) -> tuple[ChunkHeader, int]:
     return header, need
 
 
+def body_start_after(header_end: int) -> int:
+    """Where the first section starts: the header's end rounded up to `BODY_ALIGN` (zero padding)."""
+    return -(-header_end // BODY_ALIGN) * BODY_ALIGN
+
+
 def _check_sections(header: ChunkHeader, header_end: int) -> None:
-    """Sections must follow the header back to back in layer order: no gaps, overlaps or odd sizes."""
+    """Sections must follow the header's padding back to back in layer order: no gaps, overlaps or odd
+    sizes."""
     if len(header.layers) != header.num_layers:
         raise CorruptChunkError(f"header lists {len(header.layers)} sections for {header.num_layers} layers")
-    off = header_end
+    off = body_start_after(header_end)
     for i, s in enumerate(header.layers):
         if s.offset != off or s.length < 0 or s.raw_length < 0:
             raise CorruptChunkError(f"section {i} at {s.offset}+{s.length} does not follow byte {off}")
@@ -268,7 +287,7 @@ def _fill(dst: torch.Tensor, stored: Buffer, section: LayerSection, compression:
         raise TruncatedChunkError(f"layer {layer}: {len(stored)} of {section.length} section bytes")
     if len(stored) > section.length:
         raise CorruptChunkError(f"layer {layer}: {len(stored)} bytes for a {section.length}-byte section")
-    if xxhash.xxh3_64_intdigest(stored) != section.checksum:
+    if host_checksum(stored) != section.checksum:
         raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
     if compression == "zstd":
         try:
@@ -320,69 +339,34 @@ def decode_layers(
     return out if torch.device(device).type == "cpu" else out.to(device)
 
 
-class InPlaceRead:
-    """A `ReadPlan` (see `stores.base`) that reads an uncompressed chunk straight into `out`.
+def check_object(data: Buffer, spec: ModelSpec, key: str, start: int, n_tokens: int) -> ChunkHeader:
+    """The checked header of a whole stored object: the chunk asked for, of this model, complete, its
+    padding zero. The sections are not verified yet (`verify_sections`, or a device checksum)."""
+    header, header_end = read_header(data)
+    check_header(header, spec, key, start, n_tokens)
+    end = header.end if header.layers else header_end
+    if len(data) < end:
+        raise TruncatedChunkError(f"object is {len(data)} bytes, header says {end}")
+    if len(data) > end:
+        raise CorruptChunkError(f"object is {len(data)} bytes, {len(data) - end} past the last section")
+    body = header.layers[0].offset if header.layers else header_end
+    if any(memoryview(data)[header_end:body]):
+        raise CorruptChunkError("nonzero padding between header and sections")
+    return header
 
-    `out` is [L, 2, H, T, D] on the CPU, typically a KVCache's token range. `locate` parses and checks
-    the header from the object's first bytes and names, per layer, the byte views of `out` its section
-    fills (K then V, head by head, each a contiguous [T, D] row), plus one spare byte that only an
-    over-long object reaches. The store calls `filled(layer)` as each layer lands, and the layer's
-    checksum is verified then, while its bytes are still in the CPU cache. `finish(placed)` checks that
-    the object ended exactly after the last section. Any fault raises a ChunkDecodeError; `out` may then
-    hold part of the chunk, which the caller must not use.
 
-    A compressed chunk, or a header longer than the probe, is not read in place: `locate` asks for
-    nothing and `in_place` stays False, so the caller fetches the object whole and uses `decode_chunk`.
-    """
+def verify_sections(header: ChunkHeader, data: Buffer) -> None:
+    """Check every stored section of a whole object against its xxh3-64 (the GIL is released while it
+    hashes); raises CorruptChunkError naming the first damaged layer."""
+    mv = memoryview(data)
+    for i, s in enumerate(header.layers):
+        if host_checksum(mv[s.offset : s.offset + s.length]) != s.checksum:
+            raise CorruptChunkError(f"layer {i}: section checksum mismatch")
 
-    def __init__(self, spec: ModelSpec, key: str, start: int, n_tokens: int, out: torch.Tensor) -> None:
-        if out.device.type != "cpu":
-            raise ValueError("in-place reads need a CPU destination")
-        self.spec, self.key, self.start, self.n_tokens = spec, key, start, n_tokens
-        self.out = out
-        self.header: ChunkHeader | None = None
-        self.in_place = False
-        self._groups: list[list[memoryview]] = []
 
-    def locate(self, prefix: memoryview) -> tuple[int, list[list[memoryview]]]:
-        if len(prefix) >= PREFIX_SIZE and header_length(prefix) > len(prefix):
-            # the header runs past the probe (or the object is cut short): take the whole-object path,
-            # which decodes a long header and reports a truncated object
-            return 0, []
-        header, header_end = read_header(prefix)
-        check_header(header, self.spec, self.key, self.start, self.n_tokens)
-        self.header = header
-        if header.compression != "none":
-            return header_end, []
-        shape = (header.num_layers, 2, header.num_kv_heads, header.n_tokens, header.head_dim)
-        if tuple(self.out.shape) != shape or self.out.dtype != self.spec.dtype:
-            raise ValueError(f"out {tuple(self.out.shape)} {self.out.dtype} does not fit chunk {shape}")
-        self.in_place = True
-        # [L * 2 * H, T, D * itemsize]: merging the leading dims of a token slice needs no copy
-        rows = self.out.view(torch.uint8).numpy()
-        rows = rows.reshape(-1, rows.shape[3], rows.shape[4])
-        views = [memoryview(r).cast("B") for r in rows]
-        per_layer = 2 * header.num_kv_heads
-        self._groups = [views[i : i + per_layer] for i in range(0, len(views), per_layer)]
-        return header_end, [*self._groups, [memoryview(bytearray(1))]]
-
-    def filled(self, layer: int) -> None:
-        if self.header is None or layer >= len(self._groups):
-            return  # the spare byte: finish() reports it
-        h = xxhash.xxh3_64()
-        for row in self._groups[layer]:
-            h.update(row)
-        if h.intdigest() != self.header.layers[layer].checksum:
-            raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
-
-    def finish(self, placed: int) -> None:
-        """Check the byte count the store placed (from the first section on)."""
-        assert self.header is not None and self.in_place
-        body = sum(s.length for s in self.header.layers)
-        if placed < body:
-            raise TruncatedChunkError(f"object ends {body - placed} bytes before its last section")
-        if placed > body:
-            raise CorruptChunkError("object continues past its last section")
+def body(header: ChunkHeader, data: Buffer) -> memoryview:
+    """The sections of a whole uncompressed object: the [L, 2, H, T, D] tensor's bytes."""
+    return memoryview(data)[header.layers[0].offset : header.end]
 
 
 def decode_chunk(
@@ -401,19 +385,14 @@ def decode_chunk(
     Raises a ChunkDecodeError subclass on any fault: CorruptChunkError (magic, checksums, header,
     sizes), TruncatedChunkError (object ends early), ForeignChunkError (not this chunk of this model).
     """
-    header, header_end = read_header(data)
-    check_header(header, spec, key, start, n_tokens)
-    end = header.end if header.layers else header_end
-    if len(data) < end:
-        raise TruncatedChunkError(f"object is {len(data)} bytes, header says {end}")
-    if len(data) > end:
-        raise CorruptChunkError(f"object is {len(data)} bytes, {len(data) - end} past the last section")
+    header = check_object(data, spec, key, start, n_tokens)
     mv = memoryview(data)
     sections = {i: mv[s.offset : s.offset + s.length] for i, s in enumerate(header.layers)}
     return KVChunk(start, decode_layers(header, sections, spec, range(header.num_layers), device, out))
 
 
 __all__ = [
+    "BODY_ALIGN",
     "COMPRESSIONS",
     "FORMAT_VERSION",
     "HEADER_PROBE",
@@ -421,12 +400,15 @@ __all__ = [
     "PREFIX_SIZE",
     "ChunkHeader",
     "LayerSection",
+    "body",
+    "body_start_after",
     "check_header",
+    "check_object",
     "decode_chunk",
     "decode_layers",
     "encode_chunk",
     "header_length",
     "layer_ranges",
     "read_header",
-    "InPlaceRead",
+    "verify_sections",
 ]

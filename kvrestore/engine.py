@@ -16,7 +16,6 @@ so a cancelled restore leaves no running task and no half-applied chunk.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
 import time
@@ -31,6 +30,7 @@ from anyio.abc import CapacityLimiter, TaskGroup
 from .bookkeeping import PolicyError, apply_event, begin, stalled
 from .errors import ChunkDecodeError, StoreError
 from .policies.base import Decision, Policy, Progress
+from .streams import on_stream  # noqa: F401 - re-exported: the lanes' stream context
 from .trace import Trace, TraceEvent
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -41,11 +41,6 @@ LoadFn = Callable[[int], Awaitable[int]]
 
 #: faults of a load that turn the chunk into a miss (recomputed) instead of failing the restore
 LOAD_FAULTS = (ChunkDecodeError, StoreError, OSError, TimeoutError)
-
-
-def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
-    """`torch.cuda.stream(stream)`, or nothing to do off CUDA."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _single(exc: BaseException) -> BaseException:

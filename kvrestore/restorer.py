@@ -16,8 +16,9 @@ import torch
 
 from . import codec
 from .backend import ComputeBackend
+from .chunkio import ChunkLoader
 from .engine import LOAD_FAULTS, Engine, on_stream
-from .errors import ChunkDecodeError, InvalidInputError, MissingChunkError
+from .errors import ChunkDecodeError, InvalidInputError
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from .kv import KVCache
 from .layers import ChunkLoadFailed, LayerReader, StoredChunk
@@ -119,6 +120,7 @@ class Restorer:
         self.chunk_size = chunk_size
         self.compression = compression
         self.engine = engine or Engine(load_lanes)
+        self.loader = ChunkLoader(self.spec, store, lambda device: self.engine.cuda_stream("load", device))
         self.load_timeout_s = load_timeout_s
         self.profile = self._profile(profile)
         self.link = LinkEstimate(self.profile.link if self.profile is not None else None)
@@ -345,9 +347,13 @@ class Restorer:
     def _prefill_into(self, kv: KVCache, tokens: torch.Tensor, start: int, end: int) -> None:
         """Compute tokens [start, end) on top of the KV of [0, start) (blocking, on the compute lane)."""
         stream = self.engine.cuda_stream("compute", kv.data.device)
-        past = kv.prefix(start) if start else None
+        prefill_into = getattr(self.backend, "prefill_into", None)
         with on_stream(stream):  # its own CUDA stream, so load copies overlap it
-            kv.write(self.backend.prefill_chunk(tokens[start:end], past, start))
+            if prefill_into is not None:  # straight into the cache, attending over it: no copy of the past
+                prefill_into(tokens[start:end], kv.data, start)
+            else:
+                past = kv.prefix(start) if start else None
+                kv.write(self.backend.prefill_chunk(tokens[start:end], past, start))
         if stream is not None:  # a unit is done when its kernels are, not when they are queued
             stream.synchronize()
 
@@ -439,43 +445,9 @@ class Restorer:
             raise
 
     async def _read_chunk(self, ref: ChunkRef, kv: KVCache) -> int:
-        """Fetch, verify and place one chunk in the cache; returns the stored bytes read.
-
-        An uncompressed chunk is read straight into the cache's token range (`read_into`) and verified
-        there; otherwise (zstd, a header past the probe) it is fetched whole and decoded into it. A CUDA
-        cache gets the bytes in a pinned host buffer first, copied over on the engine's load stream.
-        Either way a fault raises a ChunkDecodeError before the chunk counts as loaded.
-        """
-        dest = kv.chunk(ref.start, ref.end).data
-        host = (
-            dest if dest.device.type == "cpu" else torch.empty(dest.shape, dtype=dest.dtype, pin_memory=True)
-        )
-        reader = codec.InPlaceRead(self.spec, ref.key, ref.start, ref.n_tokens, host)
-        placed = await self.store.read_into(ref.key, reader)
-        if placed is None:
-            raise _missing(ref)
-        if reader.in_place:
-            reader.finish(placed)
-            nbytes = reader.header.end
-        else:
-            data = await self.store.get(ref.key)
-            if data is None:
-                raise _missing(ref)
-            await anyio.to_thread.run_sync(
-                lambda: codec.decode_chunk(data, self.spec, ref.key, ref.start, ref.n_tokens, out=host),
-                abandon_on_cancel=False,
-            )
-            nbytes = len(data)
-        if host is not dest:
-            stream = self.engine.cuda_stream("load", dest.device)
-
-            def upload() -> None:
-                with on_stream(stream):
-                    dest.copy_(host, non_blocking=True)
-                stream.synchronize()  # type: ignore[union-attr]
-
-            await anyio.to_thread.run_sync(upload, abandon_on_cancel=False)
-        return nbytes
+        """Fetch, verify and place one chunk in the cache's token range (`chunkio.ChunkLoader`); returns
+        the stored bytes read. A fault raises before the chunk counts as loaded."""
+        return await self.loader.load(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
 
     async def _write_chunks(self, kv: KVCache, refs: list[ChunkRef]) -> int:
         written = 0
@@ -536,10 +508,6 @@ class _LayerCompute:
             self.layer = b
         if self.stream is not None:
             self.stream.synchronize()
-
-
-def _missing(ref: ChunkRef) -> MissingChunkError:
-    return MissingChunkError(f"chunk {ref.index} ({ref.key[:12]}) disappeared from the store")
 
 
 class SyncRestorer:

@@ -45,7 +45,8 @@ def test_round_trip(dtype, compression):
     header, end = codec.read_header(blob[: codec.HEADER_PROBE])
     assert (header.version, header.fingerprint, header.key) == (codec.FORMAT_VERSION, FP, KEY)
     assert (header.start, header.n_tokens, header.compression) == (256, 7, compression)
-    assert header.layers[0].offset == end and header.end == len(blob)
+    assert header.layers[0].offset == codec.body_start_after(end) and header.end == len(blob)
+    assert header.layers[0].offset % codec.BODY_ALIGN == 0
 
 
 def test_zstd_compresses_redundant_data():

@@ -301,72 +301,40 @@ def test_register_store():
         stores._REGISTRY.pop("kvtest")
 
 
-class RecordingPlan:
-    """A ReadPlan that skips `offset` bytes and fills groups of the given buffer sizes."""
-
-    def __init__(self, offset: int, sizes: list[list[int]]) -> None:
-        self.offset = offset
-        self.buffers = [[bytearray(n) for n in group] for group in sizes]
-        self.prefix_len: int | None = None
-        self.filled_groups: list[int] = []
-
-    def locate(self, prefix):
-        self.prefix_len = len(prefix)
-        return self.offset, [[memoryview(b) for b in group] for group in self.buffers]
-
-    def filled(self, group: int) -> None:
-        self.filled_groups.append(group)
-
-    def joined(self) -> bytes:
-        return b"".join(bytes(b) for group in self.buffers for b in group)
-
-
 @pytest.mark.parametrize("length", [0, 10, 5000, 9000])
-def test_read_into_scatters_and_reports_filled_groups(store: ChunkStore, length: int):
+@pytest.mark.parametrize("room", [0, 4096, 9000])
+def test_read_into_fills_the_buffer_and_reports_the_size(store: ChunkStore, length: int, room: int):
     data = bytes(i % 251 for i in range(length))
-    sizes = [[100, 900], [3000], [1, 999]]  # 5000 bytes after an offset of 7
 
     async def body():
         async with store:
-            assert await store.read_into(K1, RecordingPlan(7, sizes)) is None
+            buf = bytearray(b"\xee" * room)
+            assert await store.read_into(K1, memoryview(buf)) is None
             await store.put(K1, data)
-            plan = RecordingPlan(7, sizes)
-            placed = await store.read_into(K1, plan)
-            return placed, plan
+            size = await store.read_into(K1, memoryview(buf))
+            return size, bytes(buf)
 
-    placed, plan = run(body)
-    body_bytes = data[7 : 7 + 5000]
-    assert placed == len(body_bytes)
-    assert plan.prefix_len == min(length, 4096)
-    assert plan.joined()[:placed] == body_bytes
-    # a group counts as filled only when every byte of it arrived
-    ends = [7 + 1000, 7 + 4000, 7 + 5000]
-    assert plan.filled_groups == [i for i, end in enumerate(ends) if length >= end]
+    size, buf = run(body)
+    placed = min(length, room)
+    assert size == length  # the whole object's size, even when the buffer held less of it
+    assert buf[:placed] == data[:placed]
+    assert buf[placed:] == b"\xee" * (room - placed)  # nothing written past the object
 
 
-def test_read_into_stops_when_the_plan_raises(store: ChunkStore):
-    class Refuse(RecordingPlan):
-        def filled(self, group: int) -> None:
-            raise ValueError(f"group {group} is bad")
+def test_read_into_a_large_object_off_the_event_loop(tmp_path):
+    """Objects past the inline-copy size are copied in a worker thread; the bytes are the same."""
+    from kvrestore.stores.base import INLINE_COPY_BYTES
+
+    data = bytes(i % 253 for i in range(INLINE_COPY_BYTES + 12345))
 
     async def body():
-        async with store:
-            await store.put(K1, b"x" * 100)
-            await store.read_into(K1, Refuse(0, [[10], [10]]))
+        out = []
+        for s in (MemoryStore(), FsspecStore(str(tmp_path))):
+            async with s:
+                await s.put(K1, data)
+                buf = bytearray(len(data))
+                out.append((await s.read_into(K1, memoryview(buf)), bytes(buf)))
+        return out
 
-    with pytest.raises(ValueError, match="group 0 is bad"):
-        run(body)
-
-
-def test_read_into_more_buffers_than_iov_max(tmp_path):
-    """A group of more buffers than one preadv call takes (IOV_MAX = 1024) is still filled in order."""
-    data = bytes(i % 253 for i in range(3 * 1500 + 5))
-
-    async def body():
-        async with FsspecStore(str(tmp_path)) as store:
-            await store.put(K1, data)
-            plan = RecordingPlan(5, [[3] * 1500])
-            return await store.read_into(K1, plan), plan
-
-    placed, plan = run(body)
-    assert placed == 4500 and plan.joined() == data[5:] and plan.filled_groups == [0]
+    for size, buf in run(body):
+        assert size == len(data) and buf == data

@@ -13,60 +13,36 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import anyio
 import anyio.to_thread
+import numpy as np
 
 from ..errors import StoreError
 
 _KEY_RE = re.compile(r"^[0-9a-f]{16,128}$")
 
-#: How many leading bytes of an object `read_into` hands to `ReadPlan.locate` (enough for a chunk header).
-PROBE_BYTES = 4096
+#: objects up to this size are copied into a caller's buffer on the event loop; larger ones in a thread
+INLINE_COPY_BYTES = 1 << 20
 
 
-class ReadPlan(Protocol):
-    """Where the bytes of one object go, decided from its first bytes (see `ChunkStore.read_into`)."""
-
-    def locate(self, prefix: memoryview) -> tuple[int, Sequence[Sequence[memoryview]]]:
-        """From the object's first `PROBE_BYTES` (fewer if it is shorter): (offset, groups of buffers).
-
-        The object's bytes from `offset` on fill the groups' writable buffers in order.
-        """
-        ...
-
-    def filled(self, group: int) -> None:
-        """Group `group` is completely filled (raise to stop the read)."""
-        ...
+def copy_into(buffer: memoryview, data: bytes | bytearray | memoryview) -> int:
+    """Copy as much of `data` as fits into `buffer` with one bulk copy that releases the GIL (numpy's
+    copy, one thread: torch's CPU copy would spread over every core and starve a launching thread).
+    Returns the bytes copied."""
+    n = min(len(buffer), len(data))
+    if n:
+        np.copyto(np.frombuffer(buffer, np.uint8, n), np.frombuffer(data, np.uint8, n))
+    return n
 
 
-def scatter(data: memoryview, offset: int, groups: Sequence[Sequence[memoryview]], plan: ReadPlan) -> int:
-    """Copy data[offset:] into the groups' buffers in order, telling `plan` of each group filled.
-
-    Returns the bytes placed (short when data ends early).
-    """
-    pos = offset
-    for i, group in enumerate(groups):
-        for buf in group:
-            n = max(0, min(buf.nbytes, len(data) - pos))
-            buf[:n] = data[pos : pos + n]
-            pos += n
-            if n < buf.nbytes:
-                return pos - offset
-        plan.filled(i)
-    return pos - offset
-
-
-async def place(data: bytes, plan: ReadPlan) -> int:
-    """Copy a whole fetched object into the buffers `plan` names (off the event loop); bytes placed."""
-
-    def run() -> int:
-        mv = memoryview(data)
-        offset, groups = plan.locate(mv[:PROBE_BYTES])
-        return scatter(mv, offset, groups, plan)
-
-    return await anyio.to_thread.run_sync(run)
+async def copy_object(buffer: memoryview, data: bytes | bytearray | memoryview) -> int:
+    """`copy_into`, off the event loop for a large object; returns the object's size (see `read_into`)."""
+    if len(data) <= INLINE_COPY_BYTES:
+        copy_into(buffer, data)
+    else:
+        await anyio.to_thread.run_sync(copy_into, buffer, data)
+    return len(data)
 
 
 def check_key(key: str) -> str:
@@ -95,6 +71,9 @@ class ChunkStore(ABC):
 
     #: URL-ish description for logs and stats
     name: str = "store"
+    #: whether `get` hands out bytes the store already holds in this process (no I/O, no copy), so a
+    #: reader that verifies and places them itself is best served by `get` rather than `read_into`
+    reads_in_memory: bool = False
 
     @abstractmethod
     async def get(self, key: str) -> bytes | None:
@@ -133,15 +112,16 @@ class ChunkStore(ABC):
                 tg.start_soon(one, i, k)
         return out
 
-    async def read_into(self, key: str, plan: ReadPlan) -> int | None:
-        """Read an object straight into caller memory: `plan` sees its first bytes and names the buffers.
+    async def read_into(self, key: str, buffer: memoryview) -> int | None:
+        """Read the object into `buffer` from its first byte, with as few bulk copies as the store allows.
 
-        Returns the bytes placed in the buffers (fewer than they hold when the object ends early), or
-        None when the object is absent. Errors raised by the plan propagate. The default fetches the object whole (one round trip, right for
-        object stores) and copies; a local store overrides it to read into the buffers with no copy.
+        Returns the object's size (when it is larger than `buffer`, only `len(buffer)` bytes were
+        placed: read it again into a larger buffer), or None when absent. The default fetches the object
+        whole (one round trip, right for object stores) and copies it; a local directory reads straight
+        into the buffer (`preadv`). Nothing is verified here: the caller checks the bytes.
         """
         data = await self.get(key)
-        return None if data is None else await place(data, plan)
+        return None if data is None else await copy_object(buffer, data)
 
     async def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
         """Several byte ranges of one object, fetched concurrently."""
@@ -176,13 +156,11 @@ class ChunkStore(ABC):
 
 
 __all__ = [
-    "PROBE_BYTES",
     "ChunkStore",
-    "ReadPlan",
     "StoreError",
     "StoredObject",
     "check_key",
+    "copy_into",
+    "copy_object",
     "is_key",
-    "place",
-    "scatter",
 ]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import anyio
 
 from ..errors import StoreError
-from .base import ChunkStore, ReadPlan, StoredObject, check_key
+from .base import ChunkStore, StoredObject, check_key
 from .eviction import EvictionPolicy, make_policy
 
 
@@ -122,6 +122,10 @@ class BoundedStore(ChunkStore):
 
     # -- ChunkStore ----------------------------------------------------------------------------------
 
+    @property
+    def reads_in_memory(self) -> bool:  # type: ignore[override]
+        return self.inner.reads_in_memory
+
     async def get(self, key: str) -> bytes | None:
         await self._ensure_index()
         data = await self.inner.get(key)
@@ -149,14 +153,14 @@ class BoundedStore(ChunkStore):
             await self._seen(key, None)
         return out
 
-    async def read_into(self, key: str, plan: ReadPlan) -> int | None:
+    async def read_into(self, key: str, buffer: memoryview) -> int | None:
         await self._ensure_index()
-        placed = await self.inner.read_into(key, plan)
-        if placed is None:
+        size = await self.inner.read_into(key, buffer)
+        if size is None:
             self._missed(key)
         else:
             await self._seen(key, None)
-        return placed
+        return size
 
     async def put(self, key: str, data: bytes) -> None:
         check_key(key)

@@ -39,7 +39,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import StoreError
-from .base import PROBE_BYTES, ChunkStore, ReadPlan, StoredObject, check_key, is_key
+from .base import ChunkStore, StoredObject, check_key, is_key
 
 SUFFIX = ".kvc"
 TMP_PREFIX = ".tmp-"
@@ -98,24 +98,18 @@ def _check_range(start: int, end: int) -> None:
         raise ValueError(f"invalid byte range [{start}, {end})")
 
 
-def _preadv_all(fd: int, buffers: Sequence[memoryview], pos: int) -> int:
-    """Fill `buffers` from byte `pos` of the file, or as much as the file holds; returns bytes read."""
-    want = sum(b.nbytes for b in buffers)
-    if len(buffers) <= 1024:  # IOV_MAX; the common case is one call that fills everything
-        n = os.preadv(fd, buffers, pos)
-        if n == want or n == 0:
-            return n
-    total, rest = 0, [b for b in buffers if b.nbytes]
-    while rest:  # preadv returned early (a signal, a huge request): go on where it stopped
-        n = os.preadv(fd, rest[:1024], pos + total)
+def _read_all(fd: int, buffer: memoryview) -> int:
+    """Fill `buffer` from the start of the file, or as much as the file holds; returns bytes read.
+
+    One `preadv` per call into the caller's buffer: the kernel copies from the page cache, the GIL is
+    released for the whole read, and no Python object is made per byte range.
+    """
+    total = 0
+    while total < len(buffer):
+        n = os.preadv(fd, [buffer[total:]], total)
         if n == 0:
             break
-        total += n
-        while rest and n >= rest[0].nbytes:
-            n -= rest[0].nbytes
-            rest.pop(0)
-        if n:
-            rest[0] = rest[0][n:]
+        total += n  # a short read (a signal, a huge request): go on where it stopped
     return total
 
 
@@ -234,8 +228,8 @@ class FsspecStore(ChunkStore):
             raise StoreError(f"cannot read {path}: {type(e).__name__}: {e}") from e
 
     @staticmethod
-    def _read_local_into(path: str, plan: ReadPlan) -> int | None:
-        """pread the probe, ask the plan where the rest goes, preadv each group there: no extra copy."""
+    def _read_local_into(path: str, buffer: memoryview) -> int | None:
+        """The object's size, and as much of it as fits read into `buffer` (see `ChunkStore.read_into`)."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -243,15 +237,9 @@ class FsspecStore(ChunkStore):
         except OSError as e:
             raise StoreError(f"cannot read {path}: {type(e).__name__}: {e}") from e
         try:
-            offset, groups = plan.locate(memoryview(os.pread(fd, PROBE_BYTES, 0)))
-            pos = offset
-            for i, group in enumerate(groups):
-                got = _preadv_all(fd, group, pos)
-                pos += got
-                if got < sum(b.nbytes for b in group):
-                    break
-                plan.filled(i)
-            return pos - offset
+            size = os.fstat(fd).st_size  # the file a rename may replace is this open one: size and bytes agree
+            got = _read_all(fd, buffer[: min(size, len(buffer))])
+            return size if got == min(size, len(buffer)) else got  # shrank under us: report what is there
         except OSError as e:
             raise StoreError(f"cannot read {path}: {type(e).__name__}: {e}") from e
         finally:
@@ -374,10 +362,10 @@ class FsspecStore(ChunkStore):
             return None if got is None else got[0]
         return await self._cat(key)
 
-    async def read_into(self, key: str, plan: ReadPlan) -> int | None:
+    async def read_into(self, key: str, buffer: memoryview) -> int | None:
         if self.local and hasattr(os, "preadv"):
-            return await self._thread(partial(self._read_local_into, self.path(key), plan))
-        return await super().read_into(key, plan)
+            return await self._thread(partial(self._read_local_into, self.path(key), buffer))
+        return await super().read_into(key, buffer)
 
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
         """Local reads clamp `end` at the file size; remote ones pass it on (an HTTP Range on s3)."""

@@ -17,6 +17,7 @@ class MemoryStore(ChunkStore):
     """
 
     name = "memory://"
+    reads_in_memory = True
 
     def __init__(
         self, capacity_bytes: int | None = None, *, eviction: EvictionPolicy | str | None = None

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .background import Background
-from .base import ChunkStore, ReadPlan, StoredObject, check_key, place
+from .base import ChunkStore, StoredObject, check_key, copy_object
 
 #: read-ahead sequences remembered at once (one per restore in flight)
 MAX_SEQUENCES = 64
@@ -39,6 +39,9 @@ class _Sequence:
 
 class PrefetchStore(ChunkStore):
     """`inner` behind a read-ahead buffer of at most `max_bytes`, `depth` fetches in flight."""
+
+    #: a read-ahead object is handed out as the bytes already fetched
+    reads_in_memory = True
 
     def __init__(
         self,
@@ -197,13 +200,13 @@ class PrefetchStore(ChunkStore):
             return data
         return await self.inner.get(key)
 
-    async def read_into(self, key: str, plan: ReadPlan) -> int | None:
+    async def read_into(self, key: str, buffer: memoryview) -> int | None:
         check_key(key)
         self._read_ahead(key)
         found, data = await self._take(key)
         if not found:
-            return await self.inner.read_into(key, plan)
-        return None if data is None else await place(data, plan)
+            return await self.inner.read_into(key, buffer)
+        return None if data is None else await copy_object(buffer, data)
 
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
         return await self.inner.get_range(key, start, end)

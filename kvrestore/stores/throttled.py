@@ -16,7 +16,7 @@ from typing import TypeVar
 import anyio
 
 from ..bandwidth import BandwidthTrace, Link
-from .base import ChunkStore, ReadPlan
+from .base import ChunkStore
 
 T = TypeVar("T")
 
@@ -85,14 +85,20 @@ class ThrottledStore(ChunkStore):
             if not booked:  # failed or cancelled before booking: later requests must not wait on it
                 mine.set()
 
+    @property
+    def reads_in_memory(self) -> bool:  # type: ignore[override]
+        return self.inner.reads_in_memory
+
     async def get(self, key: str) -> bytes | None:
         return await self._through_link(lambda: self.inner.get(key), _length)
 
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
         return await self._through_link(lambda: self.inner.get_range(key, start, end), _length)
 
-    async def read_into(self, key: str, plan: ReadPlan) -> int | None:
-        return await self._through_link(lambda: self.inner.read_into(key, plan), lambda n: n or 0)
+    async def read_into(self, key: str, buffer: memoryview) -> int | None:
+        return await self._through_link(
+            lambda: self.inner.read_into(key, buffer), lambda n: min(n or 0, len(buffer))
+        )
 
     async def put(self, key: str, data: bytes) -> None:
         await self.inner.put(key, data)

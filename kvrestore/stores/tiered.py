@@ -30,7 +30,7 @@ import anyio.to_thread
 
 from ..errors import StoreError
 from .background import Background
-from .base import PROBE_BYTES, ChunkStore, ReadPlan, StoredObject, check_key, scatter
+from .base import ChunkStore, StoredObject, check_key, copy_object
 
 #: what a tier may raise that makes it a miss for this call, not a failure of the whole read
 TIER_FAULTS = (StoreError, OSError, TimeoutError)
@@ -227,6 +227,10 @@ class TieredStore(ChunkStore):
 
     # -- ChunkStore ------------------------------------------------------------------------------------
 
+    @property
+    def reads_in_memory(self) -> bool:  # type: ignore[override]
+        return self.tiers[0].reads_in_memory
+
     async def get(self, key: str) -> bytes | None:
         check_key(key)
         errors: list[str] = []
@@ -284,23 +288,21 @@ class TieredStore(ChunkStore):
         whole = self._dirty_or_miss(key, errors)
         return [None if whole is None else whole[a:b] for a, b in ranges]
 
-    async def read_into(self, key: str, plan: ReadPlan) -> int | None:
-        """Top tier: its own read_into (no copy on disk). Lower tiers: fetch whole, place, then promote.
-
-        An object is promoted only when the plan took all of it without raising (the plan checks each
-        group as it is filled), so a corrupt object is never copied upwards.
-        """
+    async def read_into(self, key: str, buffer: memoryview) -> int | None:
+        """Top tier: its own read_into (straight into the buffer on disk). Lower tiers: as `get` (found
+        objects are promoted; one the reader then finds damaged it deletes, which cancels its promotion
+        before it starts: `delete` drops the token without awaiting first), copied into the buffer."""
         check_key(key)
         errors: list[str] = []
         for i, tier in enumerate(self.tiers):
             try:
                 if i == 0 or not self.promote:
-                    placed = await tier.read_into(key, plan)
-                    if placed is None:
+                    size = await tier.read_into(key, buffer)
+                    if size is None:
                         self.stats[i].misses += 1
                         continue
                     self.stats[i].hits += 1
-                    return placed
+                    return size
                 data = await tier.get(key)
             except TIER_FAULTS as exc:
                 errors.append(self._failed(i, exc))
@@ -309,23 +311,10 @@ class TieredStore(ChunkStore):
                 self.stats[i].misses += 1
                 continue
             self.stats[i].hits += 1
-            return await self._place(key, data, plan, found_in=i)
+            self._promote(key, data, i)
+            return await copy_object(buffer, data)
         data = self._dirty_or_miss(key, errors)
-        return None if data is None else await self._place(key, data, plan, found_in=None)
-
-    async def _place(self, key: str, data: bytes, plan: ReadPlan, found_in: int | None) -> int:
-        def place() -> tuple[int, int]:
-            mv = memoryview(data)
-            offset, groups = plan.locate(mv[:PROBE_BYTES])
-            return scatter(mv, offset, groups, plan), len(data) - offset
-
-        placed, body = await anyio.to_thread.run_sync(place)
-        # Placed whole and every filled group passed the plan's checks. A truncated object passes too
-        # (the plan's caller finds it short afterwards and deletes it, which cancels this promotion
-        # before it starts: the delete drops its token without awaiting first).
-        if found_in is not None and placed == body:
-            self._promote(key, data, found_in)
-        return placed
+        return None if data is None else await copy_object(buffer, data)
 
     async def put(self, key: str, data: bytes) -> None:
         check_key(key)

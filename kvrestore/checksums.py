@@ -1,0 +1,83 @@
+"""The two checksums of a chunk section: one for the host, one for the device.
+
+Every section of a chunk carries both, so a reader verifies every byte wherever the bytes already are,
+without holding the GIL for the section's length:
+
+* `host_checksum`: xxh3-64 of the stored bytes. python-xxhash releases the GIL while it hashes (tens of
+  GB/s per core here), so a load lane verifies on its own thread while the compute lane launches kernels.
+  It covers compressed sections too, before they are decompressed.
+* `device_checksum`: a weighted sum of the raw section read as little-endian int64 words,
+  ``sum(word[i] * weight[i]) mod 2**64`` with odd, index-dependent weights (`weights`). It is two
+  elementwise kernels on a GPU (about 1 TB/s on an H100), so a chunk uploaded to the device is verified
+  there after the copy, and the host only moves bytes. Any change of one word changes the sum (the
+  weights are odd); moved or swapped words change it unless their values and index differences conspire
+  modulo 2**64. It detects damage, not tampering, like any non-cryptographic checksum.
+
+Both sums depend only on the bytes, in C order, so the writer (any device) and the reader (any device)
+agree; `tests/test_checksums.py` checks the torch computation against numpy's unsigned arithmetic.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+import xxhash
+
+WORD = 8  # bytes per int64 word of the device checksum
+_MUL = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: consecutive weights spread over all bits
+_ADD = np.uint64(0x632BE59BD9B4E019)
+
+_lock = threading.Lock()
+_weights: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def host_checksum(data: bytes | bytearray | memoryview) -> int:
+    """xxh3-64 of `data` (the GIL is released while it runs)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def device_checkable(row_bytes: int) -> bool:
+    """Whether sections whose rows (one token of one head: head_dim elements) are `row_bytes` long have a
+    device checksum: each row must be a whole number of int64 words, so a token slice of a cache can be
+    read as words in place."""
+    return row_bytes % WORD == 0
+
+
+def weights(n_words: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The first `n_words` weights as int64 on `device` (cached: a restore asks for the same length)."""
+    device = torch.device(device)
+    key = (str(device), n_words)
+    w = _weights.get(key)
+    if w is None:
+        with np.errstate(over="ignore"):
+            idx = np.arange(n_words, dtype=np.uint64)
+            host = (idx * _MUL + _ADD) | np.uint64(1)  # unsigned: wraps modulo 2**64 by definition
+        w = torch.from_numpy(host.view(np.int64)).to(device)
+        with _lock:
+            _weights[key] = w
+    return w
+
+
+def device_checksums(sections: torch.Tensor) -> torch.Tensor:
+    """int64 [n] sums of `sections` [n, ...] (any dtype, C-order bytes per section, last dim contiguous).
+
+    Runs where `sections` lives; it may be a strided view (a token slice of a KV cache), as long as its
+    last dimension is contiguous and holds a whole number of words.
+    """
+    n = sections.shape[0]
+    words = sections.view(torch.uint8).view(torch.int64) if sections.dtype != torch.int64 else sections
+    per = words[0].numel() if n else 0
+    w = weights(per, words.device).view(words.shape[1:])
+    # int64 products and sums wrap modulo 2**64 (two's complement), the same bits as numpy's uint64
+    return (words * w).reshape(n, -1).sum(dim=1)
+
+
+def as_signed(value: int) -> int:
+    """A 64-bit sum as the signed int the header stores (what `device_checksums` gives)."""
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+__all__ = ["WORD", "as_signed", "device_checkable", "device_checksums", "host_checksum", "weights"]

@@ -1,0 +1,188 @@
+"""Moving one stored chunk into a KV cache: bulk read, verify every byte, place; no Python per row.
+
+The path a load lane runs for a chunk, and why each step is shaped so:
+
+1. **Read** with one bulk operation that releases the GIL: a store that already holds the object in
+   this process (`ChunkStore.reads_in_memory`) hands out its bytes; any other reads into a pooled
+   staging buffer (`ChunkStore.read_into`: one `preadv` for a local directory, the fetched object
+   copied once for a remote store).
+2. **Check** the header (a few hundred bytes: model, key, position, sizes, zero padding).
+3. **Verify and place**, in one worker-thread call:
+   * into a CPU cache: xxh3 of every section (python-xxhash releases the GIL), then one numpy copy of
+     the body into the cache's token range. Nothing unverified reaches the cache.
+   * into a CUDA cache: the body (in pinned staging; bytes from memory are first copied there with one
+     numpy copy) goes to the device on the load stream with one copy, then the device checksum of every
+     layer runs there (`checksums.device_checksums`, two kernels) and only L sums come back. The
+     staging buffer is recycled once the upload's event has completed. A mismatch raises before the
+     chunk counts as loaded; its rows are then recomputed, so damaged bytes never survive in the cache.
+
+The host copies are numpy's, on one thread each: torch's CPU `copy_` spreads a large copy over every
+core and starves a thread that launches kernels, although it releases the GIL (`../shared/GPU.md`).
+A compressed (zstd) chunk is decompressed on the host (`codec.decode_chunk`), then placed the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import torch
+
+from .. import codec
+from ..checksums import device_checkable, device_checksums
+from ..errors import CorruptChunkError, MissingChunkError
+from ..spec import ModelSpec
+from ..stores.base import ChunkStore, copy_into
+from ..streams import on_stream
+from .pool import Staging, StagingPool
+
+#: room for the header and its padding in a staging buffer sized from the chunk's KV bytes
+HEADER_ROOM = 64 * 1024
+
+StreamFor = Callable[[torch.device], "torch.cuda.Stream | None"]
+
+
+def _byte_rows(t: torch.Tensor) -> np.ndarray:
+    """A numpy uint8 view of a CPU tensor whose last dimension is contiguous (any dtype, bf16 too)."""
+    return t.view(torch.uint8).numpy()
+
+
+class ChunkLoader:
+    """Loads verified chunks of one model from one store into KV caches (CPU or CUDA).
+
+    `stream_for(device)` gives the CUDA stream uploads go on (the engine's load lane), None off CUDA.
+    One loader serves every load lane of a restorer; its staging pools are shared by them.
+    """
+
+    def __init__(self, spec: ModelSpec, store: ChunkStore, stream_for: StreamFor | None = None) -> None:
+        self.spec = spec
+        self.store = store
+        self.stream_for = stream_for or (lambda device: None)
+        self._pools = {False: StagingPool(pinned=False), True: StagingPool(pinned=True)}
+
+    def pool(self, pinned: bool) -> StagingPool:
+        """The staging buffers for CPU destinations (pageable) or uploads to a GPU (pinned)."""
+        return self._pools[pinned]
+
+    async def load(self, key: str, start: int, dest: torch.Tensor) -> int:
+        """Read chunk `key` (saved at token `start`) into `dest` ([L, 2, H, T, D], a cache's token range);
+        returns the stored bytes read. Raises MissingChunkError, a ChunkDecodeError (damaged, truncated,
+        foreign) or a store error; `dest` may then hold part of the chunk, which must be recomputed."""
+        n_tokens = int(dest.shape[3])
+        cuda = dest.device.type == "cuda"
+        if self.store.reads_in_memory:
+            data = await self.store.get(key)
+            if data is None:
+                raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
+            return await self._place(memoryview(data), None, key, start, n_tokens, dest)
+        pool = self.pool(pinned=cuda)
+        staging = pool.acquire(dest.numel() * dest.element_size() + HEADER_ROOM)
+        try:
+            size = await self.store.read_into(key, staging.view)
+            if size is not None and size > staging.nbytes:  # a longer object than a chunk: read it all
+                pool.release(staging)
+                staging = pool.acquire(size)
+                size = await self.store.read_into(key, staging.view)
+            if size is None:
+                raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
+            size = min(size, staging.nbytes)
+            staging_out, staging = staging, None
+            return await self._place(staging_out.view[:size], staging_out, key, start, n_tokens, dest)
+        finally:
+            if staging is not None:
+                pool.release(staging)
+
+    async def _place(
+        self,
+        data: memoryview,
+        staging: Staging | None,
+        key: str,
+        start: int,
+        n_tokens: int,
+        dest: torch.Tensor,
+    ) -> int:
+        """Check, verify and place a whole object (`data`, in `staging` when it was read into one, which
+        this call hands back to its pool)."""
+        try:
+            header = codec.check_object(data, self.spec, key, start, n_tokens)
+        except BaseException:
+            if staging is not None:
+                self.pool(staging.pinned).release(staging)
+            raise
+        await anyio.to_thread.run_sync(self._verify_place, header, data, staging, dest, abandon_on_cancel=False)
+        return len(data)
+
+    # -- worker thread -----------------------------------------------------------------------------
+
+    def _verify_place(
+        self, header: codec.ChunkHeader, data: memoryview, staging: Staging | None, dest: torch.Tensor
+    ) -> None:
+        pinned = staging is not None and staging.pinned
+        try:
+            if header.compression != "none":
+                self._place_decoded(header, data, dest)
+            elif dest.device.type != "cuda":
+                codec.verify_sections(header, data)
+                rows = _byte_rows(dest)
+                np.copyto(rows, np.frombuffer(codec.body(header, data), np.uint8).reshape(rows.shape))
+            else:
+                if not device_checkable(self.spec.head_dim * dest.element_size()):
+                    codec.verify_sections(header, data)
+                if not pinned:  # bytes from memory: one GIL-free copy into pinned staging first
+                    staging_from_memory = self.pool(pinned=True).acquire(len(data))
+                    copy_into(staging_from_memory.view, data)
+                    if staging is not None:
+                        self.pool(False).release(staging)
+                    staging = staging_from_memory
+                self._upload_verify(header, staging, dest)
+                staging = None  # _upload_verify handed it back
+        finally:
+            if staging is not None:
+                self.pool(pinned).release(staging)
+
+    def _upload_verify(self, header: codec.ChunkHeader, staging: Staging, dest: torch.Tensor) -> None:
+        """Copy the body to `dest` on the load stream, then compare every layer's device checksum."""
+        first = header.layers[0].offset
+        body = staging.tensor[first : header.end].view(dest.dtype).view(dest.shape)
+        stream = self.stream_for(dest.device)
+        pool = self.pool(pinned=True)
+        with on_stream(stream):
+            dest.copy_(body, non_blocking=True)
+            uploaded = pool.event()
+            uploaded.record()
+            pool.release(staging, busy_until=uploaded)
+            checkable = device_checkable(self.spec.head_dim * dest.element_size())
+            sums = device_checksums(dest).to("cpu", non_blocking=True) if checkable else None
+            done = pool.event()
+            done.record()
+        done.synchronize()  # the GIL is released while the copy and the sums run
+        pool.give_event(done)
+        if sums is not None:
+            for i, (got, section) in enumerate(zip(sums.tolist(), header.layers, strict=True)):
+                if got != section.device_sum:
+                    raise CorruptChunkError(f"layer {i}: device checksum mismatch")
+
+    def _place_decoded(self, header: codec.ChunkHeader, data: memoryview, dest: torch.Tensor) -> None:
+        """A compressed chunk: verified and decompressed on the host, into `dest` or via pinned staging."""
+        n_tokens = int(dest.shape[3])
+        if dest.device.type != "cuda":
+            codec.decode_chunk(data, self.spec, header.key, header.start, n_tokens, out=dest)
+            return
+        pool = self.pool(pinned=True)
+        staging = pool.acquire(dest.numel() * dest.element_size())
+        host = staging.tensor[: dest.numel() * dest.element_size()].view(dest.dtype).view(dest.shape)
+        try:
+            codec.decode_chunk(data, self.spec, header.key, header.start, n_tokens, out=host)
+        except BaseException:
+            pool.release(staging)
+            raise
+        stream = self.stream_for(dest.device)
+        with on_stream(stream):
+            dest.copy_(host, non_blocking=True)
+            done = pool.event()
+            done.record()
+        done.synchronize()
+        pool.release(staging)
+        pool.give_event(done)

@@ -1,0 +1,89 @@
+"""Reusable staging buffers for chunk reads: pinned on CUDA, recycled once their copy has finished.
+
+A load lane reads a chunk object into a staging buffer with one bulk operation, then (on CUDA) copies
+it to the device on the load stream. Allocating pinned memory costs milliseconds and first-touching
+fresh pages costs as much as the read itself, so buffers are kept and reused, as vLLM's
+`kv_offload` CPU tier does. A buffer handed back with a CUDA event is not handed out again before the
+event has completed (its host-to-device copy may still be reading it); events are pooled too.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+#: buffer sizes are rounded up to this, so chunks of one prompt (and its last, shorter chunk) share them
+GRANULE = 1 << 20
+
+
+@dataclass(eq=False)
+class Staging:
+    """One host buffer: `tensor` (uint8, pinned for CUDA) and a writable `view` of the same bytes."""
+
+    tensor: torch.Tensor
+    view: memoryview
+    pinned: bool
+    busy_until: torch.cuda.Event | None = None  # the copy that still reads it, if any
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+    def ready(self) -> bool:
+        return self.busy_until is None or self.busy_until.query()
+
+
+class StagingPool:
+    """Staging buffers for one kind of destination: `pinned=True` for uploads to a GPU.
+
+    Thread-safe: load lanes acquire and release from worker threads. At most `max_idle` free buffers
+    are kept; more in use at once are allocated and dropped on release.
+    """
+
+    def __init__(self, pinned: bool = False, max_idle: int = 16) -> None:
+        self.pinned = pinned
+        self.max_idle = max_idle
+        self._free: list[Staging] = []
+        self._events: list[torch.cuda.Event] = []
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers created so far (a warm pool stops creating them)
+
+    def acquire(self, nbytes: int) -> Staging:
+        """A buffer of at least `nbytes` whose last copy has finished (a new one if none is free)."""
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.nbytes >= nbytes and buf.ready():
+                    self._recycle_event(buf)
+                    return self._free.pop(i)
+        size = -(-max(nbytes, 1) // GRANULE) * GRANULE
+        tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+        self.allocated += 1
+        return Staging(tensor, memoryview(tensor.numpy()).cast("B"), self.pinned)
+
+    def release(self, buf: Staging, busy_until: torch.cuda.Event | None = None) -> None:
+        """Hand `buf` back; with `busy_until`, it is reused only after that event has completed."""
+        buf.busy_until = busy_until
+        with self._lock:
+            if len(self._free) < self.max_idle:
+                self._free.append(buf)
+            else:
+                self._recycle_event(buf)
+
+    def event(self) -> torch.cuda.Event:
+        """A CUDA event from the pool (returned to it when the buffer it guards is reused)."""
+        with self._lock:
+            if self._events:
+                return self._events.pop()
+        return torch.cuda.Event()
+
+    def give_event(self, event: torch.cuda.Event) -> None:
+        """Return an event that guards nothing any more (it has completed)."""
+        with self._lock:
+            self._events.append(event)
+
+    def _recycle_event(self, buf: Staging) -> None:
+        if buf.busy_until is not None:
+            self._events.append(buf.busy_until)
+            buf.busy_until = None

@@ -225,7 +225,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     # the KV to store: random data of the model's KV shape (a load never looks at the values)
     saved = KVCache.empty(spec, args.tokens, device="cpu")
     saved.data.copy_(torch.randn(saved.data.shape, generator=g, dtype=torch.float32).to(spec.dtype))
-    memory = MemoryStore()
+    memory = MemoryStore(pinned=torch.device(device).type == "cuda")  # the host tier of a GPU server
     tmp = tempfile.TemporaryDirectory(prefix="kvrestore-bench-data-path-")
     disk = open_store(Path(tmp.name).as_uri())
     stores = {"memory": memory, "file": disk}

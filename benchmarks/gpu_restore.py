@@ -271,7 +271,7 @@ async def measure_length(
     del stock_out
     free_memory(device)
     kv_bytes = stock_kv.nbytes
-    memory = MemoryStore()
+    memory = MemoryStore(pinned=torch.device(device).type == "cuda")  # the host tier of a GPU server
     saver = Restorer(backend, memory, chunk)
     saved = await saver.save(ids, stock_kv)
     _, refs = saver.chunks(ids)

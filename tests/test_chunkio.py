@@ -93,6 +93,7 @@ def chunk_blob(spec: ModelSpec, n_tokens: int = 6, start: int = 12, compression:
 def stores(tmp_path):
     return {
         "memory": lambda: MemoryStore(),
+        "pinned-memory": lambda: MemoryStore(pinned=True),
         "file": lambda: FsspecStore(str(tmp_path / "dir")),
         "throttled-file": lambda: ThrottledStore(FsspecStore(str(tmp_path / "t")), bytes_per_s=1e9),
         "tiered": lambda: TieredStore([MemoryStore(), FsspecStore(str(tmp_path / "tier"))]),
@@ -118,10 +119,12 @@ def load_into(spec, store, blob, device="cpu", n_tokens=6, start=12, fill=7.0, p
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("where", ["memory", "file", "throttled-file", "tiered"])
+@pytest.mark.parametrize("where", ["memory", "file", "throttled-file", "tiered", "pinned-memory"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("compression", ["none", "zstd"])
 def test_loads_exactly_into_the_token_range(tmp_path, device, where, dtype, compression):
+    if where == "pinned-memory" and device != "cuda":
+        pytest.skip("page-locked memory needs CUDA")
     spec = make_spec(dtype)
     kv, blob = chunk_blob(spec, compression=compression)
     nbytes, cache, _ = load_into(spec, stores(tmp_path)[where](), blob, device)
@@ -132,8 +135,10 @@ def test_loads_exactly_into_the_token_range(tmp_path, device, where, dtype, comp
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("where", ["memory", "file"])
+@pytest.mark.parametrize("where", ["memory", "file", "pinned-memory"])
 def test_every_damaged_byte_is_refused(tmp_path, device, where):
+    if where == "pinned-memory" and device != "cuda":
+        pytest.skip("page-locked memory needs CUDA")
     spec = make_spec()
     _, blob = chunk_blob(spec)
     header, _ = codec.read_header(blob)
@@ -207,3 +212,11 @@ def test_lanes_share_a_warm_staging_pool(tmp_path):
     for i, kv in enumerate(chunks):
         assert torch.equal(cache.data[:, :, :, 32 * i : 32 * i + 32], kv.data)
     assert loader.pool(False).allocated <= 4  # never more buffers than lanes at once
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_pinned_memory_store_needs_cuda():
+    from kvrestore.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="needs CUDA"):
+        MemoryStore(pinned=True)

@@ -10,8 +10,8 @@ The path a load lane runs for a chunk, and why each step is shaped so:
 3. **Verify and place**, in one worker-thread call:
    * into a CPU cache: xxh3 of every section (python-xxhash releases the GIL), then one numpy copy of
      the body into the cache's token range. Nothing unverified reaches the cache.
-   * into a CUDA cache: the body (in pinned staging; bytes from memory are first copied there with one
-     numpy copy) goes to the device on the load stream with one copy, then the device checksum of every
+   * into a CUDA cache: the body (in pinned staging, or in a pinned `MemoryStore`'s own memory; other
+     bytes from memory are first copied into pinned staging with one numpy copy) goes to the device on the load stream with one copy, then the device checksum of every
      layer runs there (`checksums.device_checksums`, two kernels) and only L sums come back. The
      staging buffer is recycled once the upload's event has completed. A mismatch raises before the
      chunk counts as loaded; its rows are then recomputed, so damaged bytes never survive in the cache.
@@ -130,29 +130,38 @@ class ChunkLoader:
             else:
                 if not device_checkable(self.spec.head_dim * dest.element_size()):
                     codec.verify_sections(header, data)
+                host = None if data.readonly else torch.frombuffer(data, dtype=torch.uint8)
+                if staging is None and host is not None and host.is_pinned():  # a pinned store's object
+                    self._upload_verify(header, host, dest, None)
+                    return
                 if not pinned:  # bytes from memory: one GIL-free copy into pinned staging first
                     staging_from_memory = self.pool(pinned=True).acquire(len(data))
                     copy_into(staging_from_memory.view, data)
                     if staging is not None:
                         self.pool(False).release(staging)
                     staging = staging_from_memory
-                self._upload_verify(header, staging, dest)
+                self._upload_verify(header, staging.tensor, dest, staging)
                 staging = None  # _upload_verify handed it back
         finally:
             if staging is not None:
                 self.pool(pinned).release(staging)
 
-    def _upload_verify(self, header: codec.ChunkHeader, staging: Staging, dest: torch.Tensor) -> None:
-        """Copy the body to `dest` on the load stream, then compare every layer's device checksum."""
+    def _upload_verify(
+        self, header: codec.ChunkHeader, host: torch.Tensor, dest: torch.Tensor, staging: Staging | None
+    ) -> None:
+        """Copy the body (in pinned `host`, `staging`'s tensor or a pinned store's object) to `dest` on the
+        load stream, hand `staging` back to be reused after the copy, then compare every layer's device
+        checksum."""
         first = header.layers[0].offset
-        body = staging.tensor[first : header.end].view(dest.dtype).view(dest.shape)
+        body = host[first : header.end].view(dest.dtype).view(dest.shape)
         stream = self.stream_for(dest.device)
         pool = self.pool(pinned=True)
         with on_stream(stream):
             dest.copy_(body, non_blocking=True)
-            uploaded = pool.event()
-            uploaded.record()
-            pool.release(staging, busy_until=uploaded)
+            if staging is not None:
+                uploaded = pool.event()
+                uploaded.record()
+                pool.release(staging, busy_until=uploaded)
             checkable = device_checkable(self.spec.head_dim * dest.element_size())
             sums = device_checksums(dest).to("cpu", non_blocking=True) if checkable else None
             done = pool.event()

@@ -35,6 +35,12 @@ if TYPE_CHECKING:
 
 TokenIds = Sequence[int] | torch.Tensor
 
+#: On a GPU a compute unit smaller than this is launch-bound: measured on an H100 with Llama-3.1-8B's
+#: shape, a 256-token unit costs about 1.1 ms of kernel launches per layer for 0.28 ms of work, while from
+#: about 1,024-2,048 tokens the work hides the launches (`benchmarks/gpu_restore.py --compute-chunks`).
+#: On a CPU the work always dominates, so units stay as small as the policy likes.
+CUDA_MIN_UNIT_TOKENS = 2048
+
 
 @dataclass
 class RestoreStats:
@@ -265,6 +271,8 @@ class Restorer:
         t0 = time.perf_counter()
         kv = self._buffer(out, len(tokens))
         progress = Progress([r.n_tokens for r in refs], list(stored))
+        if self.engine.times_restores_alone:  # a batch scheduler sizes units from its own token budget
+            progress.min_unit_chunks = max(1, -(-self._min_unit_tokens() // self.chunk_size))
 
         def compute(a: int, b: int) -> None:
             self._prefill_into(kv, tokens, refs[a].start, refs[b - 1].end)
@@ -343,6 +351,14 @@ class Restorer:
             loaded_layers=loaded_layers,
         )
         return RestoreResult(kv, stats, trace)
+
+    def _min_unit_tokens(self) -> int:
+        """The fewest tokens a compute unit should cover: the backend's `min_unit_tokens` if it says,
+        else `CUDA_MIN_UNIT_TOKENS` on a GPU and none on a CPU."""
+        own = getattr(self.backend, "min_unit_tokens", None)
+        if own is not None:
+            return int(own)
+        return CUDA_MIN_UNIT_TOKENS if torch.device(self.backend.device).type == "cuda" else 0
 
     def _prefill_into(self, kv: KVCache, tokens: torch.Tensor, start: int, end: int) -> None:
         """Compute tokens [start, end) on top of the KV of [0, start) (blocking, on the compute lane)."""

@@ -84,3 +84,19 @@ def test_engine_refuses_compute_without_prefix():
 
     with pytest.raises(RuntimeError, match="needs every chunk before"):
         anyio.run(lambda: Engine().run(Progress([1, 1], [False, False]), Skipper(), lambda a, b: None, None))
+
+
+def test_two_pointer_units_respect_the_lanes_floor():
+    """A lane whose small units are launch-bound (a GPU) sets `min_unit_chunks`: the first unit and every
+    unit away from the meeting covers at least that many chunks; near the meeting units still shrink."""
+    from kvrestore.policies import TokenTwoPointer
+
+    p = Progress([256] * 32, [False] * 4 + [True] * 28)
+    p.min_unit_chunks = 8
+    p.free_load_lanes = 4
+    first = TokenTwoPointer().decide(p)
+    assert first.compute == (0, 8)  # not 1 chunk to measure with, nor the policy's 2
+    assert Progress([256] * 4, [True] * 4).min_unit_chunks == 1  # the default floor changes nothing
+    q = Progress([256] * 32, [False] * 32)  # nothing stored: compute runs alone, in floor-sized units
+    q.min_unit_chunks = 8
+    assert TokenTwoPointer(compute_chunks=2).decide(q).compute == (0, 8)

@@ -41,6 +41,9 @@ class Progress:
     )  # when each load began (in flight or landed)
     bytes_loaded: int = 0
     now: float = 0.0  # seconds since the restore began, on the driver's clock (real or simulated)
+    #: the fewest chunks a compute unit should cover on this compute lane (a GPU's units below that
+    #: are launch-bound: their time is kernel launches, not work; see `HFBackend.min_unit_tokens`)
+    min_unit_chunks: int = 1
 
     def __post_init__(self) -> None:
         n = len(self.chunk_tokens)

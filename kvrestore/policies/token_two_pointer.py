@@ -86,26 +86,30 @@ class TokenTwoPointer(Policy):
         return (a, a + 1), (a,), None
 
     def _unit_length(self, p: Progress, a: int) -> int:
-        """`compute_chunks`, or fewer near the meeting: only the share of the chunks left before the load
-        pointer that computing will cover at the current speeds (a larger unit would compute chunks the
-        loads reach first, and make the meeting wait for the whole unit)."""
-        if self.compute_chunks == 1:
+        """`compute_chunks` (at least the lane's `min_unit_chunks`), or fewer near the meeting: only the
+        share of the chunks left before the load pointer that computing will cover at the current speeds
+        (a larger unit would compute chunks the loads reach first, and make the meeting wait for the
+        whole unit)."""
+        unit = max(self.compute_chunks, p.min_unit_chunks)
+        if unit == 1:
             return 1
         if not any(p.stored[j] and not p.status[j].done for j in range(a + 1, p.n_chunks)):
-            return self.compute_chunks  # nothing left to load: compute runs alone
+            return unit  # nothing left to load: compute runs alone
         compute_s = _compute_estimate(p, a)
         if compute_s is None:
-            return 1  # nothing computed yet: measure the lane with one chunk before committing to more
+            # nothing computed yet: measure the lane with one unit before committing to more (the
+            # smallest unit that is not launch-bound, where the lane has such a floor)
+            return p.min_unit_chunks
         per_token = _load_seconds_per_token(p)
         if per_token is None:
-            return self.compute_chunks  # no fetch has landed in all that time: the loads are slow
+            return unit  # no fetch has landed in all that time: the loads are slow
         load_ptr = next(
             (j for j in range(a, p.n_chunks) if p.status[j] in (ChunkStatus.LOADING, ChunkStatus.LOADED)),
             p.n_chunks,
         )
         load_s = per_token * p.chunk_tokens[a]
         share = int((load_ptr - a) * load_s / (compute_s + load_s))
-        return max(1, min(self.compute_chunks, share))
+        return max(1, min(unit, share))
 
 
 def _compute_estimate(p: Progress, a: int) -> float | None:

@@ -289,7 +289,8 @@ async def measure_length(
     buf = KVCache.empty(spec, n_tokens, device=device)
     plain = Restorer(backend, memory, chunk, load_lanes=args.lanes)
     tp_policy = TokenTwoPointer(args.compute_chunks) if args.compute_chunks else TokenTwoPointer()
-    unit = getattr(tp_policy, "compute_chunks", None) or 1
+    # the units the two-pointer really runs: its own, raised to the lane's launch-bound floor on a GPU
+    unit = max(tp_policy.compute_chunks, -(-plain._min_unit_tokens() // chunk))
 
     async def restore(restorer: Restorer, policy: Any) -> tuple[Sample, Any]:
         if isinstance(restorer.store, ThrottledStore):

@@ -230,8 +230,11 @@ def test_batch_engine_recomputes_a_damaged_chunk_and_a_cancelled_restore_stops(d
         await inner.put(keys[-1], bytes(blob))  # a corrupt chunk: a miss, recomputed
         store = ThrottledStore(inner, 2e5)  # slow: the second restore is still running when cancelled
         async with BatchEngine(BatchAware(token_budget=32)) as engine:
+            # the damaged chunk straight from memory: through the slow link the compute lane would reach
+            # it first and drop its load (a chunk is verified once its bytes have arrived)
+            fast = Restorer(deep_backend, inner, chunk_size=16, engine=engine)
+            damaged = await fast.restore(prompts[0], TokenTwoPointer())
             restorer = Restorer(deep_backend, store, chunk_size=16, engine=engine)
-            damaged = await restorer.restore(prompts[0], TokenTwoPointer())
             with anyio.CancelScope() as scope:  # cancelled as soon as its first unit lands
                 await restorer.restore(prompts[1], on_event=lambda event: scope.cancel())
             left = dict(engine._live)  # the cancelled restore returned only once none of its units ran

@@ -16,6 +16,11 @@ class ComputeBackend(Protocol):
 
     Tensors follow the KV layout of `kvrestore.kv`: past KV is [L, 2, H, P, D] (keys after RoPE),
     hidden states are [1, T, hidden]. Batch size is 1: a restore is one prompt.
+
+    Optional: `prefill_into(tokens, cache, start)` (see `PrefillsInto`), which computes a token range
+    straight into a KVCache's buffer. The restorer uses it when a backend has it, else `prefill_chunk`
+    and a copy into the cache. A wrapper that intercepts `prefill_chunk` (to count or slow units) and
+    forwards other attributes must intercept `prefill_into` too.
     """
 
     spec: ModelSpec
@@ -42,4 +47,22 @@ class ComputeBackend(Protocol):
 
     def validate_tokens(self, tokens: torch.Tensor) -> None:
         """Raise InvalidInputError when a token id is outside the vocabulary."""
+        ...
+
+
+@runtime_checkable
+class PrefillsInto(Protocol):
+    """The optional in-place prefill of a ComputeBackend (`HFBackend` has it)."""
+
+    def prefill_into(
+        self, tokens: torch.Tensor, cache: torch.Tensor, start: int, *, logits: bool = False
+    ) -> torch.Tensor | None:
+        """Compute `tokens` at positions [start, end) into `cache` [L, 2, H, N, D] (N >= end).
+
+        `cache[:, :, :, :start]` already holds the KV of the tokens before (it is read, never written);
+        each layer's new K (after RoPE) and V go to `cache[layer, :, :, start:end]` and the new tokens
+        attend over `cache[layer, :, :, :end]` -- no copy of the past. Returns the last token's logits
+        ([vocab], float32) when `logits` is set, else None. Raises InvalidInputError when the cache does
+        not fit (wrong shape, dtype or device, or fewer than `end` tokens).
+        """
         ...

@@ -75,13 +75,19 @@ class SharedCompute:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def prefill_chunk(self, tokens: torch.Tensor, past: Any, start: int) -> Any:
+    def _shared(self, compute: Callable[[], Any]) -> Any:
         t = time.perf_counter()
-        out = self._inner.prefill_chunk(tokens, past, start)
+        out = compute()
         work = time.perf_counter() - t
         done = self.t0 + self._share.finish_time(t - self.t0, work)
         time.sleep(max(0.0, done - time.perf_counter()))
         return out
+
+    def prefill_chunk(self, tokens: torch.Tensor, past: Any, start: int) -> Any:
+        return self._shared(lambda: self._inner.prefill_chunk(tokens, past, start))
+
+    def prefill_into(self, tokens: torch.Tensor, cache: torch.Tensor, start: int, **kwargs: Any) -> Any:
+        return self._shared(lambda: self._inner.prefill_into(tokens, cache, start, **kwargs))
 
 
 class Bench:

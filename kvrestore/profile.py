@@ -275,6 +275,7 @@ def measure_chunks(backend: Any, max_tokens: int, chunk_size: int, repeats: int 
     backend.prefill_chunk(tokens[:chunk_size], None, 0)  # warm-up
     t0 = time.perf_counter()
     full = backend.prefill_chunk(tokens, None, 0).data  # the past every chunk below is computed after
+    prefill_into = getattr(backend, "prefill_into", None)
     samples = [[max_tokens, 0, time.perf_counter() - t0]]
     for start in range(0, max_tokens, chunk_size):
         sizes = (chunk_size, 2 * chunk_size) if (start // chunk_size) % 2 else (chunk_size,)
@@ -283,7 +284,10 @@ def measure_chunks(backend: Any, max_tokens: int, chunk_size: int, repeats: int 
             past = full[:, :, :, :start] if start else None
 
             def unit(start: int = start, end: int = end, past: torch.Tensor | None = past) -> None:
-                backend.prefill_chunk(tokens[start:end], past, start)
+                if prefill_into is not None:  # what a restore runs: into the cache, over its past
+                    prefill_into(tokens[start:end], full, start)  # rewrites [start, end) with its own KV
+                else:
+                    backend.prefill_chunk(tokens[start:end], past, start)
 
             samples.append([end - start, start, _timed(unit, repeats)])
     for n in _doublings(chunk_size // 2, max_tokens // 2):

@@ -94,3 +94,111 @@ def test_fingerprint_ignores_where_the_model_was_loaded_from(tmp_path):
     assert HFBackend(model).spec.fingerprint == a
     model.config.rms_norm_eps = 1e-3  # what the model computes does count
     assert HFBackend(model).spec.fingerprint != a
+
+
+# -- prefill_into: computing straight into a KVCache's buffer --------------------------------------
+
+
+def _prefill_into_chunks(backend: HFBackend, tokens: torch.Tensor, sizes: list[int], extra: int = 0):
+    """Prefill `tokens` chunk by chunk into one cache (with `extra` unused tokens after them, filled with
+    a sentinel); returns the cache buffer and the last chunk's logits."""
+    cache = KVCache.empty(backend.spec, len(tokens) + extra).data.fill_(7.0)
+    start, logits = 0, None
+    for n in sizes:
+        last = start + n == len(tokens)
+        logits = backend.prefill_into(tokens[start : start + n], cache, start, logits=last)
+        assert (logits is not None) == last
+        start += n
+    assert start == len(tokens)
+    return cache, logits
+
+
+@pytest.mark.parametrize("sizes", [[100], [1, 7, 16, 33, 43], [40, 1, 59]])
+def test_prefill_into_chunk_by_chunk_equals_full_prefill(tiny_backend, sizes):
+    """Uneven chunks, grouped-query heads (4 query, 2 KV), Qwen2 biases and Qwen3 q/k norms."""
+    tokens = random_tokens(100, tiny_backend.spec.vocab_size, seed=3)
+    ref, ref_logits = hf_reference(tiny_backend, tokens)
+    cache, logits = _prefill_into_chunks(tiny_backend, tokens, sizes, extra=5)
+    torch.testing.assert_close(cache[:, :, :, :100], ref.data, atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    assert int(logits.argmax()) == int(ref_logits.argmax())
+    assert bool((cache[:, :, :, 100:] == 7.0).all())  # nothing after `end` is written
+
+
+def test_prefill_into_equals_forward(tiny_backend):
+    tokens = random_tokens(50, tiny_backend.spec.vocab_size, seed=4)
+    past = tiny_backend.prefill_chunk(tokens[:20], None, 0).data
+    chunk, fwd_logits = tiny_backend.forward(tokens[20:], past, 20, logits=True)
+    cache = torch.zeros((*past.shape[:3], 50, past.shape[4]), dtype=past.dtype)
+    cache[:, :, :, :20] = past
+    logits = tiny_backend.prefill_into(tokens[20:], cache, 20, logits=True)
+    torch.testing.assert_close(cache[:, :, :, 20:], chunk.data, atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, fwd_logits, atol=1e-5, rtol=0)
+
+
+def test_prefill_into_leaves_the_past_untouched(llama_backend):
+    b = llama_backend
+    tokens = random_tokens(64, b.spec.vocab_size, seed=5)
+    cache = KVCache.empty(b.spec, 64).data.zero_()
+    cache[:, :, :, :40] = b.prefill_chunk(tokens[:40], None, 0).data
+    before = cache.clone()
+    assert b.prefill_into(tokens[40:52], cache, 40) is None
+    assert torch.equal(cache[:, :, :, :40], before[:, :, :, :40])
+    assert torch.equal(cache[:, :, :, 52:], before[:, :, :, 52:])
+    assert not torch.equal(cache[:, :, :, 40:52], before[:, :, :, 40:52])
+
+
+def test_prefill_into_refuses_a_cache_that_does_not_fit(llama_backend):
+    b = llama_backend
+    spec = b.spec
+    tokens = random_tokens(10, spec.vocab_size)
+    good = (spec.num_layers, 2, spec.num_kv_heads, 32, spec.head_dim)
+    with pytest.raises(InvalidInputError, match=r"cache holds 32 tokens.*needs \[30, 40\)"):
+        b.prefill_into(tokens, torch.zeros(good), 30)
+    with pytest.raises(InvalidInputError, match="start must be >= 0"):
+        b.prefill_into(tokens, torch.zeros(good), -1)
+    with pytest.raises(InvalidInputError, match="no tokens"):
+        b.prefill_into(tokens[:0], torch.zeros(good), 0)
+    wrong_heads = (spec.num_layers, 2, spec.num_kv_heads + 1, 32, spec.head_dim)
+    with pytest.raises(InvalidInputError, match="does not fit tiny-llama: expected"):
+        b.prefill_into(tokens, torch.zeros(wrong_heads), 0)
+    with pytest.raises(InvalidInputError, match="does not fit"):
+        b.prefill_into(tokens, torch.zeros(good[1:]), 0)  # no layer axis
+    with pytest.raises(InvalidInputError, match="torch.bfloat16 on cpu; the model computes torch.float32"):
+        b.prefill_into(tokens, torch.zeros(good, dtype=torch.bfloat16), 0)
+
+
+def test_attention_plan_takes_the_bias_path_only_on_cuda(llama_backend):
+    from kvrestore.backends.hf import _SDPA_GQA, attention_plan
+
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    assert attention_plan("cpu", f32, 64, 0, True) == ("causal", not _SDPA_GQA)
+    assert attention_plan("cpu", f32, 64, 10, True) == ("mask", not _SDPA_GQA)
+    assert attention_plan("cpu", bf16, 64, 10, False) == ("mask", False)
+    assert attention_plan("cuda", bf16, 128, 0, True) == ("causal", not _SDPA_GQA)
+    assert attention_plan("cuda", f32, 128, 10, False) == ("lower_right", False)
+    # flash attention takes grouped K/V heads as they are; in float32 (or heads over 256) CausalBias
+    # runs the memory-efficient kernel, which has no GQA: the heads are expanded first
+    assert attention_plan("cuda", bf16, 128, 10, True) == ("lower_right", not _SDPA_GQA)
+    assert attention_plan("cuda", f16, 64, 10, True) == ("lower_right", not _SDPA_GQA)
+    assert attention_plan("cuda", f32, 128, 10, True) == ("lower_right", True)
+    assert attention_plan("cuda", bf16, 512, 10, True) == ("lower_right", True)
+    assert llama_backend.attention_plan(10)[0] == "mask"  # on CPU, never the bias path
+    assert llama_backend.attention_plan(0)[0] == "causal"
+
+
+@pytest.mark.parametrize("expand", [False, True])
+def test_lower_right_bias_path_computes_the_same_kv(tiny_backend, monkeypatch, expand):
+    """The CUDA attention branch (a lower-right CausalBias, GQA heads as they are or expanded), forced on
+    CPU, where CausalBias falls back to a materialized mask: checks how the branch calls SDPA."""
+    import warnings
+
+    b = tiny_backend
+    tokens = random_tokens(60, b.spec.vocab_size, seed=6)
+    ref, _ = hf_reference(b, tokens)
+    real = b.attention_plan
+    monkeypatch.setattr(b, "attention_plan", lambda n_past: ("lower_right", expand) if n_past else real(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CausalBias warns that no fused kernel runs on CPU
+        cache, _ = _prefill_into_chunks(b, tokens, [13, 20, 27])
+    torch.testing.assert_close(cache, ref.data, atol=ATOL, rtol=0)

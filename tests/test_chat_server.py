@@ -68,11 +68,18 @@ class SlowBackend(HFBackend):
 
         self.model.generate = slow_generate
 
-    def prefill_chunk(self, tokens, past, start):
+    def _unit(self, tokens, start):
         time.sleep(self.delay)
         with self._units_lock:
             self.units.append((start, bytes(tokens.tolist())))
+
+    def prefill_chunk(self, tokens, past, start):
+        self._unit(tokens, start)
         return super().prefill_chunk(tokens, past, start)
+
+    def prefill_into(self, tokens, cache, start, **kwargs):
+        self._unit(tokens, start)
+        return super().prefill_into(tokens, cache, start, **kwargs)
 
 
 def make_backend(delay: float = 0.0) -> SlowBackend:

@@ -362,6 +362,10 @@ class CountingBackend:
         self.prefilled += len(tokens)
         return self.inner.prefill_chunk(tokens, past, start)
 
+    def prefill_into(self, tokens, cache, start, **kwargs):
+        self.prefilled += len(tokens)
+        return self.inner.prefill_into(tokens, cache, start, **kwargs)
+
 
 def test_saving_a_grown_prompt_computes_only_the_new_chunks(llama_backend):
     b = CountingBackend(llama_backend)

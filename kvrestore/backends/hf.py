@@ -15,11 +15,13 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..errors import InvalidInputError, UnsupportedModelError
 from ..kv import KVChunk
@@ -48,6 +50,38 @@ def _causal_mask(n_new: int, n_past: int, device: torch.device) -> torch.Tensor:
     q = torch.arange(n_new, device=device).unsqueeze(1) + n_past
     k = torch.arange(n_past + n_new, device=device).unsqueeze(0)
     return k <= q
+
+
+# what flash attention runs on (it takes grouped K/V heads as they are; the memory-efficient kernel does not)
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_MAX_HEAD_DIM = 256
+
+
+def attention_plan(
+    device_type: str, dtype: torch.dtype, head_dim: int, n_past: int, gqa: bool
+) -> tuple[str, bool]:
+    """How a unit of new tokens attends over itself and `n_past` cached tokens: (mode, expand_kv).
+
+    mode is "causal" without a past (SDPA's `is_causal=True`), "lower_right" on CUDA with a past (SDPA
+    with `torch.nn.attention.bias.causal_lower_right`: the flash or memory-efficient kernel runs with
+    the causal diagonal moved to the bottom right, no mask tensor), or "mask" elsewhere with a past
+    (one boolean mask per unit; exact on CPU). expand_kv says whether grouped K/V heads are repeated
+    to the query heads first (a copy): only where the kernel that will run cannot take them as they are
+    -- torch without `enable_gqa`, or the lower-right path in a dtype (float32) or head size flash
+    attention does not run, where `CausalBias` picks the memory-efficient kernel, which has no GQA.
+    """
+    if n_past == 0:
+        mode = "causal"
+    elif device_type == "cuda":
+        mode = "lower_right"
+    else:
+        mode = "mask"
+    if not gqa:
+        return mode, False
+    if not _SDPA_GQA:
+        return mode, True
+    flash = dtype in _FLASH_DTYPES and head_dim <= _FLASH_MAX_HEAD_DIM
+    return mode, mode == "lower_right" and not flash
 
 
 class HFBackend:
@@ -178,7 +212,7 @@ class HFBackend:
             values = torch.cat([past_v.unsqueeze(0), v], dim=2)
         else:
             keys, values = k, v
-        out = self._attention(q, keys, values, n_past)
+        out = self._attend_fn(k.shape[2], n_past)(q, keys, values)
         return self._mix(mod, hidden, out), k[0], v[0]
 
     def _project(
@@ -206,10 +240,38 @@ class HFBackend:
         hidden = hidden + mod.self_attn.o_proj(attn_out.transpose(1, 2).reshape(1, t, -1))
         return hidden + mod.mlp(mod.post_attention_layernorm(hidden))
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_past: int) -> torch.Tensor:
-        if n_past == 0:
-            return self._sdpa(q, k, v, is_causal=True)
-        return self._sdpa(q, k, v, attn_mask=_causal_mask(q.shape[2], n_past, q.device))
+    def attention_plan(self, n_past: int) -> tuple[str, bool]:
+        """`attention_plan` for this model on its device: (mode, expand_kv) of a unit after `n_past`."""
+        return attention_plan(
+            self.device.type, self.dtype, self._head_dim, n_past, self._n_heads != self._n_kv
+        )
+
+    def _attend_fn(
+        self, n_new: int, n_past: int
+    ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+        """attend(q [1, heads, n_new, D], k, v [1, H, n_past + n_new, D]) -> [1, heads, n_new, D]: causal
+        attention of a unit's queries over its past and itself, set up once per unit (mask or bias
+        built here, not per layer; nothing that waits for the device)."""
+        mode, expand = self.attention_plan(n_past)
+        kwargs: dict[str, Any] = {"scale": self._scaling}
+        if mode == "causal":
+            kwargs["is_causal"] = True
+        elif mode == "lower_right":
+            kwargs["attn_mask"] = causal_lower_right(n_new, n_past + n_new)
+        else:
+            kwargs["attn_mask"] = _causal_mask(n_new, n_past, self.device)
+        rep = self._n_heads // self._n_kv
+        if rep > 1 and not expand:
+            kwargs["enable_gqa"] = True
+        sdpa = F.scaled_dot_product_attention
+
+        if rep == 1 or not expand:
+            return lambda q, k, v: sdpa(q, k, v, **kwargs)
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            return sdpa(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), **kwargs)
+
+        return attend
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Scaled dot-product attention with the model's scale, grouped-query heads expanded if needed."""
@@ -340,33 +402,112 @@ class HFBackend:
         with torch.inference_mode():
             return self._lm_head(self._norm(hidden[:, -1:]))[0, -1].float()
 
+    def _prefill(
+        self,
+        tokens: torch.Tensor,
+        start: int,
+        n_past: int,
+        place: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        logits: bool,
+    ) -> torch.Tensor | None:
+        """The decoder stack over `tokens` at positions [start, ...) attending over `n_past` cached tokens.
+
+        `place(layer, k, v)` stores a layer's new K (after RoPE) and V [1, H, T, D] and returns the keys
+        and values to attend over, [1, H, n_past + T, D]. Rotary cos/sin and the attention mask or bias
+        are built once for all layers. Returns the last token's logits ([vocab], float32) if asked.
+        """
+        n = tokens.numel()
+        hidden = self.embed(tokens)
+        positions = torch.arange(start, start + n, device=self.device)
+        cos, sin = self.rotary(hidden, positions)
+        attend = self._attend_fn(n, n_past)
+        for i, mod in enumerate(self._layers):
+            q, k, v = self._project(mod, hidden, cos, sin)
+            keys, values = place(i, k, v)
+            hidden = self._mix(mod, hidden, attend(q, keys, values))
+        if not logits:
+            return None
+        return self._lm_head(self._norm(hidden[:, -1:]))[0, -1].float()
+
+    def check_cache(self, cache: torch.Tensor, start: int, n_tokens: int) -> None:
+        """Raise InvalidInputError unless `cache` is a KV buffer of this model ([L, 2, H, N, D], its dtype
+        and device) with room for `n_tokens` (at least one) at `start`."""
+        spec = self.spec
+        want = (spec.num_layers, 2, spec.num_kv_heads, spec.head_dim)
+        shape = tuple(cache.shape)
+        if cache.dim() != 5 or (shape[0], shape[1], shape[2], shape[4]) != want:
+            raise InvalidInputError(
+                f"cache of shape {list(shape)} does not fit {spec.name}: expected "
+                f"[{want[0]}, 2, {want[2]}, n_tokens, {want[3]}] (layers, K/V, KV heads, tokens, head dim)"
+            )
+        if cache.dtype != self.dtype or cache.device != self.device:
+            raise InvalidInputError(
+                f"cache is {cache.dtype} on {cache.device}; the model computes {self.dtype} on {self.device}"
+            )
+        if n_tokens < 1:
+            raise InvalidInputError("no tokens to prefill")
+        if start < 0 or start + n_tokens > shape[3]:
+            raise InvalidInputError(
+                f"cache holds {shape[3]} tokens; prefilling {n_tokens} tokens at {start} needs "
+                f"[{start}, {start + n_tokens}) (start must be >= 0)"
+            )
+
+    @torch.inference_mode()
+    def prefill_into(
+        self, tokens: torch.Tensor, cache: torch.Tensor, start: int, *, logits: bool = False
+    ) -> torch.Tensor | None:
+        """Compute `tokens` at positions [start, end) straight into `cache` [L, 2, H, N, D] (N >= end).
+
+        The cache's tokens [0, start) must hold valid KV; each layer's new K (after RoPE) and V are
+        written to `cache[layer, :, :, start:end]` and the new queries attend over the cache view
+        `[:end]`, so the past is never copied. With a past on CUDA the attention runs as SDPA with a
+        lower-right causal bias (flash / memory-efficient kernels, no mask tensor); see
+        `attention_plan`. Tokens after `end` are neither read nor written. Returns the last token's
+        logits ([vocab], float32) when `logits` is set, else None. Nothing here waits for the device.
+        """
+        tokens = tokens.reshape(-1)
+        n = tokens.numel()
+        self.check_cache(cache, start, n)
+        end = start + n
+
+        def place(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            kc, vc = cache[i, 0], cache[i, 1]
+            kc[:, start:end].copy_(k[0])
+            vc[:, start:end].copy_(v[0])
+            return kc[None, :, :end], vc[None, :, :end]
+
+        return self._prefill(tokens.to(self.device), start, start, place, logits)
+
     @torch.inference_mode()
     def forward(
         self, tokens: torch.Tensor, past: torch.Tensor | None, start: int, *, logits: bool = False
     ) -> tuple[KVChunk, torch.Tensor | None]:
-        """Prefill `tokens` at [start, ...) on top of `past` [L, 2, H, start, D].
+        """Prefill `tokens` at [start, ...) on top of `past` [L, 2, H, start, D] (or on nothing).
 
-        Returns the new KV and, when asked, the logits of the last token ([vocab]).
+        Returns the new KV as a chunk of its own and, when asked, the logits of the last token
+        ([vocab]). Each layer attends over the past joined with the new KV (a copy of the past); a
+        restore into a KVCache uses `prefill_into`, which does not copy it.
         """
         tokens = tokens.reshape(-1).to(self.device)
         if past is not None and past.shape[3] != start:
             raise ValueError(f"past holds {past.shape[3]} tokens but start is {start}")
+        if past is not None and start == 0:
+            past = None
         spec = self.spec
         n = tokens.numel()
         out = torch.empty(
             (spec.num_layers, 2, spec.num_kv_heads, n, spec.head_dim), dtype=self.dtype, device=self.device
         )
-        hidden = self.embed(tokens)
-        positions = torch.arange(start, start + n, device=self.device)
-        rope = self.rotary(hidden, positions)
-        for i in range(spec.num_layers):
-            pk, pv = (past[i, 0], past[i, 1]) if past is not None and start > 0 else (None, None)
-            hidden, k, v = self.run_layer(i, hidden, pk, pv, positions, rope=rope)
-            out[i, 0].copy_(k)
-            out[i, 1].copy_(v)
-        last = None
-        if logits:
-            last = self._lm_head(self._norm(hidden[:, -1:]))[0, -1].float()
+
+        def place(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out[i, 0].copy_(k[0])
+            out[i, 1].copy_(v[0])
+            if past is None:
+                return k, v
+            keys = torch.cat([past[i, 0].unsqueeze(0), k], dim=2)
+            return keys, torch.cat([past[i, 1].unsqueeze(0), v], dim=2)
+
+        last = self._prefill(tokens, start, 0 if past is None else start, place, logits)
         return KVChunk(start, out), last
 
     def prefill_chunk(self, tokens: torch.Tensor, past: torch.Tensor | None, start: int) -> KVChunk:

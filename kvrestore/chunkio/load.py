@@ -119,7 +119,6 @@ class ChunkLoader:
     def _verify_place(
         self, header: codec.ChunkHeader, data: memoryview, staging: Staging | None, dest: torch.Tensor
     ) -> None:
-        pinned = staging is not None and staging.pinned
         try:
             if header.compression != "none":
                 self._place_decoded(header, data, dest)
@@ -130,11 +129,12 @@ class ChunkLoader:
             else:
                 if not device_checkable(self.spec.head_dim * dest.element_size()):
                     codec.verify_sections(header, data)
-                host = None if data.readonly else torch.frombuffer(data, dtype=torch.uint8)
-                if staging is None and host is not None and host.is_pinned():  # a pinned store's object
-                    self._upload_verify(header, host, dest, None)
-                    return
-                if not pinned:  # bytes from memory: one GIL-free copy into pinned staging first
+                if staging is None and not data.readonly:  # maybe a pinned store's object: upload it as is
+                    host = torch.frombuffer(data, dtype=torch.uint8)
+                    if host.is_pinned():
+                        self._upload_verify(header, host, dest, None)
+                        return
+                if staging is None or not staging.pinned:  # one GIL-free copy into pinned staging first
                     staging_from_memory = self.pool(pinned=True).acquire(len(data))
                     copy_into(staging_from_memory.view, data)
                     if staging is not None:
@@ -144,7 +144,7 @@ class ChunkLoader:
                 staging = None  # _upload_verify handed it back
         finally:
             if staging is not None:
-                self.pool(pinned).release(staging)
+                self.pool(staging.pinned).release(staging)
 
     def _upload_verify(
         self, header: codec.ChunkHeader, host: torch.Tensor, dest: torch.Tensor, staging: Staging | None

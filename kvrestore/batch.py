@@ -36,7 +36,7 @@ import anyio.to_thread
 from anyio.abc import TaskGroup
 
 from .bookkeeping import apply_event, begin_loads, begin_step
-from .engine import ComputeFn, Engine, LoadFn, PolicyStalledError, timed_load
+from .engine import ComputeFn, Engine, LoadFn, LoadNowFn, PolicyStalledError, timed_load
 from .errors import InvalidInputError
 from .policies.base import Policy, Progress
 from .policies.batch import BatchAware, BatchJob, BatchScheduler, ComputeStep, note_step
@@ -143,8 +143,10 @@ class BatchEngine(Engine):
         load: LoadFn,
         on_event: Callable[[TraceEvent], None] | None = None,
         load_timeout_s: float | None = None,
+        load_now: LoadNowFn | None = None,
     ) -> Trace:
-        """Hand one restore to the scheduler and wait for it; returns its trace."""
+        """Hand one restore to the scheduler and wait for it; returns its trace. Its loads run as tasks
+        under the scheduler's grants (`load_now` is not used)."""
         if policy.axis != "tokens":
             raise InvalidInputError(
                 f"BatchEngine schedules restores along tokens; {policy!r} works along {policy.axis} "

@@ -108,7 +108,7 @@ def _require_little_endian() -> None:
 
 
 def _layer_bytes(spec: ModelSpec, n_tokens: int) -> int:
-    itemsize = torch.empty((), dtype=spec.dtype).element_size()
+    itemsize = spec.dtype.itemsize
     return 2 * spec.num_kv_heads * n_tokens * spec.head_dim * itemsize
 
 

@@ -4,7 +4,12 @@ The engine knows concurrency and nothing else: a restore hands it a `Progress`, 
 callable (blocking torch work: chunks [a, b) -> writes their KV) and a `load` coroutine (chunk i -> bytes
 read, raising on any fault). Compute runs in a worker thread behind the engine's compute limiter (one
 unit at a time across every restore sharing the engine; on CUDA its kernels go to the compute lane's
-own stream, see `cuda_stream`); loads run as tasks behind the load-lane limiter. After each finished
+own stream, see `cuda_stream`); loads run as tasks behind the load-lane limiter. A restore whose store
+reads without the event loop also hands over `load_now` (the same load as one blocking call): those
+loads run on the engine's lane threads (`lanes.LaneThreads`, at most `load_lanes` of them), and the
+loop only queues each one and hears back once, so its Python per chunk stays small (it holds the GIL
+that a compute lane launching kernels needs). `load_timeout_s` bounds the loads that wait on a remote
+store; a blocking load from memory or a local file is not interrupted. After each finished
 unit the engine updates the progress (`bookkeeping.apply_event`) and asks the policy again; a policy
 may also drop a load in flight (its chunk goes to the compute lane once the load has stopped) or ask
 to be woken at a time of its choosing (`Decision.wake_at`).
@@ -16,10 +21,13 @@ so a cancelled restore leaves no running task and no half-applied chunk.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import anyio
 import anyio.lowlevel
@@ -29,6 +37,7 @@ from anyio.abc import CapacityLimiter, TaskGroup
 
 from .bookkeeping import PolicyError, apply_event, begin, stalled
 from .errors import ChunkDecodeError, StoreError
+from .lanes import LaneThreads
 from .policies.base import Decision, Policy, Progress
 from .streams import on_stream  # noqa: F401 - re-exported: the lanes' stream context
 from .trace import Trace, TraceEvent
@@ -38,6 +47,7 @@ if sys.version_info < (3, 11):  # pragma: no cover
 
 ComputeFn = Callable[[int, int], None]
 LoadFn = Callable[[int], Awaitable[int]]
+LoadNowFn = Callable[[int], int]
 
 #: faults of a load that turn the chunk into a miss (recomputed) instead of failing the restore
 LOAD_FAULTS = (ChunkDecodeError, StoreError, OSError, TimeoutError)
@@ -62,6 +72,33 @@ async def timed_load(load: LoadFn, i: int, timeout_s: float | None, now: Callabl
     return TraceEvent("load", i, i, start, now(), nbytes)
 
 
+class _Stoppable(Protocol):
+    def cancel(self) -> None: ...
+
+
+class _ThreadLoad:
+    """A load on a lane thread. `cancel()` drops it: skipped if it has not started, its outcome reported
+    as dropped if it has; `stopped` is set once it will write no more."""
+
+    __slots__ = ("cancelled", "stopped")
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.stopped = anyio.Event()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _on_asyncio() -> bool:
+    """Whether the running event loop is asyncio's (lane threads report back through it)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 class PolicyStalledError(PolicyError):
     """The policy started nothing while nothing was running and chunks were left."""
 
@@ -79,6 +116,13 @@ class Engine:
         self.load_lanes = load_lanes
         self._limiters: tuple[object, CapacityLimiter, CapacityLimiter] | None = None
         self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+        self._lane_threads: LaneThreads | None = None
+
+    def lane_threads(self) -> LaneThreads:
+        """The threads `load_now` loads run on (started on demand; at most `load_lanes`)."""
+        if self._lane_threads is None:
+            self._lane_threads = LaneThreads(self.load_lanes)
+        return self._lane_threads
 
     def default_policy(self) -> Policy:
         """The policy a restore on this engine uses when given none: the `Auto` planner (it predicts
@@ -123,9 +167,13 @@ class Engine:
         load: LoadFn,
         on_event: Callable[[TraceEvent], None] | None = None,
         load_timeout_s: float | None = None,
+        load_now: LoadNowFn | None = None,
     ) -> Trace:
-        """Drive one restore to the end; returns its trace. A unit's own error propagates as itself."""
-        run = _Run(self, progress, policy, compute, load, on_event, load_timeout_s)
+        """Drive one restore to the end; returns its trace. A unit's own error propagates as itself.
+        With `load_now`, loads run on the lane threads (on asyncio; elsewhere `load` is used)."""
+        if load_now is not None and not _on_asyncio():
+            load_now = None
+        run = _Run(self, progress, policy, compute, load, on_event, load_timeout_s, load_now)
         try:
             await run.drive()
         except BaseExceptionGroup as group:
@@ -145,6 +193,7 @@ class _Run:
         load: LoadFn,
         on_event: Callable[[TraceEvent], None] | None,
         load_timeout_s: float | None,
+        load_now: LoadNowFn | None = None,
     ) -> None:
         self.engine = engine
         self.progress = progress
@@ -156,8 +205,10 @@ class _Run:
         self.compute_lane, self.load_lane = engine._lanes()
         self.trace = Trace()
         self.t0 = time.perf_counter()
-        self.send, self.receive = anyio.create_memory_object_stream[TraceEvent](math.inf)
-        self.loads: dict[int, tuple[anyio.CancelScope, anyio.Event]] = {}  # in flight, by chunk
+        self.send, self.receive = anyio.create_memory_object_stream[TraceEvent | BaseException](math.inf)
+        self.loads: dict[int, tuple[_Stoppable, anyio.Event]] = {}  # in flight, by chunk
+        self.load_now = load_now
+        self.thread_loads: set[_ThreadLoad] = set()  # on lane threads, not yet heard back from
 
     def _now(self) -> float:
         return time.perf_counter() - self.t0
@@ -185,6 +236,55 @@ class _Run:
         finally:
             stopped.set()
 
+    def _submit_now(self, i: int) -> _ThreadLoad:
+        """Queue the load of chunk `i` on a lane thread; its outcome comes back through `_landed`."""
+        assert self.load_now is not None
+        load_now, now, job = self.load_now, self._now, _ThreadLoad()
+        call_soon = asyncio.get_running_loop().call_soon_threadsafe
+
+        def run() -> None:  # on a lane thread
+            outcome: TraceEvent | BaseException
+            start = now()
+            if job.cancelled:
+                outcome = TraceEvent("load-dropped", i, i, start, start)
+            else:
+                try:
+                    nbytes = load_now(i)
+                    outcome = TraceEvent("load", i, i, start, now(), nbytes)
+                except LOAD_FAULTS as exc:
+                    outcome = TraceEvent(
+                        "load-failed", i, i, start, now(), error=f"{type(exc).__name__}: {exc}"
+                    )
+                except BaseException as exc:  # a bug, not a store fault: the restore fails with it
+                    outcome = exc
+                if job.cancelled and isinstance(outcome, TraceEvent):  # dropped: what it read is not applied
+                    outcome = TraceEvent("load-dropped", i, i, start, now())
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for it
+                call_soon(self._landed, job, outcome)
+
+        self.thread_loads.add(job)
+        self.engine.lane_threads().submit(run)
+        return job
+
+    def _landed(self, job: _ThreadLoad, outcome: TraceEvent | BaseException) -> None:
+        """A lane thread's load has finished (on the loop)."""
+        self.thread_loads.discard(job)
+        job.stopped.set()
+        self.send.send_nowait(outcome)
+
+    async def _stop_thread_loads(self) -> None:
+        """Drop every load still on a lane thread and wait until none can write any more."""
+        with anyio.CancelScope(shield=True):
+            for job in list(self.thread_loads):
+                job.cancel()
+            for job in list(self.thread_loads):
+                await job.stopped.wait()
+
+    def _receive(self, item: TraceEvent | BaseException) -> None:
+        if isinstance(item, BaseException):
+            raise item
+        self._apply(item)
+
     def _apply(self, event: TraceEvent) -> None:
         if event.kind != "compute":
             self.loads.pop(event.first_chunk, None)
@@ -203,10 +303,21 @@ class _Run:
         if decision.compute is not None:
             tg.start_soon(self._compute, *decision.compute, dropped)
         for i in decision.loads:
+            if self.load_now is not None:
+                job = self._submit_now(i)
+                self.loads[i] = (job, job.stopped)
+                continue
             self.loads[i] = (anyio.CancelScope(), anyio.Event())
             tg.start_soon(self._load, i, *self.loads[i])
 
     async def drive(self) -> None:
+        try:
+            await self._drive()
+        finally:
+            if self.thread_loads:  # a failed or cancelled restore: nothing may write into its KV after it
+                await self._stop_thread_loads()
+
+    async def _drive(self) -> None:
         progress, policy = self.progress, self.policy
         async with anyio.create_task_group() as tg:
             while not progress.finished:
@@ -220,9 +331,9 @@ class _Run:
                     )
                 timeout = math.inf if decision.wake_at is None else max(0.0, decision.wake_at - self._now())
                 with anyio.move_on_after(timeout):
-                    self._apply(await self.receive.receive())
+                    self._receive(await self.receive.receive())
                 while True:  # everything else that finished meanwhile, so the policy sees it all
                     try:
-                        self._apply(self.receive.receive_nowait())
+                        self._receive(self.receive.receive_nowait())
                     except anyio.WouldBlock:
                         break

@@ -280,7 +280,31 @@ class Restorer:
         async def load(i: int) -> int:
             return await self._load_chunk(refs[i], kv)
 
-        trace = await self.engine.run(progress, policy, compute, load, on_event, self.load_timeout_s)
+        damaged: list[str] = []  # found damaged on a lane thread: deleted once the restore is over
+
+        def load_now(
+            i: int,
+        ) -> int:  # on a load-lane thread (`Engine.run`), for stores that read without the loop
+            ref = refs[i]
+            try:
+                return self.loader.load_now(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
+            except ChunkDecodeError:
+                damaged.append(ref.key)
+                raise
+
+        try:
+            trace = await self.engine.run(
+                progress,
+                policy,
+                compute,
+                load,
+                on_event,
+                self.load_timeout_s,
+                load_now=load_now if self.loader.reads_now else None,
+            )
+        finally:
+            for key in damaged:
+                await self._forget(key)
         failed = trace.of_kind("load-failed")
         stats = RestoreStats(
             policy=policy.name,
@@ -455,10 +479,13 @@ class Restorer:
         try:
             return await self._read_chunk(ref, kv)
         except ChunkDecodeError:
-            # never serve it again; the next save writes a good copy
-            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                await self.store.delete(ref.key)  # best effort: the miss is what matters
+            await self._forget(ref.key)
             raise
+
+    async def _forget(self, key: str) -> None:
+        """Delete a damaged chunk: never serve it again; the next save writes a good copy."""
+        with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+            await self.store.delete(key)  # best effort: the miss is what matters
 
     async def _read_chunk(self, ref: ChunkRef, kv: KVCache) -> int:
         """Fetch, verify and place one chunk in the cache's token range (`chunkio.ChunkLoader`); returns

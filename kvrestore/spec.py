@@ -63,7 +63,7 @@ class ModelSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V over all layers for one token."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = self.dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
     @staticmethod

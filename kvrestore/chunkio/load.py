@@ -16,6 +16,11 @@ The path a load lane runs for a chunk, and why each step is shaped so:
      staging buffer is recycled once the upload's event has completed. A mismatch raises before the
      chunk counts as loaded; its rows are then recomputed, so damaged bytes never survive in the cache.
 
+A store that reads without the event loop (`ChunkStore.reads_now`: memory of this process, a local
+directory) gets the whole load as one blocking call, `ChunkLoader.load_now`, which the engine runs on
+its load-lane threads (`kvrestore.lanes`): the event loop's share of a chunk is then a queue put and
+one wake-up. Other stores are read with their async methods, then checked and placed in one thread hop.
+
 The host copies are numpy's, on one thread each: torch's CPU `copy_` spreads a large copy over every
 core and starves a thread that launches kernels, although it releases the GIL (`../shared/GPU.md`).
 A compressed (zstd) chunk is decompressed on the host (`codec.decode_chunk`), then placed the same way.
@@ -24,6 +29,7 @@ A compressed (zstd) chunk is decompressed on the host (`codec.decode_chunk`), th
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -66,55 +72,81 @@ class ChunkLoader:
         """The staging buffers for CPU destinations (pageable) or uploads to a GPU (pinned)."""
         return self._pools[pinned]
 
+    @property
+    def reads_now(self) -> bool:
+        """Whether `load_now` works: the store reads without the event loop (`ChunkStore.reads_now`)."""
+        return self.store.reads_now
+
     async def load(self, key: str, start: int, dest: torch.Tensor) -> int:
         """Read chunk `key` (saved at token `start`) into `dest` ([L, 2, H, T, D], a cache's token range);
         returns the stored bytes read. Raises MissingChunkError, a ChunkDecodeError (damaged, truncated,
         foreign) or a store error; `dest` may then hold part of the chunk, which must be recomputed."""
-        n_tokens = int(dest.shape[3])
-        cuda = dest.device.type == "cuda"
+        if self.store.reads_now:  # the whole load in one thread hop
+            return await anyio.to_thread.run_sync(self.load_now, key, start, dest, abandon_on_cancel=False)
         if self.store.reads_in_memory:
             data = await self.store.get(key)
-            if data is None:
-                raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
-            return await self._place(memoryview(data), None, key, start, n_tokens, dest)
-        pool = self.pool(pinned=cuda)
-        staging = pool.acquire(dest.numel() * dest.element_size() + HEADER_ROOM)
+            return await anyio.to_thread.run_sync(self._place_object, key, start, dest, data)
+        pool = self.pool(pinned=dest.device.type == "cuda")
+        staging = pool.acquire(self._staging_bytes(dest))
         try:
             size = await self.store.read_into(key, staging.view)
             if size is not None and size > staging.nbytes:  # a longer object than a chunk: read it all
                 pool.release(staging)
                 staging = pool.acquire(size)
                 size = await self.store.read_into(key, staging.view)
-            if size is None:
-                raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
-            size = min(size, staging.nbytes)
-            staging_out, staging = staging, None
-            return await self._place(staging_out.view[:size], staging_out, key, start, n_tokens, dest)
-        finally:
-            if staging is not None:
-                pool.release(staging)
-
-    async def _place(
-        self,
-        data: memoryview,
-        staging: Staging | None,
-        key: str,
-        start: int,
-        n_tokens: int,
-        dest: torch.Tensor,
-    ) -> int:
-        """Check, verify and place a whole object (`data`, in `staging` when it was read into one, which
-        this call hands back to its pool)."""
-        try:
-            header = codec.check_object(data, self.spec, key, start, n_tokens)
         except BaseException:
-            if staging is not None:
-                self.pool(staging.pinned).release(staging)
+            pool.release(staging)
             raise
-        await anyio.to_thread.run_sync(self._verify_place, header, data, staging, dest, abandon_on_cancel=False)
-        return len(data)
+        return await anyio.to_thread.run_sync(self._place_staged, key, start, dest, staging, size)
+
+    def load_now(self, key: str, start: int, dest: torch.Tensor) -> int:
+        """`load`, blocking, from any thread (a load lane's), for a store that `reads_now`: read, check,
+        verify and place without the event loop."""
+        if self.store.reads_in_memory:
+            return self._place_object(key, start, dest, self.store.get_now(key))
+        pool = self.pool(pinned=dest.device.type == "cuda")
+        staging = pool.acquire(self._staging_bytes(dest))
+        try:
+            size = self.store.read_into_now(key, staging.view)
+            if size is not None and size > staging.nbytes:
+                pool.release(staging)
+                staging = pool.acquire(size)
+                size = self.store.read_into_now(key, staging.view)
+        except BaseException:
+            pool.release(staging)
+            raise
+        return self._place_staged(key, start, dest, staging, size)
+
+    @staticmethod
+    def _staging_bytes(dest: torch.Tensor) -> int:
+        return dest.numel() * dest.element_size() + HEADER_ROOM
 
     # -- worker thread -----------------------------------------------------------------------------
+
+    def _place_object(self, key: str, start: int, dest: torch.Tensor, data: Any) -> int:
+        """Check, verify and place an object the store handed out (None: it was absent)."""
+        if data is None:
+            raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
+        view = memoryview(data)
+        header = codec.check_object(view, self.spec, key, start, int(dest.shape[3]))
+        self._verify_place(header, view, None, dest)
+        return len(view)
+
+    def _place_staged(
+        self, key: str, start: int, dest: torch.Tensor, staging: Staging, size: int | None
+    ) -> int:
+        """Check, verify and place an object read into `staging` (`size` as `read_into` returned it);
+        hands `staging` back to its pool."""
+        try:
+            if size is None:
+                raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
+            data = staging.view[: min(size, staging.nbytes)]
+            header = codec.check_object(data, self.spec, key, start, int(dest.shape[3]))
+        except BaseException:
+            self.pool(staging.pinned).release(staging)
+            raise
+        self._verify_place(header, data, staging, dest)
+        return len(data)
 
     def _verify_place(
         self, header: codec.ChunkHeader, data: memoryview, staging: Staging | None, dest: torch.Tensor

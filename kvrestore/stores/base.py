@@ -45,6 +45,13 @@ async def copy_object(buffer: memoryview, data: bytes | bytearray | memoryview) 
     return len(data)
 
 
+def mirrors_reads_of(store: ChunkStore, owner: type[ChunkStore]) -> bool:
+    """Whether `store` reads as `owner` does: a subclass that overrides `get` or `read_into` (to delay,
+    count or transform reads) must not be bypassed by `owner`'s blocking `*_now` reads."""
+    cls = type(store)
+    return all(getattr(cls, m) is getattr(owner, m) for m in ("get", "read_into"))
+
+
 def check_key(key: str) -> str:
     """Return `key` if it is a valid store key (16-128 lowercase hex digits), else raise ValueError."""
     if not isinstance(key, str) or not _KEY_RE.match(key):
@@ -74,6 +81,11 @@ class ChunkStore(ABC):
     #: whether `get` hands out bytes the store already holds in this process (no I/O, no copy), so a
     #: reader that verifies and places them itself is best served by `get` rather than `read_into`
     reads_in_memory: bool = False
+    #: whether `get_now` / `read_into_now` work: the store can hand over an object from any thread without
+    #: the event loop (memory of this process, a local directory), so a chunk load runs start to end on a
+    #: load-lane thread (`kvrestore.lanes`). A wrapper that does anything on a read (throttle, count,
+    #: promote) leaves it False, and its reads go through its async methods; see `mirrors_reads_of`.
+    reads_now: bool = False
 
     @abstractmethod
     async def get(self, key: str) -> bytes | None:
@@ -123,6 +135,18 @@ class ChunkStore(ABC):
         data = await self.get(key)
         return None if data is None else await copy_object(buffer, data)
 
+    def get_now(self, key: str) -> bytes | memoryview | None:
+        """`get` from any thread, blocking, where `reads_now` (else NotImplementedError)."""
+        raise NotImplementedError(f"{type(self).__name__} reads through its event loop")
+
+    def read_into_now(self, key: str, buffer: memoryview) -> int | None:
+        """`read_into` from any thread, blocking, where `reads_now` (else NotImplementedError)."""
+        data = self.get_now(key)
+        if data is None:
+            return None
+        copy_into(buffer, data)
+        return len(data)
+
     async def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
         """Several byte ranges of one object, fetched concurrently."""
         out: list[bytes | None] = [None] * len(ranges)
@@ -163,4 +187,5 @@ __all__ = [
     "copy_into",
     "copy_object",
     "is_key",
+    "mirrors_reads_of",
 ]

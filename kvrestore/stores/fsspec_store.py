@@ -39,7 +39,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import StoreError
-from .base import ChunkStore, StoredObject, check_key, is_key
+from .base import ChunkStore, StoredObject, check_key, is_key, mirrors_reads_of
 
 SUFFIX = ".kvc"
 TMP_PREFIX = ".tmp-"
@@ -237,7 +237,9 @@ class FsspecStore(ChunkStore):
         except OSError as e:
             raise StoreError(f"cannot read {path}: {type(e).__name__}: {e}") from e
         try:
-            size = os.fstat(fd).st_size  # the file a rename may replace is this open one: size and bytes agree
+            size = os.fstat(
+                fd
+            ).st_size  # the file a rename may replace is this open one: size and bytes agree
             got = _read_all(fd, buffer[: min(size, len(buffer))])
             return size if got == min(size, len(buffer)) else got  # shrank under us: report what is there
         except OSError as e:
@@ -361,6 +363,22 @@ class FsspecStore(ChunkStore):
             got = await self._thread(partial(self._read_local, path, None))
             return None if got is None else got[0]
         return await self._cat(key)
+
+    @property
+    def reads_now(self) -> bool:  # type: ignore[override]
+        """A local directory reads from any thread (`preadv`), unless a subclass changed how it reads."""
+        return self.local and hasattr(os, "preadv") and mirrors_reads_of(self, FsspecStore)
+
+    def get_now(self, key: str) -> bytes | None:
+        if not self.local:
+            return super().get_now(key)
+        got = self._read_local(self.path(key), None)
+        return None if got is None else got[0]
+
+    def read_into_now(self, key: str, buffer: memoryview) -> int | None:
+        if not (self.local and hasattr(os, "preadv")):
+            return super().read_into_now(key, buffer)
+        return self._read_local_into(self.path(key), buffer)
 
     async def read_into(self, key: str, buffer: memoryview) -> int | None:
         if self.local and hasattr(os, "preadv"):

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
 
 from ..errors import InvalidInputError
-from .base import ChunkStore, StoredObject, check_key, copy_object
+from .base import ChunkStore, StoredObject, check_key, copy_object, mirrors_reads_of
 from .eviction import EvictionPolicy, make_policy
 
 
@@ -15,8 +16,8 @@ class MemoryStore(ChunkStore):
     """A dict of objects, evicted by `eviction` (default LRU) once `bytes_used` exceeds `capacity_bytes`.
 
     `get` and `get_range` count as use; `contains` does not. An object larger than the whole capacity is
-    not stored (and any older object under its key is dropped). Everything runs on the event loop
-    thread without awaiting, so no locking is needed.
+    not stored (and any older object under its key is dropped). Reads may also come from load-lane threads
+    (`get_now`), so the index and the eviction state change under a lock.
 
     `pinned=True` keeps every object in page-locked host memory (a CUDA machine's host tier, as vLLM's
     CPU offload keeps it): `get` then hands out a memoryview of it, and a chunk goes to the GPU with one
@@ -25,6 +26,11 @@ class MemoryStore(ChunkStore):
 
     name = "memory://"
     reads_in_memory = True
+
+    @property
+    def reads_now(self) -> bool:  # type: ignore[override]
+        """From any thread, unless a subclass changed how it reads."""
+        return mirrors_reads_of(self, MemoryStore)
 
     def __init__(
         self,
@@ -45,18 +51,24 @@ class MemoryStore(ChunkStore):
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._objects)
 
     def _lookup(self, key: str) -> bytes | None:
-        data = self._objects.get(check_key(key))
-        if data is None:
-            self.misses += 1
-            return None
-        self.eviction.touch(key)
-        self.hits += 1
-        return data
+        check_key(key)
+        with self._lock:
+            data = self._objects.get(key)
+            if data is None:
+                self.misses += 1
+                return None
+            self.eviction.touch(key)
+            self.hits += 1
+            return data
+
+    def get_now(self, key: str) -> bytes | memoryview | None:
+        return self._lookup(key)
 
     def _drop(self, key: str) -> None:
         old = self._objects.pop(key, None)
@@ -82,25 +94,29 @@ class MemoryStore(ChunkStore):
             data = view
         else:
             data = bytes(data)  # no copy for bytes; snapshot for bytearray / memoryview
-        self._drop(key)
-        if self.capacity_bytes is not None and len(data) > self.capacity_bytes:
-            return
-        self._objects[key] = data
-        self.eviction.add(key, len(data))
-        self.bytes_used += len(data)
-        if self.capacity_bytes is not None:
-            while self.bytes_used > self.capacity_bytes:
-                victim = self.eviction.victim()
-                if victim is None or victim not in self._objects:  # a policy out of step: fall back
-                    victim = next(iter(self._objects))
-                self._drop(victim)
-                self.evictions += 1
+        with self._lock:
+            self._drop(key)
+            if self.capacity_bytes is not None and len(data) > self.capacity_bytes:
+                return
+            self._objects[key] = data
+            self.eviction.add(key, len(data))
+            self.bytes_used += len(data)
+            if self.capacity_bytes is not None:
+                while self.bytes_used > self.capacity_bytes:
+                    victim = self.eviction.victim()
+                    if victim is None or victim not in self._objects:  # a policy out of step: fall back
+                        victim = next(iter(self._objects))
+                    self._drop(victim)
+                    self.evictions += 1
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         return [check_key(k) in self._objects for k in keys]
 
     async def delete(self, key: str) -> None:
-        self._drop(check_key(key))
+        check_key(key)
+        with self._lock:
+            self._drop(key)
 
     async def scan(self) -> list[StoredObject]:
-        return [StoredObject(k, len(v)) for k, v in self._objects.items()]
+        with self._lock:
+            return [StoredObject(k, len(v)) for k, v in self._objects.items()]

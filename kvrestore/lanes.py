@@ -1,0 +1,72 @@
+"""Load lanes as threads: chunk loads that never touch the event loop while they run.
+
+A load from a store that can read without the event loop (`ChunkStore.reads_now`: in-process memory, a
+local directory) is one blocking call: read, verify, place. Run as an event-loop task, each such load
+costs the loop a task, a cancel scope, a lane limiter and a thread hop, a few hundred microseconds of
+Python holding the GIL per chunk, which is what a compute lane launching kernels starves on (issue 14:
+a launching thread kept 0.5-0.6 of its rate during one lane's loads). Here a restore hands the job to
+one of the engine's lane threads and hears back once, when it has finished: the loop's share of a load
+is a queue put and one wake-up.
+
+Threads are started on demand, at most `lanes` of them, and exit after `idle_s` without work, so an
+idle engine holds none.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+Job = Callable[[], None]
+
+
+class LaneThreads:
+    """Up to `lanes` daemon threads running submitted jobs in submission order (FIFO)."""
+
+    def __init__(self, lanes: int, idle_s: float = 10.0, name: str = "kvrestore-load") -> None:
+        if lanes <= 0:
+            raise ValueError(f"lanes must be positive, got {lanes}")
+        self.lanes = lanes
+        self.idle_s = idle_s
+        self.name = name
+        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = 0  # alive
+        self._busy = 0  # running a job
+        self._queued = 0  # submitted, not yet taken
+
+    @property
+    def threads(self) -> int:
+        """Lane threads alive now."""
+        return self._threads
+
+    def submit(self, job: Job) -> None:
+        """Queue `job` (it must not raise: report results and errors from inside it)."""
+        self._jobs.put(job)
+        with self._lock:
+            self._queued += 1
+            if self._threads - self._busy >= self._queued or self._threads >= self.lanes:
+                return  # a waiting thread takes it, or every lane is busy and it waits its turn
+            self._threads += 1
+            name = f"{self.name}-{self._threads}"
+        threading.Thread(target=self._work, name=name, daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self.idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._queued == 0:  # nothing arrived meanwhile: this lane ends
+                        self._threads -= 1
+                        return
+                continue
+            with self._lock:
+                self._queued -= 1
+                self._busy += 1
+            try:
+                job()
+            finally:
+                with self._lock:
+                    self._busy -= 1

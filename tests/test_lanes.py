@@ -1,0 +1,203 @@
+"""Load lanes as threads: the lane pool itself, and restores whose loads run on it (memory, local file)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import pytest
+import torch
+
+from kvrestore import LoadOnly, Restorer, TokenTwoPointer, open_store
+from kvrestore.lanes import LaneThreads
+from kvrestore.stores.memory import MemoryStore
+
+from .conftest import random_tokens
+
+ATOL = 1e-5
+
+
+def full_prefill(backend, tokens):
+    return backend.prefill_chunk(tokens, None, 0).data
+
+
+# -- the pool ----------------------------------------------------------------------------------------
+
+
+def test_lane_threads_run_every_job_on_at_most_lanes_threads():
+    lanes = LaneThreads(3, idle_s=0.2)
+    running, peak, done = 0, 0, []
+    lock = threading.Lock()
+    finished = threading.Event()
+
+    def job(i):
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        time.sleep(0.01)
+        with lock:
+            running -= 1
+            done.append(i)
+            if len(done) == 40:
+                finished.set()
+
+    for i in range(40):
+        lanes.submit(lambda i=i: job(i))
+    assert finished.wait(10)
+    assert sorted(done) == list(range(40))
+    assert peak <= 3 and lanes.threads <= 3
+    deadline = time.monotonic() + 5  # idle lanes end: an idle engine holds no thread
+    while lanes.threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lanes.threads == 0
+    got = threading.Event()  # and new work starts a lane again
+    lanes.submit(got.set)
+    assert got.wait(5)
+
+
+def test_lane_threads_reject_zero_lanes():
+    with pytest.raises(ValueError):
+        LaneThreads(0)
+
+
+# -- restores on lane threads ------------------------------------------------------------------------
+
+
+class CountingStore(MemoryStore):
+    """Records which threads its blocking reads ran on (it reads exactly as MemoryStore does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.threads: set[str] = set()
+
+    def get_now(self, key):
+        self.threads.add(threading.current_thread().name)
+        return super().get_now(key)
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+@pytest.mark.parametrize("policy", [LoadOnly(), TokenTwoPointer()], ids=["load-only", "two-pointer"])
+def test_restores_through_lane_threads_equal_a_full_prefill(llama_backend, tmp_path, kind, policy):
+    tokens = random_tokens(200, llama_backend.spec.vocab_size)
+    store = MemoryStore() if kind == "memory" else open_store(tmp_path.as_uri())
+    assert store.reads_now
+
+    async def main():
+        r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)
+        await r.save(tokens)
+        return await r.restore(tokens, policy)
+
+    res = anyio.run(main)
+    assert res.stats.failed_loads == 0 and res.stats.loaded_chunks > 0
+    torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+def test_loads_run_on_the_engines_lane_threads(llama_backend):
+    tokens = random_tokens(160, llama_backend.spec.vocab_size)
+    store = CountingStore()
+    assert store.reads_now  # get_now is its own, get / read_into are MemoryStore's: it still reads now
+
+    async def main():
+        r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)
+        await r.save(tokens)
+        return await r.restore(tokens, LoadOnly())
+
+    res = anyio.run(main)
+    assert res.stats.loaded_chunks == 5
+    assert store.threads and all(name.startswith("kvrestore-load") for name in store.threads)
+
+
+def test_a_subclass_that_changes_reads_is_not_bypassed():
+    class Delayed(MemoryStore):
+        async def get(self, key):
+            await anyio.sleep(0)
+            return await super().get(key)
+
+    assert MemoryStore().reads_now and not Delayed().reads_now
+
+
+def test_a_damaged_chunk_found_on_a_lane_thread_is_recomputed_and_deleted(llama_backend):
+    tokens = random_tokens(160, llama_backend.spec.vocab_size)
+    store = MemoryStore()
+
+    async def main():
+        r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)
+        await r.save(tokens)
+        _, refs = r.chunks(tokens)
+        bad = refs[2].key
+        data = bytearray(store._objects[bad])
+        data[-5] ^= 0xFF  # a flipped byte in the last layer's section
+        store._objects[bad] = bytes(data)
+        res = await r.restore(tokens, LoadOnly())
+        return res, bad, (await store.contains([bad]))[0]
+
+    res, bad, still_there = anyio.run(main)
+    assert res.stats.failed_loads == 1 and res.stats.computed_chunks >= 1
+    assert "checksum" in res.stats.errors[0]
+    assert not still_there  # never served again
+    torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+class SlowNowStore(MemoryStore):
+    """Blocking reads that take a while, so a restore is cancelled with loads running on lane threads."""
+
+    def __init__(self):
+        super().__init__()
+        self.active = 0
+        self.lock = threading.Lock()
+
+    def get_now(self, key):
+        with self.lock:
+            self.active += 1
+        try:
+            time.sleep(0.15)
+            return super().get_now(key)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+def test_a_cancelled_restore_returns_only_once_no_lane_thread_writes_its_kv(llama_backend):
+    tokens = random_tokens(256, llama_backend.spec.vocab_size)
+    store = SlowNowStore()
+    assert store.reads_now
+
+    async def main():
+        r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)
+        await r.save(tokens)
+        events = []
+        with anyio.move_on_after(0.25) as scope:
+            await r.restore(tokens, LoadOnly(), on_event=events.append)
+        assert scope.cancelled_caught
+        active_after = store.active  # read at once: nothing may still be loading into that KV
+        res = await r.restore(tokens, LoadOnly())  # the engine is still usable
+        return events, active_after, res
+
+    events, active_after, res = anyio.run(main)
+    assert 0 < len(events) < 8
+    assert active_after == 0
+    assert res.stats.loaded_chunks == 8
+    torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+def test_the_two_pointer_drops_loads_on_lane_threads_cleanly(llama_backend):
+    """Slow thread loads against a fast compute lane: the two-pointer drops loads in flight; a dropped
+    load's chunk is computed only after that load has stopped, and the KV is exact."""
+    tokens = random_tokens(256, llama_backend.spec.vocab_size)
+    store = SlowNowStore()
+
+    async def main():
+        r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)
+        await r.save(tokens)
+        return await r.restore(tokens, TokenTwoPointer())
+
+    res = anyio.run(main)
+    assert res.stats.computed_chunks + res.stats.loaded_chunks == 8
+    dropped = res.trace.of_kind("load-dropped")
+    assert dropped, "the compute lane should have overtaken a slow load"
+    for d in dropped:  # its rows were computed only once the load had stopped writing them
+        unit = next(e for e in res.trace.of_kind("compute") if e.first_chunk <= d.first_chunk <= e.last_chunk)
+        assert unit.start_s >= d.end_s - 1e-6
+    torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)

@@ -20,6 +20,7 @@ agree; `tests/test_checksums.py` checks the torch computation against numpy's un
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -36,6 +37,14 @@ _weights: dict[tuple[str, int], torch.Tensor] = {}
 def host_checksum(data: bytes | bytearray | memoryview) -> int:
     """xxh3-64 of `data` (the GIL is released while it runs)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def host_checksum_parts(parts: Sequence[bytes | bytearray | memoryview]) -> int:
+    """`host_checksum` of the concatenation of `parts` (bytes read straight into place, not contiguous)."""
+    h = xxhash.xxh3_64()
+    for part in parts:
+        h.update(part)
+    return h.intdigest()
 
 
 def device_checkable(row_bytes: int) -> bool:

@@ -34,7 +34,7 @@ import msgspec
 import torch
 import zstandard
 
-from .checksums import as_signed, device_checkable, device_checksums, host_checksum
+from .checksums import as_signed, device_checkable, device_checksums, host_checksum, host_checksum_parts
 from .errors import CorruptChunkError, ForeignChunkError, TruncatedChunkError
 from .kv import KVChunk
 from .spec import ModelSpec, dtype_name
@@ -361,6 +361,14 @@ def verify_sections(header: ChunkHeader, data: Buffer) -> None:
     mv = memoryview(data)
     for i, s in enumerate(header.layers):
         if host_checksum(mv[s.offset : s.offset + s.length]) != s.checksum:
+            raise CorruptChunkError(f"layer {i}: section checksum mismatch")
+
+
+def verify_scattered(header: ChunkHeader, parts: Sequence[Sequence[Buffer]]) -> None:
+    """`verify_sections` for sections read straight into place: section i's bytes are `parts[i]`, in
+    order (a layer's rows in a KV cache)."""
+    for i, (s, layer_parts) in enumerate(zip(header.layers, parts, strict=True)):
+        if host_checksum_parts(layer_parts) != s.checksum:
             raise CorruptChunkError(f"layer {i}: section checksum mismatch")
 
 

@@ -201,3 +201,24 @@ def test_the_two_pointer_drops_loads_on_lane_threads_cleanly(llama_backend):
         unit = next(e for e in res.trace.of_kind("compute") if e.first_chunk <= d.first_chunk <= e.last_chunk)
         assert unit.start_s >= d.end_s - 1e-6
     torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+# -- scatter reads -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["memory", "file"])
+@pytest.mark.parametrize("sizes", [[7, 0, 13, 1], [3] * 1500, [100_000, 5]], ids=["odd", "many", "large"])
+def test_scatter_reads_fill_buffers_in_order(tmp_path, kind, sizes):
+    """More buffers than one preadv takes, empty ones, and an object that ends part-way through."""
+    from kvrestore.stores import FsspecStore
+
+    store = MemoryStore() if kind == "memory" else FsspecStore(str(tmp_path))
+    blob = bytes(range(256)) * 400  # 102,400 bytes
+    key = "ab" * 16
+    anyio.run(store.put, key, blob)
+    offset = 11
+    buffers = [memoryview(bytearray(n)) for n in sizes]
+    placed = store.scatter_into_now(key, offset, buffers)
+    assert placed == min(sum(sizes), len(blob) - offset)
+    assert b"".join(bytes(b) for b in buffers)[:placed] == blob[offset : offset + placed]
+    assert store.scatter_into_now("cd" * 16, 0, buffers) is None

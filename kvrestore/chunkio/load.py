@@ -28,6 +28,7 @@ A compressed (zstd) chunk is decompressed on the host (`codec.decode_chunk`), th
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +39,7 @@ import torch
 
 from .. import codec
 from ..checksums import device_checkable, device_checksums
-from ..errors import CorruptChunkError, MissingChunkError
+from ..errors import CorruptChunkError, MissingChunkError, TruncatedChunkError
 from ..spec import ModelSpec
 from ..stores.base import ChunkStore, copy_into
 from ..streams import on_stream
@@ -46,8 +47,27 @@ from .pool import Staging, StagingPool
 
 #: room for the header and its padding in a staging buffer sized from the chunk's KV bytes
 HEADER_ROOM = 64 * 1024
+#: the first read of a chunk that goes straight into a cache: its header (a few KiB for 100+ layers)
+PROBE_BYTES = 16 * 1024
 
 StreamFor = Callable[[torch.device], "torch.cuda.Stream | None"]
+
+
+def row_blocks(dest: torch.Tensor) -> list[list[memoryview]] | None:
+    """Writable byte views of a CPU cache range [L, 2, H, T, D], per layer its 2*H runs of T rows in the
+    order a stored section holds them; None unless each run is contiguous (rows back to back)."""
+    t = dest.view(torch.uint8)
+    n_layers, kv, heads, n_tokens, row = t.shape
+    s_layer, s_kv, s_head, s_token, s_byte = t.stride()
+    if s_byte != 1 or s_token != row or t.numel() == 0:
+        return None
+    run = n_tokens * row
+    span = (n_layers - 1) * s_layer + (kv - 1) * s_kv + (heads - 1) * s_head + run
+    whole = memoryview((ctypes.c_ubyte * span).from_address(t.data_ptr())).cast("B")
+    firsts = [k * s_kv + h * s_head for k in range(kv) for h in range(heads)]
+    return [
+        [whole[base + f : base + f + run] for f in firsts] for base in range(0, n_layers * s_layer, s_layer)
+    ]
 
 
 def _byte_rows(t: torch.Tensor) -> np.ndarray:
@@ -104,6 +124,12 @@ class ChunkLoader:
         verify and place without the event loop."""
         if self.store.reads_in_memory:
             return self._place_object(key, start, dest, self.store.get_now(key))
+        if dest.device.type != "cuda":
+            rows = row_blocks(dest)
+            if rows is not None:
+                placed = self._scatter_now(key, start, dest, rows)
+                if placed is not None:
+                    return placed
         pool = self.pool(pinned=dest.device.type == "cuda")
         staging = pool.acquire(self._staging_bytes(dest))
         try:
@@ -116,6 +142,44 @@ class ChunkLoader:
             pool.release(staging)
             raise
         return self._place_staged(key, start, dest, staging, size)
+
+    def _scatter_now(
+        self, key: str, start: int, dest: torch.Tensor, rows: list[list[memoryview]]
+    ) -> int | None:
+        """Read an uncompressed chunk straight into a CPU cache's rows (`ChunkStore.scatter_into_now`: one
+        `preadv` of the sections into them for a local file), then verify them there: one pass over the
+        bytes fewer than reading into staging and copying. The header comes first, from a small read.
+        Returns the object's size, or None where this does not apply (compressed, an outsized header):
+        then the chunk is read into staging instead."""
+        pool = self.pool(pinned=False)
+        probe = pool.acquire(PROBE_BYTES + 1)
+        try:
+            got = self.store.scatter_into_now(key, 0, [probe.view[:PROBE_BYTES]])
+            if got is None:
+                raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
+            head = probe.view[:got]
+            if codec.header_length(head) > got:
+                return None
+            header, header_end = codec.read_header(head)
+            codec.check_header(header, self.spec, key, start, int(dest.shape[3]))
+            if header.compression != "none" or not header.layers or header.layers[0].offset > got:
+                return None
+            body = header.layers[0].offset
+            if any(head[header_end:body]):
+                raise CorruptChunkError("nonzero padding between header and sections")
+            past_end = probe.view[PROBE_BYTES : PROBE_BYTES + 1]  # filled only if the object is too long
+            placed = self.store.scatter_into_now(key, body, [b for layer in rows for b in layer] + [past_end])
+        finally:
+            pool.release(probe)
+        if placed is None:
+            raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
+        want = header.end - body
+        if placed < want:
+            raise TruncatedChunkError(f"object is {body + placed} bytes, header says {header.end}")
+        if placed > want:
+            raise CorruptChunkError(f"object has bytes past the last section (at byte {header.end})")
+        codec.verify_scattered(header, rows)
+        return header.end
 
     @staticmethod
     def _staging_bytes(dest: torch.Tensor) -> int:

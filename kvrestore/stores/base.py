@@ -147,6 +147,22 @@ class ChunkStore(ABC):
         copy_into(buffer, data)
         return len(data)
 
+    def scatter_into_now(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int | None:
+        """Read the object's bytes from `offset` on into `buffers`, filling one after another (a scatter
+        read, e.g. straight into a KV cache's rows), from any thread, where `reads_now`. Returns the bytes
+        placed (fewer than the buffers hold when the object ends first), or None when absent. The default
+        takes the object whole (`get_now`) and copies it."""
+        data = self.get_now(key)
+        if data is None:
+            return None
+        view, placed = memoryview(data)[offset:], 0
+        for buf in buffers:
+            n = copy_into(buf, view[placed:])
+            placed += n
+            if n < len(buf):
+                break
+        return placed
+
     async def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
         """Several byte ranges of one object, fetched concurrently."""
         out: list[bytes | None] = [None] * len(ranges)

@@ -113,6 +113,27 @@ def _read_all(fd: int, buffer: memoryview) -> int:
     return total
 
 
+#: buffers per `preadv` call (Linux's IOV_MAX is 1024)
+IOV_BATCH = 512
+
+
+def _scatter_read(fd: int, offset: int, buffers: Sequence[memoryview]) -> int:
+    """Fill `buffers` one after another from byte `offset` of the file with as few `preadv` calls as the
+    kernel allows (the GIL released for each); returns the bytes placed (fewer where the file ends)."""
+    placed, i, first = 0, 0, 0  # buffers[i][first:] is where the next byte goes
+    while i < len(buffers):
+        batch = [buffers[i][first:], *buffers[i + 1 : i + IOV_BATCH]]
+        n = os.preadv(fd, batch, offset + placed)
+        if n == 0:
+            break
+        placed += n
+        while i < len(buffers) and n >= len(buffers[i]) - first:  # step past the buffers it filled
+            n -= len(buffers[i]) - first
+            i, first = i + 1, 0
+        first += n
+    return placed
+
+
 class FsspecStore(ChunkStore):
     """ChunkStore over an fsspec URL, e.g. `FsspecStore("/var/cache/kv")` or `FsspecStore("s3://b/p")`.
 
@@ -379,6 +400,23 @@ class FsspecStore(ChunkStore):
         if not (self.local and hasattr(os, "preadv")):
             return super().read_into_now(key, buffer)
         return self._read_local_into(self.path(key), buffer)
+
+    def scatter_into_now(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int | None:
+        if not (self.local and hasattr(os, "preadv")):
+            return super().scatter_into_now(key, offset, buffers)
+        path = self.path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+        try:
+            return _scatter_read(fd, offset, buffers)
+        except OSError as e:
+            raise StoreError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+        finally:
+            os.close(fd)
 
     async def read_into(self, key: str, buffer: memoryview) -> int | None:
         if self.local and hasattr(os, "preadv"):

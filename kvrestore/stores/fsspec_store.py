@@ -249,8 +249,8 @@ class FsspecStore(ChunkStore):
             raise StoreError(f"cannot read {path}: {type(e).__name__}: {e}") from e
 
     @staticmethod
-    def _read_local_into(path: str, buffer: memoryview) -> int | None:
-        """The object's size, and as much of it as fits read into `buffer` (see `ChunkStore.read_into`)."""
+    def _on_local_file(path: str, read: Callable[[int], T]) -> T | None:
+        """`read(fd)` on the open file at `path`; None when it is absent; OS errors as StoreError."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -258,15 +258,23 @@ class FsspecStore(ChunkStore):
         except OSError as e:
             raise StoreError(f"cannot read {path}: {type(e).__name__}: {e}") from e
         try:
-            size = os.fstat(
-                fd
-            ).st_size  # the file a rename may replace is this open one: size and bytes agree
-            got = _read_all(fd, buffer[: min(size, len(buffer))])
-            return size if got == min(size, len(buffer)) else got  # shrank under us: report what is there
+            return read(fd)
         except OSError as e:
             raise StoreError(f"cannot read {path}: {type(e).__name__}: {e}") from e
         finally:
             os.close(fd)
+
+    @classmethod
+    def _read_local_into(cls, path: str, buffer: memoryview) -> int | None:
+        """The object's size, and as much of it as fits read into `buffer` (see `ChunkStore.read_into`)."""
+
+        def read(fd: int) -> int:
+            # the file a rename may replace is this open one: size and bytes agree
+            size = os.fstat(fd).st_size
+            got = _read_all(fd, buffer[: min(size, len(buffer))])
+            return size if got == min(size, len(buffer)) else got  # shrank under us: report what is there
+
+        return cls._on_local_file(path, read)
 
     def _write_local(self, path: str, data: bytes) -> None:
         d = os.path.dirname(path)
@@ -388,7 +396,12 @@ class FsspecStore(ChunkStore):
     @property
     def reads_now(self) -> bool:  # type: ignore[override]
         """A local directory reads from any thread (`preadv`), unless a subclass changed how it reads."""
-        return self.local and hasattr(os, "preadv") and mirrors_reads_of(self, FsspecStore)
+        return self._preads and mirrors_reads_of(self, FsspecStore)
+
+    @property
+    def _preads(self) -> bool:
+        """A local directory on a system with `preadv`: reads go straight into the caller's buffers."""
+        return self.local and hasattr(os, "preadv")
 
     def get_now(self, key: str) -> bytes | None:
         if not self.local:
@@ -397,29 +410,17 @@ class FsspecStore(ChunkStore):
         return None if got is None else got[0]
 
     def read_into_now(self, key: str, buffer: memoryview) -> int | None:
-        if not (self.local and hasattr(os, "preadv")):
+        if not self._preads:
             return super().read_into_now(key, buffer)
         return self._read_local_into(self.path(key), buffer)
 
     def scatter_into_now(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int | None:
-        if not (self.local and hasattr(os, "preadv")):
+        if not self._preads:
             return super().scatter_into_now(key, offset, buffers)
-        path = self.path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise StoreError(f"cannot read {path}: {type(e).__name__}: {e}") from e
-        try:
-            return _scatter_read(fd, offset, buffers)
-        except OSError as e:
-            raise StoreError(f"cannot read {path}: {type(e).__name__}: {e}") from e
-        finally:
-            os.close(fd)
+        return self._on_local_file(self.path(key), lambda fd: _scatter_read(fd, offset, buffers))
 
     async def read_into(self, key: str, buffer: memoryview) -> int | None:
-        if self.local and hasattr(os, "preadv"):
+        if self._preads:
             return await self._thread(partial(self._read_local_into, self.path(key), buffer))
         return await super().read_into(key, buffer)
 

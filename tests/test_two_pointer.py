@@ -217,19 +217,31 @@ def test_bandwidth_trace_arithmetic():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_two_pointer_on_cuda_streams_is_exact():
-    """On CUDA: compute on the compute lane's stream, loads through pinned memory on the load stream."""
+@pytest.mark.parametrize("through", ["lane-threads", "async-store"])
+def test_two_pointer_on_cuda_streams_is_exact(through):
+    """On CUDA: compute on the compute lane's stream, loads through pinned memory on the load stream,
+    from a store read on the lane threads (memory) and from one read by async tasks (a fast throttle).
+    Compute is slowed in proportion to its tokens (as a real model's is) so that loads land on a tiny
+    model too."""
     from kvrestore.backends.hf import HFBackend
 
     from .conftest import tiny_model
 
-    backend = HFBackend(tiny_model("llama").to("cuda"), name="tiny-llama-cuda")
+    class SlowUnits(HFBackend):
+        min_unit_tokens = 32  # a unit per chunk: as slow as a large model, so not launch-bound
+
+        def prefill_into(self, tokens, *args, **kwargs):
+            time.sleep(2e-4 * tokens.numel())
+            return super().prefill_into(tokens, *args, **kwargs)
+
+    backend = SlowUnits(tiny_model("llama").to("cuda"), name="tiny-llama-cuda")
     tokens = random_tokens(512, backend.spec.vocab_size)
 
     async def main():
         inner = MemoryStore()
         await Restorer(backend, inner, chunk_size=32).save(tokens)
-        r = Restorer(backend, ThrottledStore(inner, 2e6), chunk_size=32)
+        store = inner if through == "lane-threads" else ThrottledStore(inner, 2e8)
+        r = Restorer(backend, store, chunk_size=32)
         res = await r.restore(tokens, TokenTwoPointer())
         assert r.engine.cuda_stream("compute", "cuda") is not r.engine.cuda_stream("load", "cuda")
         return res

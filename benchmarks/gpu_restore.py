@@ -158,6 +158,17 @@ def stock_prefill(model: Any, ids: torch.Tensor) -> Any:
         return model(ids[None], use_cache=True)
 
 
+def timed_stock_prefill(model: Any, ids: torch.Tensor) -> Sample:
+    """One stock prefill of `ids` (on the model's device), synchronized, as a benchmark sample."""
+    sync(ids.device)
+    t = time.perf_counter()
+    out = stock_prefill(model, ids)
+    sync(ids.device)
+    seconds = time.perf_counter() - t
+    del out
+    return Sample(seconds)
+
+
 # -- exactness -------------------------------------------------------------------------------------
 
 
@@ -332,13 +343,7 @@ async def measure_length(
         return Sample(s, {"bytes_per_s": kv_bytes / s})
 
     async def hf() -> Sample:
-        sync(device)
-        t = time.perf_counter()
-        o = stock_prefill(model, ids_dev)
-        sync(device)
-        s = time.perf_counter() - t
-        del o
-        return Sample(s)
+        return timed_stock_prefill(model, ids_dev)
 
     async def compute_only() -> Sample:
         return (await restore(plain, ComputeOnly()))[0]

@@ -31,7 +31,7 @@ _MUL = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: consecutive weight
 _ADD = np.uint64(0x632BE59BD9B4E019)
 
 _lock = threading.Lock()
-_weights: dict[tuple[str, int], torch.Tensor] = {}
+_weights: dict[tuple[str, int | tuple[int, ...]], torch.Tensor] = {}
 
 
 def host_checksum(data: bytes | bytearray | memoryview) -> int:
@@ -83,10 +83,35 @@ def device_checksums(sections: torch.Tensor) -> torch.Tensor:
     return (words * w).reshape(n, -1).sum(dim=1)
 
 
+def segment_checksums(words: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """int64 [n] `device_checksums` of n sections laid back to back in `words` (int64 [sum(lengths)]),
+    section i being `lengths[i]` words: one product, one running sum and one difference for all of
+    them, so a layer of many chunks is checked with a handful of kernels (the sums wrap modulo 2**64,
+    so differences of the running sum are exact)."""
+    key = (str(words.device), tuple(lengths))
+    w = _weights.get(key)
+    if w is None:
+        w = torch.cat([weights(n, words.device) for n in lengths])
+        with _lock:
+            _weights[key] = w
+    running = (words * w).cumsum(0)
+    ends = torch.tensor(np.cumsum(lengths) - 1, device=words.device)
+    at_end = running[ends]
+    return at_end - torch.cat([at_end.new_zeros(1), at_end[:-1]])
+
+
 def as_signed(value: int) -> int:
     """A 64-bit sum as the signed int the header stores (what `device_checksums` gives)."""
     value &= (1 << 64) - 1
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-__all__ = ["WORD", "as_signed", "device_checkable", "device_checksums", "host_checksum", "weights"]
+__all__ = [
+    "WORD",
+    "as_signed",
+    "device_checkable",
+    "device_checksums",
+    "host_checksum",
+    "segment_checksums",
+    "weights",
+]

@@ -20,13 +20,18 @@ from dataclasses import dataclass
 
 import anyio
 import anyio.to_thread
+import torch
 
 from . import codec
+from .checksums import device_checkable, segment_checksums
+from .chunkio.load import pinned_host
+from .chunkio.pool import Staging, StagingPool
 from .engine import LOAD_FAULTS
-from .errors import ChunkDecodeError, MissingChunkError
+from .errors import ChunkDecodeError, CorruptChunkError, MissingChunkError, TruncatedChunkError
 from .kv import KVCache
 from .spec import ModelSpec
 from .stores.base import ChunkStore
+from .streams import on_stream
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -71,10 +76,19 @@ class LayerReader:
     the keys of a chunk placed somewhere other than where it was saved).
     """
 
-    def __init__(self, spec: ModelSpec, store: ChunkStore, chunks: Sequence[StoredChunk]) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        store: ChunkStore,
+        chunks: Sequence[StoredChunk],
+        stream: torch.cuda.Stream | None = None,
+        pool: StagingPool | None = None,
+    ) -> None:
         self.spec = spec
         self.store = store
         self.chunks = list(chunks)
+        self.stream = stream  # where a CUDA cache's sections are uploaded (None: the current stream)
+        self.pool = pool or StagingPool(pinned=torch.cuda.is_available())
         self.headers: dict[int, codec.ChunkHeader] = {}  # of every chunk whose header checked out
         self.dropped: set[int] = set()  # chunks no longer read (a fault, or the caller's `drop`)
         self.opened = False
@@ -102,10 +116,14 @@ class LayerReader:
     async def read_layer(self, layer: int, kv: KVCache) -> int:
         """Place layer `layer` of every open chunk into `kv`; returns the bytes read.
 
-        The sections are fetched concurrently, then verified and placed in one worker-thread call (one
-        thread hop per layer, not one per chunk: short prompts have many small sections). Raises
-        `ChunkLoadFailed` naming the chunks whose section was missing or damaged (the others are placed).
+        Into a CPU cache the sections are fetched concurrently, then verified and placed in one
+        worker-thread call (one thread hop per layer, not one per chunk: short prompts have many small
+        sections). Into a CUDA cache each chunk's section goes its own way at once, in parallel
+        (`_upload_section`). Raises `ChunkLoadFailed` naming the chunks whose section was missing or
+        damaged (the others are placed).
         """
+        if kv.data.device.type == "cuda":
+            return await self._read_layer_cuda(layer, kv)
         sections: dict[int, bytes] = {}
         failed: list[int] = []
 
@@ -129,14 +147,169 @@ class LayerReader:
         return total
 
     def place(self, layer: int, j: int, data: bytes, kv: KVCache) -> None:
-        """Verify one section and copy it to chunk j's token range of layer `layer` (blocking)."""
+        """Verify one section and copy it to chunk j's token range of layer `layer` in a CPU cache
+        (blocking)."""
+        codec.decode_layers(self.headers[j], {layer: data}, self.spec, [layer], out=self._dest(layer, j, kv))
+
+    def after_layer(self, layer: int, placed: Sequence[int], kv: KVCache) -> None:
+        """A hook run once the sections of chunks `placed` of `layer` are verified and in place (on the
+        upload stream for a CUDA cache); CacheBlend re-rotates the keys there."""
+
+    def _dest(self, layer: int, j: int, kv: KVCache) -> torch.Tensor:
+        chunk = self.chunks[j]
+        return kv.data[layer : layer + 1, :, :, chunk.offset : chunk.offset + chunk.n_tokens]
+
+    async def _read_layer_cuda(self, layer: int, kv: KVCache) -> int:
+        """`read_layer` into a CUDA cache: the sections are fetched concurrently (a store that `reads_now`
+        is read in the worker thread instead), then uploaded, checked and placed in one thread hop."""
+        js = [j for j in self.headers if j not in self.dropped]
+        sections: dict[int, bytes | memoryview | None] = dict.fromkeys(js)
+        failed: list[int] = []
+        if not self.store.reads_now:
+
+            async def fetch(j: int) -> None:
+                a, b = codec.layer_ranges(self.headers[j], [layer])[0]
+                try:
+                    sections[j] = await self._get(self.chunks[j].key, a, b)
+                except LOAD_FAULTS as exc:
+                    await self._fault(j, exc, f" layer {layer}")
+                    failed.append(j)
+                    del sections[j]
+
+            await _each(fetch, js)
+        bad = await anyio.to_thread.run_sync(self._upload_layer, layer, sections, kv, abandon_on_cancel=False)
+        for j, exc in bad:
+            await self._fault(j, exc, f" layer {layer}")
+            failed.append(j)
+        total = sum(self._section_size(layer, j) for j in sections if j not in failed)
+        self.bytes_read += total
+        if failed:
+            raise ChunkLoadFailed(sorted(failed), self.errors[-1])
+        return total
+
+    def _section_size(self, layer: int, j: int) -> int:
+        a, b = codec.layer_ranges(self.headers[j], [layer])[0]
+        return b - a
+
+    def _upload_layer(
+        self, layer: int, sections: dict[int, bytes | memoryview | None], kv: KVCache
+    ) -> list[tuple[int, BaseException]]:
+        """Layer `layer` of chunks `sections` (their fetched bytes, or None to read them here from a store
+        that `reads_now`) into a CUDA cache, blocking, in a worker thread. Each section goes up to one
+        device buffer on `stream` (a pinned `MemoryStore`'s object as it lies, other bytes through pinned
+        staging); one `segment_checksums` checks them all there, then each is copied to its chunk's rows
+        and `after_layer` runs, on the same stream. Returns the chunks whose section was unusable."""
+        bad: list[tuple[int, BaseException]] = []
+        ups: list[tuple[int, torch.Tensor, Staging | None]] = []
+        decoded: list[tuple[int, torch.Tensor]] = []  # compressed, or rows not whole words: host-checked
+        try:
+            for j, data in sections.items():
+                try:
+                    got = self._section_bytes(layer, j, data)
+                except LOAD_FAULTS as exc:
+                    bad.append((j, exc))
+                    continue
+                if isinstance(got, tuple):
+                    ups.append((j, *got))
+                else:
+                    decoded.append((j, got))
+        except BaseException:
+            for _, _, staging in ups:
+                if staging is not None:
+                    self.pool.release(staging)
+            raise
+        with on_stream(self.stream):
+            placed = self._place_uploads(layer, ups, kv, bad)
+            for j, host in decoded:
+                self._dest(layer, j, kv).copy_(host)
+                placed.append(j)
+            self.after_layer(layer, placed, kv)
+            done = self.pool.event()
+            done.record()
+        done.synchronize()
+        self.pool.give_event(done)
+        return bad
+
+    def _section_bytes(
+        self, layer: int, j: int, data: bytes | memoryview | None
+    ) -> tuple[torch.Tensor, Staging | None] | torch.Tensor:
+        """Chunk j's section of `layer` in page-locked memory, as (uint8 tensor, its staging buffer or
+        None); for a section that must be checked on the host (compressed, rows not whole int64 words),
+        its verified and decoded KV instead."""
         chunk, header = self.chunks[j], self.headers[j]
-        o, n = chunk.offset, chunk.n_tokens
-        dest = kv.data[layer : layer + 1, :, :, o : o + n]
-        if dest.device.type == "cpu":
-            codec.decode_layers(header, {layer: data}, self.spec, [layer], out=dest)
-        else:
-            dest.copy_(codec.decode_layers(header, {layer: data}, self.spec, [layer]))
+        a, b = codec.layer_ranges(header, [layer])[0]
+        if header.compression != "none" or not device_checkable(self.spec.head_dim * self.spec.dtype.itemsize):
+            if data is None:
+                whole = self.store.get_now(chunk.key)
+                data = None if whole is None else memoryview(whole)[a:b]
+            if data is None:
+                raise MissingChunkError(f"chunk {chunk.key[:12]} disappeared from the store")
+            return codec.decode_layers(header, {layer: data}, self.spec, [layer])
+        staging = None
+        if data is None and not self.store.reads_in_memory:  # a local file: read into pinned staging
+            staging = self.pool.acquire(b - a)
+            n = self.store.scatter_into_now(chunk.key, a, [staging.view[: b - a]])
+            data = None if n is None else staging.view[:n]
+        elif data is None:
+            whole = self.store.get_now(chunk.key)
+            data = None if whole is None else memoryview(whole)[a:b]
+        try:
+            if data is None:
+                raise MissingChunkError(f"chunk {chunk.key[:12]} disappeared from the store")
+            if len(data) != b - a:
+                raise TruncatedChunkError(f"layer {layer}: section is {len(data)} bytes, header says {b - a}")
+            if staging is not None:
+                return staging.tensor[: b - a], staging
+            host, staging = pinned_host(memoryview(data), self.pool)
+            return host[: b - a], staging
+        except BaseException:
+            if staging is not None:
+                self.pool.release(staging)
+            raise
+
+    def _place_uploads(
+        self,
+        layer: int,
+        ups: list[tuple[int, torch.Tensor, Staging | None]],
+        kv: KVCache,
+        bad: list[tuple[int, BaseException]],
+    ) -> list[int]:
+        """On the current (upload) stream: the sections up to one device buffer, their checksums, then
+        each good one to its rows. Notes the damaged ones in `bad`; returns the chunks placed."""
+        if not ups:
+            return []
+        sizes = [host.numel() for _, host, _ in ups]
+        uploaded = None
+        try:
+            device_buf = torch.empty(sum(sizes), dtype=torch.uint8, device=kv.data.device)
+            at = 0
+            for (_, host, _), n in zip(ups, sizes, strict=True):
+                device_buf[at : at + n].copy_(host, non_blocking=True)
+                at += n
+            uploaded = self.pool.event()
+            uploaded.record()
+        finally:
+            if uploaded is None:  # a copy may have been queued: let it finish before reusing its buffer
+                torch.cuda.current_stream().synchronize()
+            for _, _, staging in ups:
+                if staging is not None:
+                    self.pool.release(staging, busy_until=uploaded)
+        sums = segment_checksums(device_buf.view(torch.int64), [n // 8 for n in sizes]).to("cpu", non_blocking=True)
+        synced = self.pool.event()
+        synced.record()
+        synced.synchronize()
+        self.pool.give_event(synced)
+        placed = []
+        at = 0
+        for (j, _, _), n, got in zip(ups, sizes, sums.tolist(), strict=True):
+            if got != self.headers[j].layers[layer].device_sum:
+                bad.append((j, CorruptChunkError(f"layer {layer}: device checksum mismatch")))
+            else:
+                dest = self._dest(layer, j, kv)
+                dest.copy_(device_buf[at : at + n].view(dest.dtype).view(dest.shape))
+                placed.append(j)
+            at += n
+        return placed
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -158,12 +331,14 @@ class LayerReader:
     def _place_all(
         self, layer: int, sections: dict[int, bytes], kv: KVCache
     ) -> list[tuple[int, ChunkDecodeError]]:
-        bad = []
+        bad, placed = [], []
         for j, data in sections.items():
             try:
                 self.place(layer, j, data, kv)
+                placed.append(j)
             except ChunkDecodeError as exc:
                 bad.append((j, exc))
+        self.after_layer(layer, placed, kv)
         return bad
 
     async def _get(self, key: str, start: int, end: int) -> bytes:

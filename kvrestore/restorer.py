@@ -337,7 +337,11 @@ class Restorer:
         n_layers, prefix = self.spec.num_layers, refs[k - 1].end
         progress = Progress([prefix] * n_layers, [True] * n_layers)
         reader = LayerReader(
-            self.spec, self.store, [StoredChunk(r.key, r.start, r.start, r.n_tokens) for r in refs[:k]]
+            self.spec,
+            self.store,
+            [StoredChunk(r.key, r.start, r.start, r.n_tokens) for r in refs[:k]],
+            stream=self.engine.cuda_stream("load", kv.data.device),
+            pool=self.loader.pool(pinned=True),
         )
         compute = _LayerCompute(
             self.backend, tokens[:prefix], kv, self.engine.cuda_stream("compute", kv.data.device)
@@ -430,7 +434,16 @@ class Restorer:
         for t in parts:
             self.backend.validate_tokens(t)
         tail, head = self._optional_tokens(suffix), self._optional_tokens(prefix)
-        return await restore_blend(self.backend, self.store, parts, tail, policy, prefix=head)
+        return await restore_blend(
+            self.backend,
+            self.store,
+            parts,
+            tail,
+            policy,
+            prefix=head,
+            load_stream=self.engine.cuda_stream("load", self.backend.device),
+            pool=self.loader.pool(pinned=True),
+        )
 
     async def choose_blend_store(
         self, candidates: Sequence[StoreCandidate], n_tokens: int, ratio: float = 0.15

@@ -77,3 +77,17 @@ def test_data_path_tiny(tmp_path: Path) -> None:
     one = launch["lanes"]["1"]
     assert one["ops_per_s"] > 0 and one["during_over_alone"] > 0
     assert one["coverage_min"] > 0.9  # the restores ran for the whole window
+
+
+@pytest.mark.slow
+def test_gpu_blend_tiny(tmp_path: Path) -> None:
+    data = run_script("gpu_blend.py", tmp_path / "gpu_blend-tiny.json")
+    for key in ("config", "machine", "layouts", "targets"):
+        assert key in data, key
+    (layout,) = data["layouts"]
+    assert not layout["errors"], layout["errors"]
+    assert set(layout["cases"]) == {"hf-prefill", "blend@0.05", "blend@0.15", "blend@0.3", "prefix-load-only"}
+    for name, case in layout["cases"].items():
+        assert case["median_s"] > 0, name
+    assert layout["cases"]["blend@0.15"]["loaded_chunks"] == 4
+    assert layout["exactness_full_recompute"]["passed"]

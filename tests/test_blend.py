@@ -316,6 +316,63 @@ def test_corrupt_layer_restarts_without_the_chunk(llama_backend, tmp_path: Path)
     torch.testing.assert_close(res.kv.data, full, atol=ATOL, rtol=0)
 
 
+CUDA_STORES = ["memory", "pinned-memory", "file", "async-store"]
+
+
+def _cuda_store(kind: str, tmp_path: Path):
+    if kind == "file":
+        return open_store(f"file://{tmp_path}")
+    if kind == "async-store":  # read by async get_range, not on lane threads
+        return ThrottledStore(MemoryStore(), 1e10)
+    return MemoryStore(pinned=kind == "pinned-memory")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", CUDA_STORES)
+@pytest.mark.parametrize("ratio", [0.0, 1.0])
+def test_blend_on_cuda_equals_the_cpu_blend(kind, ratio, tmp_path: Path):
+    """On CUDA the layers go up through pinned staging on the load stream, are checked there and
+    re-rotated: the same KV as the CPU blend (full reuse) and as a full prefill (full recompute)."""
+    cpu = HFBackend(tiny_model("llama", layers=4), name="tiny-llama-cuda")
+    gpu = HFBackend(tiny_model("llama", layers=4).to("cuda"), name="tiny-llama-cuda")
+    chunks = _chunks([40, 17, 64], seed=50)
+    suffix = random_tokens(6, 256, seed=51)
+    order = [chunks[2], chunks[0], chunks[1]]
+    want = run_blend(cpu, order, suffix, Blend(recompute_ratio=ratio), saved=chunks)
+    got = run_blend(gpu, order, suffix, Blend(recompute_ratio=ratio), store=_cuda_store(kind, tmp_path), saved=chunks)
+    assert got.kv.data.is_cuda and got.stats.loaded_chunks == 3 and not got.stats.errors
+    torch.testing.assert_close(got.kv.data.cpu(), want.kv.data, atol=ATOL, rtol=0)
+    assert got.stats.recomputed == want.stats.recomputed
+    if ratio == 1.0:
+        full = cpu.prefill_chunk(got.tokens, None, 0).data
+        torch.testing.assert_close(got.kv.data.cpu(), full, atol=ATOL, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["file", "memory"])
+def test_corrupt_layer_on_cuda_is_caught_by_the_device_checksum(kind, tmp_path: Path):
+    b = HFBackend(tiny_model("llama", layers=4).to("cuda"), name="tiny-llama-cuda")
+    chunks = _chunks([10, 16], seed=40)
+    suffix = random_tokens(3, 256, seed=41)
+    store = _cuda_store(kind, tmp_path)
+
+    async def save():
+        r = Restorer(b, store)
+        for c in chunks:
+            await r.save_chunk(c)
+        key = chunk_key(b, chunks[1])
+        blob = bytearray(await store.get(key))
+        blob[-5] ^= 0xFF  # the last layer's section: found only after the blend started
+        await store.put(key, bytes(blob))
+
+    anyio.run(save)
+    res = run_blend(b, chunks, suffix, Blend(recompute_ratio=0.0), store=store, saved=[])
+    assert res.stats.missing_chunks == [1] and res.stats.restarts == 1
+    assert any("checksum" in e for e in res.stats.errors)
+    full = b.prefill_chunk(res.tokens, None, 0).data
+    torch.testing.assert_close(res.kv.data, full, atol=ATOL, rtol=0)
+
+
 def test_blend_with_recompute_is_closer_to_full_than_reuse(llama_backend):
     b = llama_backend
     chunks = _chunks([40, 40, 40], seed=50)
@@ -442,6 +499,8 @@ def test_select_hkvd_keeps_forced_and_the_highest_deviation(dev, forced_bits, si
     forced = torch.tensor(forced_bits[: len(dev)])
     keep = select_hkvd(d, forced, size)
     kept = set(keep.tolist())
+    n_forced = int(forced.sum())
+    assert select_hkvd(d, forced, size, n_forced=n_forced).tolist() == keep.tolist()  # no sync, same set
     assert keep.tolist() == sorted(kept)
     assert set(forced.nonzero().flatten().tolist()) <= kept
     free_kept = [i for i in kept if not forced[i]]
@@ -450,6 +509,13 @@ def test_select_hkvd_keeps_forced_and_the_highest_deviation(dev, forced_bits, si
     dropped = [i for i in range(len(dev)) if i not in kept]
     if free_kept and dropped:
         assert max(d[dropped].tolist()) <= min(d[free_kept].tolist())
+
+
+def test_select_hkvd_never_lets_an_infinite_or_nan_deviation_displace_a_forced_token():
+    d = torch.tensor([float("inf"), 1.0, float("nan"), 0.5, float("inf")])
+    forced = torch.tensor([False, True, False, False, True])
+    assert select_hkvd(d, forced, 1, n_forced=2).tolist() == [0, 1, 4]
+    assert select_hkvd(d, forced, 0, n_forced=2).tolist() == [1, 4]
 
 
 @given(st.lists(st.floats(0.0, 1.0), max_size=40).map(sorted).map(lambda x: x[::-1]), st.integers(0, 5000))

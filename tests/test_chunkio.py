@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrestore import codec
-from kvrestore.checksums import device_checksums, weights
+from kvrestore.checksums import device_checksums, segment_checksums, weights
 from kvrestore.chunkio import ChunkLoader, StagingPool
 from kvrestore.errors import ChunkDecodeError, CorruptChunkError, ForeignChunkError, MissingChunkError
 from kvrestore.kv import KVCache
@@ -54,6 +54,16 @@ def test_device_checksums_match_unsigned_arithmetic_and_views(layers, tokens, dt
     assert device_checksums(chunk.contiguous()).tolist() == want
     for device in DEVICES[1:]:
         assert device_checksums(cache.to(device)[:, :, :, 2 : 2 + tokens]).tolist() == want
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=6), seed=st.integers(0, 2**16))
+def test_segment_checksums_equal_each_sections_own(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    sections = [torch.randint(-(2**62), 2**62, (n,), generator=g) * 3 for n in lengths]  # products wrap
+    want = [int(device_checksums(t[None])[0]) for t in sections]
+    for device in DEVICES:
+        assert segment_checksums(torch.cat(sections).to(device), lengths).tolist() == want
 
 
 def test_device_checksum_sees_any_changed_word():

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from ..errors import InvalidInputError, UnsupportedModelError
@@ -311,20 +312,31 @@ class HFBackend:
 
     @torch.inference_mode()
     def rerotate_keys(
-        self, k: torch.Tensor, old_pos: torch.Tensor | int, new_pos: torch.Tensor | int
+        self,
+        k: torch.Tensor,
+        old_pos: torch.Tensor | int,
+        new_pos: torch.Tensor | int,
+        rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Keys k [..., T, D] cached (after RoPE) at `old_pos` moved to `new_pos` (ints or [T] tensors).
 
         Returns a new tensor; R(new) = R(new - old) . R(old), with the delta angle computed in float64.
+        `rotation` is `rerotation(k, old_pos, new_pos)` made before (the same for every layer).
         """
+        cos, sin = rotation if rotation is not None else self.rerotation(k, old_pos, new_pos)
+        return k * cos + _rotate_half(k) * sin
+
+    def rerotation(
+        self, k: torch.Tensor, old_pos: torch.Tensor | int, new_pos: torch.Tensor | int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, D] in k's dtype and device that move keys like k from `old_pos` to `new_pos`."""
         inv_freq = self.rope_inv_freq().to(device=k.device, dtype=torch.float64)
         t = k.shape[-2]
         old = torch.as_tensor(old_pos, device=k.device, dtype=torch.float64).expand(t)
         new = torch.as_tensor(new_pos, device=k.device, dtype=torch.float64).expand(t)
         angles = (new - old)[:, None] * inv_freq[None, :]
         emb = torch.cat((angles, angles), dim=-1)
-        cos, sin = emb.cos().to(k.dtype), emb.sin().to(k.dtype)
-        return k * cos + _rotate_half(k) * sin
+        return emb.cos().to(k.dtype), emb.sin().to(k.dtype)
 
     @torch.inference_mode()
     def project_kv(
@@ -395,7 +407,17 @@ class HFBackend:
     def _attention_masked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        return self._sdpa(q, k, v, attn_mask=mask)
+        """Attention under an arbitrary boolean mask (CacheBlend's scattered rows). On CUDA it runs on
+        the memory-efficient kernel, with grouped-query heads expanded first: cuDNN's attention would
+        build a new execution plan (tens of milliseconds) for every new number of selected rows, and
+        the selection shrinks layer by layer."""
+        if q.device.type != "cuda":
+            return self._sdpa(q, k, v, attn_mask=mask)
+        if self._n_heads != self._n_kv:
+            rep = self._n_heads // self._n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self._scaling)
 
     def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [vocab] (float32) of the last position of a last-layer output `hidden` [1, T, hidden]."""

@@ -22,6 +22,7 @@ import anyio.to_thread
 import torch
 
 from .. import codec
+from ..chunkio.pool import StagingPool
 from ..keys import content_key
 from ..kv import KVCache
 from ..layers import LayerReader, StoredChunk
@@ -87,10 +88,13 @@ class StoreChunkSource(LayerReader):
         offsets: Sequence[int],
         lengths: Sequence[int],
         stored_at: int = 0,
+        stream: torch.cuda.Stream | None = None,
+        pool: StagingPool | None = None,
     ) -> None:
         chunks = [StoredChunk(k, stored_at, o, n) for k, o, n in zip(keys, offsets, lengths, strict=True)]
-        super().__init__(backend.spec, store, chunks)
+        super().__init__(backend.spec, store, chunks, stream=stream, pool=pool)
         self.backend = backend
+        self._rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def bytes_loaded(self) -> int:
@@ -100,10 +104,29 @@ class StoreChunkSource(LayerReader):
         """Place layer `layer` of every open chunk into `kv` (keys re-rotated); returns bytes read."""
         return await self.read_layer(layer, kv)
 
-    def place(self, layer: int, j: int, data: bytes, kv: KVCache) -> None:
-        super().place(layer, j, data, kv)
-        chunk = self.chunks[j]
-        if chunk.offset != chunk.stored_at:
-            o, n = chunk.offset, chunk.n_tokens
-            k = kv.data[layer, 0, :, o : o + n]
-            k.copy_(self.backend.rerotate_keys(k, chunk.stored_at, o))
+    def after_layer(self, layer: int, placed: Sequence[int], kv: KVCache) -> None:
+        """Re-rotate the keys of the chunks `placed` on `layer` from where they were saved to where they
+        sit (in place). On CUDA one rotation covers the whole layer (the identity, exactly, on rows of
+        chunks that did not move; other rows are recomputed after this anyway): a few kernels per layer
+        instead of a few per chunk. The angles are the same for every layer: made once."""
+        moved = [j for j in placed if self.chunks[j].offset != self.chunks[j].stored_at]
+        if not moved:
+            return
+        keys = kv.data[layer, 0]
+        if keys.is_cuda:
+            rotation = self._rotations.get(-1)
+            if rotation is None or rotation[0].device != keys.device or rotation[0].shape[0] != keys.shape[1]:
+                old = torch.arange(keys.shape[1], dtype=torch.int64)
+                new = old.clone()
+                for c in self.chunks:
+                    old[c.offset : c.offset + c.n_tokens] = torch.arange(c.stored_at, c.stored_at + c.n_tokens)
+                rotation = self._rotations[-1] = self.backend.rerotation(keys, old, new)
+            keys.copy_(self.backend.rerotate_keys(keys, 0, 0, rotation))
+            return
+        for j in moved:
+            chunk = self.chunks[j]
+            k = keys[:, chunk.offset : chunk.offset + chunk.n_tokens]
+            rotation = self._rotations.get(j)
+            if rotation is None:
+                rotation = self._rotations[j] = self.backend.rerotation(k, chunk.stored_at, chunk.offset)
+            k.copy_(self.backend.rerotate_keys(k, chunk.stored_at, chunk.offset, rotation))

@@ -28,6 +28,7 @@ import anyio
 import anyio.to_thread
 import torch
 
+from ..chunkio.pool import StagingPool
 from ..errors import InvalidInputError
 from ..kv import KVCache
 from ..layers import ChunkLoadFailed
@@ -99,12 +100,15 @@ async def restore_blend(
     suffix: torch.Tensor,
     policy: Blend | None = None,
     prefix: torch.Tensor | None = None,
+    load_stream: torch.cuda.Stream | None = None,
+    pool: StagingPool | None = None,
 ) -> BlendResult:
     """Blend stored chunk KV (any order, any neighbours) with a recomputed suffix; see the module doc.
 
     `chunks`, `suffix` and `prefix` are validated 1-D int64 token tensors (suffix and prefix may be
     empty). `prefix` is the shared prefix the chunks were saved after (`save_chunk(..., prefix=)`); it
-    starts the prompt and is recomputed on every layer, like the suffix.
+    starts the prompt and is recomputed on every layer, like the suffix. On CUDA the layers are
+    uploaded on `load_stream` (a new stream if None) through pinned buffers from `pool`.
     """
     t0 = time.perf_counter()
     policy = policy or Blend()
@@ -115,7 +119,12 @@ async def restore_blend(
     backend.rope_inv_freq()  # an UnsupportedModelError before any work, not half-way
     keys = [chunk_key(backend, c, prefix) for c in layout.chunks]
     lengths = [len(c) for c in layout.chunks]
-    source = StoreChunkSource(backend, store, keys, layout.offsets, lengths, stored_at=len(prefix))
+    device = torch.device(backend.device)
+    if device.type == "cuda" and load_stream is None:
+        load_stream = torch.cuda.Stream(device)
+    source = StoreChunkSource(
+        backend, store, keys, layout.offsets, lengths, stored_at=len(prefix), stream=load_stream, pool=pool
+    )
     available = await source.open()
     missing = {j for j, ok in enumerate(available) if not ok}
     restarts = 0
@@ -148,13 +157,17 @@ async def _fuse(
         spec,
         torch.zeros((n_layers, 2, spec.num_kv_heads, n, spec.head_dim), dtype=spec.dtype, device=device),
     )
-    forced = torch.zeros(n, dtype=torch.bool, device=device)
-    forced[n - len(layout.suffix) :] = True
-    forced[: len(layout.prefix)] = True
-    forced[n - 1] = True
+    if kv.data.is_cuda:  # the zeros are written before the load stream writes the layers
+        torch.cuda.current_stream(kv.data.device).synchronize()
+    forced_host = torch.zeros(n, dtype=torch.bool)  # built on the host: its count needs no device sync
+    forced_host[n - len(layout.suffix) :] = True
+    forced_host[: len(layout.prefix)] = True
+    forced_host[n - 1] = True
     for j in missing:
-        forced[layout.offsets[j] : layout.offsets[j] + len(layout.chunks[j])] = True
-    n_reused = int((~forced).sum())
+        forced_host[layout.offsets[j] : layout.offsets[j] + len(layout.chunks[j])] = True
+    n_forced = int(forced_host.sum())
+    n_reused = n - n_forced
+    forced = forced_host.to(device)
 
     ready = [anyio.Event() for _ in range(n_layers)]
     load_s = [0.0] * n_layers
@@ -172,33 +185,34 @@ async def _fuse(
             for ev in ready:
                 ev.set()
 
-    compute_s = [0.0] * n_layers
+    timer = LayerTimer(torch.device(device), n_layers)
     recomputed = [n]
     hkvd: list[int] = []
     wait = 0.0
     state: dict[str, object] = {}
 
     def layer0() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        t = time.perf_counter()
+        mark = timer.start()
         hidden = backend.embed(layout.tokens)
         positions = torch.arange(n, device=device)
         rope = backend.rotary(hidden, positions)
         hidden, k, v = backend.run_layer(0, hidden, None, None, positions, rope=rope)
         kv.data[0, 0].copy_(k)
         kv.data[0, 1].copy_(v)
-        _sync(device)
-        compute_s[0] = time.perf_counter() - t
+        timer.stop(0, mark, wait=policy.auto)  # the controller needs layer 0's time now
         return hidden, rope
 
     def layer(
         i: int, hidden: torch.Tensor, cand: torch.Tensor, size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        t = time.perf_counter()
+        """Selective recompute of layer i; queues its kernels and returns without waiting for them (the
+        sizes are known on the host: every candidate set holds all `n_forced` forced tokens)."""
+        mark = timer.start()
         cos, sin = state["rope"]  # type: ignore[misc]
         k_layer, v_layer = kv.data[i, 0], kv.data[i, 1]
         k_new, v_new = backend.project_kv(i, hidden, cand, rope=(cos[:, cand], sin[:, cand]))
         dev = kv_deviation(k_new, v_new, k_layer[:, cand], v_layer[:, cand], policy.deviation)
-        keep = select_hkvd(dev, forced[cand], size)
+        keep = select_hkvd(dev, forced[cand], size, n_forced=n_forced)
         sel = cand[keep]
         if policy.update_candidates:  # every candidate's fresh K/V replaces its loaded K/V (no compute)
             k_layer.index_copy_(1, cand, k_new)
@@ -206,10 +220,10 @@ async def _fuse(
         hidden, _, _ = backend.run_layer_selective(
             i, hidden[:, keep], sel, k_layer, v_layer, rope=(cos[:, sel], sin[:, sel])
         )
-        _sync(device)
-        compute_s[i] = time.perf_counter() - t
-        recomputed.append(int(sel.numel()))
-        hkvd.append(int((~forced[sel]).sum()))
+        timer.stop(i, mark)
+        chosen = min(size, cand.numel() - n_forced)
+        recomputed.append(n_forced + chosen)
+        hkvd.append(chosen)
         return hidden, sel
 
     logits = None
@@ -224,7 +238,7 @@ async def _fuse(
             t = time.perf_counter()
             await ready[1].wait()
             wait += time.perf_counter() - t
-            ratio = choose_ratio(load_s[1], compute_s[0], policy.min_ratio, policy.max_ratio)
+            ratio = choose_ratio(load_s[1], timer.seconds[0], policy.min_ratio, policy.max_ratio)
         else:
             ratio = policy.min_ratio
         schedule = policy.schedule(ratio, n_layers)
@@ -239,6 +253,7 @@ async def _fuse(
             hidden, cand = await anyio.to_thread.run_sync(layer, i, hidden, cand, sizes[i - 1])
         if not failure:
             logits = await anyio.to_thread.run_sync(backend.final_logits, hidden)
+            await anyio.to_thread.run_sync(timer.finish)
     if failure:
         raise failure[0]
     assert logits is not None
@@ -256,12 +271,43 @@ async def _fuse(
         bytes_loaded=0,
         seconds=0.0,
         load_seconds=load_s,
-        compute_seconds=compute_s,
+        compute_seconds=timer.seconds,
         wait_seconds=wait,
     )
     return BlendResult(kv, layout.tokens, logits, stats)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":  # a layer is done when its kernels are, not when they are queued
-        torch.cuda.current_stream(device).synchronize()
+class LayerTimer:
+    """Each layer's compute time without waiting for the device after every layer: on CUDA a pair of
+    timing events per layer, read once at the end (`finish`); on a CPU the wall clock."""
+
+    def __init__(self, device: torch.device, n_layers: int) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = [0.0] * n_layers
+        self._events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+
+    def start(self) -> float | torch.cuda.Event:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, i: int, mark: float | torch.cuda.Event, wait: bool = False) -> None:
+        """Layer i's kernels are queued since `mark`; with `wait`, its time is known on return."""
+        if not self.cuda:
+            self.seconds[i] = time.perf_counter() - mark  # type: ignore[operator]
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._events[i] = (mark, end)  # type: ignore[assignment]
+        if wait:
+            end.synchronize()
+            self.seconds[i] = mark.elapsed_time(end) / 1e3  # type: ignore[union-attr]
+
+    def finish(self) -> None:
+        """Wait for the last layer, then read every layer's time."""
+        if self._events:
+            self._events[max(self._events)][1].synchronize()
+        for i, (a, b) in self._events.items():
+            self.seconds[i] = a.elapsed_time(b) / 1e3

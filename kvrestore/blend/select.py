@@ -26,18 +26,23 @@ def kv_deviation(
     return dev
 
 
-def select_hkvd(deviation: torch.Tensor, forced: torch.Tensor, size: int) -> torch.Tensor:
+def select_hkvd(
+    deviation: torch.Tensor, forced: torch.Tensor, size: int, n_forced: int | None = None
+) -> torch.Tensor:
     """Local indices (sorted) of the candidates to recompute: every forced one plus the `size`
-    non-forced ones with the highest deviation (fewer if there are fewer)."""
+    non-forced ones with the highest deviation (fewer if there are fewer).
+
+    With `n_forced` (how many of `forced` are set, known to the caller) nothing here waits for the
+    device: one top-k over the deviations with the forced ones set to +inf, then a sort.
+    """
     if deviation.shape != forced.shape:
         raise ValueError(f"deviation {tuple(deviation.shape)} and forced {tuple(forced.shape)} differ")
-    free = (~forced).nonzero().flatten()
-    size = max(0, min(size, free.numel()))
-    keep = forced.clone()
-    if size:
-        top = deviation[free].topk(size, sorted=False).indices
-        keep[free[top]] = True
-    return keep.nonzero().flatten()
+    if n_forced is None:
+        n_forced = int(forced.sum())
+    size = max(0, min(size, deviation.numel() - n_forced))
+    top = torch.finfo(torch.float32).max  # a finite ceiling: a huge deviation never outranks a forced token
+    score = deviation.float().nan_to_num(nan=0.0, posinf=top, neginf=0.0).masked_fill(forced, float("inf"))
+    return score.topk(n_forced + size, sorted=False).indices.sort().values
 
 
 def selection_sizes(schedule: Sequence[float], n_reused: int) -> list[int]:

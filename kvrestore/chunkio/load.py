@@ -29,7 +29,7 @@ A compressed (zstd) chunk is decompressed on the host (`codec.decode_chunk`), th
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
@@ -225,18 +225,13 @@ class ChunkLoader:
             else:
                 if not device_checkable(self.spec.head_dim * dest.element_size()):
                     codec.verify_sections(header, data)
-                if staging is None and not data.readonly:  # maybe a pinned store's object: upload it as is
-                    host = torch.frombuffer(data, dtype=torch.uint8)
-                    if host.is_pinned():
-                        self._upload_verify(header, host, dest, None)
-                        return
-                if staging is None or not staging.pinned:  # one GIL-free copy into pinned staging first
-                    staging_from_memory = self.pool(pinned=True).acquire(len(data))
-                    copy_into(staging_from_memory.view, data)
+                if staging is not None and staging.pinned:
+                    host = staging.tensor
+                else:  # a pinned store's object as it is, or one GIL-free copy into pinned staging
                     if staging is not None:
                         self.pool(False).release(staging)
-                    staging = staging_from_memory
-                self._upload_verify(header, staging.tensor, dest, staging)
+                    host, staging = pinned_host(data, self.pool(pinned=True))
+                self._upload_verify(header, host, dest, staging)
                 staging = None  # _upload_verify handed it back
         finally:
             if staging is not None:
@@ -248,26 +243,16 @@ class ChunkLoader:
         """Copy the body (in pinned `host`, `staging`'s tensor or a pinned store's object) to `dest` on the
         load stream, hand `staging` back to be reused after the copy, then compare every layer's device
         checksum."""
-        first = header.layers[0].offset
-        body = host[first : header.end].view(dest.dtype).view(dest.shape)
-        stream = self.stream_for(dest.device)
-        pool = self.pool(pinned=True)
-        with on_stream(stream):
-            dest.copy_(body, non_blocking=True)
-            if staging is not None:
-                uploaded = pool.event()
-                uploaded.record()
-                pool.release(staging, busy_until=uploaded)
-            checkable = device_checkable(self.spec.head_dim * dest.element_size())
-            sums = device_checksums(dest).to("cpu", non_blocking=True) if checkable else None
-            done = pool.event()
-            done.record()
-        done.synchronize()  # the GIL is released while the copy and the sums run
-        pool.give_event(done)
-        if sums is not None:
-            for i, (got, section) in enumerate(zip(sums.tolist(), header.layers, strict=True)):
-                if got != section.device_sum:
-                    raise CorruptChunkError(f"layer {i}: device checksum mismatch")
+        checkable = device_checkable(self.spec.head_dim * dest.element_size())
+        expected = [section.device_sum for section in header.layers] if checkable else None
+        upload_checked(
+            host[header.layers[0].offset : header.end],
+            dest,
+            expected,
+            self.stream_for(dest.device),
+            self.pool(pinned=True),
+            staging,
+        )
 
     def _place_decoded(self, header: codec.ChunkHeader, data: memoryview, dest: torch.Tensor) -> None:
         """A compressed chunk: verified and decompressed on the host, into `dest` or via pinned staging."""
@@ -291,3 +276,45 @@ class ChunkLoader:
         done.synchronize()
         pool.release(staging)
         pool.give_event(done)
+
+
+def pinned_host(data: memoryview, pool: StagingPool) -> tuple[torch.Tensor, Staging | None]:
+    """`data` as a page-locked uint8 tensor: itself when it already is (a pinned `MemoryStore`'s object),
+    else copied once, off the GIL, into a staging buffer from `pool` (returned with it, to hand back)."""
+    if not data.readonly:
+        host = torch.frombuffer(data, dtype=torch.uint8)
+        if host.is_pinned():
+            return host, None
+    staging = pool.acquire(len(data))
+    copy_into(staging.view, data)
+    return staging.tensor, staging
+
+
+def upload_checked(
+    host: torch.Tensor,
+    dest: torch.Tensor,
+    expected: Sequence[int] | None,
+    stream: torch.cuda.Stream | None,
+    pool: StagingPool,
+    staging: Staging | None = None,
+) -> None:
+    """Copy `host` (pinned bytes laid out as `dest`, e.g. a chunk's body or one layer's section) to the
+    CUDA tensor `dest` ([n, ...]: n layers) on `stream`, hand `staging` back to `pool` to be reused once
+    the copy has finished, then compare each of the n layers' device checksum with `expected` (None:
+    the bytes were verified on the host). Blocks until the stream has done all of it (the GIL is
+    released meanwhile); raises CorruptChunkError on a mismatch, naming the layer."""
+    with on_stream(stream):
+        dest.copy_(host.view(dest.dtype).view(dest.shape), non_blocking=True)
+        if staging is not None:
+            uploaded = pool.event()
+            uploaded.record()
+            pool.release(staging, busy_until=uploaded)
+        sums = device_checksums(dest).to("cpu", non_blocking=True) if expected is not None else None
+        done = pool.event()
+        done.record()
+    done.synchronize()
+    pool.give_event(done)
+    if sums is not None:
+        for i, (got, want) in enumerate(zip(sums.tolist(), expected, strict=True)):
+            if got != want:
+                raise CorruptChunkError(f"layer {i}: device checksum mismatch")

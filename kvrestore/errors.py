@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Mapping, Sequence
+
 
 class KVRestoreError(Exception):
     """Base class of every error kvrestore raises on purpose."""
@@ -13,6 +16,19 @@ class InvalidInputError(KVRestoreError, ValueError):
 
 class StoreError(KVRestoreError):
     """A store could not be opened, read or written."""
+
+
+class SaveError(StoreError):
+    """`Restorer.save` could not write some chunks. The others were written and stay stored.
+
+    `written`: the keys this save stored; `failed`: each key it could not store, with the store's error
+    (the message says how many failed and the first error, which is also the `__cause__`).
+    """
+
+    def __init__(self, message: str, written: Sequence[str], failed: Mapping[str, Exception]) -> None:
+        super().__init__(message)
+        self.written = tuple(written)
+        self.failed = dict(failed)
 
 
 class UnsupportedURLError(StoreError, ValueError):
@@ -41,3 +57,26 @@ class UnsupportedModelError(KVRestoreError):
 
 class MissingChunkError(ChunkDecodeError):
     """A chunk listed by `contains` was gone when it was read (evicted or deleted meanwhile)."""
+
+
+def check_int(name: str, value: object, minimum: int = 1) -> int:
+    """`value` as an int if it is an integer (not a bool) >= `minimum`, else InvalidInputError naming `name`."""
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        n = None
+    if n is None or n < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise InvalidInputError(f"{name} must be {what}, got {value!r}")
+    return n
+
+
+def check_seconds(name: str, value: object) -> float | None:
+    """`value` as seconds if it is a positive number, None for None (no limit), else InvalidInputError."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:  # NaN fails too
+        raise InvalidInputError(
+            f"{name} must be a positive number of seconds, or None for no limit, got {value!r}"
+        )
+    return float(value)

@@ -338,3 +338,39 @@ def test_read_into_a_large_object_off_the_event_loop(tmp_path):
 
     for size, buf in run(body):
         assert size == len(data) and buf == data
+
+
+@pytest.mark.parametrize("clock", ["fine", "whole-seconds"])
+def test_repeated_scans_see_every_change_of_a_shard(tmp_path, clock):
+    """Local scans reuse a shard's listing while its directory's mtime stands still; a change right
+    after a listing (within one tick of the filesystem's clock: the same mtime) must still be seen."""
+    lister, writer = FsspecStore(str(tmp_path)), FsspecStore(str(tmp_path))  # two processes, say
+    keys = [f"ab{i:062x}" for i in range(30)]  # one shard directory
+
+    def tick() -> None:
+        if clock == "whole-seconds":  # a filesystem that stores seconds: every change in one second
+            second = int(time.time()) * 10**9
+            os.utime(tmp_path / "ab", ns=(second, second))
+
+    async def body():
+        for i, k in enumerate(keys):
+            await writer.put(k, b"x" * i)
+            tick()
+            assert {o.key: o.size for o in await lister.scan()} == {k: j for j, k in enumerate(keys[: i + 1])}
+            if i % 10 == 9:
+                await anyio.sleep(0.1)  # past the fine racy window: the next listing is trusted, then reused
+        await writer.delete(keys[0])
+        tick()
+        assert {o.key for o in await lister.scan()} == set(keys[1:])
+
+    run(body)
+
+
+def test_a_listing_is_trusted_only_after_the_directory_has_been_still():
+    from kvrestore.stores.fsspec_store import RACY_COARSE_S, RACY_FINE_S, _trusted
+
+    now = 1_700_000_000.5
+    fine, whole = int((now - 1.0) * 1e9) + 123, int(now - 1.0) * 10**9  # changed about 1 s ago
+    assert _trusted(fine, now) and not _trusted(whole, now)  # whole seconds: a coarse filesystem
+    assert not _trusted(int((now - RACY_FINE_S / 2) * 1e9) + 1, now)
+    assert _trusted(int(now - RACY_COARSE_S - 1) * 10**9, now)

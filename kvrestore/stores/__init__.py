@@ -4,7 +4,9 @@ Like fsspec's protocol registry: a URL's scheme picks a factory `factory(url, **
 Built in: `memory://` (MemoryStore, option `capacity_bytes`), `file://` and plain paths (FsspecStore on
 local disk), `s3://` (FsspecStore over s3fs, the `kvrestore[s3]` extra). `register_store` adds more.
 Every built-in scheme takes `capacity_bytes` (and `eviction`, default LRU): a store that really evicts.
-Wrappers compose: `TieredStore([memory, disk, s3])`, `PrefetchStore(s3)`, `BoundedStore(any, n)`.
+Wrappers compose: `TieredStore([memory, disk, s3])`, `PrefetchStore(s3)`, `BoundedStore(any, n)`; every
+call a wrapper does not change reaches the store inside it (`WrapperStore`). A URL with no path
+("file://") and options a store would silently ignore raise InvalidInputError.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .memory import MemoryStore
 from .prefetch import PrefetchStore
 from .throttled import ThrottledStore
 from .tiered import TieredStore, TierStats
+from .wrapper import WrapperStore
 
 StoreFactory = Callable[..., ChunkStore]
 
@@ -58,14 +61,18 @@ def open_store(url: str, **options: Any) -> ChunkStore:
     return factory(url, **options)
 
 
-def _memory(url: str, capacity_bytes: int | None = None, eviction: Any = None) -> ChunkStore:
+def _memory(url: str, capacity_bytes: int | None = None, eviction: Any = None, **unknown: Any) -> ChunkStore:
+    if unknown:
+        raise InvalidInputError(
+            f"memory:// takes capacity_bytes and eviction, not {', '.join(sorted(unknown))}"
+        )
     return MemoryStore(capacity_bytes=capacity_bytes, eviction=eviction)
 
 
 def _bounded(store: ChunkStore, capacity_bytes: int | None, eviction: Any) -> ChunkStore:
     if capacity_bytes is None:
         if eviction is not None:
-            raise ValueError("eviction needs capacity_bytes (a store without a capacity never evicts)")
+            raise InvalidInputError("eviction needs capacity_bytes (a store without a capacity never evicts)")
         return store
     return BoundedStore(store, capacity_bytes, eviction=eviction)
 
@@ -107,6 +114,7 @@ __all__ = [
     "TierStats",
     "TieredStore",
     "ThrottledStore",
+    "WrapperStore",
     "check_key",
     "known_schemes",
     "open_store",

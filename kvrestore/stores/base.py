@@ -86,6 +86,9 @@ class ChunkStore(ABC):
     #: load-lane thread (`kvrestore.lanes`). A wrapper that does anything on a read (throttle, count,
     #: promote) leaves it False, and its reads go through its async methods; see `mirrors_reads_of`.
     reads_now: bool = False
+    #: the local directory that holds the objects, where processes of this host can share them (None
+    #: for any other store); a `BoundedStore` over it keeps one capacity for all of those processes
+    local_dir: str | None = None
 
     @abstractmethod
     async def get(self, key: str) -> bytes | None:

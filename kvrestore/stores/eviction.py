@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
+from ..errors import InvalidInputError
+
 
 class EvictionPolicy(Protocol):
     """Ordering of a store's keys for eviction. Every method is called on the event loop thread."""
@@ -69,7 +71,7 @@ def make_policy(policy: EvictionPolicy | str | None) -> EvictionPolicy:
     if isinstance(policy, str):
         named = {"lru": LRU, "fifo": FIFO}
         if policy.lower() not in named:
-            raise ValueError(f"unknown eviction policy {policy!r}; known: {', '.join(named)}")
+            raise InvalidInputError(f"unknown eviction policy {policy!r}; known: {', '.join(named)}")
         return named[policy.lower()]()
     for method in ("add", "touch", "remove", "victim"):
         if not callable(getattr(policy, method, None)):

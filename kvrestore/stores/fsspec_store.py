@@ -38,7 +38,7 @@ import anyio.to_thread
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import StoreError
+from ..errors import InvalidInputError, StoreError
 from .base import ChunkStore, StoredObject, check_key, is_key, mirrors_reads_of
 
 SUFFIX = ".kvc"
@@ -91,6 +91,19 @@ T = TypeVar("T")
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
+
+
+#: seconds a directory may change again without its timestamp moving: a kernel's coarse clock ticks
+#: every few ms; filesystems that store whole seconds (their timestamps have no fraction) take up to 2 s
+RACY_FINE_S, RACY_COARSE_S = 0.05, 2.5
+
+
+def _trusted(mtime_ns: int, listed_at: float) -> bool:
+    """Whether a listing begun at `listed_at` of a directory whose mtime was then `mtime_ns` shows every
+    change until that mtime moves: the directory had been still for longer than its timestamps' step,
+    so any later change gets a later timestamp (git's "racy clean" rule)."""
+    step = RACY_FINE_S if mtime_ns % 1_000_000_000 else RACY_COARSE_S
+    return mtime_ns / 1e9 < listed_at - step
 
 
 def _check_range(start: int, end: int) -> None:
@@ -149,11 +162,17 @@ class FsspecStore(ChunkStore):
     unreachable_cooloff_s: float = 2.0
 
     def __init__(self, url: str, *, fsync: bool = False, **storage_options: Any) -> None:
-        protocol = fsspec.core.split_protocol(url)[0] or "file"
+        protocol, path = fsspec.core.split_protocol(url)
+        if not path.strip():  # "file://" would be the current directory, "s3://" no bucket
+            raise InvalidInputError(f"store URL {url!r} names no directory or bucket")
         try:
-            fs_cls = fsspec.get_filesystem_class(protocol)
+            fs_cls = fsspec.get_filesystem_class(protocol or "file")
         except (ImportError, ValueError) as e:
             raise StoreError(f"cannot open {url!r}: {e}") from e
+        if issubclass(fs_cls, LocalFileSystem) and storage_options:  # it would ignore them silently
+            raise InvalidInputError(
+                f"a local directory store takes no storage options, got {', '.join(sorted(storage_options))}"
+            )
         if fs_cls.async_impl:
             # Run the coroutines on the caller's loop, and do not share a cached instance bound to another.
             storage_options.setdefault("asynchronous", True)
@@ -183,8 +202,9 @@ class FsspecStore(ChunkStore):
         self._session: Any = None
         self._session_loop: Any = None  # the event loop token the session belongs to
         self._session_lock: anyio.Lock | None = None
+        self._listings: dict[str, tuple[int, list[StoredObject]]] = {}  # shard dir: (its mtime, objects)
         if self.local:
-            self.root = os.path.abspath(root)
+            self.root = self.local_dir = os.path.abspath(root)
             self._open_local()
         else:
             self.root = root.rstrip("/")
@@ -528,17 +548,40 @@ class FsspecStore(ChunkStore):
         return out
 
     def _scan_local(self) -> list[StoredObject]:
-        out = []
+        """One listing per shard directory, except shards whose directory has not changed since a
+        listing that can be trusted (see `_trusted`): a store listed again and again (a shared
+        `BoundedStore` lists before every write) pays only for the shards written since."""
+        out: list[StoredObject] = []
         with suppress(OSError), os.scandir(self.root) as top:
             shards = [e.path for e in top if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
         for d in shards:
-            with suppress(OSError), os.scandir(d) as it:
-                for e in it:
-                    key = e.name[: -len(SUFFIX)]
-                    if e.name.endswith(SUFFIX) and is_key(key) and key[:2] == os.path.basename(d):
-                        with suppress(OSError):
-                            st = e.stat(follow_symlinks=False)
-                            out.append(StoredObject(key, st.st_size, st.st_mtime))
+            listed_at = time.time()  # before the stat: see _trusted
+            try:
+                mtime_ns = os.stat(d).st_mtime_ns
+            except OSError:
+                continue
+            cached = self._listings.get(d)
+            if cached is not None and cached[0] == mtime_ns:
+                out += cached[1]
+                continue
+            found = self._scan_shard(d)
+            if _trusted(mtime_ns, listed_at):
+                self._listings[d] = (mtime_ns, found)
+            else:
+                self._listings.pop(d, None)
+            out += found
+        return out
+
+    @staticmethod
+    def _scan_shard(d: str) -> list[StoredObject]:
+        out = []
+        with suppress(OSError), os.scandir(d) as it:
+            for e in it:
+                key = e.name[: -len(SUFFIX)]
+                if e.name.endswith(SUFFIX) and is_key(key) and key[:2] == os.path.basename(d):
+                    with suppress(OSError):
+                        st = e.stat(follow_symlinks=False)
+                        out.append(StoredObject(key, st.st_size, st.st_mtime))
         return out
 
     async def delete(self, key: str) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, check_int
 from .base import ChunkStore, StoredObject, check_key, copy_object, mirrors_reads_of
 from .eviction import EvictionPolicy, make_policy
 
@@ -39,8 +39,8 @@ class MemoryStore(ChunkStore):
         eviction: EvictionPolicy | str | None = None,
         pinned: bool = False,
     ) -> None:
-        if capacity_bytes is not None and capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0 or None, got {capacity_bytes}")
+        if capacity_bytes is not None:
+            capacity_bytes = check_int("capacity_bytes", capacity_bytes, minimum=0)
         if pinned and not torch.cuda.is_available():
             raise InvalidInputError("MemoryStore(pinned=True) needs CUDA: page-locked memory is for uploads")
         self.pinned = pinned

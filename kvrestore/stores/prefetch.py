@@ -13,7 +13,8 @@ At most `depth` fetches are in flight, and a fetch starts only while the buffer 
 flight (sized like the last object) stay within `max_bytes`. An object nobody reads within `max_age_s`
 is dropped (counted in `wasted`). A buffered object is handed out once. A fetch that fails
 is not retried here: the caller that wanted it sees the error (and recomputes). Background fetches are
-asyncio tasks; under another event loop library the wrapper only passes calls through.
+asyncio tasks; under another event loop library the wrapper only passes calls through. Range reads,
+writes, listings, `flush` and `close` go straight to the inner store (`WrapperStore`).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..errors import InvalidInputError, check_int
 from .background import Background
-from .base import ChunkStore, StoredObject, check_key, copy_object
+from .base import ChunkStore, check_key, copy_object
+from .wrapper import WrapperStore
 
 #: read-ahead sequences remembered at once (one per restore in flight)
 MAX_SEQUENCES = 64
@@ -37,7 +40,7 @@ class _Sequence:
     last: int | None = None  # index of the last key read, for the direction
 
 
-class PrefetchStore(ChunkStore):
+class PrefetchStore(WrapperStore):
     """`inner` behind a read-ahead buffer of at most `max_bytes`, `depth` fetches in flight."""
 
     #: a read-ahead object is handed out as the bytes already fetched
@@ -52,16 +55,16 @@ class PrefetchStore(ChunkStore):
         readahead: bool = True,
         max_age_s: float = 30.0,
     ) -> None:
-        if max_bytes <= 0 or depth <= 0:
-            raise ValueError(f"max_bytes and depth must be positive, got {max_bytes}, {depth}")
-        self.inner = inner
+        max_bytes, depth = check_int("max_bytes", max_bytes), check_int("depth", depth)
+        if not max_age_s > 0:
+            raise InvalidInputError(f"max_age_s must be positive, got {max_age_s!r}")
+        super().__init__(inner)
         self.max_bytes = max_bytes
         self.depth = depth
         self.readahead = readahead
         self.max_age_s = max_age_s
         self._typical = 0  # size of the last object fetched: the estimate for those in flight
         self._born: dict[str, float] = {}
-        self.name = inner.name
         self.buffered_bytes = 0
         self.prefetched = 0  # fetches started ahead of a read
         self.hits = 0  # reads served from the buffer or from a fetch already in flight
@@ -76,6 +79,11 @@ class PrefetchStore(ChunkStore):
     # -- the buffer ------------------------------------------------------------------------------------
 
     def prefetch(self, keys: Sequence[str]) -> None:
+        """Fetch `keys` into the buffer, and pass the hint on (an inner read-ahead tier joins in)."""
+        self._enqueue(keys)
+        self.inner.prefetch(keys)
+
+    def _enqueue(self, keys: Sequence[str]) -> None:
         for k in keys:
             check_key(k)
             if k not in self._ready and k not in self._inflight and k not in self._queue:
@@ -176,7 +184,7 @@ class PrefetchStore(ChunkStore):
         step = -1 if backwards else 1
         seq.last = i
         nxt = range(i + step, i + step * (self.depth + 1), step)
-        self.prefetch([seq.keys[j] for j in nxt if 0 <= j < n])
+        self._enqueue([seq.keys[j] for j in nxt if 0 <= j < n])
 
     def _remember(self, keys: list[str]) -> None:
         """A restore's stored chunks, in order (several restores at once each keep their own)."""
@@ -208,12 +216,6 @@ class PrefetchStore(ChunkStore):
             return await self.inner.read_into(key, buffer)
         return None if data is None else await copy_object(buffer, data)
 
-    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
-        return await self.inner.get_range(key, start, end)
-
-    async def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
-        return await self.inner.get_ranges(key, ranges)
-
     async def put(self, key: str, data: bytes) -> None:
         check_key(key)
         self._drop(key)
@@ -229,12 +231,6 @@ class PrefetchStore(ChunkStore):
         check_key(key)
         self._drop(key)
         await self.inner.delete(key)
-
-    async def scan(self) -> list[StoredObject]:
-        return await self.inner.scan()
-
-    async def flush(self) -> None:
-        await self.inner.flush()
 
     async def close(self) -> None:
         self._queue.clear()

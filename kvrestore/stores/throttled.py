@@ -3,12 +3,14 @@
 The Cake paper controlled its I/O bandwidth to compare policies at chosen speeds (§5.1) and under a
 fluctuating link (§5.7); this wrapper does the same for any inner store. Reads fetch from the inner store
 at its own speed, then wait until a `Link` (first come, first served in the order the reads were
-requested, shared by all concurrent reads) would have delivered those bytes. Writes, `contains` and `delete` pass through; `contains` and a miss
-cost one round trip of latency.
+requested, shared by all concurrent reads) would have delivered those bytes. `contains` and a miss cost
+one round trip of latency; everything else (writes, deletes, `scan`, `flush`, `close`) passes through
+unthrottled (`WrapperStore`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -16,7 +18,9 @@ from typing import TypeVar
 import anyio
 
 from ..bandwidth import BandwidthTrace, Link
+from ..errors import InvalidInputError
 from .base import ChunkStore
+from .wrapper import WrapperStore
 
 T = TypeVar("T")
 
@@ -25,7 +29,16 @@ def _length(data: bytes | None) -> int:
     return 0 if data is None else len(data)
 
 
-class ThrottledStore(ChunkStore):
+def _number(name: str, value: object, *, positive: bool) -> float:
+    """`value` as a finite float (> 0 when `positive`, else >= 0), or InvalidInputError naming it."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value <= 0 if positive else value < 0):  # type: ignore[operator]
+        want = "a positive finite number" if positive else "a finite number >= 0"
+        raise InvalidInputError(f"{name} must be {want}, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+class ThrottledStore(WrapperStore):
     """`inner`, read through a link of `bytes_per_s` (or a time-varying `trace`) plus `latency_s`.
 
     The link's clock starts at construction and at every `reset()`; call it before each measured restore
@@ -41,13 +54,13 @@ class ThrottledStore(ChunkStore):
         latency_s: float = 0.0,
     ) -> None:
         if (bytes_per_s is None) == (trace is None):
-            raise ValueError("give ThrottledStore exactly one of bytes_per_s or trace")
+            raise InvalidInputError("give ThrottledStore exactly one of bytes_per_s or trace")
         if trace is None:
-            if not bytes_per_s or bytes_per_s <= 0:
-                raise ValueError(f"bytes_per_s must be positive, got {bytes_per_s!r}")
-            trace = BandwidthTrace.constant(bytes_per_s)
-        self.inner = inner
-        self.link = Link(trace, latency_s)
+            trace = BandwidthTrace.constant(_number("bytes_per_s", bytes_per_s, positive=True))
+        elif not isinstance(trace, BandwidthTrace):
+            raise InvalidInputError(f"trace must be a BandwidthTrace, got {type(trace).__name__}")
+        super().__init__(inner)
+        self.link = Link(trace, _number("latency_s", latency_s, positive=False))
         self.name = f"throttled({inner.name})"
         self.reset()
 
@@ -85,31 +98,23 @@ class ThrottledStore(ChunkStore):
             if not booked:  # failed or cancelled before booking: later requests must not wait on it
                 mine.set()
 
-    @property
-    def reads_in_memory(self) -> bool:  # type: ignore[override]
-        return self.inner.reads_in_memory
-
     async def get(self, key: str) -> bytes | None:
         return await self._through_link(lambda: self.inner.get(key), _length)
-
-    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
-        return await self._through_link(lambda: self.inner.get_range(key, start, end), _length)
 
     async def read_into(self, key: str, buffer: memoryview) -> int | None:
         return await self._through_link(
             lambda: self.inner.read_into(key, buffer), lambda n: min(n or 0, len(buffer))
         )
 
-    async def put(self, key: str, data: bytes) -> None:
-        await self.inner.put(key, data)
+    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        return await self._through_link(lambda: self.inner.get_range(key, start, end), _length)
+
+    async def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
+        return await self._through_link(
+            lambda: self.inner.get_ranges(key, ranges), lambda got: sum(map(_length, got))
+        )
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         found = await self.inner.contains(keys)
         await anyio.sleep(self.link.latency_s)
         return found
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
-
-    async def close(self) -> None:
-        await self.inner.close()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import anyio
 import anyio.to_thread
 
-from ..errors import StoreError
+from ..errors import InvalidInputError, StoreError, check_int
 from .background import Background
 from .base import ChunkStore, StoredObject, check_key, copy_object
 
@@ -75,14 +75,14 @@ class TieredStore(ChunkStore):
     ) -> None:
         tiers = list(tiers)
         if not tiers:
-            raise ValueError("TieredStore needs at least one tier")
+            raise InvalidInputError("TieredStore needs at least one tier")
         for t in tiers:
             if not isinstance(t, ChunkStore):
                 raise TypeError(f"every tier must be a ChunkStore, got {type(t).__name__}")
         if write not in WRITE_MODES:
-            raise ValueError(f"write must be one of {WRITE_MODES}, got {write!r}")
-        if flush_concurrency <= 0 or flush_retries <= 0:
-            raise ValueError("flush_concurrency and flush_retries must be positive")
+            raise InvalidInputError(f"write must be one of {WRITE_MODES}, got {write!r}")
+        flush_concurrency = check_int("flush_concurrency", flush_concurrency)
+        flush_retries = check_int("flush_retries", flush_retries)
         self.tiers = tiers
         self.write = write
         self.promote = promote

@@ -31,12 +31,12 @@ from typing import Protocol
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 import torch
 from anyio.abc import CapacityLimiter, TaskGroup
 
 from .bookkeeping import PolicyError, apply_event, begin, stalled
-from .errors import ChunkDecodeError, StoreError
+from .cancel import run_unit
+from .errors import ChunkDecodeError, StoreError, check_int
 from .lanes import LaneThreads
 from .policies.base import Decision, Policy, Progress
 from .streams import on_stream  # noqa: F401 - re-exported: the lanes' stream context
@@ -111,9 +111,7 @@ class Engine:
     times_restores_alone = True
 
     def __init__(self, load_lanes: int = 4) -> None:
-        if load_lanes <= 0:
-            raise ValueError(f"load_lanes must be positive, got {load_lanes}")
-        self.load_lanes = load_lanes
+        self.load_lanes = check_int("load_lanes", load_lanes)
         self._limiters: tuple[object, CapacityLimiter, CapacityLimiter] | None = None
         self._streams: dict[tuple[str, int], torch.cuda.Stream] = {}
         self._lane_threads: LaneThreads | None = None
@@ -157,7 +155,7 @@ class Engine:
         """Run blocking torch work on the compute lane (shared with every restore on this engine)."""
         compute_lane, _ = self._lanes()
         async with compute_lane:
-            return await anyio.to_thread.run_sync(fn, *args, abandon_on_cancel=False)
+            return await run_unit(fn, *args)
 
     async def run(
         self,
@@ -218,7 +216,7 @@ class _Run:
             await stopped.wait()
         async with self.compute_lane:
             start = self._now()
-            await anyio.to_thread.run_sync(self.compute_fn, a, b, abandon_on_cancel=False)
+            await run_unit(self.compute_fn, a, b)  # cancelled: stops at the next layer, then returns
             self.send.send_nowait(TraceEvent("compute", a, b - 1, start, self._now()))
 
     async def _load(self, i: int, scope: anyio.CancelScope, stopped: anyio.Event) -> None:

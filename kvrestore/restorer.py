@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -18,20 +19,22 @@ from . import codec
 from .backend import ComputeBackend
 from .chunkio import ChunkLoader
 from .engine import LOAD_FAULTS, Engine, on_stream
-from .errors import ChunkDecodeError, InvalidInputError
+from .errors import ChunkDecodeError, InvalidInputError, SaveError, StoreError, check_int, check_seconds
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from .kv import KVCache
 from .layers import ChunkLoadFailed, LayerReader, StoredChunk
-from .policies import ComputeOnly, LoadOnly, Policy, Progress
+from .policies import Blend, ComputeOnly, LoadOnly, Policy, Progress
 from .policies.planner import PLANNED, Auto, Plan, Workload, predict
 from .profile import Calibration, LinkEstimate, Profile
 from .spec import ModelSpec, dtype_name
 from .stores.base import ChunkStore
 from .trace import Trace, TraceEvent
 
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
 if TYPE_CHECKING:
     from .blend import BlendResult, StoreCandidate, StorePlacement
-    from .policies.blend import Blend
 
 TokenIds = Sequence[int] | torch.Tensor
 
@@ -40,6 +43,9 @@ TokenIds = Sequence[int] | torch.Tensor
 #: about 1,024-2,048 tokens the work hides the launches (`benchmarks/gpu_restore.py --compute-chunks`).
 #: On a CPU the work always dominates, so units stay as small as the policy likes.
 CUDA_MIN_UNIT_TOKENS = 2048
+
+#: faults of one chunk's write that fail that chunk only (`SaveError`); any other error is a bug and propagates
+WRITE_FAULTS = (StoreError, OSError)
 
 
 @dataclass
@@ -117,17 +123,24 @@ class Restorer:
         load_timeout_s: float | None = 30.0,
         profile: Profile | str | os.PathLike | None = None,
     ) -> None:
-        if not isinstance(chunk_size, int) or chunk_size <= 0:
-            raise InvalidInputError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
+        if not isinstance(getattr(backend, "spec", None), ModelSpec):  # (wrappers forward attributes)
+            raise InvalidInputError(
+                f"backend must be a ComputeBackend with a ModelSpec (e.g. HFBackend(model)), got {backend!r}"
+            )
+        if not isinstance(store, ChunkStore):
+            raise InvalidInputError(f"store must be a ChunkStore (e.g. open_store(url)), got {store!r}")
+        if engine is not None and not isinstance(engine, Engine):
+            raise InvalidInputError(f"engine must be an Engine or None, got {engine!r}")
         if compression not in ("none", "zstd"):
             raise InvalidInputError(f"compression must be 'none' or 'zstd', got {compression!r}")
         self.backend = backend
         self.store = store
-        self.chunk_size = chunk_size
+        self.chunk_size = check_int("chunk_size", chunk_size)
         self.compression = compression
         self.engine = engine or Engine(load_lanes)
+        check_int("load_lanes", load_lanes)  # also where a given engine makes it unused
         self.loader = ChunkLoader(self.spec, store, lambda device: self.engine.cuda_stream("load", device))
-        self.load_timeout_s = load_timeout_s
+        self.load_timeout_s = check_seconds("load_timeout_s", load_timeout_s)
         self.profile = self._profile(profile)
         self.link = LinkEstimate(self.profile.link if self.profile is not None else None)
         self.calibration = Calibration()  # how this restorer's restores compare with predictions
@@ -185,8 +198,32 @@ class Restorer:
     def chunks(self, token_ids: TokenIds) -> tuple[torch.Tensor, list[ChunkRef]]:
         """Validated tokens and their chunks (with store keys)."""
         tokens = as_token_tensor(token_ids)
+        self._check_length(len(tokens))
         self.backend.validate_tokens(tokens)
         return tokens, chunk_keys(tokens, self.spec.fingerprint, self.chunk_size)
+
+    def _check_length(self, n_tokens: int, what: str = "the prompt") -> None:
+        """Refuse more tokens than the model's context (the backend's `context_length`, if it has one)."""
+        limit = getattr(self.backend, "context_length", None)
+        if limit is not None and n_tokens > limit:
+            raise InvalidInputError(
+                f"{what} has {n_tokens} tokens, more than {self.spec.name} takes: its context is {limit} "
+                "tokens (max_position_embeddings)"
+            )
+
+    def _check_kv(self, name: str, kv: object, n_tokens: int) -> KVCache:
+        """`kv` if it is a KVCache of this model with room for `n_tokens`, else InvalidInputError."""
+        if not isinstance(kv, KVCache):
+            raise InvalidInputError(
+                f"{name} must be a KVCache (e.g. KVCache.empty(restorer.spec, n_tokens)), got "
+                f"{type(kv).__name__}"
+            )
+        if not kv.fits(self.spec, n_tokens):
+            raise InvalidInputError(
+                f"{name} ({kv.n_tokens} tokens of {kv.spec.name}, {kv.data.dtype}) cannot hold {n_tokens} "
+                f"tokens of {self.spec.name} ({self.spec.dtype})"
+            )
+        return kv
 
     async def lookup(self, token_ids: TokenIds) -> int:
         """Number of leading tokens covered by stored chunks (the longest stored prefix)."""
@@ -205,9 +242,15 @@ class Restorer:
         Without `kv`, the KV comes from a restore: chunks already stored are loaded, not recomputed, so
         saving a conversation that grew by one turn computes only the new tokens (a stored chunk that
         turns out unusable is recomputed and written again).
+
+        Store faults on writing fail only their chunks: once every write has ended, they raise one
+        `SaveError` (a `StoreError`) whose `written` are the keys stored (they stay stored) and `failed` the
+        keys that were not, with their errors. Any other error propagates as itself.
         """
         t0 = time.perf_counter()
         tokens, refs = self.chunks(token_ids)
+        if kv is not None:
+            self._check_kv("kv", kv, len(tokens))
         present = await self.store.contains([r.key for r in refs])
         todo = [r for r, ok in zip(refs, present, strict=True) if not ok]
         written = 0
@@ -218,10 +261,6 @@ class Restorer:
                 kv = result.kv
                 failed = {e.first_chunk for e in result.trace.of_kind("load-failed")}
                 todo = [r for r, ok in zip(refs, present, strict=True) if not ok or r.index in failed]
-            elif kv.n_tokens < len(tokens):
-                raise InvalidInputError(
-                    f"kv holds {kv.n_tokens} tokens, fewer than the {len(tokens)} to save"
-                )
             written = await self._write_chunks(kv, todo)
         return SaveStats(len(refs), len(todo), len(refs) - len(todo), written, time.perf_counter() - t0)
 
@@ -242,6 +281,17 @@ class Restorer:
         result's `kv` then shares it.
         """
         tokens, refs = self.chunks(token_ids)
+        if policy is not None and not isinstance(policy, Policy):
+            hint = " (a Blend goes to restore_blend)" if isinstance(policy, Blend) else ""
+            raise InvalidInputError(
+                f"policy must be a Policy such as TokenTwoPointer(), got {policy!r}{hint}"
+            )
+        if out is not None:
+            self._check_kv("out", out, len(tokens))
+            if out.data.device != torch.device(self.backend.device):
+                raise InvalidInputError(
+                    f"out is on {out.data.device}; the model runs on {self.backend.device}"
+                )
         errors: list[str] = []
         try:
             stored = await self.store.contains([r.key for r in refs])
@@ -392,14 +442,16 @@ class Restorer:
         """Compute tokens [start, end) on top of the KV of [0, start) (blocking, on the compute lane)."""
         stream = self.engine.cuda_stream("compute", kv.data.device)
         prefill_into = getattr(self.backend, "prefill_into", None)
-        with on_stream(stream):  # its own CUDA stream, so load copies overlap it
-            if prefill_into is not None:  # straight into the cache, attending over it: no copy of the past
-                prefill_into(tokens[start:end], kv.data, start)
-            else:
-                past = kv.prefix(start) if start else None
-                kv.write(self.backend.prefill_chunk(tokens[start:end], past, start))
-        if stream is not None:  # a unit is done when its kernels are, not when they are queued
-            stream.synchronize()
+        try:
+            with on_stream(stream):  # its own CUDA stream, so load copies overlap it
+                if prefill_into is not None:  # into the cache, attending over it: no copy of the past
+                    prefill_into(tokens[start:end], kv.data, start)
+                else:
+                    past = kv.prefix(start) if start else None
+                    kv.write(self.backend.prefill_chunk(tokens[start:end], past, start))
+        finally:  # a unit is done when its kernels are, not when they are queued (also when cancelled)
+            if stream is not None:
+                stream.synchronize()
 
     async def save_chunk(self, token_ids: TokenIds, prefix: TokenIds | None = None) -> str:
         """Prefill a chunk on its own and store its KV under a content key, for `restore_blend`.
@@ -413,6 +465,7 @@ class Restorer:
         tokens = as_token_tensor(token_ids)
         self.backend.validate_tokens(tokens)
         head = self._optional_tokens(prefix)
+        self._check_length(len(head) + len(tokens), "the prefix and chunk")
         key, _ = await save_chunk(self.backend, self.store, tokens, prefix=head, compression=self.compression)
         return key
 
@@ -430,10 +483,14 @@ class Restorer:
 
         if isinstance(chunks, (str, bytes, torch.Tensor)) or not isinstance(chunks, Sequence):
             raise InvalidInputError("chunks must be a list of token-id sequences, one per chunk")
+        if policy is not None and not isinstance(policy, Blend):
+            raise InvalidInputError(f"policy must be a Blend (or None), got {policy!r}")
         parts = [as_token_tensor(c) for c in chunks]
         for t in parts:
             self.backend.validate_tokens(t)
         tail, head = self._optional_tokens(suffix), self._optional_tokens(prefix)
+        total = len(head) + sum(len(t) for t in parts) + len(tail)
+        self._check_length(total, "the blend (prefix, chunks and suffix)")
         return await restore_blend(
             self.backend,
             self.store,
@@ -461,8 +518,9 @@ class Restorer:
 
     def _optional_tokens(self, token_ids: TokenIds | None) -> torch.Tensor:
         """Validated tokens, or an empty tensor for None / an empty sequence."""
-        if token_ids is None or len(token_ids) == 0:
-            return torch.zeros(0, dtype=torch.int64)
+        with contextlib.suppress(TypeError):  # no length: as_token_tensor says what is wrong
+            if token_ids is None or len(token_ids) == 0:
+                return torch.zeros(0, dtype=torch.int64)
         tokens = as_token_tensor(token_ids)
         self.backend.validate_tokens(tokens)
         return tokens
@@ -479,13 +537,9 @@ class Restorer:
     # -- internals -------------------------------------------------------------------------------
 
     def _buffer(self, out: KVCache | None, n_tokens: int) -> KVCache:
+        """A new KV buffer, or the head of `out` (checked by `restore`)."""
         if out is None:
             return KVCache.empty(self.spec, n_tokens, device=self.backend.device)
-        if not out.fits(self.spec, n_tokens) or out.data.device != torch.device(self.backend.device):
-            raise InvalidInputError(
-                f"out buffer ({out.n_tokens} tokens, {out.data.dtype}, {out.data.device}) cannot hold "
-                f"{n_tokens} tokens of {self.spec.name} ({self.spec.dtype}, {self.backend.device})"
-            )
         return out.head(n_tokens)
 
     async def _load_chunk(self, ref: ChunkRef, kv: KVCache) -> int:
@@ -506,23 +560,51 @@ class Restorer:
         return await self.loader.load(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
 
     async def _write_chunks(self, kv: KVCache, refs: list[ChunkRef]) -> int:
-        written = 0
+        """Encode and store `refs`' chunks, `load_lanes` at a time; returns the bytes written. Store
+        faults (`WRITE_FAULTS`) fail their chunk only: `SaveError` once all writes have ended."""
+        nbytes = 0
+        written: list[str] = []
+        failed: dict[str, Exception] = {}
         limiter = anyio.CapacityLimiter(self.engine.load_lanes)
 
         async def write(ref: ChunkRef) -> None:
-            nonlocal written
+            nonlocal nbytes
             async with limiter:
                 chunk = kv.chunk(ref.start, ref.end)
                 blob = await anyio.to_thread.run_sync(
                     lambda: codec.encode_chunk(chunk, self.spec, ref.key, compression=self.compression)
                 )
-                await self.store.put(ref.key, blob)
-                written += len(blob)
+                try:
+                    await self.store.put(ref.key, blob)
+                except WRITE_FAULTS as exc:
+                    failed[ref.key] = exc
+                    return
+                written.append(ref.key)
+                nbytes += len(blob)
 
-        async with anyio.create_task_group() as tg:
-            for ref in refs:
-                tg.start_soon(write, ref)
-        return written
+        try:
+            async with anyio.create_task_group() as tg:
+                for ref in refs:
+                    tg.start_soon(write, ref)
+        except BaseExceptionGroup as group:  # a bug, not a store fault: raise it as itself
+            raise _first_error(group) from None
+        if failed:
+            first = next(iter(failed.values()))
+            raise SaveError(
+                f"{len(failed)} of {len(refs)} chunks could not be written ({len(written)} were, and stay "
+                f"stored); first error: {type(first).__name__}: {first}",
+                written,
+                failed,
+            ) from first
+        return nbytes
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    """The first error inside (nested) exception groups."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 class _Job(NamedTuple):

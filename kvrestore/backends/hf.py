@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from ..cancel import checkpoint
 from ..errors import InvalidInputError, UnsupportedModelError
 from ..kv import KVChunk
 from ..paths import cache_root
@@ -140,6 +141,8 @@ class HFBackend:
             dtype=self.dtype,
             fingerprint=fp,
         )
+        #: the most tokens a prompt may have: the config's `max_position_embeddings` (None: not known)
+        self.context_length: int | None = getattr(config, "max_position_embeddings", None)
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -444,6 +447,7 @@ class HFBackend:
         cos, sin = self.rotary(hidden, positions)
         attend = self._attend_fn(n, n_past)
         for i, mod in enumerate(self._layers):
+            checkpoint()  # a cancelled restore's unit stops here (`kvrestore.cancel`)
             q, k, v = self._project(mod, hidden, cos, sin)
             keys, values = place(i, k, v)
             hidden = self._mix(mod, hidden, attend(q, keys, values))

@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ..errors import InvalidInputError
+
 
 class ChunkStatus(str, Enum):
     PENDING = "pending"
@@ -48,7 +50,7 @@ class Progress:
     def __post_init__(self) -> None:
         n = len(self.chunk_tokens)
         if len(self.stored) != n:
-            raise ValueError("stored flags and chunks differ in length")
+            raise InvalidInputError("stored flags and chunks differ in length")
         self.status = self.status or [ChunkStatus.PENDING] * n
         self.compute_seconds = self.compute_seconds or [None] * n
         self.load_seconds = self.load_seconds or [None] * n

@@ -36,6 +36,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..errors import InvalidInputError, check_int
 from .base import ChunkStatus, Decision, Policy, Progress
 
 #: Cake's compute budget per step (tokens): two 256-token chunks
@@ -66,9 +67,9 @@ class BatchJob:
 
     def __post_init__(self) -> None:
         if self.kind not in CLASS_ORDER:
-            raise ValueError(f"job kind must be one of {sorted(CLASS_ORDER)}, got {self.kind!r}")
+            raise InvalidInputError(f"job kind must be one of {sorted(CLASS_ORDER)}, got {self.kind!r}")
         if len(self.chunk_cost) != self.progress.n_chunks:
-            raise ValueError("chunk_cost and the job's chunks differ in length")
+            raise InvalidInputError("chunk_cost and the job's chunks differ in length")
 
     def remaining_compute(self) -> float:
         """Cost of the chunks nobody is working on yet: what computing the rest would take."""
@@ -156,12 +157,8 @@ class BatchScheduler(ABC):
     def __init__(
         self, token_budget: int = DEFAULT_TOKEN_BUDGET, max_skipped_steps: int = DEFAULT_MAX_SKIPPED_STEPS
     ) -> None:
-        if not isinstance(token_budget, int) or token_budget <= 0:
-            raise ValueError(f"token_budget must be a positive number of tokens, got {token_budget!r}")
-        if not isinstance(max_skipped_steps, int) or max_skipped_steps < 0:
-            raise ValueError(f"max_skipped_steps must be a non-negative integer, got {max_skipped_steps!r}")
-        self.token_budget = token_budget
-        self.max_skipped_steps = max_skipped_steps
+        self.token_budget = check_int("token_budget", token_budget)
+        self.max_skipped_steps = check_int("max_skipped_steps", max_skipped_steps, minimum=0)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(token_budget={self.token_budget})"
@@ -170,7 +167,7 @@ class BatchScheduler(ABC):
         """Refuse a job the budget cannot serve: each chunk must fit in one step."""
         biggest = max(job.progress.chunk_tokens, default=0)
         if biggest > self.token_budget:
-            raise ValueError(
+            raise InvalidInputError(
                 f"job {job.id} has a {biggest}-token chunk, more than the scheduler's token budget of "
                 f"{self.token_budget}: raise token_budget or use a smaller chunk_size"
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..errors import check_int
 from .base import IDLE, Decision, Policy, Progress, next_compute_run
 
 
@@ -15,9 +16,7 @@ class ComputeOnly(Policy):
     name = "compute-only"
 
     def __init__(self, unit_chunks: int | None = None) -> None:
-        if unit_chunks is not None and unit_chunks <= 0:
-            raise ValueError(f"unit_chunks must be positive or None, got {unit_chunks}")
-        self.unit_chunks = unit_chunks
+        self.unit_chunks = None if unit_chunks is None else check_int("unit_chunks", unit_chunks)
 
     def decide(self, progress: Progress) -> Decision:
         run = next_compute_run(progress, self.unit_chunks)

@@ -18,6 +18,7 @@ and `Progress.chunk_tokens` holds the same token count for every layer.
 
 from __future__ import annotations
 
+from ..errors import check_int
 from .token_two_pointer import TokenTwoPointer
 
 #: layers per compute unit (the first unit is one layer, to measure the lane; units shrink near the meeting)
@@ -31,9 +32,7 @@ class LayerTwoPointer(TokenTwoPointer):
     axis = "layers"
 
     def __init__(self, compute_layers: int = DEFAULT_COMPUTE_LAYERS) -> None:
-        if not isinstance(compute_layers, int) or compute_layers <= 0:
-            raise ValueError(f"compute_layers must be a positive integer, got {compute_layers!r}")
-        super().__init__(compute_chunks=compute_layers)
+        super().__init__(compute_chunks=check_int("compute_layers", compute_layers))
 
     def __repr__(self) -> str:
         return f"LayerTwoPointer(compute_layers={self.compute_chunks})"

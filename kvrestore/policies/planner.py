@@ -22,6 +22,7 @@ from functools import cached_property, lru_cache
 from typing import NamedTuple
 
 from ..bandwidth import BandwidthTrace, Link
+from ..errors import InvalidInputError
 from ..profile import Calibration, ChunkCost, LayerCost, LinkCost, Profile
 from ..simulate import simulate
 from .base import Decision, Policy, Progress
@@ -105,7 +106,12 @@ class Auto(Policy):
     axis = "plan"
 
     def __init__(self, candidates: Sequence[Policy] | None = None) -> None:
-        self.candidates = tuple(candidates) if candidates is not None else None
+        if candidates is not None:
+            candidates = tuple(candidates)
+            bad = [p for p in candidates if not isinstance(p, Policy) or isinstance(p, Auto)]
+            if bad:
+                raise InvalidInputError(f"Auto's candidates must be restore policies (not Auto), got {bad!r}")
+        self.candidates = candidates
 
     def __repr__(self) -> str:
         return "Auto()"

@@ -13,6 +13,7 @@ most about one chunk's compute time.
 
 from __future__ import annotations
 
+from ..errors import check_int
 from .base import ChunkStatus, Decision, Policy, Progress
 
 #: stored chunks per compute unit: 2 x 256-token chunks = 512 tokens, Cake's compute granularity
@@ -33,9 +34,7 @@ class TokenTwoPointer(Policy):
     name = "two-pointer"
 
     def __init__(self, compute_chunks: int = DEFAULT_COMPUTE_CHUNKS) -> None:
-        if not isinstance(compute_chunks, int) or compute_chunks <= 0:
-            raise ValueError(f"compute_chunks must be a positive integer, got {compute_chunks!r}")
-        self.compute_chunks = compute_chunks
+        self.compute_chunks = check_int("compute_chunks", compute_chunks)
 
     def __repr__(self) -> str:
         return f"TokenTwoPointer(compute_chunks={self.compute_chunks})"

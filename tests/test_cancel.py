@@ -1,0 +1,126 @@
+"""Cancellation is bounded by one layer: a restore cancelled by a deadline stops its compute unit at the
+next layer boundary (`kvrestore.cancel`) and returns once nothing of it runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import anyio.to_thread
+import pytest
+import torch
+
+from kvrestore import ComputeOnly, Restorer, TokenTwoPointer
+from kvrestore.backends.hf import HFBackend
+from kvrestore.cancel import UnitCancelled, checkpoint, run_unit
+from kvrestore.stores.memory import MemoryStore
+
+from .conftest import random_tokens, tiny_model
+
+LAYER_S = 0.08
+LAYERS = 12
+
+
+class SlowLayers(HFBackend):
+    """Each decoder layer of every prefill takes at least LAYER_S; counts the layers it ran."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.layers_run = 0
+        self._lock = threading.Lock()
+
+    def _project(self, *args, **kwargs):
+        time.sleep(LAYER_S)
+        with self._lock:
+            self.layers_run += 1
+        return super()._project(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def slow_backend() -> SlowLayers:
+    return SlowLayers(tiny_model("llama", layers=LAYERS), name="tiny-slow")
+
+
+@pytest.mark.parametrize("policy", [ComputeOnly(), TokenTwoPointer(compute_chunks=64)])
+def test_a_deadline_stops_the_unit_at_the_next_layer(slow_backend, policy):
+    """One unit of the whole prompt takes LAYERS x LAYER_S (~1 s); a 0.2 s deadline returns within about
+    one layer of it, no layer runs after the restore returned, and the engine restores exactly after."""
+    tokens = random_tokens(128, slow_backend.spec.vocab_size)
+    deadline = 0.2
+
+    async def main():
+        r = Restorer(slow_backend, MemoryStore(), chunk_size=32)
+        t = time.perf_counter()
+        with anyio.move_on_after(deadline) as scope:
+            await r.restore(tokens, policy)
+        returned = time.perf_counter() - t
+        assert scope.cancelled_caught
+        ran = slow_backend.layers_run
+        await anyio.sleep(3 * LAYER_S)
+        assert slow_backend.layers_run == ran  # nothing of the cancelled unit still runs
+        res = await r.restore(tokens, ComputeOnly())  # the compute lane is free again and exact
+        return returned, res
+
+    returned, res = anyio.run(main)
+    # a whole unit would take LAYERS x LAYER_S = 0.96 s; one layer past the deadline is 0.28 s
+    assert returned < deadline + LAYER_S + 0.35, returned
+    full = slow_backend.prefill_chunk(tokens, None, 0).data
+    torch.testing.assert_close(res.kv.data, full, atol=1e-5, rtol=0)
+
+
+def test_run_unit_returns_the_result_and_raises_the_units_error():
+    async def main():
+        assert await run_unit(lambda a, b: a + b, 2, 3) == 5
+        with pytest.raises(ZeroDivisionError):
+            await run_unit(lambda: 1 / 0)
+
+    anyio.run(main)
+
+
+def test_checkpoint_outside_a_unit_does_nothing_and_inside_a_cancelled_one_raises():
+    checkpoint()  # no unit on this thread
+    seen: list[str] = []
+
+    def unit():
+        for _ in range(200):
+            try:
+                checkpoint()
+            except UnitCancelled:
+                seen.append("stopped")
+                raise
+            time.sleep(0.01)
+        seen.append("ran to the end")
+
+    async def main():
+        with anyio.move_on_after(0.05):
+            await run_unit(unit)
+
+    t = time.perf_counter()
+    anyio.run(main)
+    assert seen == ["stopped"] and time.perf_counter() - t < 1.0
+
+
+def test_a_unit_cancelled_before_its_thread_starts_never_runs_and_does_not_hang():
+    """Cancelled while waiting for a worker thread (all of anyio's are busy): it returns at once and the
+    unit never runs, even if the thread takes it up later."""
+    ran: list[int] = []
+    release = threading.Event()
+
+    async def main():
+        limiter = anyio.to_thread.current_default_thread_limiter()
+        old, limiter.total_tokens = limiter.total_tokens, 1
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, release.wait)  # holds the only worker token
+                await anyio.sleep(0.05)
+                with anyio.fail_after(5):
+                    with anyio.move_on_after(0.05):
+                        await run_unit(lambda: ran.append(1))
+                release.set()
+            await anyio.sleep(0.1)
+        finally:
+            limiter.total_tokens = old
+
+    anyio.run(main)
+    assert ran == []

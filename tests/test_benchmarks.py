@@ -91,3 +91,14 @@ def test_gpu_blend_tiny(tmp_path: Path) -> None:
         assert case["median_s"] > 0, name
     assert layout["cases"]["blend@0.15"]["loaded_chunks"] == 4
     assert layout["exactness_full_recompute"]["passed"]
+
+
+@pytest.mark.slow
+def test_cancel_tiny(tmp_path: Path) -> None:
+    data = run_script("cancel.py", tmp_path / "cancel-tiny.json")
+    assert data["layer_s"] > 0 and len(data["deadlines_s"]) == 2
+    assert set(data["cases"]) == {
+        f"{p}|{m}" for p in ("compute-only", "two-pointer@0.5x") for m in ("layer-bound", "unit-bound")
+    }
+    for case in data["cases"].values():
+        assert len(case["overruns_s"]) == 2 and case["max_overrun_s"] >= case["median_overrun_s"]

@@ -224,17 +224,24 @@ class HFBackend:
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         """A layer's Q (unless `with_q` is False), K (both normed if the model does, after RoPE) and V
         of `hidden` [1, T, hidden], each [1, heads, T, D]."""
+        q, k, v = self._project_normed(mod, mod.input_layernorm(hidden), cos, sin, with_q=with_q)
+        assert k is not None and v is not None
+        return q, k, v
+
+    def _project_normed(
+        self, mod: Any, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, with_q: bool = True, with_kv: bool = True
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """`_project` of inputs already through the layer's input norm (`x`), Q and/or K, V."""
         attn = mod.self_attn
-        t = hidden.shape[1]
-        x = mod.input_layernorm(hidden)
+        t = x.shape[1]
         q = attn.q_proj(x).view(1, t, -1, self._head_dim) if with_q else None
-        k = attn.k_proj(x).view(1, t, -1, self._head_dim)
-        v = attn.v_proj(x).view(1, t, -1, self._head_dim).transpose(1, 2)
-        if self._qk_norm:
-            k = attn.k_norm(k)
-            q = attn.q_norm(q) if q is not None else None
-        k = apply_rope(k.transpose(1, 2), cos, sin)
-        q = apply_rope(q.transpose(1, 2), cos, sin) if q is not None else None
+        k = v = None
+        if with_kv:
+            k = attn.k_proj(x).view(1, t, -1, self._head_dim)
+            v = attn.v_proj(x).view(1, t, -1, self._head_dim).transpose(1, 2)
+            k = apply_rope((attn.k_norm(k) if self._qk_norm else k).transpose(1, 2), cos, sin)
+        if q is not None:
+            q = apply_rope((attn.q_norm(q) if self._qk_norm else q).transpose(1, 2), cos, sin)
         return q, k, v
 
     @staticmethod
@@ -355,8 +362,19 @@ class HFBackend:
         to recompute.
         """
         cos, sin = rope if rope is not None else self.rotary(hidden, positions)
-        _, k, v = self._project(self._layers[layer], hidden, cos, sin, with_q=False)
-        return k[0], v[0]
+        return self.project_candidates(layer, hidden, (cos, sin))[1:]
+
+    @torch.inference_mode()
+    def project_candidates(
+        self, layer: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`project_kv` that also returns the normed inputs [1, T, hidden]: `run_layer_selective` takes
+        the selected tokens' rows of all three (`projected=`) instead of projecting them again."""
+        mod = self._layers[layer]
+        x = mod.input_layernorm(hidden)
+        _, k, v = self._project_normed(mod, x, *rope, with_q=False)
+        assert k is not None and v is not None
+        return x, k[0], v[0]
 
     @torch.inference_mode()
     def run_layer_selective(
@@ -367,6 +385,7 @@ class HFBackend:
         k: torch.Tensor,
         v: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decoder layer for a subset of tokens of a sequence whose KV for this layer is `k`, `v`.
 
@@ -374,12 +393,19 @@ class HFBackend:
         position = index: the sequence starts at 0). `k`, `v` [H, N, D] hold the layer's KV for all N
         tokens; the selected rows are **overwritten in place** with the recomputed ones before the
         attention runs, so each selected query attends over the blended KV with a causal mask at its
-        position. Returns (hidden out [1, S, hidden], K rows [H, S, D], V rows [H, S, D]).
+        position. Returns (hidden out [1, S, hidden], K rows [H, S, D], V rows [H, S, D]). With
+        `projected` (the tokens' normed inputs [1, S, hidden], K and V rows [H, S, D] from
+        `project_candidates`) only their queries are projected here.
         """
         index = index.to(self.device)
         cos, sin = rope if rope is not None else self.rotary(hidden, index)
         mod = self._layers[layer]
-        q, kr, vr = self._project(mod, hidden, cos, sin)
+        if projected is None:
+            q, kr, vr = self._project(mod, hidden, cos, sin)
+        else:
+            x, k_rows, v_rows = projected
+            q, _, _ = self._project_normed(mod, x, cos, sin, with_kv=False)
+            kr, vr = k_rows[None], v_rows[None]
         k.index_copy_(1, index, kr[0])
         v.index_copy_(1, index, vr[0])
         mask = torch.arange(k.shape[1], device=self.device)[None, :] <= index[:, None]

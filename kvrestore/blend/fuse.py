@@ -210,15 +210,21 @@ async def _fuse(
         mark = timer.start()
         cos, sin = state["rope"]  # type: ignore[misc]
         k_layer, v_layer = kv.data[i, 0], kv.data[i, 1]
-        k_new, v_new = backend.project_kv(i, hidden, cand, rope=(cos[:, cand], sin[:, cand]))
+        x, k_new, v_new = backend.project_candidates(i, hidden, (cos[:, cand], sin[:, cand]))
         dev = kv_deviation(k_new, v_new, k_layer[:, cand], v_layer[:, cand], policy.deviation)
         keep = select_hkvd(dev, forced[cand], size, n_forced=n_forced)
         sel = cand[keep]
         if policy.update_candidates:  # every candidate's fresh K/V replaces its loaded K/V (no compute)
             k_layer.index_copy_(1, cand, k_new)
             v_layer.index_copy_(1, cand, v_new)
-        hidden, _, _ = backend.run_layer_selective(
-            i, hidden[:, keep], sel, k_layer, v_layer, rope=(cos[:, sel], sin[:, sel])
+        hidden, _, _ = backend.run_layer_selective(  # the kept rows' K, V and normed inputs, not again
+            i,
+            hidden[:, keep],
+            sel,
+            k_layer,
+            v_layer,
+            rope=(cos[:, sel], sin[:, sel]),
+            projected=(x[:, keep], k_new[:, keep], v_new[:, keep]),
         )
         timer.stop(i, mark)
         chosen = min(size, cand.numel() - n_forced)

@@ -238,34 +238,31 @@ class LayerReader:
         its verified and decoded KV instead."""
         chunk, header = self.chunks[j], self.headers[j]
         a, b = codec.layer_ranges(header, [layer])[0]
-        if header.compression != "none" or not device_checkable(self.spec.head_dim * self.spec.dtype.itemsize):
-            if data is None:
-                whole = self.store.get_now(chunk.key)
-                data = None if whole is None else memoryview(whole)[a:b]
-            if data is None:
-                raise MissingChunkError(f"chunk {chunk.key[:12]} disappeared from the store")
-            return codec.decode_layers(header, {layer: data}, self.spec, [layer])
         staging = None
-        if data is None and not self.store.reads_in_memory:  # a local file: read into pinned staging
+        if data is None and self.store.reads_in_memory:
+            whole = self.store.get_now(chunk.key)
+            data = None if whole is None else memoryview(whole)[a:b]
+        elif data is None:  # a local file: the section alone, into pinned staging
             staging = self.pool.acquire(b - a)
             n = self.store.scatter_into_now(chunk.key, a, [staging.view[: b - a]])
             data = None if n is None else staging.view[:n]
-        elif data is None:
-            whole = self.store.get_now(chunk.key)
-            data = None if whole is None else memoryview(whole)[a:b]
+        handed_on = False
         try:
             if data is None:
                 raise MissingChunkError(f"chunk {chunk.key[:12]} disappeared from the store")
             if len(data) != b - a:
                 raise TruncatedChunkError(f"layer {layer}: section is {len(data)} bytes, header says {b - a}")
-            if staging is not None:
-                return staging.tensor[: b - a], staging
-            host, staging = pinned_host(memoryview(data), self.pool)
+            if header.compression != "none" or not device_checkable(self.spec.head_dim * self.spec.dtype.itemsize):
+                return codec.decode_layers(header, {layer: data}, self.spec, [layer])  # verified on the host
+            if staging is None:
+                host, staging = pinned_host(memoryview(data), self.pool)
+            else:
+                host = staging.tensor
+            handed_on = True
             return host[: b - a], staging
-        except BaseException:
-            if staging is not None:
+        finally:
+            if staging is not None and not handed_on:
                 self.pool.release(staging)
-            raise
 
     def _place_uploads(
         self,

@@ -44,27 +44,28 @@ def slow_backend() -> SlowLayers:
 
 @pytest.mark.parametrize("policy", [ComputeOnly(), TokenTwoPointer(compute_chunks=64)])
 def test_a_deadline_stops_the_unit_at_the_next_layer(slow_backend, policy):
-    """One unit of the whole prompt takes LAYERS x LAYER_S (~1 s); a 0.2 s deadline returns within about
-    one layer of it, no layer runs after the restore returned, and the engine restores exactly after."""
+    """One unit of the whole prompt takes LAYERS x LAYER_S (~1 s); after a 0.2 s deadline it stops at the
+    next layer (counted, not timed), no layer runs after the restore returned, and the engine restores
+    exactly after."""
     tokens = random_tokens(128, slow_backend.spec.vocab_size)
     deadline = 0.2
 
     async def main():
         r = Restorer(slow_backend, MemoryStore(), chunk_size=32)
-        t = time.perf_counter()
+        before = slow_backend.layers_run
         with anyio.move_on_after(deadline) as scope:
             await r.restore(tokens, policy)
-        returned = time.perf_counter() - t
         assert scope.cancelled_caught
         ran = slow_backend.layers_run
         await anyio.sleep(3 * LAYER_S)
         assert slow_backend.layers_run == ran  # nothing of the cancelled unit still runs
         res = await r.restore(tokens, ComputeOnly())  # the compute lane is free again and exact
-        return returned, res
+        return ran - before, res
 
-    returned, res = anyio.run(main)
-    # a whole unit would take LAYERS x LAYER_S = 0.96 s; one layer past the deadline is 0.28 s
-    assert returned < deadline + LAYER_S + 0.35, returned
+    layers, res = anyio.run(main)
+    # the first unit has all LAYERS layers: run to its end it would count them all; stopped at the next
+    # layer after the deadline it counts about deadline / LAYER_S + 1 of them
+    assert layers < LAYERS // 2, layers
     full = slow_backend.prefill_chunk(tokens, None, 0).data
     torch.testing.assert_close(res.kv.data, full, atol=1e-5, rtol=0)
 
@@ -96,9 +97,8 @@ def test_checkpoint_outside_a_unit_does_nothing_and_inside_a_cancelled_one_raise
         with anyio.move_on_after(0.05):
             await run_unit(unit)
 
-    t = time.perf_counter()
     anyio.run(main)
-    assert seen == ["stopped"] and time.perf_counter() - t < 1.0
+    assert seen == ["stopped"]  # it did not run its 200 steps to the end
 
 
 def test_a_unit_cancelled_before_its_thread_starts_never_runs_and_does_not_hang():

@@ -14,8 +14,8 @@ Several processes sharing one store:
 * a local directory (`inner.local_dir`, seen through any wrappers, on a POSIX system): one capacity for
   all of them. Room is made under an exclusive lock on a file in the directory, with the directory as the
   account: the reservations of every process's writes in flight plus the objects listed then
-  (`shared_dir`). The price is a listing per write, which on a local `FsspecStore` re-reads only the
-  shard directories changed since the last one (some 4 ms a write at 1,000 objects, 9-14 at 20,000).
+  (`shared_dir`). The price is a listing per write; on a local `FsspecStore` it re-reads only the
+  shard directories changed since the last one.
 * any other store (S3, memory, a tiered store): a per-process limit. Each process enforces the capacity
   from its own view (its scan plus what it wrote and read since), so N processes sharing a prefix can
   hold up to N times the capacity; none ever loses an object it was not asked to evict.

@@ -1,7 +1,10 @@
 """The planner (`Auto`) against every strategy it chooses from, over prompt length x bandwidth.
 
     python benchmarks/planner.py [--lengths 128,256,512,1024,2048,4096] [--multipliers 0.25,0.5,1,2,4]
-                                 [--rounds 3] [--latency-ms 1] [--profile PATH]
+                                 [--rounds 3] [--latency-ms 1] [--profile PATH] [--no-profile]
+
+With --no-profile: Auto on fresh restorers that have no profile, restore #1, #2, #3 and #4 of each
+(what it learns from its own work), against the same strategies (`planner_no_profile.py`).
 
 On SmolLM2 (fp32): first `kvrestore.profile` measures this machine (or `--profile` loads a saved one).
 For each prompt length N the balance bandwidth is N's KV bytes over N's measured compute-only time; for
@@ -262,7 +265,17 @@ if __name__ == "__main__":
         "--latency-ms", type=float, default=1.0, help="per-request latency of the link (default 1)"
     )
     ap.add_argument("--profile", default=None, help="a saved profile instead of measuring one first")
-    ap.add_argument("--json", default=str(Path(__file__).resolve().parent / "results" / "planner.json"))
+    ap.add_argument(
+        "--no-profile", action="store_true", help="no profile: Auto learns from its own restores"
+    )
+    ap.add_argument("--json", default=None, help="default: results/planner.json (planner-no-profile.json)")
     a = ap.parse_args()
-    result = anyio.run(main, a)
+    name = "planner-no-profile.json" if a.no_profile else "planner.json"
+    a.json = a.json or str(Path(__file__).resolve().parent / "results" / name)
+    if a.no_profile:
+        import planner_no_profile
+
+        result = anyio.run(planner_no_profile.run, a)
+    else:
+        result = anyio.run(main, a)
     print(f"wrote {write_json(a.json, result)}")

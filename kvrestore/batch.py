@@ -144,9 +144,11 @@ class BatchEngine(Engine):
         on_event: Callable[[TraceEvent], None] | None = None,
         load_timeout_s: float | None = None,
         load_now: LoadNowFn | None = None,
+        compute_apart: Callable[[int, int], Callable[[], None]] | None = None,
     ) -> Trace:
         """Hand one restore to the scheduler and wait for it; returns its trace. Its loads run as tasks
-        under the scheduler's grants (`load_now` is not used)."""
+        under the scheduler's grants (`load_now` is not used; nor is `compute_apart`: a batch step does
+        not race its units against fetches)."""
         if policy.axis != "tokens":
             raise InvalidInputError(
                 f"BatchEngine schedules restores along tokens; {policy!r} works along {policy.axis} "

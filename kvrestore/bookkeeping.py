@@ -20,19 +20,14 @@ class PolicyError(RuntimeError):
 
 
 def begin(progress: Progress, decision: Decision, policy: Policy | None = None) -> None:
-    """Mark the units of `decision` as started (drops first, so a compute unit may take their chunks)."""
+    """Mark the units of `decision` as started: drops first (a compute unit may take their chunks),
+    then loads (a racing compute unit may race one of them), then the compute unit."""
     who = repr(policy) if policy is not None else "policy"
     for i in decision.drop:
         if progress.status[i] is not ChunkStatus.LOADING:
             raise PolicyError(f"{who} dropped the load of chunk {i}, which is {progress.status[i].value}")
         progress.status[i] = ChunkStatus.PENDING  # the load still holds its lane until it stops
         progress.load_started[i] = None
-    if decision.compute is not None:
-        a, b = decision.compute
-        check_compute(progress, a, b, who)
-        for j in range(a, b):
-            progress.status[j] = ChunkStatus.COMPUTING
-        progress.compute_busy = True
     for i in decision.loads:
         if progress.status[i] is not ChunkStatus.PENDING or not progress.stored[i]:
             state = progress.status[i].value if progress.stored[i] else "not stored"
@@ -40,6 +35,31 @@ def begin(progress: Progress, decision: Decision, policy: Policy | None = None) 
         progress.status[i] = ChunkStatus.LOADING
         progress.load_started[i] = progress.now
         progress.loads_in_flight += 1
+    if decision.race:
+        _begin_race(progress, decision, who)
+    elif decision.compute is not None:
+        a, b = decision.compute
+        check_compute(progress, a, b, who)
+        for j in range(a, b):
+            progress.status[j] = ChunkStatus.COMPUTING
+        progress.compute_busy = True
+
+
+def _begin_race(progress: Progress, decision: Decision, who: str) -> None:
+    """A compute unit of one chunk whose fetch is in flight: the chunk stays LOADING (with `racing`
+    set) until one of the two finishes."""
+    if not progress.can_race:
+        raise PolicyError(f"{who} raced a compute unit against a fetch on a driver that cannot race")
+    if decision.compute is None or decision.compute[1] != decision.compute[0] + 1:
+        raise PolicyError(f"{who} raced a compute unit of {decision.compute}: a race is for one chunk")
+    a = decision.compute[0]
+    if progress.compute_busy or progress.done_prefix() != a or progress.status[a] is not ChunkStatus.LOADING:
+        raise PolicyError(
+            f"{who} raced for chunk {a}, which is {progress.status[a].value} (needs every chunk before it "
+            "done, a free compute lane and its fetch in flight)"
+        )
+    progress.compute_busy = True
+    progress.racing = a
 
 
 def check_compute(progress: Progress, a: int, b: int, who: str = "policy") -> None:
@@ -54,6 +74,9 @@ def check_compute(progress: Progress, a: int, b: int, who: str = "policy") -> No
 
 def apply_event(progress: Progress, event: TraceEvent) -> None:
     """Update a restore's progress with a finished unit (kept apart from decisions, as in vLLM)."""
+    if progress.racing is not None and event.first_chunk == progress.racing:
+        _apply_race(progress, event)
+        return
     chunks = range(event.first_chunk, event.last_chunk + 1)
     expect = ChunkStatus.COMPUTING if event.kind == "compute" else ChunkStatus.LOADING
     if event.kind != "load-dropped" and any(progress.status[j] is not expect for j in chunks):
@@ -76,6 +99,37 @@ def apply_event(progress: Progress, event: TraceEvent) -> None:
     else:  # a fault: the chunk is a miss from now on
         progress.load_started[i] = None
         progress.status[i] = ChunkStatus.PENDING
+        progress.stored[i] = False
+
+
+def _apply_race(progress: Progress, event: TraceEvent) -> None:
+    """A unit of a race ended. The fetch landing first wins (the compute unit, stopped, then ends as
+    "compute-dropped"); a fetch that failed or was dropped leaves the chunk to the compute unit, whose
+    "compute" then applies it."""
+    i = event.first_chunk
+    if event.kind == "compute-dropped":
+        progress.compute_busy = False
+        progress.racing = None
+        return
+    if event.kind == "compute":
+        if progress.status[i] is not ChunkStatus.COMPUTING:
+            raise PolicyError(f"the compute unit of chunk {i} won its race after the fetch did")
+        progress.racing = None
+        progress.compute_busy = False
+        progress.status[i] = ChunkStatus.COMPUTED
+        progress.compute_seconds[i] = event.seconds
+        return
+    if progress.status[i] is not ChunkStatus.LOADING:
+        raise PolicyError(f"{event.kind} of chunk {i}, which is {progress.status[i].value}, in a race")
+    progress.loads_in_flight -= 1
+    if event.kind == "load":
+        progress.status[i] = ChunkStatus.LOADED
+        progress.load_seconds[i] = event.seconds
+        progress.bytes_loaded += event.nbytes
+        return
+    progress.load_started[i] = None
+    progress.status[i] = ChunkStatus.COMPUTING  # the compute unit has it now
+    if event.kind == "load-failed":
         progress.stored[i] = False
 
 

@@ -46,6 +46,8 @@ if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
 ComputeFn = Callable[[int, int], None]
+#: computes chunks [a, b) without writing them; returns what writes them (called only if it won its race)
+ComputeApartFn = Callable[[int, int], Callable[[], None]]
 LoadFn = Callable[[int], Awaitable[int]]
 LoadNowFn = Callable[[int], int]
 
@@ -166,12 +168,15 @@ class Engine:
         on_event: Callable[[TraceEvent], None] | None = None,
         load_timeout_s: float | None = None,
         load_now: LoadNowFn | None = None,
+        compute_apart: ComputeApartFn | None = None,
     ) -> Trace:
         """Drive one restore to the end; returns its trace. A unit's own error propagates as itself.
-        With `load_now`, loads run on the lane threads (on asyncio; elsewhere `load` is used)."""
+        With `load_now`, loads run on the lane threads (on asyncio; elsewhere `load` is used). With
+        `compute_apart`, a policy may race a compute unit against a fetch (`Decision.race`)."""
         if load_now is not None and not _on_asyncio():
             load_now = None
-        run = _Run(self, progress, policy, compute, load, on_event, load_timeout_s, load_now)
+        progress.can_race = compute_apart is not None
+        run = _Run(self, progress, policy, compute, load, on_event, load_timeout_s, load_now, compute_apart)
         try:
             await run.drive()
         except BaseExceptionGroup as group:
@@ -192,8 +197,12 @@ class _Run:
         on_event: Callable[[TraceEvent], None] | None,
         load_timeout_s: float | None,
         load_now: LoadNowFn | None = None,
+        compute_apart: ComputeApartFn | None = None,
     ) -> None:
         self.engine = engine
+        self.compute_apart = compute_apart
+        self.race_scope: anyio.CancelScope | None = None  # the racing compute unit's, while it races
+        self.outcomes: dict[int, str] = {}  # how each chunk's latest load ended ("load", "load-dropped"...)
         self.progress = progress
         self.policy = policy
         self.compute_fn = compute
@@ -219,6 +228,27 @@ class _Run:
             await run_unit(self.compute_fn, a, b)  # cancelled: stops at the next layer, then returns
             self.send.send_nowait(TraceEvent("compute", a, b - 1, start, self._now()))
 
+    async def _race(self, a: int, scope: anyio.CancelScope) -> None:
+        """Compute chunk `a` apart while its fetch runs (`Decision.race`). Whichever ends first wins;
+        the compute unit's KV is written only once the fetch has stopped without landing."""
+        assert self.compute_apart is not None
+        async with self.compute_lane:
+            start = self._now()
+            commit = None
+            with scope:
+                commit = await run_unit(self.compute_apart, a, a + 1)
+            entry = self.loads.get(a)
+            if commit is not None and entry is not None:  # computed first: stop the fetch
+                stoppable, stopped = entry
+                stoppable.cancel()
+                with anyio.CancelScope(shield=True):
+                    await stopped.wait()
+            if commit is None or self.outcomes.get(a) == "load":  # the fetch landed first: it won
+                self.send.send_nowait(TraceEvent("compute-dropped", a, a, start, self._now()))
+                return
+            await run_unit(commit)
+            self.send.send_nowait(TraceEvent("compute", a, a, start, self._now()))
+
     async def _load(self, i: int, scope: anyio.CancelScope, stopped: anyio.Event) -> None:
         start = self._now()
         event: TraceEvent | None = None
@@ -230,6 +260,7 @@ class _Run:
             if scope.cancel_called:  # dropped: whatever it read is not applied
                 event = TraceEvent("load-dropped", i, i, start, self._now())
             if event is not None:
+                self.outcomes[i] = event.kind
                 self.send.send_nowait(event)
         finally:
             stopped.set()
@@ -266,6 +297,8 @@ class _Run:
 
     def _landed(self, job: _ThreadLoad, outcome: TraceEvent | BaseException) -> None:
         """A lane thread's load has finished (on the loop)."""
+        if isinstance(outcome, TraceEvent):
+            self.outcomes[outcome.first_chunk] = outcome.kind
         self.thread_loads.discard(job)
         job.stopped.set()
         self.send.send_nowait(outcome)
@@ -284,8 +317,10 @@ class _Run:
         self._apply(item)
 
     def _apply(self, event: TraceEvent) -> None:
-        if event.kind != "compute":
+        if event.kind.startswith("load"):
             self.loads.pop(event.first_chunk, None)
+        if event.kind == "load" and event.first_chunk == self.progress.racing and self.race_scope:
+            self.race_scope.cancel()  # the fetch won: the compute unit stops at its next layer
         apply_event(self.progress, event)
         self.trace.add(event)
         if self.on_event is not None:
@@ -298,15 +333,19 @@ class _Run:
             scope.cancel()
             dropped.append(stopped)
         begin(self.progress, decision, self.policy)
-        if decision.compute is not None:
-            tg.start_soon(self._compute, *decision.compute, dropped)
         for i in decision.loads:
+            self.outcomes.pop(i, None)
             if self.load_now is not None:
                 job = self._submit_now(i)
                 self.loads[i] = (job, job.stopped)
                 continue
             self.loads[i] = (anyio.CancelScope(), anyio.Event())
             tg.start_soon(self._load, i, *self.loads[i])
+        if decision.race:
+            self.race_scope = anyio.CancelScope()
+            tg.start_soon(self._race, decision.compute[0], self.race_scope)  # type: ignore[index]
+        elif decision.compute is not None:
+            tg.start_soon(self._compute, *decision.compute, dropped)
 
     async def drive(self) -> None:
         try:

@@ -15,7 +15,7 @@ from .bandwidth import BandwidthTrace
 from .errors import KVRestoreError
 from .trace import Trace
 
-COLORS = {"compute": "#d95f02", "load": "#1b9e77", "load-dropped": "#bbbbbb", "load-failed": "#e7298a"}
+COLORS = {"compute": "#d95f02", "load": "#1b9e77", "load-dropped": "#bbbbbb", "load-failed": "#e7298a", "compute-dropped": "#f4b183"}
 
 
 def _pyplot():

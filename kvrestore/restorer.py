@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import math
 import os
 import sys
 import time
@@ -18,6 +20,7 @@ import torch
 from . import codec
 from .backend import ComputeBackend
 from .chunkio import ChunkLoader
+from .costs import CostLearner, check_learn, learned_path, store_name
 from .engine import LOAD_FAULTS, Engine, on_stream
 from .errors import ChunkDecodeError, InvalidInputError, SaveError, StoreError, check_int, check_seconds
 from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
@@ -33,6 +36,8 @@ from .trace import Trace, TraceEvent
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
+log = logging.getLogger("kvrestore.restorer")
+
 if TYPE_CHECKING:
     from .blend import BlendResult, StoreCandidate, StorePlacement
 
@@ -43,6 +48,16 @@ TokenIds = Sequence[int] | torch.Tensor
 #: about 1,024-2,048 tokens the work hides the launches (`benchmarks/gpu_restore.py --compute-chunks`).
 #: On a CPU the work always dominates, so units stay as small as the policy likes.
 CUDA_MIN_UNIT_TOKENS = 2048
+
+#: with learned costs, how much faster a strategy never run must be predicted than one that was run,
+#: to be chosen over it (`Auto.plan`): learned from one strategy's restores, the others' predictions
+#: are extrapolations
+UNTRIED_MARGIN = 1.15
+
+#: a compute unit's fixed cost (launches, per-call work) may be at most this share of its time
+LAUNCH_SHARE = 0.25
+#: the largest unit the cost model may ask for on its own
+MAX_MIN_UNIT_TOKENS = 4096
 
 #: faults of one chunk's write that fail that chunk only (`SaveError`); any other error is a bug and propagates
 WRITE_FAULTS = (StoreError, OSError)
@@ -107,8 +122,11 @@ class Restorer:
     `chunk_size` tokens per stored chunk (default 256); `load_lanes` concurrent fetches;
     `compression` "none" or "zstd" for written chunks. Restorers may share an `Engine` (its lanes).
     `profile` is the cost model the `Auto` planner predicts with: a `Profile`, a path to one, or None
-    for the one `kvrestore profile` saved for this machine and model (if any). Its store link is only a
-    starting point: `link` follows the loads of every restore.
+    for the one `kvrestore profile` saved for this machine and model (if any). Without one, the
+    restorer learns the cost model from its own saves and restores (`costs`, see `kvrestore.costs`);
+    `learn` keeps what it learned for the next restorer of this machine, model and store: True under
+    the cache directory, a path, or False (in memory only). A profile's store link is only a starting
+    point: `link` follows the loads of every restore.
     """
 
     def __init__(
@@ -122,6 +140,7 @@ class Restorer:
         engine: Engine | None = None,
         load_timeout_s: float | None = 30.0,
         profile: Profile | str | os.PathLike | None = None,
+        learn: bool | str | os.PathLike = True,
     ) -> None:
         if not isinstance(getattr(backend, "spec", None), ModelSpec):  # (wrappers forward attributes)
             raise InvalidInputError(
@@ -142,8 +161,29 @@ class Restorer:
         self.loader = ChunkLoader(self.spec, store, lambda device: self.engine.cuda_stream("load", device))
         self.load_timeout_s = check_seconds("load_timeout_s", load_timeout_s)
         self.profile = self._profile(profile)
-        self.link = LinkEstimate(self.profile.link if self.profile is not None else None)
+        self.costs = CostLearner(self.spec, self.backend.device, store_name(store))
+        learn = check_learn(learn)
+        self._learned_at = (
+            learned_path(self.spec, self.backend.device, self.costs.state.store) if learn is True else learn or None
+        )
+        if self._learned_at is not None:
+            self.costs.load(self._learned_at)
+        start = self.profile.link if self.profile is not None else None
+        self.link = LinkEstimate(start or self.costs.state.link)
+        self.link.measured_latency = start is not None  # else it goes on estimating it from the loads
         self.calibration = Calibration()  # how this restorer's restores compare with predictions
+        self.calibration.resume(self.costs.state.calibration, self.costs.state.calibrated)
+
+    @property
+    def cost_model(self) -> Profile | None:
+        """What `Auto` predicts with: the measured profile, else the learned costs (None before any
+        compute unit was seen)."""
+        return self.profile if self.profile is not None else self.costs.profile()
+
+    def _costs_line(self) -> str:
+        if self.profile is not None:
+            return f"from the profile of this machine ({self.profile.created or 'kvrestore profile'})"
+        return self.costs.describe()
 
     def _profile(self, profile: Profile | str | os.PathLike | None) -> Profile | None:
         if profile is None:
@@ -166,7 +206,14 @@ class Restorer:
 
     def _plan(self, refs: list[ChunkRef], stored: Sequence[bool], policy: Auto | None) -> Plan:
         work = self._workload(refs, stored)
-        return (policy or Auto()).plan(self.profile, self.link.current, work, self.calibration)
+        return (policy or Auto()).plan(
+            self.cost_model,
+            self.link.current,
+            work,
+            self.calibration,
+            costs=self._costs_line(),
+            untried_margin=1.0 if self.profile is not None else UNTRIED_MARGIN,
+        )
 
     def _workload(self, refs: list[ChunkRef], stored: Sequence[bool]) -> Workload:
         return Workload(
@@ -175,21 +222,29 @@ class Restorer:
             self.spec.num_layers,
             self.spec.kv_bytes_per_token,
             self.engine.load_lanes,
+            self._min_unit_chunks(),
         )
+
+    def _min_unit_chunks(self) -> int:
+        """`Progress.min_unit_chunks` of this restorer's token-wise restores (see `_min_unit_tokens`)."""
+        if not self.engine.times_restores_alone:  # a batch scheduler sizes units from its own token budget
+            return 1
+        return max(1, -(-self._min_unit_tokens() // self.chunk_size))
 
     def _predicted(
         self, policy: Policy, plan: Plan | None, refs: list[ChunkRef], stored: Sequence[bool]
     ) -> float | None:
-        """The profile's own (uncalibrated) prediction for running `policy`, where there is one to learn
-        from: a profile, a link estimate, a strategy the planner knows, and an engine whose restore
-        times are their own (`Engine.times_restores_alone`; not a `BatchEngine`)."""
-        if self.profile is None or self.link.current is None or not self.engine.times_restores_alone:
+        """The cost model's own (uncalibrated) prediction for running `policy`, where there is one to
+        learn from: a cost model, a link estimate, a strategy the planner knows, and an engine whose
+        restore times are their own (`Engine.times_restores_alone`; not a `BatchEngine`)."""
+        model = self.cost_model
+        if model is None or self.link.current is None or not self.engine.times_restores_alone:
             return None
         if plan is not None and policy.name in plan.predicted_s:
             return plan.predicted_s[policy.name] / plan.calibration.get(policy.name, 1.0)
         if policy.name not in PLANNED or not any(stored):
             return None
-        return predict(policy, self.profile, self.link.current, self._workload(refs, stored))
+        return predict(policy, model, self.link.current, self._workload(refs, stored))
 
     @property
     def spec(self) -> ModelSpec:
@@ -311,9 +366,38 @@ class Restorer:
             result = await self._restore(job, policy)
         if predicted is not None and not result.stats.errors:
             self.calibration.observe(policy.name, predicted, result.stats.seconds)
-        self.link.observe(result.trace)
+        self.costs.observe_restore()
+        await self._keep_learned()
         result.plan = plan
         return result
+
+    def _learn(self, trace: Trace, refs: list[ChunkRef], layers_over: int | None = None) -> None:
+        """Feed what a restore (or a save's restore) did to the cost model and the link estimate: its
+        compute units (token-wise, or layer-wise over `layers_over` tokens) and its loads. Compute
+        times are learned only where the restore had the compute lane to itself (not under a batch
+        scheduler)."""
+        if self.engine.times_restores_alone:
+            for e in trace.of_kind("compute"):
+                seconds = e.end_s - e.start_s
+                if layers_over is None:
+                    start = refs[e.first_chunk].start
+                    self.costs.observe_compute(refs[e.last_chunk].end - start, start, seconds)
+                else:
+                    self.costs.observe_layers(layers_over, e.last_chunk - e.first_chunk + 1, seconds)
+        moved = self.link.observe(trace)
+        self.costs.observe_link(self.link.current, moved)
+
+    async def _keep_learned(self) -> None:
+        """Persist what was learned (a small JSON file; a failure to write it is logged, not raised)."""
+        if self._learned_at is None or self.profile is not None:
+            return
+        self.costs.state.calibration = self.calibration.logs()
+        self.costs.state.calibrated = dict(self.calibration.observations)
+        try:
+            await anyio.to_thread.run_sync(self.costs.save, self._learned_at)
+        except OSError as exc:
+            log.warning("could not keep the learned costs at %s: %s", self._learned_at, exc)
+            self._learned_at = None
 
     async def _restore(self, job: _Job, policy: Policy) -> RestoreResult:
         """`restore` for tokens already chunked and looked up (`save` has done both before it needs KV)."""
@@ -321,11 +405,13 @@ class Restorer:
         t0 = time.perf_counter()
         kv = self._buffer(out, len(tokens))
         progress = Progress([r.n_tokens for r in refs], list(stored))
-        if self.engine.times_restores_alone:  # a batch scheduler sizes units from its own token budget
-            progress.min_unit_chunks = max(1, -(-self._min_unit_tokens() // self.chunk_size))
+        progress.min_unit_chunks = self._min_unit_chunks()
 
         def compute(a: int, b: int) -> None:
             self._prefill_into(kv, tokens, refs[a].start, refs[b - 1].end)
+
+        def compute_apart(a: int, b: int) -> Callable[[], None]:
+            return self._prefill_apart(kv, tokens, refs[a].start, refs[b - 1].end)
 
         async def load(i: int) -> int:
             return await self._load_chunk(refs[i], kv)
@@ -351,6 +437,7 @@ class Restorer:
                 on_event,
                 self.load_timeout_s,
                 load_now=load_now if self.loader.reads_now else None,
+                compute_apart=compute_apart,
             )
         finally:
             for key in damaged:
@@ -368,6 +455,7 @@ class Restorer:
             seconds=time.perf_counter() - t0,
             errors=errors + [f"chunk {e.first_chunk}: {e.error}" for e in failed],
         )
+        self._learn(trace, refs)
         return RestoreResult(kv, stats, trace)
 
     async def _restore_layers(self, job: _Job, policy: Policy) -> RestoreResult:
@@ -408,8 +496,12 @@ class Restorer:
             return await reader.read_layer(layer, kv)
 
         trace = await self.engine.run(progress, policy, compute, load, on_event, self.load_timeout_s)
+        self._learn(trace, refs, layers_over=prefix)
         if k < len(refs):  # the chunks after the stored prefix, computed on top of it
+            t_tail = time.perf_counter()
             await self.engine.compute(self._prefill_into, kv, tokens, prefix, len(tokens))
+            if self.engine.times_restores_alone:
+                self.costs.observe_compute(len(tokens) - prefix, prefix, time.perf_counter() - t_tail)
         failed = trace.of_kind("load-failed")
         computed_layers = sum(e.last_chunk - e.first_chunk + 1 for e in trace.of_kind("compute"))
         loaded_layers = len(trace.of_kind("load"))
@@ -431,11 +523,17 @@ class Restorer:
         return RestoreResult(kv, stats, trace)
 
     def _min_unit_tokens(self) -> int:
-        """The fewest tokens a compute unit should cover: the backend's `min_unit_tokens` if it says,
-        else `CUDA_MIN_UNIT_TOKENS` on a GPU and none on a CPU."""
+        """The fewest tokens a compute unit should cover: the backend's `min_unit_tokens` if it says;
+        else, from the cost model, the fewest for which the fixed cost of a unit (on a GPU, mostly
+        kernel launches) is at most `LAUNCH_SHARE` of its time, so launch-bound units are merged; before
+        any cost is known, `CUDA_MIN_UNIT_TOKENS` on a GPU and none on a CPU."""
         own = getattr(self.backend, "min_unit_tokens", None)
         if own is not None:
             return int(own)
+        model = self.cost_model
+        if model is not None and model.chunk.per_token_s > 0:
+            fixed, per_token = model.chunk.fixed_s, model.chunk.per_token_s
+            return min(MAX_MIN_UNIT_TOKENS, math.ceil(fixed * (1 - LAUNCH_SHARE) / LAUNCH_SHARE / per_token))
         return CUDA_MIN_UNIT_TOKENS if torch.device(self.backend.device).type == "cuda" else 0
 
     def _prefill_into(self, kv: KVCache, tokens: torch.Tensor, start: int, end: int) -> None:
@@ -452,6 +550,25 @@ class Restorer:
         finally:  # a unit is done when its kernels are, not when they are queued (also when cancelled)
             if stream is not None:
                 stream.synchronize()
+
+    def _prefill_apart(self, kv: KVCache, tokens: torch.Tensor, start: int, end: int) -> Callable[[], None]:
+        """Compute tokens [start, end) on top of the KV of [0, start) without writing them into `kv`
+        (a compute unit racing a fetch of the same rows); returns what writes them (on the lane)."""
+        stream = self.engine.cuda_stream("compute", kv.data.device)
+        try:
+            with on_stream(stream):
+                chunk = self.backend.prefill_chunk(tokens[start:end], kv.prefix(start) if start else None, start)
+        finally:
+            if stream is not None:
+                stream.synchronize()
+
+        def commit() -> None:
+            with on_stream(stream):
+                kv.write(chunk)
+            if stream is not None:
+                stream.synchronize()
+
+        return commit
 
     async def save_chunk(self, token_ids: TokenIds, prefix: TokenIds | None = None) -> str:
         """Prefill a chunk on its own and store its KV under a content key, for `restore_blend`.
@@ -526,6 +643,7 @@ class Restorer:
         return tokens
 
     async def close(self) -> None:
+        await self._keep_learned()
         await self.store.close()
 
     async def __aenter__(self) -> Restorer:

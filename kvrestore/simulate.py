@@ -44,21 +44,32 @@ def simulate(
     load_lanes: int = 4,
     failing: Collection[int] = (),
     max_steps: int = 1_000_000,
+    min_unit_chunks: int = 1,
 ) -> SimResult:
-    """Run `policy` to the end of one restore; loads of chunks in `failing` fail when they land."""
+    """Run `policy` to the end of one restore; loads of chunks in `failing` fail when they land.
+    `min_unit_chunks` is the compute lane's floor on a unit (`Progress.min_unit_chunks`)."""
     progress = Progress(list(chunk_tokens), list(stored))
+    progress.min_unit_chunks = min_unit_chunks
+    progress.can_race = True
     trace = Trace()
     queue: list[tuple[float, int, TraceEvent]] = []
     seq = 0
     live_loads: dict[int, int] = {}  # chunk -> sequence number of its load's completion
+    race_seq: int | None = None  # the racing compute unit's completion, while it races
+    lost: set[int] = set()  # completions of racing compute units that lost (stopped when the fetch landed)
     now = 0.0
 
-    def push(event: TraceEvent) -> None:
+    def push(event: TraceEvent) -> int:
         nonlocal seq
         seq += 1
         heapq.heappush(queue, (event.end_s, seq, event))
         if event.kind != "compute":
             live_loads[event.first_chunk] = seq
+        return seq
+
+    def apply(event: TraceEvent) -> None:
+        apply_event(progress, event)
+        trace.add(event)
 
     for _ in range(max_steps):
         if progress.finished:
@@ -71,14 +82,15 @@ def simulate(
             start = progress.load_started[i] or now
             push(TraceEvent("load-dropped", i, i, start, now))
         begin(progress, decision, policy)
-        if decision.compute is not None:
-            a, b = decision.compute
-            push(TraceEvent("compute", a, b - 1, now, now + compute_cost(a, b, now)))
         for i in decision.loads:
             end = link.reserve(now, chunk_bytes[i])
             kind = "load-failed" if i in failing else "load"
             nbytes = 0 if i in failing else chunk_bytes[i]
             push(TraceEvent(kind, i, i, now, end, nbytes, error="simulated fault" if i in failing else None))
+        if decision.compute is not None:
+            a, b = decision.compute
+            n = push(TraceEvent("compute", a, b - 1, now, now + compute_cost(a, b, now)))
+            race_seq = n if decision.race else None
         if stalled(progress, decision):
             raise PolicyError(f"{policy!r} left chunks {progress.pending()} with no unit running")
         wake = math.inf if decision.wake_at is None else max(decision.wake_at, now)
@@ -87,10 +99,23 @@ def simulate(
             _, n, event = heapq.heappop(queue)
             if event.kind in ("load", "load-failed") and live_loads.get(event.first_chunk) != n:
                 continue  # the completion of a load dropped earlier
+            if n in lost:
+                continue
+            racing = progress.racing
+            if event.kind == "compute" and racing is not None and racing in live_loads:
+                # the compute unit won its race: the fetch stops now, its chunk is the unit's
+                live_loads.pop(racing)
+                apply(TraceEvent("load-dropped", racing, racing, progress.load_started[racing] or now, now))
             if event.kind != "compute":
                 live_loads.pop(event.first_chunk, None)
-            apply_event(progress, event)
-            trace.add(event)
+            apply(event)
+            if event.kind == "compute" and n == race_seq:
+                race_seq = None
+            if event.kind == "load" and event.first_chunk == racing:  # the fetch won: the unit stops
+                start = next(e.start_s for _, m, e in queue if m == race_seq)
+                lost.add(race_seq)  # type: ignore[arg-type]
+                race_seq = None
+                apply(TraceEvent("compute-dropped", racing, racing, start, now))
     raise PolicyError(f"{policy!r} did not finish within {max_steps} steps")
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class TraceEvent:
     """One unit of work: a compute of chunks [first, last] or a load of one chunk."""
 
-    kind: str  # "compute" | "load" | "load-failed"
+    kind: str  # "compute" | "load" | "load-failed" | "load-dropped" | "compute-dropped" (lost a race)
     first_chunk: int
     last_chunk: int
     start_s: float  # seconds since the restore began

@@ -80,3 +80,10 @@ def smollm2() -> HFBackend:
 def random_tokens(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (n,), generator=g)
+
+
+@pytest.fixture(autouse=True)
+def _learned_costs_per_test(tmp_path_factory, monkeypatch):
+    """Each test's restorers learn costs from scratch and keep them in a directory of the test's own
+    (never the user's cache: a test must not start from what another one learned)."""
+    monkeypatch.setenv("KVRESTORE_LEARNED_DIR", str(tmp_path_factory.mktemp("learned")))

@@ -183,8 +183,9 @@ def test_a_cancelled_restore_returns_only_once_no_lane_thread_writes_its_kv(llam
 
 
 def test_the_two_pointer_drops_loads_on_lane_threads_cleanly(llama_backend):
-    """Slow thread loads against a fast compute lane: the two-pointer drops loads in flight; a dropped
-    load's chunk is computed only after that load has stopped, and the KV is exact."""
+    """Slow thread loads against a fast compute lane: the two-pointer overtakes loads in flight (racing
+    them); a lost load's chunk is written by compute only after that load has stopped, and the KV is
+    exact."""
     tokens = random_tokens(256, llama_backend.spec.vocab_size)
     store = SlowNowStore()
 
@@ -197,9 +198,10 @@ def test_the_two_pointer_drops_loads_on_lane_threads_cleanly(llama_backend):
     assert res.stats.computed_chunks + res.stats.loaded_chunks == 8
     dropped = res.trace.of_kind("load-dropped")
     assert dropped, "the compute lane should have overtaken a slow load"
-    for d in dropped:  # its rows were computed only once the load had stopped writing them
+    for d in dropped:  # its rows were written by compute only once the load had stopped writing them
         unit = next(e for e in res.trace.of_kind("compute") if e.first_chunk <= d.first_chunk <= e.last_chunk)
-        assert unit.start_s >= d.end_s - 1e-6
+        if unit.start_s < d.end_s:  # a unit that raced the load: it writes its KV when it has won
+            assert unit.first_chunk == unit.last_chunk and unit.end_s >= d.end_s - 1e-6
     torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
 
 

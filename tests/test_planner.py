@@ -70,12 +70,15 @@ def test_never_picks_a_policy_predicted_slower_than_another(case):
     assert plan.choice.name in plan.explain()
 
 
-def test_without_profile_or_link_it_adapts_and_says_why():
-    work = smol_work(1024)
-    plan = Auto().plan(None, LinkCost(1e8), work)
-    assert isinstance(plan.choice, TokenTwoPointer) and "kvrestore profile" in plan.reason
-    plan = Auto().plan(make_profile(), None, work)
-    assert isinstance(plan.choice, TokenTwoPointer) and "speed" in plan.reason
+def test_without_costs_or_link_it_explores_and_says_why():
+    plan = Auto().plan(None, LinkCost(1e8), smol_work(1024), costs="learned from nothing yet")
+    assert isinstance(plan.choice, LayerTwoPointer) and "exploring" in plan.reason
+    assert "learned from nothing yet" in plan.explain()
+    plan = Auto().plan(make_profile(), None, smol_work(8192))  # a long prefix: along tokens
+    assert isinstance(plan.choice, TokenTwoPointer) and "no load seen" in plan.reason
+    # stored chunks after a hole: layers would restore only the prefix, tokens take them all
+    plan = Auto().plan(None, None, smol_work(1024, [True, False, True, True]))
+    assert isinstance(plan.choice, TokenTwoPointer)
     plan = Auto().plan(make_profile(), LinkCost(1e8), smol_work(1024, [False] * 4))
     assert isinstance(plan.choice, ComputeOnly)
 
@@ -195,3 +198,19 @@ def test_predictions_hold_on_a_real_model_and_link():
             predicted,
             measured,
         )
+
+
+def test_with_learned_costs_an_untried_strategy_must_win_by_a_margin():
+    plain = smol_plan(1024, 1.0)
+    ranked = sorted(plain.predicted_s, key=plain.predicted_s.get)
+    best, runner_up = ranked[0], ranked[1]
+    ratio = plain.predicted_s[runner_up] / plain.predicted_s[best]
+    assert ratio < 1.15, "the runner-up must be within the margin for this test to say anything"
+    cal = Calibration()
+    cal.observe(runner_up, 1.0, 1.0)  # only the runner-up was ever run, and it ran as predicted
+    p = make_profile(chunk=SMOL_CHUNK, layer=SMOL_LAYER)
+    balance = 1024 * SMOL_BYTES / SMOL_CHUNK.seconds(1024)
+    kept = Auto().plan(p, LinkCost(balance, 0.0), smol_work(1024), cal, untried_margin=1.15)
+    assert kept.choice.name == runner_up
+    switched = Auto().plan(p, LinkCost(balance, 0.0), smol_work(1024), cal, untried_margin=1.0)
+    assert switched.choice.name == best

@@ -46,6 +46,10 @@ class Progress:
     #: the fewest chunks a compute unit should cover on this compute lane (a GPU's units below that
     #: are launch-bound: their time is kernel launches, not work; see `HFBackend.min_unit_tokens`)
     min_unit_chunks: int = 1
+    #: whether the driver can race a compute unit against a chunk's fetch (`Decision.race`)
+    can_race: bool = False
+    #: the chunk that a compute unit and a fetch are racing for, while they do
+    racing: int | None = None
 
     def __post_init__(self) -> None:
         n = len(self.chunk_tokens)
@@ -89,12 +93,18 @@ class Decision:
     `drop` names loads in flight to abandon, so that the compute unit can take their chunks (the
     engine waits for a dropped load to stop before the compute unit starts). `wake_at` asks to be
     asked again at that time (on the progress clock) even if no unit finishes before it.
+
+    `race` (only where `Progress.can_race`): the compute unit is one chunk that is also being fetched
+    (already, or by this decision's `loads`); both run and the first to finish wins: a fetch that lands
+    first stops the compute unit, whose KV is never written; a compute unit that ends first stops the
+    fetch and writes its KV once the fetch can write no more. The chunk is applied once either way.
     """
 
     compute: tuple[int, int] | None = None
     loads: tuple[int, ...] = ()
     drop: tuple[int, ...] = ()
     wake_at: float | None = None
+    race: bool = False
 
 
 IDLE = Decision()

@@ -16,6 +16,7 @@ length and a sentence saying why, and comes back with the restore's result.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -48,6 +49,8 @@ class Workload:
     num_layers: int
     kv_bytes_per_token: int
     load_lanes: int = 4
+    #: the compute lane's floor on a token-wise unit (`Progress.min_unit_chunks`)
+    min_unit_chunks: int = 1
 
     @property
     def n_tokens(self) -> int:
@@ -67,6 +70,8 @@ class Plan:
     crossover: Callable[[], int | None] | None = field(default=None, repr=False, compare=False)
     #: the factors (measured / predicted, learned from earlier restores) applied to `predicted_s`
     calibration: dict[str, float] = field(default_factory=dict)
+    #: where the cost model came from: a measured profile, or what was learned and from how much
+    costs: str = ""
 
     @cached_property
     def l_delta(self) -> int | None:
@@ -78,6 +83,8 @@ class Plan:
     def explain(self) -> str:
         """A few lines a user can read: the predictions, the bound, the crossover, the choice."""
         lines = [f"chose {self.choice.name}: {self.reason}"]
+        if self.costs:
+            lines.append(f"  costs {self.costs}")
         for name, s in sorted(self.predicted_s.items(), key=lambda kv: kv[1]):
             mark = " <-" if name == self.choice.name else ""
             scaled = f"  (x{self.calibration[name]:.2f}, learned)" if name in self.calibration else ""
@@ -96,10 +103,9 @@ class Plan:
 class Auto(Policy):
     """Pick the restore strategy predicted fastest (see the module docstring).
 
-    Pass it to `Restorer.restore` (it is the default there); the restorer plans with its profile and
-    link estimate and runs the chosen policy. Without a profile (run `kvrestore profile` once per
-    machine and model) or any estimate of the store's speed, it picks the token-wise two-pointer,
-    which adapts to whatever it meets.
+    Pass it to `Restorer.restore` (it is the default there); the restorer plans with its cost model
+    (a measured profile, or what it learned from its own saves and restores) and its link estimate,
+    and runs the chosen policy. Until it has a cost model and a link estimate, it explores (`explore`).
     """
 
     name = "auto"
@@ -127,25 +133,34 @@ class Auto(Policy):
         link: LinkCost | None,
         work: Workload,
         calibration: Calibration | None = None,
+        costs: str = "",
+        untried_margin: float = 1.0,
     ) -> Plan:
         """Predict every candidate for `work` and pick the fastest. With a `calibration` (the restorer's
         record of how its restores compared with predictions) each prediction is scaled by its
-        strategy's factor."""
-        if profile is None:
-            return Plan(
-                TokenTwoPointer(), reason="no profile of this machine and model (run `kvrestore profile`)"
-            )
+        strategy's factor. `profile` is the cost model, measured (`kvrestore profile`) or learned
+        (`costs.CostLearner`), `costs` a line saying which. Without a cost model or a link estimate it
+        explores (`explore`). With `untried_margin` > 1 (a learned cost model, which has seen only the
+        strategies it ran), a strategy never run is chosen over one that was only if it is predicted
+        faster by that factor: its prediction has not been checked against a restore yet."""
         if not any(work.stored):
-            return Plan(ComputeOnly(), reason="nothing of this prompt is stored")
-        if link is None:
+            return Plan(ComputeOnly(), reason="nothing of this prompt is stored", costs=costs)
+        if profile is None or link is None:
+            missing = "compute unit" if profile is None else "load"
             return Plan(
-                TokenTwoPointer(), reason="no estimate of the store's speed yet (profile it, or restore once)"
+                explore(work),
+                reason=f"exploring: no {missing} seen yet to predict with (it adapts as it goes, and is learned from)",
+                costs=costs,
             )
         candidates = self.candidates or (ComputeOnly(), LoadOnly(), TokenTwoPointer(), LayerTwoPointer())
         factors = {p.name: calibration.factor(p.name) if calibration else 1.0 for p in candidates}
         predicted = {p.name: predict(p, profile, link, work) * factors[p.name] for p in candidates}
         order = {p.name: i for i, p in enumerate(candidates)}  # ties go to the simpler, listed first
-        choice = min(candidates, key=lambda p: (predicted[p.name], order[p.name]))
+        tried = {name for name, n in (calibration.observations if calibration else {}).items() if n}
+        margin = {
+            p.name: untried_margin if tried and p.name not in tried else 1.0 for p in candidates
+        }
+        choice = min(candidates, key=lambda p: (predicted[p.name] * margin[p.name], order[p.name]))
         tc = predict(ComputeOnly(), profile, link, work)
         tio = predict(LoadOnly(), profile, link, _all_stored(work))
 
@@ -168,7 +183,26 @@ class Auto(Policy):
             reason=_reason(choice, predicted),
             crossover=l_delta,
             calibration={k: v for k, v in factors.items() if v != 1.0},
+            costs=costs,
         )
+
+
+#: the longest stored prefix (tokens) that `explore` restores layer-wise: below CacheFlow's crossover
+#: L_delta the layer-wise two-pointer is the faster one, and on this repository's CPU measurements it
+#: stays within 1.12x of the best strategy up to 4,096 tokens (`benchmarks/planner.py`), where the
+#: token-wise two-pointer is up to 5x slower on a one- or two-chunk prompt
+EXPLORE_LAYERS_MAX_TOKENS = 4096
+
+
+def explore(work: Workload) -> Policy:
+    """The strategy to run while costs are unknown: a two-pointer (it adapts to the speeds it meets,
+    and its trace teaches the cost model), along layers when the stored chunks are one prefix of at
+    most `EXPLORE_LAYERS_MAX_TOKENS` tokens, else along tokens."""
+    k = work.stored.index(False) if False in work.stored else len(work.stored)
+    prefix_only = not any(work.stored[k:])
+    if prefix_only and sum(work.chunk_tokens[:k]) <= EXPLORE_LAYERS_MAX_TOKENS:
+        return LayerTwoPointer()
+    return TokenTwoPointer()
 
 
 def predict(policy: Policy, profile: Profile | _Costs, link: LinkCost, work: Workload) -> float:
@@ -182,7 +216,16 @@ def predict(policy: Policy, profile: Profile | _Costs, link: LinkCost, work: Wor
         return profile.chunk.seconds(sum(work.chunk_tokens[a:b]), starts[a])
 
     chunk_bytes = [n * work.kv_bytes_per_token for n in work.chunk_tokens]
-    result = simulate(policy, work.chunk_tokens, work.stored, cost, chunk_bytes, channel, work.load_lanes)
+    result = simulate(
+        policy,
+        work.chunk_tokens,
+        work.stored,
+        cost,
+        chunk_bytes,
+        channel,
+        work.load_lanes,
+        min_unit_chunks=work.min_unit_chunks,
+    )
     return result.makespan
 
 
@@ -247,13 +290,7 @@ def _crossover(
 
 
 def _all_stored(work: Workload) -> Workload:
-    return Workload(
-        work.chunk_tokens,
-        (True,) * len(work.stored),
-        work.num_layers,
-        work.kv_bytes_per_token,
-        work.load_lanes,
-    )
+    return dataclasses.replace(work, stored=(True,) * len(work.stored))
 
 
 def _reason(choice: Policy, predicted: dict[str, float]) -> str:

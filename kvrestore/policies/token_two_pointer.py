@@ -5,10 +5,13 @@ two meet in the middle. Where they meet is never planned: each side simply keeps
 store slows down or the compute lane gets a smaller share, the meeting point moves by itself.
 
 The one real decision is at the meeting: the next chunk to compute is already being fetched. Computing
-it (and dropping the fetch) costs about as much as the last computed chunk; waiting costs whatever is
-left of the fetch, estimated from the recent fetches. The policy waits only while that estimate is the
-smaller, and never much longer than computing would have taken (`wake_at`), so a stalled store costs at
-most about one chunk's compute time.
+it costs about as much as the last computed chunk; waiting costs whatever is left of the fetch,
+estimated from the recent fetches. The policy waits only while that estimate is the smaller, and never
+much longer than computing would have taken (`wake_at`), so a stalled store costs at most about one
+chunk's compute time. Where the driver can race (`Progress.can_race`: the engine and the simulator),
+computing does not drop the fetch: both run and the first to finish wins, so a fetch that was nearly
+there still counts. The last chunk left, when nothing says which lane is faster (a one-chunk prompt),
+is raced from the start: such a restore is never slower than the faster of computing and loading it.
 """
 
 from __future__ import annotations
@@ -40,9 +43,25 @@ class TokenTwoPointer(Policy):
         return f"TokenTwoPointer(compute_chunks={self.compute_chunks})"
 
     def decide(self, progress: Progress) -> Decision:
+        contested = self._contested(progress)
+        if contested is not None:  # the last chunk, stored: fetch it and compute it, the first wins
+            return Decision(compute=(contested, contested + 1), loads=(contested,), race=True)
         compute, drop, wake_at = self._compute_step(progress)
+        if drop and progress.can_race:  # race the fetch instead of dropping it: it may still land first
+            return Decision(compute=compute, race=True)
         frontier = compute[1] if compute else progress.compute_frontier()
         return Decision(compute=compute, loads=self._loads(progress, frontier), drop=drop, wake_at=wake_at)
+
+    @staticmethod
+    def _contested(p: Progress) -> int | None:
+        """The one chunk left, stored and untouched, on a driver that can race (a one-chunk prompt, or
+        the last chunk of one): neither lane's speed is known to say which should take it."""
+        if not p.can_race or p.compute_busy or p.free_load_lanes < 1:
+            return None
+        a = p.done_prefix()
+        if a == p.n_chunks - 1 and p.status[a] is ChunkStatus.PENDING and p.stored[a]:
+            return a
+        return None
 
     # -- the load pointer ------------------------------------------------------------------------
 
@@ -76,7 +95,9 @@ class TokenTwoPointer(Policy):
         compute_s = _compute_estimate(p, a)
         landing = _landing_estimate(p, a)
         if compute_s is None:
-            return None, (), None  # nothing computed yet to compare with: the fetch will say
+            if p.can_race:  # nothing computed yet to compare with: compute it too, the first wins
+                return (a, a + 1), (a,), None
+            return None, (), None  # the fetch will say
         if landing is not None and landing - p.now < compute_s:
             due = landing + GRACE * compute_s  # a fetch landing right on time is not late
             if p.now < due:

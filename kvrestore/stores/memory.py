@@ -56,6 +56,10 @@ class MemoryStore(ChunkStore):
     def __len__(self) -> int:
         return len(self._objects)
 
+    def __repr__(self) -> str:
+        cap = f"capacity_bytes={self.capacity_bytes}" if self.capacity_bytes is not None else ""
+        return f"{type(self).__name__}({cap})"
+
     def _lookup(self, key: str) -> bytes | None:
         check_key(key)
         with self._lock:

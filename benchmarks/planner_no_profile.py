@@ -70,7 +70,7 @@ async def run(args: argparse.Namespace) -> dict:
             for m in multipliers:
                 store, _ = stores[n, m]
                 fixed = Restorer(backend, store, learn=False)
-                fresh = Restorer(backend, store, learn=False)
+                fresh = Restorer(backend, store, learn=False, profile=False)
                 assert fresh.profile is None, "a saved profile was found: this run must start from nothing"
                 line = []
                 runs = [(name, fixed, cls()) for name, cls in FIXED.items()]

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import anyio
 import anyio.from_thread
@@ -122,7 +122,8 @@ class Restorer:
     `chunk_size` tokens per stored chunk (default 256); `load_lanes` concurrent fetches;
     `compression` "none" or "zstd" for written chunks. Restorers may share an `Engine` (its lanes).
     `profile` is the cost model the `Auto` planner predicts with: a `Profile`, a path to one, or None
-    for the one `kvrestore profile` saved for this machine and model (if any). Without one, the
+    for the one `kvrestore profile` saved for this machine and model (if any), or False for none even
+    if one is saved. Without one, the
     restorer learns the cost model from its own saves and restores (`costs`, see `kvrestore.costs`);
     `learn` keeps what it learned for the next restorer of this machine, model and store: True under
     the cache directory, a path, or False (in memory only). A profile's store link is only a starting
@@ -139,7 +140,7 @@ class Restorer:
         compression: str = "none",
         engine: Engine | None = None,
         load_timeout_s: float | None = 30.0,
-        profile: Profile | str | os.PathLike | None = None,
+        profile: Profile | str | os.PathLike | Literal[False] | None = None,
         learn: bool | str | os.PathLike = True,
     ) -> None:
         if not isinstance(getattr(backend, "spec", None), ModelSpec):  # (wrappers forward attributes)
@@ -185,7 +186,9 @@ class Restorer:
             return f"from the profile of this machine ({self.profile.created or 'kvrestore profile'})"
         return self.costs.describe()
 
-    def _profile(self, profile: Profile | str | os.PathLike | None) -> Profile | None:
+    def _profile(self, profile: Profile | str | os.PathLike | Literal[False] | None) -> Profile | None:
+        if profile is False:  # none, even if one is saved: the costs are learned
+            return None
         if profile is None:
             return Profile.find(self.spec, self.backend.device)
         if not isinstance(profile, Profile):

@@ -367,6 +367,10 @@ class Restorer:
             result = await self._restore_layers(job, policy)
         else:
             result = await self._restore(job, policy)
+        if predicted is None and self.profile is None:
+            # an exploring restore: set against what the costs it just taught predict for it, so the
+            # planner knows how that strategy compares with its model (and that it has run it)
+            predicted = self._predicted(policy, None, refs, stored)
         if predicted is not None and not result.stats.errors:
             self.calibration.observe(policy.name, predicted, result.stats.seconds)
         self.costs.observe_restore()

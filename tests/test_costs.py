@@ -91,6 +91,7 @@ def test_a_restorer_without_a_profile_explores_then_plans_with_what_it_learned(l
     text = second.plan.explain()
     assert "learned from the work itself" in text and "over 1 restores" in text
     assert r.costs.state.chunk and r.costs.state.layer and r.costs.state.loads >= 1
+    assert r.calibration.observations["layer-wise"] >= 1  # the exploring restore counts as run
     for res in (first, second):
         assert res.stats.failed_loads == 0
 

@@ -15,6 +15,8 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .errors import InvalidInputError
+
 
 @dataclass(frozen=True)
 class BandwidthTrace:
@@ -29,11 +31,11 @@ class BandwidthTrace:
     def __post_init__(self) -> None:
         steps = tuple((float(t), float(r)) for t, r in self.steps)
         if not steps or steps[0][0] != 0.0:
-            raise ValueError("a bandwidth trace starts with a step at time 0")
+            raise InvalidInputError("a bandwidth trace starts with a step at time 0")
         if any(b[0] <= a[0] for a, b in zip(steps, steps[1:], strict=False)):
-            raise ValueError("bandwidth trace times must increase")
+            raise InvalidInputError("bandwidth trace times must increase")
         if any(not math.isfinite(r) or r < 0 for _, r in steps) or steps[-1][1] <= 0:
-            raise ValueError("bandwidth rates must be finite and >= 0, and the last one > 0")
+            raise InvalidInputError("bandwidth rates must be finite and >= 0, and the last one > 0")
         object.__setattr__(self, "steps", steps)
         object.__setattr__(self, "_times", [t for t, _ in steps])
 
@@ -47,7 +49,7 @@ class BandwidthTrace:
     ) -> BandwidthTrace:
         """Rates drawn uniformly from [low, high] every `step_s` for `duration_s` (Cake §5.7), then `high`."""
         if not 0 <= low <= high or high <= 0 or step_s <= 0:
-            raise ValueError("need 0 <= low <= high, high > 0 and step_s > 0")
+            raise InvalidInputError("need 0 <= low <= high, high > 0 and step_s > 0")
         rng = random.Random(seed)
         n = max(1, math.ceil(duration_s / step_s))
         return cls(tuple((i * step_s, rng.uniform(low, high)) for i in range(n)) + ((n * step_s, high),))
@@ -94,7 +96,7 @@ class Link:
 
     def __init__(self, trace: BandwidthTrace, latency_s: float = 0.0) -> None:
         if latency_s < 0:
-            raise ValueError(f"latency_s must be >= 0, got {latency_s}")
+            raise InvalidInputError(f"latency_s must be >= 0, got {latency_s}")
         self.trace = trace
         self.latency_s = latency_s
         self.free_at = 0.0
@@ -139,7 +141,7 @@ def oracle_split(compute_s: Sequence[float], load_suffix_s: Sequence[float]) -> 
     """
     n = len(compute_s)
     if len(load_suffix_s) != n + 1:
-        raise ValueError("load_suffix_s needs one entry per split point (chunks + 1)")
+        raise InvalidInputError("load_suffix_s needs one entry per split point (chunks + 1)")
     best, best_k = math.inf, 0
     computed = 0.0
     for k in range(n + 1):

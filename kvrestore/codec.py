@@ -35,7 +35,7 @@ import torch
 import zstandard
 
 from .checksums import as_signed, device_checkable, device_checksums, host_checksum, host_checksum_parts
-from .errors import CorruptChunkError, ForeignChunkError, TruncatedChunkError
+from .errors import CorruptChunkError, ForeignChunkError, InvalidInputError, TruncatedChunkError
 from .kv import KVChunk
 from .spec import ModelSpec, dtype_name
 
@@ -124,13 +124,13 @@ def encode_chunk(
     """
     _require_little_endian()
     if compression not in COMPRESSIONS:
-        raise ValueError(f"unknown compression {compression!r}; use one of {COMPRESSIONS}")
+        raise InvalidInputError(f"unknown compression {compression!r}; use one of {COMPRESSIONS}")
     data = chunk.data
     L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
     if data.dim() != 5 or (data.shape[0], data.shape[1], data.shape[2], data.shape[4]) != (L, 2, H, D):
-        raise ValueError(f"chunk shape {tuple(data.shape)} does not match spec [L={L}, 2, H={H}, T, D={D}]")
+        raise InvalidInputError(f"chunk shape {tuple(data.shape)} does not match spec [L={L}, 2, H={H}, T, D={D}]")
     if data.dtype != spec.dtype:
-        raise ValueError(f"chunk dtype {data.dtype} does not match spec dtype {spec.dtype}")
+        raise InvalidInputError(f"chunk dtype {data.dtype} does not match spec dtype {spec.dtype}")
     n_tokens = int(data.shape[3])
 
     dense = data.detach().contiguous()
@@ -324,14 +324,14 @@ def decode_layers(
     order = sorted(sections) if layers is None else list(layers)
     for i in order:
         if not 0 <= i < header.num_layers:
-            raise ValueError(f"layer {i} out of range for a {header.num_layers}-layer chunk")
+            raise InvalidInputError(f"layer {i} out of range for a {header.num_layers}-layer chunk")
         if i not in sections:
-            raise ValueError(f"no section given for layer {i}")
+            raise InvalidInputError(f"no section given for layer {i}")
     shape = (len(order), 2, spec.num_kv_heads, header.n_tokens, spec.head_dim)
     if out is None:
         out = torch.empty(shape, dtype=spec.dtype)
     elif tuple(out.shape) != shape or out.dtype != spec.dtype or out.device.type != "cpu":
-        raise ValueError(
+        raise InvalidInputError(
             f"out is {tuple(out.shape)} {out.dtype} on {out.device}, need {shape} {spec.dtype} on cpu"
         )
     for j, i in enumerate(order):

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import InvalidInputError
+
 DEFAULT_CHUNK_SIZE = 256
 KEY_HEX_LEN = 40  # blake2b digest_size=20
 
@@ -48,7 +50,7 @@ def chunk_keys(
 ) -> list[ChunkRef]:
     """Split `tokens` into chunks and give each its chained prefix key."""
     if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+        raise InvalidInputError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     data = token_bytes(tokens)
     n = len(data) // 8
     refs: list[ChunkRef] = []

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .errors import InvalidInputError
 from .spec import ModelSpec
 
 
@@ -65,12 +66,12 @@ class KVCache:
     def write(self, chunk: KVChunk) -> None:
         """Copy a chunk into its token range."""
         if chunk.end > self.n_tokens or chunk.start < 0:
-            raise ValueError(f"chunk [{chunk.start}, {chunk.end}) outside cache of {self.n_tokens} tokens")
+            raise InvalidInputError(f"chunk [{chunk.start}, {chunk.end}) outside cache of {self.n_tokens} tokens")
         if (
             tuple(chunk.data.shape[:3]) != tuple(self.data.shape[:3])
             or chunk.data.shape[4] != self.data.shape[4]
         ):
-            raise ValueError(
+            raise InvalidInputError(
                 f"chunk shape {tuple(chunk.data.shape)} does not fit cache {tuple(self.data.shape)}"
             )
         self.data[:, :, :, chunk.start : chunk.end].copy_(chunk.data, non_blocking=True)

@@ -18,6 +18,8 @@ import queue
 import threading
 from collections.abc import Callable
 
+from .errors import InvalidInputError
+
 Job = Callable[[], None]
 
 
@@ -26,7 +28,7 @@ class LaneThreads:
 
     def __init__(self, lanes: int, idle_s: float = 10.0, name: str = "kvrestore-load") -> None:
         if lanes <= 0:
-            raise ValueError(f"lanes must be positive, got {lanes}")
+            raise InvalidInputError(f"lanes must be positive, got {lanes}")
         self.lanes = lanes
         self.idle_s = idle_s
         self.name = name

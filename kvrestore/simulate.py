@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from .bandwidth import BandwidthTrace, Link
 from .bookkeeping import PolicyError, apply_event, begin, begin_loads, begin_step, stalled
+from .errors import InvalidInputError
 from .policies.base import Policy, Progress
 from .policies.batch import BatchAware, BatchJob, BatchScheduler, FifoLanes, Unit, global_wake, note_step
 from .policies.compute_only import ComputeOnly
@@ -437,7 +438,7 @@ def batch_lower_bound(
     the chunks that save the most compute per byte.
     """
     if bytes_per_s <= 0:
-        raise ValueError(f"bytes_per_s must be positive, got {bytes_per_s}")
+        raise InvalidInputError(f"bytes_per_s must be positive, got {bytes_per_s}")
     floor = ChunkCost(0.0, cost.per_token_s, min(cost.per_token_past_s, cost.per_token2_s), cost.per_token2_s)
     compute, loadable = 0.0, []
     for r in sim_requests(workload, floor, kv_bytes_per_token, chunk_size, ComputeOnly):
@@ -496,5 +497,5 @@ def balance_bytes_per_s(
     compute = sum(r.compute_cost(0, len(r.chunk_tokens)) for r in requests)
     stored = sum(b for r in requests for b, s in zip(r.chunk_bytes, r.stored, strict=True) if s)
     if compute <= 0 or stored <= 0:
-        raise ValueError("the workload has no stored chunk to restore")
+        raise InvalidInputError("the workload has no stored chunk to restore")
     return stored / compute

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .errors import InvalidInputError
+
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
@@ -38,14 +40,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     for name, dt in _DTYPES.items():
         if dt == dtype:
             return name
-    raise ValueError(f"unsupported KV dtype {dtype}; use one of {sorted(_DTYPES)}")
+    raise InvalidInputError(f"unsupported KV dtype {dtype}; use one of {sorted(_DTYPES)}")
 
 
 def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise ValueError(f"unknown dtype name {name!r}; use one of {sorted(_DTYPES)}") from None
+        raise InvalidInputError(f"unknown dtype name {name!r}; use one of {sorted(_DTYPES)}") from None
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 from typing import Literal, Protocol
 
+from .errors import InvalidInputError
+
 Kind = Literal["restore", "prefill", "decode"]
 KINDS: tuple[Kind, ...] = ("restore", "prefill", "decode")
 
@@ -62,20 +64,20 @@ class Request:
 
     def __post_init__(self) -> None:
         if not _is_real(self.arrival_s) or not math.isfinite(self.arrival_s) or self.arrival_s < 0:
-            raise ValueError(f"arrival_s must be a finite time >= 0, got {self.arrival_s!r}")
+            raise InvalidInputError(f"arrival_s must be a finite time >= 0, got {self.arrival_s!r}")
         if self.kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+            raise InvalidInputError(f"kind must be one of {KINDS}, got {self.kind!r}")
         _check_int("prefix_tokens", self.prefix_tokens, 0)
         _check_int("new_tokens", self.new_tokens, 1)
         _check_int("id", self.id, 0)
         if self.kind == "restore" and self.prefix_tokens == 0:
-            raise ValueError("a restore request needs a cached prefix: prefix_tokens must be > 0")
+            raise InvalidInputError("a restore request needs a cached prefix: prefix_tokens must be > 0")
         if self.kind == "prefill" and self.prefix_tokens != 0:
-            raise ValueError(
+            raise InvalidInputError(
                 f"a prefill request has nothing cached: prefix_tokens must be 0, got {self.prefix_tokens}"
             )
         if self.kind == "decode" and self.new_tokens != 1:
-            raise ValueError(f"a decode step computes one token: new_tokens must be 1, got {self.new_tokens}")
+            raise InvalidInputError(f"a decode step computes one token: new_tokens must be 1, got {self.new_tokens}")
 
     @property
     def restore_tokens(self) -> int:
@@ -122,9 +124,9 @@ class LogNormalLengths:
     def __post_init__(self) -> None:
         _check_bounds(self.low, self.high)
         if not _is_real(self.median) or not math.isfinite(self.median) or self.median <= 0:
-            raise ValueError(f"median must be a finite number > 0, got {self.median!r}")
+            raise InvalidInputError(f"median must be a finite number > 0, got {self.median!r}")
         if not _is_real(self.sigma) or not math.isfinite(self.sigma) or self.sigma <= 0:
-            raise ValueError(f"sigma must be a finite number > 0, got {self.sigma!r}")
+            raise InvalidInputError(f"sigma must be a finite number > 0, got {self.sigma!r}")
 
     def _cdf_bounds(self) -> tuple[float, float]:
         mu = math.log(self.median)
@@ -136,7 +138,7 @@ class LogNormalLengths:
     def quantile(self, q: float) -> float:
         """The q-quantile of the truncated distribution (before rounding)."""
         if not 0.0 <= q <= 1.0:
-            raise ValueError(f"q must be in [0, 1], got {q!r}")
+            raise InvalidInputError(f"q must be in [0, 1], got {q!r}")
         lo, hi = self._cdf_bounds()
         u = lo + q * (hi - lo)
         if u <= 0.0 or u >= 1.0:  # the bounds sit so far out in a tail that the CDF saturates
@@ -184,7 +186,7 @@ def poisson(
     _check_nonnegative("duration_s", duration_s)
     _check_nonnegative("start_s", start_s)
     if rate_per_s * duration_s > MAX_EXPECTED_REQUESTS:
-        raise ValueError(
+        raise InvalidInputError(
             f"rate_per_s * duration_s = {rate_per_s * duration_s:.3g} expected requests, more than "
             f"{MAX_EXPECTED_REQUESTS}"
         )
@@ -218,7 +220,7 @@ def burst(
     _check_nonnegative("at_s", at_s)
     _check_nonnegative("spread_s", spread_s)
     if n > MAX_EXPECTED_REQUESTS:
-        raise ValueError(f"n = {n} requests, more than {MAX_EXPECTED_REQUESTS}")
+        raise InvalidInputError(f"n = {n} requests, more than {MAX_EXPECTED_REQUESTS}")
     rng = _rng(seed)
     kinds, cum = _kind_table(weights)
     shapes = shapes or Shapes()
@@ -235,10 +237,10 @@ def mix(*workloads: Iterable[Request]) -> list[Request]:
     tagged = []
     for w, workload in enumerate(workloads):
         if isinstance(workload, Request):
-            raise ValueError("mix takes workloads (iterables of Request); wrap a single request in a list")
+            raise InvalidInputError("mix takes workloads (iterables of Request); wrap a single request in a list")
         for i, request in enumerate(workload):
             if not isinstance(request, Request):
-                raise ValueError(f"workload {w} holds {type(request).__name__}, not Request")
+                raise InvalidInputError(f"workload {w} holds {type(request).__name__}, not Request")
             tagged.append((request.arrival_s, w, i, request))
     tagged.sort(key=lambda item: item[:3])
     return [replace(request, id=new_id) for new_id, (*_, request) in enumerate(tagged)]
@@ -257,7 +259,7 @@ def _request(
 
 def _rng(seed: int) -> random.Random:
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(
+        raise InvalidInputError(
             f"seed must be an int >= 0, got {seed!r} (random.Random treats -s and s as the same seed)"
         )
     return random.Random(seed)
@@ -266,16 +268,16 @@ def _rng(seed: int) -> random.Random:
 def _kind_table(weights: Mapping[Kind, float]) -> tuple[tuple[Kind, ...], list[float]]:
     """Kinds with a positive weight and their cumulative weights, for `random.choices`."""
     if not isinstance(weights, Mapping) or not weights:
-        raise ValueError(f"weights must be a non-empty mapping of kind to weight, got {weights!r}")
+        raise InvalidInputError(f"weights must be a non-empty mapping of kind to weight, got {weights!r}")
     unknown = [k for k in weights if k not in KINDS]
     if unknown:
-        raise ValueError(f"unknown kinds in weights: {unknown}; kinds are {KINDS}")
+        raise InvalidInputError(f"unknown kinds in weights: {unknown}; kinds are {KINDS}")
     for kind, w in weights.items():
         if not _is_real(w) or not math.isfinite(w) or w < 0:
-            raise ValueError(f"weight of {kind!r} must be a finite number >= 0, got {w!r}")
+            raise InvalidInputError(f"weight of {kind!r} must be a finite number >= 0, got {w!r}")
     kinds = tuple(k for k in KINDS if weights.get(k, 0) > 0)
     if not kinds:
-        raise ValueError("weights must give at least one kind a positive weight")
+        raise InvalidInputError("weights must give at least one kind a positive weight")
     cum, total = [], 0.0
     for k in kinds:
         total += float(weights[k])
@@ -289,24 +291,24 @@ def _is_real(x: object) -> bool:
 
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        raise InvalidInputError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def _check_bounds(low: int, high: int) -> None:
     _check_int("low", low, 1)
     _check_int("high", high, 1)
     if low > high:
-        raise ValueError(f"low must be <= high, got low={low}, high={high}")
+        raise InvalidInputError(f"low must be <= high, got low={low}, high={high}")
 
 
 def _check_positive(name: str, value: float) -> None:
     if not _is_real(value) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise InvalidInputError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def _check_nonnegative(name: str, value: float) -> None:
     if not _is_real(value) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        raise InvalidInputError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 __all__ = [

@@ -288,3 +288,18 @@ def test_every_error_is_a_kvrestore_error():
     for cls in (InvalidInputError, StoreError, SaveError):
         assert issubclass(cls, KVRestoreError)
     assert issubclass(SaveError, StoreError)
+
+
+def test_no_public_error_is_a_bare_value_error():
+    """Every ValueError kvrestore raises on purpose is an InvalidInputError (a KVRestoreError)."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "kvrestore"
+    bare = [
+        f"{path.relative_to(root)}:{n}"
+        for path in root.rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"raise ValueError\(", line)
+    ]
+    assert not bare, bare

@@ -542,7 +542,7 @@ class HFBackend:
         """
         tokens = tokens.reshape(-1).to(self.device)
         if past is not None and past.shape[3] != start:
-            raise ValueError(f"past holds {past.shape[3]} tokens but start is {start}")
+            raise InvalidInputError(f"past holds {past.shape[3]} tokens but start is {start}")
         if past is not None and start == 0:
             past = None
         spec = self.spec

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import InvalidInputError
+
 
 def kv_deviation(
     k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor, kind: str = "kv"
@@ -36,7 +38,7 @@ def select_hkvd(
     device: one top-k over the deviations with the forced ones set to +inf, then a sort.
     """
     if deviation.shape != forced.shape:
-        raise ValueError(f"deviation {tuple(deviation.shape)} and forced {tuple(forced.shape)} differ")
+        raise InvalidInputError(f"deviation {tuple(deviation.shape)} and forced {tuple(forced.shape)} differ")
     if n_forced is None:
         n_forced = int(forced.sum())
     size = max(0, min(size, deviation.numel() - n_forced))

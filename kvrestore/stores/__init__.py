@@ -35,7 +35,7 @@ def register_store(scheme: str, factory: StoreFactory, *, clobber: bool = False)
     """Make `open_store("<scheme>://...")` call `factory(url, **options)`."""
     scheme = scheme.lower()
     if scheme in _REGISTRY and _REGISTRY[scheme] is not factory and not clobber:
-        raise ValueError(f"a store is already registered for {scheme}://; pass clobber=True to replace it")
+        raise InvalidInputError(f"a store is already registered for {scheme}://; pass clobber=True to replace it")
     _REGISTRY[scheme] = factory
 
 

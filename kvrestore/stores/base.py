@@ -18,7 +18,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from ..errors import StoreError
+from ..errors import InvalidInputError, StoreError
 
 _KEY_RE = re.compile(r"^[0-9a-f]{16,128}$")
 
@@ -53,9 +53,9 @@ def mirrors_reads_of(store: ChunkStore, owner: type[ChunkStore]) -> bool:
 
 
 def check_key(key: str) -> str:
-    """Return `key` if it is a valid store key (16-128 lowercase hex digits), else raise ValueError."""
+    """Return `key` if it is a valid store key (16-128 lowercase hex digits), else raise InvalidInputError."""
     if not isinstance(key, str) or not _KEY_RE.match(key):
-        raise ValueError(f"invalid store key {key!r}: keys are 16-128 lowercase hex digits")
+        raise InvalidInputError(f"invalid store key {key!r}: keys are 16-128 lowercase hex digits")
     return key
 
 

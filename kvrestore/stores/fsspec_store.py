@@ -108,7 +108,7 @@ def _trusted(mtime_ns: int, listed_at: float) -> bool:
 
 def _check_range(start: int, end: int) -> None:
     if start < 0 or end < start:
-        raise ValueError(f"invalid byte range [{start}, {end})")
+        raise InvalidInputError(f"invalid byte range [{start}, {end})")
 
 
 def _read_all(fd: int, buffer: memoryview) -> int:

@@ -85,7 +85,7 @@ class MemoryStore(ChunkStore):
 
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
         if start < 0 or end < start:
-            raise ValueError(f"invalid byte range [{start}, {end})")
+            raise InvalidInputError(f"invalid byte range [{start}, {end})")
         data = self._lookup(key)
         return None if data is None else bytes(data[start:end])
 

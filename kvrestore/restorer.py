@@ -356,17 +356,26 @@ class Restorer:
         except LOAD_FAULTS as exc:  # the store is down: a restore still finishes, by computing
             stored = [False] * len(refs)
             errors.append(f"lookup: {type(exc).__name__}: {exc}")
+            log.warning("store lookup failed (%s: %s): computing all %d tokens", type(exc).__name__, exc, len(tokens))
         policy = policy or self.engine.default_policy()
         plan = None
         if isinstance(policy, Auto):
             plan = self._plan(refs, stored, policy)
             policy = plan.choice
+            log.debug("restore of %d tokens: %s", len(tokens), plan.explain())
         predicted = self._predicted(policy, plan, refs, stored)
         job = _Job(tokens, refs, stored, errors, on_event, out)
         if policy.axis == "layers":
             result = await self._restore_layers(job, policy)
         else:
             result = await self._restore(job, policy)
+        if result.stats.failed_loads:
+            log.warning(
+                "%d of %d stored chunks (or layer reads) could not be used and were computed instead: %s",
+                result.stats.failed_loads,
+                result.stats.hit_chunks,
+                result.stats.errors[-1],
+            )
         if predicted is None and self.profile is None:
             # an exploring restore: set against what the costs it just taught predict for it, so the
             # planner knows how that strategy compares with its model (and that it has run it)
@@ -676,6 +685,7 @@ class Restorer:
 
     async def _forget(self, key: str) -> None:
         """Delete a damaged chunk: never serve it again; the next save writes a good copy."""
+        log.warning("chunk %s is damaged: deleted from the store (the next save writes it again)", key)
         with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
             await self.store.delete(key)  # best effort: the miss is what matters
 

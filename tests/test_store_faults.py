@@ -356,3 +356,35 @@ def test_choose_blend_store_leaves_out_a_store_that_is_down():
         with pytest.raises(StoreError, match="none of the candidate stores"):
             run(choose, [down])
         run(s3.close)
+
+
+def test_faults_and_fallbacks_are_logged(llama_backend, caplog):
+    """A damaged chunk (deleted, computed instead) and a store that is down (everything computed) each
+    leave a warning on the `kvrestore` logger."""
+    import logging
+
+    from kvrestore.errors import StoreError
+
+    b = llama_backend
+    tokens = random_tokens(96, b.spec.vocab_size, seed=5)
+    keys = [c.key for c in chunk_keys(tokens, b.spec.fingerprint, 32)]
+
+    class DownStore(MemoryStore):
+        async def contains(self, keys):
+            raise StoreError("connection refused")
+
+    async def main():
+        store = MemoryStore()
+        r = Restorer(b, store, chunk_size=32, learn=False)
+        await r.save(tokens)
+        await store.put(keys[1], (await store.get(keys[1]))[:-3])
+        damaged = await r.restore(tokens, LoadOnly())
+        down = await Restorer(b, DownStore(), chunk_size=32, learn=False).restore(tokens)
+        return damaged, down
+
+    with caplog.at_level(logging.WARNING, logger="kvrestore"):
+        damaged, down = run(main)
+    text = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("kvrestore"))
+    assert damaged.stats.failed_loads == 1 and f"chunk {keys[1]} is damaged" in text
+    assert "1 of 3 stored chunks" in text
+    assert down.stats.computed_chunks == 3 and "store lookup failed" in text and "connection refused" in text

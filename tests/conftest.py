@@ -87,3 +87,15 @@ def _learned_costs_per_test(tmp_path_factory, monkeypatch):
     """Each test's restorers learn costs from scratch and keep them in a directory of the test's own
     (never the user's cache: a test must not start from what another one learned)."""
     monkeypatch.setenv("KVRESTORE_LEARNED_DIR", str(tmp_path_factory.mktemp("learned")))
+
+
+#: fixtures whose tests belong to the slow tier: the real model, a real S3 server process
+SLOW_FIXTURES = {"smollm2", "s3_server", "s3_bucket", "s3_options"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """The slow tier (`make test-slow`, run by CI after `make test`): tests marked `slow` or `model`,
+    and every test on the real model or the S3 server, whatever its marks say."""
+    for item in items:
+        if item.get_closest_marker("model") or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

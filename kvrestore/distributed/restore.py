@@ -14,6 +14,7 @@ within the group's timeout. A chunk whose KV cannot be loaded is computed instea
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import codec
+from ..engine import _single
 from ..errors import InvalidInputError, MissingChunkError, StageFailedError, StoreError
 from ..keys import DEFAULT_CHUNK_SIZE, ChunkRef
 from ..policies import Policy, Progress, TokenTwoPointer
@@ -36,6 +38,9 @@ from .layout import StageLayout
 from .pipe import Pipe
 from .plan import StagePlan
 from .stage_backend import StageBackend
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
 
 log = logging.getLogger("kvrestore.distributed")
 
@@ -247,10 +252,15 @@ class StageRestorer:
             return await self._load_layers(refs[i], shard)
 
         progress = Progress([r.n_tokens for r in refs], plan.stored(s))
-        async with anyio.create_task_group() as tg:
-            reader.tg = tg
-            trace = await self.engine.run(progress, policy, compute, load, None, self.restorer.load_timeout_s)
-            tg.cancel_scope.cancel()  # boundary prefetches nobody will use
+        try:
+            async with anyio.create_task_group() as tg:
+                reader.tg = tg
+                trace = await self.engine.run(
+                    progress, policy, compute, load, None, self.restorer.load_timeout_s
+                )
+                tg.cancel_scope.cancel()  # boundary prefetches nobody will use
+        except BaseExceptionGroup as group:  # a unit's own error (a stage without its input), as itself
+            raise _single(group) from None
         failed = trace.of_kind("load-failed")
         for e in failed:
             log.warning(

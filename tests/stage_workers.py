@@ -30,11 +30,18 @@ def tokens(n: int = 100):
 
 class FailingReads(WrapperStore):
     """Reads of some objects fail with a store error (`ranges`: KV range reads; `gets`: whole-object gets,
-    which are the boundary activations') or kill the process (`die`)."""
+    which are the boundary activations'; `lookup`: `contains`) or kill the process (`die`)."""
 
-    def __init__(self, inner, ranges: bool = False, gets: bool = False, die: bool = False) -> None:
+    def __init__(
+        self, inner, ranges: bool = False, gets: bool = False, die: bool = False, lookup: bool = False
+    ) -> None:
         super().__init__(inner)
-        self.ranges, self.gets, self.die = ranges, gets, die
+        self.ranges, self.gets, self.die, self.lookup = ranges, gets, die, lookup
+
+    async def contains(self, keys):
+        if self.lookup:
+            raise StoreError("lookup failed")
+        return await self.inner.contains(keys)
 
     async def get(self, key: str):
         if self.die:
@@ -62,7 +69,7 @@ def restore_runs(rank: int, world: int, runs: Sequence[tuple[str, str, str, int]
     out = []
     for store_dir, policy, fault, sequential in runs:
         store = open_store(f"file://{store_dir}")
-        if fault and rank == world - 1:
+        if fault and rank == (0 if fault == "lookup" else world - 1):
             store = FailingReads(store, **{fault: True})
         stage = StageRestorer(b, store, layout, CHUNK, timeout_s=20.0)
         try:

@@ -18,6 +18,7 @@ from .boundaries import (
     write_boundaries,
 )
 from .group import free_port, init_stages, spawn
+from .job import StageJob, StageOutcome, run_job
 from .layout import StageLayout
 from .plan import StagePlan
 from .restore import StageRestorer, StageResult, StageStats, gather_kv
@@ -27,7 +28,9 @@ __all__ = [
     "BoundaryReader",
     "BoundarySaveStats",
     "StageBackend",
+    "StageJob",
     "StageLayout",
+    "StageOutcome",
     "StagePlan",
     "StageRestorer",
     "StageResult",
@@ -36,6 +39,7 @@ __all__ = [
     "gather_kv",
     "init_stages",
     "prefill_with_boundaries",
+    "run_job",
     "save_with_boundaries",
     "spawn",
     "write_boundaries",

@@ -121,8 +121,12 @@ async def write_boundaries(
 class BoundaryReader:
     """One stage's boundary activations, fetched ahead of the compute lane.
 
-    `get(c)` (on the event loop) returns chunk c's activation [1, T, hidden] on `device` and starts fetching
-    the next `lookahead` chunks the stage may compute, so a compute unit rarely waits for one. Any fault
+    `start()` requests every activation the stage may need, front to back, before the stage's first KV
+    load: a link serves requests in order (`ThrottledStore`), and an activation asked for when the compute
+    lane reaches its chunk would wait behind every KV load in flight (measured on SmolLM2 at 0.5x balance:
+    a stage restore took 2x eq. 2's time). The link pays the activations of chunks that end up loaded
+    (a boundary is 5-6% of a chunk's KV, see benchmarks/stages.py), never a stalled compute lane.
+    `get(c)` (on the event loop) returns chunk c's activation [1, T, hidden] on `device`. Any fault
     (missing, damaged, store error) is a `StageFailedError`: the plan promised the activation, so the stage
     has no other input for that chunk (its peers are told, see `StageRestorer`).
     """
@@ -136,22 +140,30 @@ class BoundaryReader:
         hidden_size: int,
         wanted: Sequence[bool],
         device: torch.device | str = "cpu",
-        lookahead: int = 2,
     ) -> None:
         self.store, self.spec, self.refs, self.layer = store, spec, refs, layer
-        self.hidden_size, self.wanted, self.device, self.lookahead = hidden_size, wanted, device, lookahead
+        self.hidden_size, self.wanted, self.device = hidden_size, wanted, device
         self._done: dict[int, anyio.Event] = {}
         self._got: dict[int, torch.Tensor | BaseException] = {}
         self.bytes_read = 0
         self.tg: TaskGroup | None = None
 
+    def start(self, tg: TaskGroup) -> None:
+        """Request every wanted activation, in chunk order, as tasks of `tg` (`get` alone fetches on
+        demand, for a policy that computes only the chunks whose load failed)."""
+        self.tg = tg
+        for c, wanted in enumerate(self.wanted):
+            if wanted:
+                self._request(c)
+
+    def _request(self, c: int) -> None:
+        if c not in self._done:
+            assert self.tg is not None, "BoundaryReader used before start()"
+            self._done[c] = anyio.Event()
+            self.tg.start_soon(self._fetch, c)
+
     async def get(self, c: int) -> torch.Tensor:
-        assert self.tg is not None, "BoundaryReader.get outside its task group"
-        ahead = [j for j in range(c, len(self.refs)) if self.wanted[j]][: self.lookahead + 1]
-        for j in (c, *ahead):
-            if j not in self._done:
-                self._done[j] = anyio.Event()
-                self.tg.start_soon(self._fetch, j)
+        self._request(c)
         await self._done[c].wait()
         got = self._got[c]
         if isinstance(got, BaseException):

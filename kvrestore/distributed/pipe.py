@@ -19,7 +19,12 @@ from ..errors import StageFailedError
 
 log = logging.getLogger("kvrestore.distributed")
 
-_GO_TAG = 1 << 30  # sequential mode: "the previous stage has finished"
+#: tags of one restore: 2c and 2c + 1 for chunk c, `_GO` for "the previous stage has finished"
+#: (sequential mode), offset by the restore's number so a message a failed restore left unreceived is
+#: never taken for one of a later restore
+_SPAN = 1 << 20
+_GO = _SPAN - 1
+_EPOCHS = 1000
 
 
 class Pipe:
@@ -33,12 +38,15 @@ class Pipe:
         hidden_size: int,
         dtype: torch.dtype,
         timeout_s: float,
+        epoch: int = 0,
     ) -> None:
         self.group, self.stage, self.n_stages = group, stage, n_stages
         self.hidden_size, self.dtype = hidden_size, dtype
         self.timeout = timedelta(seconds=timeout_s)
         self._sends: list[tuple[dist.Work, list[torch.Tensor]]] = []
         self.sent: set[int] = set()
+        self.base = (epoch % _EPOCHS) * _SPAN
+        self.went = False
 
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group, stage) if self.group is not dist.GroupMember.WORLD else stage
@@ -58,14 +66,14 @@ class Pipe:
         """Send chunk `chunk`'s stage output [1, T, hidden] to the next stage."""
         payload = hidden[0].detach().to("cpu", self.dtype).contiguous()
         header = torch.tensor([chunk, 1, payload.shape[0]], dtype=torch.int64)
-        self._isend([header, payload], 2 * chunk)
+        self._isend([header, payload], self.base + 2 * chunk)
         self.sent.add(chunk)
 
     def poison(self, chunks: list[int]) -> None:
         """Tell the next stage that chunks it waits for will never come (this stage failed)."""
         for c in chunks:
             if c not in self.sent:
-                self._isend([torch.tensor([c, 0, 0], dtype=torch.int64)], 2 * c)
+                self._isend([torch.tensor([c, 0, 0], dtype=torch.int64)], self.base + 2 * c)
                 self.sent.add(c)
 
     def recv(self, chunk: int, n_tokens: int, device: torch.device | str) -> torch.Tensor:
@@ -73,7 +81,8 @@ class Pipe:
         src = self._peer(self.stage - 1)
         header = torch.zeros(3, dtype=torch.int64)
         self._wait(
-            dist.irecv(header, src, group=self.group, tag=2 * chunk), f"waiting for chunk {chunk}'s input"
+            dist.irecv(header, src, group=self.group, tag=self.base + 2 * chunk),
+            f"waiting for chunk {chunk}'s input",
         )
         c, ok, n = header.tolist()
         if not ok:
@@ -86,14 +95,16 @@ class Pipe:
             )
         payload = torch.empty((n_tokens, self.hidden_size), dtype=self.dtype)
         self._wait(
-            dist.irecv(payload, src, group=self.group, tag=2 * chunk + 1), f"receiving chunk {chunk}'s input"
+            dist.irecv(payload, src, group=self.group, tag=self.base + 2 * chunk + 1),
+            f"receiving chunk {chunk}'s input",
         )
         return payload.to(device)[None]
 
     def go(self) -> None:
         """Sequential mode: let the next stage start."""
         if self.stage + 1 < self.n_stages:
-            self._isend([torch.ones(1, dtype=torch.int64)], _GO_TAG)
+            self._isend([torch.ones(1, dtype=torch.int64)], self.base + _GO)
+        self.went = True
 
     def wait_go(self) -> None:
         """Sequential mode: wait until the previous stage has finished (0: it failed)."""
@@ -101,15 +112,17 @@ class Pipe:
             return
         flag = torch.zeros(1, dtype=torch.int64)
         self._wait(
-            dist.irecv(flag, self._peer(self.stage - 1), group=self.group, tag=_GO_TAG),
+            dist.irecv(flag, self._peer(self.stage - 1), group=self.group, tag=self.base + _GO),
             "waiting for its turn",
         )
         if not int(flag):
             raise StageFailedError(f"stage {self.stage - 1} failed before stage {self.stage}'s turn")
 
     def fail_go(self) -> None:
-        if self.stage + 1 < self.n_stages:
-            self._isend([torch.zeros(1, dtype=torch.int64)], _GO_TAG)
+        """Sequential mode: tell the next stage this one failed (unless it was already let go)."""
+        if self.stage + 1 < self.n_stages and not self.went:
+            self._isend([torch.zeros(1, dtype=torch.int64)], self.base + _GO)
+        self.went = True
 
     def flush(self) -> None:
         """Wait until every send has been taken (up to the timeout)."""

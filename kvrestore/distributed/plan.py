@@ -16,8 +16,8 @@ from .layout import StageLayout
 @dataclass(frozen=True)
 class StagePlan:
     """`kv_stored[c]`: chunk c's KV is in the store. `missing[s][c]`: stage s has no boundary activation for
-    chunk c (never for stage 0, whose input is the embedding). `error`: rank 0 could not plan (the stages
-    raise it).
+    chunk c (never for stage 0, whose input is the embedding). Where the store cannot be asked, nothing
+    is stored: every stage computes every chunk in the pipeline.
 
     A stage without chunk c's activation can compute c only from the previous stage's output for it: the
     sequential pipeline. So both compute c (stage s-1 sends its output to stage s), neither loads it, and
@@ -27,7 +27,6 @@ class StagePlan:
     layout: StageLayout
     kv_stored: tuple[bool, ...]
     missing: tuple[tuple[bool, ...], ...]
-    error: str | None = None
 
     @classmethod
     def make(

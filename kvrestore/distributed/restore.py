@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 import torch
 import torch.distributed as dist
@@ -29,7 +30,7 @@ from .. import codec
 from ..engine import _single
 from ..errors import InvalidInputError, MissingChunkError, StageFailedError, StoreError
 from ..keys import DEFAULT_CHUNK_SIZE, ChunkRef
-from ..policies import Policy, Progress, TokenTwoPointer
+from ..policies import LoadOnly, Policy, Progress, TokenTwoPointer
 from ..restorer import Restorer
 from ..stores.base import ChunkStore
 from ..trace import Trace
@@ -111,6 +112,7 @@ class StageRestorer:
         self.stage_backend = StageBackend(backend, *layout.stages[self.stage])
         self.store, self.timeout_s = store, timeout_s
         self.engine = self.restorer.engine
+        self.restores = 0  # restores begun: every rank counts the same (they call `restore` together)
 
     @property
     def spec(self):  # noqa: ANN201 - ModelSpec
@@ -136,8 +138,15 @@ class StageRestorer:
         plan = await self._agree(refs)
         sb = self.stage_backend
         pipe = Pipe(
-            self.group, self.stage, self.layout.n_stages, sb.hidden_size, self.spec.dtype, self.timeout_s
+            self.group,
+            self.stage,
+            self.layout.n_stages,
+            sb.hidden_size,
+            self.spec.dtype,
+            self.timeout_s,
+            self.restores,
         )
+        self.restores += 1
         error: BaseException | None = None
         result: StageResult | None = None
         try:
@@ -172,17 +181,16 @@ class StageRestorer:
         if self.stage == 0:
             try:
                 plan = await self._plan(refs)
-            except (StoreError, OSError, TimeoutError) as exc:
-                log.error("planning failed: %s: %s", type(exc).__name__, exc)
-                plan = StagePlan(self.layout, (), (), error=f"{type(exc).__name__}: {exc}")
+            except (StoreError, OSError, TimeoutError) as exc:  # nothing known to be stored: all computed
+                log.warning("store lookup failed, computing everything: %s: %s", type(exc).__name__, exc)
+                none = [False] * len(refs)
+                plan = StagePlan.make(self.layout, none, [none] * (self.layout.n_stages - 1))
         box = [plan]
         await anyio.to_thread.run_sync(
             self._collective, dist.broadcast_object_list, box, "agreeing on the plan"
         )
         plan = box[0]
         assert isinstance(plan, StagePlan)
-        if plan.error is not None:
-            raise StageFailedError(f"stage 0 could not plan the restore: {plan.error}", {0: plan.error})
         if plan.n_chunks != len(refs):
             raise StageFailedError(
                 f"stage 0 planned {plan.n_chunks} chunks, stage {self.stage} has {len(refs)}"
@@ -255,6 +263,9 @@ class StageRestorer:
         try:
             async with anyio.create_task_group() as tg:
                 reader.tg = tg
+                if not isinstance(policy, LoadOnly):  # it computes only failed loads: fetched on demand
+                    reader.start(tg)  # before the first KV load asks the link for anything
+                    await anyio.lowlevel.checkpoint()  # let the requests reach the link first
                 trace = await self.engine.run(
                     progress, policy, compute, load, None, self.restorer.load_timeout_s
                 )

@@ -43,7 +43,7 @@ import torch
 import zstandard
 
 from .checksums import as_signed, device_checkable, device_checksums, host_checksum, host_checksum_parts
-from .errors import CorruptChunkError, ForeignChunkError, TruncatedChunkError
+from .errors import CorruptChunkError, ForeignChunkError, InvalidInputError, TruncatedChunkError
 from .kv import KVChunk
 from .spec import ModelSpec, dtype_name
 
@@ -442,7 +442,7 @@ def encode_boundary(hidden: torch.Tensor, spec: ModelSpec, chunk_key: str, start
     """Serialise `hidden` ([T, hidden_size] in `spec.dtype`): the input of `layer` for the chunk's tokens."""
     _require_little_endian()
     if hidden.dim() != 2 or hidden.dtype != spec.dtype:
-        raise ValueError(
+        raise InvalidInputError(
             f"boundary activation must be [T, hidden] {spec.dtype}, got {tuple(hidden.shape)} {hidden.dtype}"
         )
     payload = hidden.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy().data

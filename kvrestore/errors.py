@@ -80,3 +80,13 @@ def check_seconds(name: str, value: object) -> float | None:
             f"{name} must be a positive number of seconds, or None for no limit, got {value!r}"
         )
     return float(value)
+
+
+class StageFailedError(KVRestoreError):
+    """A stage-parallel restore (`kvrestore.distributed`) failed on some rank: a rank died or timed out, a
+    stage could not get its input (a boundary activation unreadable after planning), or a bug. Every rank
+    of the restore raises it, within the group's timeout; `failures` maps each failed rank to its reason."""
+
+    def __init__(self, message: str, failures: Mapping[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})

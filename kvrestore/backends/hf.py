@@ -467,19 +467,35 @@ class HFBackend:
         and values to attend over, [1, H, n_past + T, D]. Rotary cos/sin and the attention mask or bias
         are built once for all layers. Returns the last token's logits ([vocab], float32) if asked.
         """
-        n = tokens.numel()
-        hidden = self.embed(tokens)
-        positions = torch.arange(start, start + n, device=self.device)
-        cos, sin = self.rotary(hidden, positions)
-        attend = self._attend_fn(n, n_past)
-        for i, mod in enumerate(self._layers):
-            checkpoint()  # a cancelled restore's unit stops here (`kvrestore.cancel`)
-            q, k, v = self._project(mod, hidden, cos, sin)
-            keys, values = place(i, k, v)
-            hidden = self._mix(mod, hidden, attend(q, keys, values))
+        hidden = self.run_layers(self.embed(tokens), start, n_past, place, range(len(self._layers)))
         if not logits:
             return None
         return self._lm_head(self._norm(hidden[:, -1:]))[0, -1].float()
+
+    @torch.inference_mode()
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        start: int,
+        n_past: int,
+        place: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        layers: range,
+    ) -> torch.Tensor:
+        """Decoder layers `layers` (a contiguous range) over `hidden` [1, T, hidden], the input of the first
+        of them, at positions [start, start + T), attending over `n_past` cached tokens; returns the
+        output of the last. `place` is `_prefill`'s (called with the model's layer index). A pipeline
+        stage runs its own layer range with this (`kvrestore.distributed.StageBackend`)."""
+        n = hidden.shape[1]
+        positions = torch.arange(start, start + n, device=self.device)
+        cos, sin = self.rotary(hidden, positions)
+        attend = self._attend_fn(n, n_past)
+        for i in layers:
+            checkpoint()  # a cancelled restore's unit stops here (`kvrestore.cancel`)
+            mod = self._layers[i]
+            q, k, v = self._project(mod, hidden, cos, sin)
+            keys, values = place(i, k, v)
+            hidden = self._mix(mod, hidden, attend(q, keys, values))
+        return hidden
 
     def check_cache(self, cache: torch.Tensor, start: int, n_tokens: int) -> None:
         """Raise InvalidInputError unless `cache` is a KV buffer of this model ([L, 2, H, N, D], its dtype

@@ -87,6 +87,7 @@ def test_two_stages_restore_exactly_or_fail_on_every_rank(tmp_path_factory, refe
         assert "boundary activation" in failed["message"]
 
 
+@pytest.mark.slow
 def test_a_dead_rank_fails_the_others_within_the_timeout(tmp_path):
     """Stage 1's process dies during the restore: stage 0 raises StageFailedError (no hang), and spawn
     reports the dead process."""

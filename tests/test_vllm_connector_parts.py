@@ -44,9 +44,11 @@ H, D, BS, NB = 2, 4, 8, 10
 
 
 def _paged(layout: str, nb: int = NB, bs: int = BS) -> torch.Tensor:
-    """A zeroed paged layer in `layout`; the standard one physically NHD ([B, N, H, C]) so that its
-    logical [B, H, N, C] view is not contiguous, as FlashAttention's is."""
-    if layout == "standard":
+    """A zeroed paged layer in `layout`; the cuda one physically NHD ([B, N, H, C]) so that its logical
+    [B, H, N, C] view is not contiguous, as FlashAttention's is."""
+    if layout == "cpu":
+        return torch.zeros(nb, H, bs, 2 * D)
+    if layout == "cuda":
         return torch.zeros(nb, bs, H, 2 * D).permute(0, 2, 1, 3)
     shape = {
         "flash_attn": (2, nb, bs, H, D),
@@ -58,8 +60,13 @@ def _paged(layout: str, nb: int = NB, bs: int = BS) -> torch.Tensor:
 
 def _slot(cache: torch.Tensor, layout: str, kv: int, block: int, head: int, off: int) -> torch.Tensor:
     """The [D] vector of K (kv=0) or V (kv=1) of one token slot, read the way the backend reads it."""
-    if layout == "standard":
-        return cache[block, head, off, kv * D : (kv + 1) * D]
+    if layout == "cpu":  # vllm/v1/attention/backends/cpu_attn.py
+        nb, _, bs, _ = cache.shape
+        key_cache, value_cache = cache.view(nb, H, bs * 2, -1).chunk(2, dim=2)
+        return (key_cache, value_cache)[kv][block, head, off]
+    if layout == "cuda":  # flash_attn.py: kv_cache.transpose(1, 2).split(head_size, dim=-1)
+        key_cache, value_cache = cache.transpose(1, 2).split(D, dim=-1)
+        return (key_cache, value_cache)[kv][block, off, head]
     if layout == "flash_attn":
         return cache[kv, block, off, head]
     if layout == "flashinfer_nhd":
@@ -88,14 +95,16 @@ def test_scatter_puts_each_token_where_the_backend_reads_it_and_gather_reads_it_
 
 
 def test_layout_errors_are_clear():
-    with pytest.raises(InvalidInputError, match="standard"):
-        canonical_view(torch.zeros(NB, H, BS, D), "standard", H, D)  # C must be 2 * D
+    with pytest.raises(InvalidInputError, match="a cuda vLLM layer"):
+        canonical_view(torch.zeros(NB, H, BS, D), "cuda", H, D)  # C must be 2 * D
+    with pytest.raises(InvalidInputError, match="contiguous"):
+        canonical_view(_paged("cuda"), "cpu", H, D)
     with pytest.raises(InvalidInputError, match="unknown paged layout"):
-        canonical_view(_paged("standard"), "nhd", H, D)
+        canonical_view(_paged("cpu"), "nhd", H, D)
     with pytest.raises(InvalidInputError, match="need 3 blocks"):
-        gather_tokens(_paged("standard"), "standard", [0, 1], 0, 17, H, D)
+        gather_tokens(_paged("cpu"), "cpu", [0, 1], 0, 17, H, D)
     with pytest.raises(InvalidInputError, match="data must be"):
-        scatter_tokens(_paged("standard"), "standard", [0], 0, torch.zeros(2, H, 4, D + 1), H, D)
+        scatter_tokens(_paged("cpu"), "cpu", [0], 0, torch.zeros(2, H, 4, D + 1), H, D)
     assert blocks_of([4, 9, 1, 3], 8, 17, BS) == [9, 1]
     assert blocks_of([4, 9], 5, 5, BS) == []
 

@@ -35,6 +35,7 @@ import logging
 import re
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from ..errors import UnsupportedModelError
@@ -51,7 +53,7 @@ from ..kv import KVChunk
 from ..stores import ThrottledStore, open_store
 from ..stores.base import ChunkStore
 from .vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, LoadChunk
-from .vllm_layout import blocks_of, gather_tokens, scatter_tokens
+from .vllm_layout import blocks_of, canonical_view, gather_tokens, scatter_tokens
 from .vllm_plan import (
     ConnectorConfig,
     CostBook,
@@ -72,7 +74,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvrestore.vllm")
 
-__all__ = ["KVRestoreConnector", "KVRestoreConnectorMetadata"]
+__all__ = ["KVRestoreConnector", "KVRestoreConnectorMetadata", "flush_saves"]
+
+_LIVE: weakref.WeakSet[KVRestoreConnector] = weakref.WeakSet()
+
+
+def flush_saves(timeout: float | None = 60.0) -> bool:
+    """Wait until every chunk the connectors of this process queued is written (saves run in the
+    background); False if some were still being written after `timeout` seconds. For a script that
+    reads the store right after vLLM served a prompt (a `Restorer`, a test), or before it exits."""
+    return all(c.saver.flush(timeout) for c in list(_LIVE))
 
 
 @dataclass
@@ -96,6 +107,20 @@ class KVRestoreConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     #: (req_id, new tokens, tokens already computed) of every request in the step: what compute costs
     steps: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class KVRestoreWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: per request, the chunks that did not load (vLLM recomputes them; the
+    scheduler side then saves them again)."""
+
+    failed: dict[str, set[int]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KVRestoreWorkerMetadata):
+            for req_id, chunks in other.failed.items():
+                self.failed.setdefault(req_id, set()).update(chunks)
+        return self
 
 
 @dataclass
@@ -143,9 +168,10 @@ class KVRestoreConnector(KVConnectorBase_V1):
         # worker side
         self._caches: list[torch.Tensor] = []
         self._layer_of: dict[str, int] = {}
-        self._layout = "standard"
+        self._layout = "cpu"
         self._loads: list[tuple[LoadSpec, LayerLoad]] = []
         self._load_errors: set[int] = set()
+        self._failed_chunks: dict[str, set[int]] = {}
         self._errors_lock = threading.Lock()
         self._bound_at: float | None = None
         self.saver = ChunkSaver(
@@ -155,6 +181,7 @@ class KVRestoreConnector(KVConnectorBase_V1):
             compression=self.config.compression,
             max_bytes=self.config.save_queue_bytes,
         )
+        _LIVE.add(self)
         if role == KVConnectorRole.SCHEDULER:
             tc.kv_load_failure_policy = self.config.on_load_error  # read by the scheduler after this
         log.info(
@@ -299,6 +326,18 @@ class KVRestoreConnector(KVConnectorBase_V1):
                 SaveSpec(req_id, todo, blocks_of(st.block_ids, 0, todo[-1].end, self.block_size))
             )
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, KVRestoreWorkerMetadata):
+            return
+        for req_id, chunks in meta.failed.items():
+            st = self._reqs.get(req_id)
+            if st is None or not chunks:
+                continue
+            for j in chunks:  # deleted by the loader: write them again once vLLM has recomputed them
+                st.stored[j] = False
+            st.next_save = min(st.next_save, min(chunks))
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
         return False, None
@@ -321,14 +360,19 @@ class KVRestoreConnector(KVConnectorBase_V1):
         self._caches = [kv_caches[name] for name in ordered]
         first = self._caches[0]
         H, D = self.spec.num_kv_heads, self.spec.head_dim
-        if first.dim() == 4 and first.shape[1] == H and first.shape[3] == 2 * D:
-            self._layout = "standard"
+        if self.config.layout is not None:
+            self._layout = self.config.layout
+        elif first.dim() == 4 and first.shape[1] == H and first.shape[3] == 2 * D:
+            # the CPU backend keeps a page's keys, then its values; CUDA backends one token's K then V
+            self._layout = "cpu" if first.device.type == "cpu" else "cuda"
         elif first.dim() == 5 and first.shape[0] == 2 and tuple(first.shape[3:]) == (H, D):
             self._layout = "flash_attn"
         else:
             raise UnsupportedModelError(
-                f"unknown vLLM KV cache layout {tuple(first.shape)} for {H} heads of {D}"
+                f"unknown vLLM KV cache layout {tuple(first.shape)} for {H} heads of {D}; "
+                "set kv_connector_extra_config['layout']"
             )
+        canonical_view(first, self._layout, H, D)  # checks the shape
         log.info("kvrestore: %d KV layers, layout %s %s", len(ordered), self._layout, tuple(first.shape))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
@@ -394,6 +438,7 @@ class KVRestoreConnector(KVConnectorBase_V1):
             if bad:
                 with self._errors_lock:
                     self._load_errors.update(bad)
+                self._failed_chunks.setdefault(spec.req_id, set()).update(load.failed)
                 log.warning(
                     "kvrestore: request %s: %d of %d chunks did not load (%s); vLLM recomputes from token %d",
                     spec.req_id,
@@ -423,6 +468,12 @@ class KVRestoreConnector(KVConnectorBase_V1):
                 ]
             ).to("cpu")
             self.saver.submit(c.key, KVChunk(c.start, data))
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._failed_chunks:
+            return None
+        meta, self._failed_chunks = KVRestoreWorkerMetadata(self._failed_chunks), {}
+        return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._errors_lock:

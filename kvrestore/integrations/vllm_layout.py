@@ -4,16 +4,20 @@ kvrestore keeps one layer of a chunk as ``[2, H, T, D]`` (K then V, tokens conti
 a layer as pages of `block_size` tokens; a request's token t lives in block ``block_ids[t // block_size]``
 at offset ``t % block_size``. The layouts handled:
 
-* ``"standard"``: vLLM >= 0.12 (RFC #42082), every backend, CPU and CUDA: the per-layer tensor a connector
-  gets is the logical view ``[num_blocks, H, block_size, 2 * D]``, K and V side by side in the last
-  dimension. Its strides may be anything (FlashAttention's NHD pages are ``[B, N, H, C]`` in memory, the
-  CPU backend's ``[B, H, N, C]``): indexing goes through the view, so both work.
+* ``"cpu"``: vLLM's CPU backend. The per-layer tensor is shaped ``[num_blocks, H, block_size, 2 * D]`` but
+  each page of a head holds all its keys, then all its values: the backend views it as
+  ``[num_blocks, H, 2 * block_size, D]`` and splits that in two along the tokens (`cpu_attn.py`), so
+  the 2 * D "content" of a slot is not one token's K and V.
+* ``"cuda"``: vLLM >= 0.12 (RFC #42082) FlashAttention and Triton backends: the logical view
+  ``[num_blocks, H, block_size, 2 * D]`` with one token's K then V in the last dimension
+  (``kv_cache.transpose(1, 2).split(head_size, dim=-1)``); its strides may be anything (NHD pages are
+  ``[B, N, H, C]`` in memory): indexing goes through the view.
 * ``"flash_attn"``: older CUDA FlashAttention, ``[2, num_blocks, block_size, H, D]``.
 * ``"flashinfer_nhd"``: older FlashInfer, ``[num_blocks, 2, block_size, H, D]``.
 * ``"flashinfer_hnd"``: older FlashInfer with the HND layout, ``[num_blocks, 2, H, block_size, D]``.
 
 Every layout is first viewed (never copied) as ``[2, num_blocks, H, block_size, D]``; `gather_tokens` and
-`scatter_tokens` then index that view.
+`scatter_tokens` then copy a page at a time through that view.
 """
 
 from __future__ import annotations
@@ -24,20 +28,25 @@ import torch
 
 from ..errors import InvalidInputError
 
-LAYOUTS = ("standard", "flash_attn", "flashinfer_nhd", "flashinfer_hnd")
+LAYOUTS = ("cpu", "cuda", "flash_attn", "flashinfer_nhd", "flashinfer_hnd")
 
 
 def canonical_view(cache: torch.Tensor, layout: str, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """`cache` (one layer) as a ``[2, num_blocks, H, block_size, D]`` view of the same memory."""
     H, D = num_kv_heads, head_dim
-    if layout == "standard":
+    if layout in ("cpu", "cuda"):
         if cache.dim() != 4 or cache.shape[1] != H or cache.shape[3] != 2 * D:
             raise InvalidInputError(
-                f"a standard vLLM layer is [blocks, {H}, block_size, {2 * D}], got {_shape(cache)}"
+                f"a {layout} vLLM layer is [blocks, {H}, block_size, {2 * D}], got {_shape(cache)}"
             )
         nb, _, bs, _ = cache.shape
-        # split the last dim in two without copying: [B, H, N, 2, D] -> [2, B, H, N, D]
-        return cache.unflatten(3, (2, D)).permute(3, 0, 1, 2, 4)
+        if layout == "cuda":  # split the last dim in two: [B, H, N, 2, D] -> [2, B, H, N, D]
+            return cache.unflatten(3, (2, D)).permute(3, 0, 1, 2, 4)
+        try:  # what the CPU backend does: [B, H, N, 2D] memory as [B, H, 2, N, D]
+            pages = cache.view(nb, H, 2 * bs, D)
+        except RuntimeError as exc:
+            raise InvalidInputError(f"a cpu vLLM layer must be contiguous within a page: {exc}") from None
+        return pages.unflatten(2, (2, bs)).permute(2, 0, 1, 3, 4)
     if layout == "flash_attn":
         if cache.dim() != 5 or cache.shape[0] != 2 or cache.shape[3:] != (H, D):
             raise InvalidInputError(
@@ -67,20 +76,18 @@ def block_size_of(cache: torch.Tensor, layout: str, num_kv_heads: int, head_dim:
     return int(canonical_view(cache, layout, num_kv_heads, head_dim).shape[3])
 
 
-def _slots(
-    block_ids: Sequence[int] | torch.Tensor, start: int, end: int, block_size: int, device: torch.device
-):
-    """(block index, offset) tensors of tokens [start, end) of a request with pages `block_ids`."""
-    blocks = torch.as_tensor(block_ids, dtype=torch.long)
+def _pages(block_ids: Sequence[int] | torch.Tensor, start: int, end: int, block_size: int):
+    """(block id, first and last offset in it, first token of data) for each page of tokens [start, end)."""
     if start < 0 or end < start:
         raise InvalidInputError(f"bad token range [{start}, {end})")
     need = -(-end // block_size)
-    if need > len(blocks):
+    if need > len(block_ids):
         raise InvalidInputError(
-            f"tokens [{start}, {end}) need {need} blocks of {block_size}, the request has {len(blocks)}"
+            f"tokens [{start}, {end}) need {need} blocks of {block_size}, the request has {len(block_ids)}"
         )
-    t = torch.arange(start, end, dtype=torch.long)
-    return blocks[t // block_size].to(device), (t % block_size).to(device)
+    for p in range(start // block_size, need):
+        lo, hi = max(start, p * block_size), min(end, (p + 1) * block_size)
+        yield int(block_ids[p]), lo - p * block_size, hi - p * block_size, lo - start
 
 
 def gather_tokens(
@@ -93,11 +100,12 @@ def gather_tokens(
     head_dim: int,
 ) -> torch.Tensor:
     """Tokens [start, end) of one layer of a paged cache as a new ``[2, H, T, D]`` tensor (kvrestore's
-    section layout), on the cache's device."""
+    section layout), on the cache's device. One copy per page."""
     view = canonical_view(cache, layout, num_kv_heads, head_dim)
-    b, o = _slots(block_ids, start, end, int(view.shape[3]), view.device)
-    # two advanced indices around a slice: the indexed dim comes first -> [T, 2, H, D]
-    return view[:, b, :, o, :].permute(1, 2, 0, 3).contiguous()
+    out = torch.empty((2, num_kv_heads, end - start, head_dim), dtype=view.dtype, device=view.device)
+    for block, a, b, at in _pages(block_ids, start, end, int(view.shape[3])):
+        out[:, :, at : at + b - a].copy_(view[:, block, :, a:b])
+    return out
 
 
 def scatter_tokens(
@@ -109,13 +117,13 @@ def scatter_tokens(
     num_kv_heads: int,
     head_dim: int,
 ) -> None:
-    """Write `data` (``[2, H, T, D]``) as tokens [start, start + T) of one layer of a paged cache, in place."""
+    """Write `data` (``[2, H, T, D]``) as tokens [start, start + T) of one layer of a paged cache, in
+    place. One copy per page."""
     view = canonical_view(cache, layout, num_kv_heads, head_dim)
     if data.dim() != 4 or data.shape[0] != 2 or data.shape[1] != num_kv_heads or data.shape[3] != head_dim:
         raise InvalidInputError(f"data must be [2, {num_kv_heads}, T, {head_dim}], got {_shape(data)}")
-    n = int(data.shape[2])
-    b, o = _slots(block_ids, start, start + n, int(view.shape[3]), view.device)
-    view[:, b, :, o, :] = data.permute(2, 0, 1, 3).to(device=view.device, dtype=view.dtype)
+    for block, a, b, at in _pages(block_ids, start, start + int(data.shape[2]), int(view.shape[3])):
+        view[:, block, :, a:b].copy_(data[:, :, at : at + b - a])
 
 
 def blocks_of(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:

@@ -29,6 +29,7 @@ from ..errors import InvalidInputError, check_int, check_seconds
 from ..paths import cache_root
 from ..profile import LinkCost, fit_nonnegative, machine_id
 from ..spec import ModelSpec, dtype_name
+from .vllm_layout import LAYOUTS
 
 log = logging.getLogger("kvrestore.vllm")
 
@@ -59,6 +60,7 @@ class ConnectorConfig:
     link_bytes_per_s: float | None = None  # a prior for the link until loads have measured it
     fingerprint: str | None = None  # default: computed from the checkpoint's weights and dtype
     cost_dir: str | None = None  # where learned costs persist (default: the kvrestore cache dir)
+    layout: str | None = None  # vLLM's paged layout (`vllm_layout.LAYOUTS`); default: from the device
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -85,6 +87,8 @@ class ConnectorConfig:
             raise InvalidInputError(f"split must be one of {SPLITS}, got {cfg.split!r}")
         if cfg.on_load_error not in ("recompute", "fail"):
             raise InvalidInputError(f"on_load_error must be 'recompute' or 'fail', got {cfg.on_load_error!r}")
+        if cfg.layout is not None and cfg.layout not in LAYOUTS:
+            raise InvalidInputError(f"layout must be one of {LAYOUTS}, got {cfg.layout!r}")
         if not isinstance(cfg.store_options, Mapping):
             raise InvalidInputError(f"store_options must be a dict, got {type(cfg.store_options).__name__}")
         for name in ("throttle_bytes_per_s", "link_bytes_per_s"):

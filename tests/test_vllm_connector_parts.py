@@ -18,8 +18,8 @@ from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, Load
 from kvrestore.integrations.vllm_layout import (
     LAYOUTS,
     blocks_of,
-    canonical_view,
     gather_tokens,
+    kv_views,
     scatter_tokens,
 )
 from kvrestore.integrations.vllm_plan import (
@@ -60,10 +60,12 @@ def _paged(layout: str, nb: int = NB, bs: int = BS) -> torch.Tensor:
 
 def _slot(cache: torch.Tensor, layout: str, kv: int, block: int, head: int, off: int) -> torch.Tensor:
     """The [D] vector of K (kv=0) or V (kv=1) of one token slot, read the way the backend reads it."""
-    if layout == "cpu":  # vllm/v1/attention/backends/cpu_attn.py
+    if layout == "cpu":  # cpu_attn.py's view and split, then cpu_attn_vec.hpp's reshape_and_cache
         nb, _, bs, _ = cache.shape
         key_cache, value_cache = cache.view(nb, H, bs * 2, -1).chunk(2, dim=2)
-        return (key_cache, value_cache)[kv][block, head, off]
+        if kv == 0:  # "Write Key as column-major": element d of token `off` at d * block_size + off
+            return key_cache[block, head].reshape(-1)[off::bs][:D]
+        return value_cache[block, head, off]
     if layout == "cuda":  # flash_attn.py: kv_cache.transpose(1, 2).split(head_size, dim=-1)
         key_cache, value_cache = cache.transpose(1, 2).split(D, dim=-1)
         return (key_cache, value_cache)[kv][block, off, head]
@@ -96,11 +98,11 @@ def test_scatter_puts_each_token_where_the_backend_reads_it_and_gather_reads_it_
 
 def test_layout_errors_are_clear():
     with pytest.raises(InvalidInputError, match="a cuda vLLM layer"):
-        canonical_view(torch.zeros(NB, H, BS, D), "cuda", H, D)  # C must be 2 * D
+        kv_views(torch.zeros(NB, H, BS, D), "cuda", H, D)  # C must be 2 * D
     with pytest.raises(InvalidInputError, match="contiguous"):
-        canonical_view(_paged("cuda"), "cpu", H, D)
+        kv_views(_paged("cuda"), "cpu", H, D)
     with pytest.raises(InvalidInputError, match="unknown paged layout"):
-        canonical_view(_paged("cpu"), "nhd", H, D)
+        kv_views(_paged("cpu"), "nhd", H, D)
     with pytest.raises(InvalidInputError, match="need 3 blocks"):
         gather_tokens(_paged("cpu"), "cpu", [0, 1], 0, 17, H, D)
     with pytest.raises(InvalidInputError, match="data must be"):

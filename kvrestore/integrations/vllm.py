@@ -53,7 +53,7 @@ from ..kv import KVChunk
 from ..stores import ThrottledStore, open_store
 from ..stores.base import ChunkStore
 from .vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, LoadChunk
-from .vllm_layout import blocks_of, canonical_view, gather_tokens, scatter_tokens
+from .vllm_layout import blocks_of, gather_tokens, kv_views, scatter_tokens
 from .vllm_plan import (
     ConnectorConfig,
     CostBook,
@@ -312,8 +312,8 @@ class KVRestoreConnector(KVConnectorBase_V1):
                     list(st.block_ids),
                 )
             )
-        if not self.config.save:
-            return
+        if not self.config.save or time.monotonic() < self._down_until:
+            return  # while the store is down, chunks are not even copied out
         done = computed + n_new
         todo = []
         while st.next_save < len(st.refs) and st.refs[st.next_save].end <= done:
@@ -372,8 +372,24 @@ class KVRestoreConnector(KVConnectorBase_V1):
                 f"unknown vLLM KV cache layout {tuple(first.shape)} for {H} heads of {D}; "
                 "set kv_connector_extra_config['layout']"
             )
-        canonical_view(first, self._layout, H, D)  # checks the shape
+        kv_views(first, self._layout, H, D)  # checks the shape
+        if self._layout == "cpu":
+            self._check_cpu_kernels(int(first.shape[2]))
         log.info("kvrestore: %d KV layers, layout %s %s", len(ordered), self._layout, tuple(first.shape))
+
+    def _check_cpu_kernels(self, block_size: int) -> None:
+        """The "cpu" layout is that of vLLM's portable CPU kernels ("vec"); AMX, NEON and the others keep
+        their pages their own way."""
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+        except ImportError:  # another vLLM: trust the layout
+            return
+        isa = _get_attn_isa(self.spec.dtype, block_size, self.spec.head_dim)
+        if isa != "vec":
+            raise UnsupportedModelError(
+                f"vLLM's CPU attention uses its {isa!r} kernels here; kvrestore reads and writes the pages of its "
+                "'vec' kernels only (fp32, or bf16 without AMX, on x86, with block sizes a multiple of 32)"
+            )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -18,6 +18,7 @@ import math
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +151,7 @@ class CostBook:
     MAX_PREFILLS = 32
     MAX_SMALL = 8
     MAX_LOADS = 16
+    WRITE_EVERY_S = 5.0
 
     _shared: dict[str, CostBook] = {}
     _shared_lock = threading.Lock()
@@ -159,6 +161,7 @@ class CostBook:
         self.compute: list[list[float]] = []
         self.links: dict[str, list[list[float]]] = {}
         self._mtime = 0.0
+        self._written_at = 0.0
         self._lock = threading.Lock()
         self.refresh()
 
@@ -195,7 +198,10 @@ class CostBook:
             if len(same) >= (self.MAX_SMALL if small else self.MAX_PREFILLS):
                 self.compute.remove(same[0])
             self.compute.append([float(n_tokens), float(past), float(seconds)])
-        self._write()
+            # a prefill is worth keeping at once; decode steps (several a second) at most every few seconds
+            due = not small or time.monotonic() - self._written_at > self.WRITE_EVERY_S
+        if due:
+            self._write()
 
     def add_load(self, link_key: str, nbytes: int, seconds: float) -> None:
         with self._lock:
@@ -224,6 +230,7 @@ class CostBook:
                 f.write(data)
             os.replace(tmp, self.path)
             self._mtime = self.path.stat().st_mtime
+            self._written_at = time.monotonic()
         except OSError as exc:  # learning is best effort
             log.debug("could not persist learned costs to %s: %s", self.path, exc)
             with contextlib.suppress(OSError, UnboundLocalError):

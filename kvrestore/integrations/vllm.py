@@ -174,6 +174,7 @@ class KVRestoreConnector(KVConnectorBase_V1):
         self._failed_chunks: dict[str, set[int]] = {}
         self._errors_lock = threading.Lock()
         self._bound_at: float | None = None
+        self._waited_s = 0.0  # this step's time in wait_for_layer_load: the step minus it is compute
         self.saver = ChunkSaver(
             self.spec,
             self.store,
@@ -394,6 +395,7 @@ class KVRestoreConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._bound_at = time.perf_counter()
+        self._waited_s = 0.0
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -415,6 +417,7 @@ class KVRestoreConnector(KVConnectorBase_V1):
         layer = self._layer_of.get(layer_name)
         if layer is None:
             return
+        t = time.perf_counter()
         for spec, load in self._loads:
             if not load.wait(layer):
                 log.warning(
@@ -424,6 +427,7 @@ class KVRestoreConnector(KVConnectorBase_V1):
                     self.config.load_timeout_s,
                     spec.k,
                 )
+        self._waited_s += time.perf_counter() - t
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -438,10 +442,13 @@ class KVRestoreConnector(KVConnectorBase_V1):
         elapsed = time.perf_counter() - self._bound_at if self._bound_at is not None else None
         if meta.loads and elapsed is not None:
             log.info("kvrestore: a step that loaded %d requests took %.3f s", len(meta.loads), elapsed)
+        failed = any(load.failed for _, load in self._loads)
         self._finish_loads()
-        if elapsed is not None and not meta.loads and len(meta.steps) == 1 and meta.steps[0][1] > 0:
+        if elapsed is not None and len(meta.steps) == 1 and meta.steps[0][1] > 0 and not failed:
+            # a step that loaded computed while it did not wait for a layer: a sample with a past, which
+            # steps from scratch never give (the split's suffix is computed after a loaded prefix)
             _, n_new, past = meta.steps[0]
-            self.costs.add_compute(n_new, past, elapsed)
+            self.costs.add_compute(n_new, past, elapsed - self._waited_s)
         for spec in meta.saves:
             self._save(spec)
 

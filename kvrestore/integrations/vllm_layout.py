@@ -1,0 +1,140 @@
+"""vLLM's paged KV caches <-> kvrestore's chunk layout: pure tensor functions, no vLLM needed.
+
+kvrestore keeps one layer of a chunk as ``[2, H, T, D]`` (K then V, tokens contiguous per head). vLLM keeps
+a layer as pages of `block_size` tokens; a request's token t lives in block ``block_ids[t // block_size]``
+at offset ``t % block_size``. The layouts handled:
+
+* ``"cpu"``: vLLM's CPU backend with its portable "vec" kernels (the ones it picks for fp32, and for
+  bf16 without AMX; `cpu_attn.py`'s `_get_attn_isa`). The per-layer tensor is shaped
+  ``[num_blocks, H, block_size, 2 * D]``, but each (page, head) holds all its keys, then all its values
+  (the backend views it as ``[num_blocks, H, 2 * block_size, D]`` and splits it along the tokens), and
+  the keys are stored column-major: ``[D, block_size]``, the values row-major ``[block_size, D]``
+  (`csrc/cpu/cpu_attn_vec.hpp`, `reshape_and_cache`). So a slot's 2 * D "content" is not its K and V.
+* ``"cuda"``: vLLM >= 0.12 (RFC #42082) FlashAttention and Triton backends: the logical view
+  ``[num_blocks, H, block_size, 2 * D]`` with one token's K then V in the last dimension
+  (``kv_cache.transpose(1, 2).split(head_size, dim=-1)``); its strides may be anything (NHD pages are
+  ``[B, N, H, C]`` in memory): indexing goes through the view.
+* ``"flash_attn"``: older CUDA FlashAttention, ``[2, num_blocks, block_size, H, D]``.
+* ``"flashinfer_nhd"``: older FlashInfer, ``[num_blocks, 2, block_size, H, D]``.
+* ``"flashinfer_hnd"``: older FlashInfer with the HND layout, ``[num_blocks, 2, H, block_size, D]``.
+
+Every layout is first viewed (never copied) as a K and a V tensor, each ``[num_blocks, H, block_size, D]``
+(`kv_views`); `gather_tokens` and `scatter_tokens` then copy a page at a time through those views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import InvalidInputError
+
+LAYOUTS = ("cpu", "cuda", "flash_attn", "flashinfer_nhd", "flashinfer_hnd")
+
+
+def kv_views(
+    cache: torch.Tensor, layout: str, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cache` (one layer) as K and V views of the same memory, each ``[num_blocks, H, block_size, D]``."""
+    H, D = num_kv_heads, head_dim
+    if layout in ("cpu", "cuda"):
+        if cache.dim() != 4 or cache.shape[1] != H or cache.shape[3] != 2 * D:
+            raise InvalidInputError(
+                f"a {layout} vLLM layer is [blocks, {H}, block_size, {2 * D}], got {_shape(cache)}"
+            )
+        nb, _, bs, _ = cache.shape
+        if layout == "cuda":  # one token's K then V in the last dim
+            return cache[..., :D], cache[..., D:]
+        try:  # per (page, head): K as [D, bs], then V as [bs, D]
+            halves = cache.view(nb, H, 2, bs * D)
+        except RuntimeError as exc:
+            raise InvalidInputError(f"a cpu vLLM layer must be contiguous within a page: {exc}") from None
+        return halves[:, :, 0].unflatten(2, (D, bs)).transpose(2, 3), halves[:, :, 1].unflatten(2, (bs, D))
+    if layout == "flash_attn":
+        if cache.dim() != 5 or cache.shape[0] != 2 or cache.shape[3:] != (H, D):
+            raise InvalidInputError(
+                f"a flash_attn layer is [2, blocks, block_size, {H}, {D}], got {_shape(cache)}"
+            )
+        return cache[0].transpose(1, 2), cache[1].transpose(1, 2)
+    if layout == "flashinfer_nhd":
+        if cache.dim() != 5 or cache.shape[1] != 2 or cache.shape[3:] != (H, D):
+            raise InvalidInputError(
+                f"a flashinfer_nhd layer is [blocks, 2, block_size, {H}, {D}], got {_shape(cache)}"
+            )
+        return cache[:, 0].transpose(1, 2), cache[:, 1].transpose(1, 2)
+    if layout == "flashinfer_hnd":
+        if cache.dim() != 5 or cache.shape[1] != 2 or cache.shape[2] != H or cache.shape[4] != D:
+            raise InvalidInputError(
+                f"a flashinfer_hnd layer is [blocks, 2, {H}, block_size, {D}], got {_shape(cache)}"
+            )
+        return cache[:, 0], cache[:, 1]
+    raise InvalidInputError(f"unknown paged layout {layout!r}; use one of {LAYOUTS}")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(s) for s in t.shape) + "]"
+
+
+def block_size_of(cache: torch.Tensor, layout: str, num_kv_heads: int, head_dim: int) -> int:
+    return int(kv_views(cache, layout, num_kv_heads, head_dim)[0].shape[2])
+
+
+def _pages(block_ids: Sequence[int] | torch.Tensor, start: int, end: int, block_size: int):
+    """(block id, first and last offset in it, first token of data) for each page of tokens [start, end)."""
+    if start < 0 or end < start:
+        raise InvalidInputError(f"bad token range [{start}, {end})")
+    need = -(-end // block_size)
+    if need > len(block_ids):
+        raise InvalidInputError(
+            f"tokens [{start}, {end}) need {need} blocks of {block_size}, the request has {len(block_ids)}"
+        )
+    for p in range(start // block_size, need):
+        lo, hi = max(start, p * block_size), min(end, (p + 1) * block_size)
+        yield int(block_ids[p]), lo - p * block_size, hi - p * block_size, lo - start
+
+
+def gather_tokens(
+    cache: torch.Tensor,
+    layout: str,
+    block_ids: Sequence[int] | torch.Tensor,
+    start: int,
+    end: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """Tokens [start, end) of one layer of a paged cache as a new ``[2, H, T, D]`` tensor (kvrestore's
+    section layout), on the cache's device. One copy per page."""
+    k, v = kv_views(cache, layout, num_kv_heads, head_dim)
+    out = torch.empty((2, num_kv_heads, end - start, head_dim), dtype=k.dtype, device=k.device)
+    for block, a, b, at in _pages(block_ids, start, end, int(k.shape[2])):
+        out[0, :, at : at + b - a].copy_(k[block, :, a:b])
+        out[1, :, at : at + b - a].copy_(v[block, :, a:b])
+    return out
+
+
+def scatter_tokens(
+    cache: torch.Tensor,
+    layout: str,
+    block_ids: Sequence[int] | torch.Tensor,
+    start: int,
+    data: torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    """Write `data` (``[2, H, T, D]``) as tokens [start, start + T) of one layer of a paged cache, in
+    place. One copy per page."""
+    k, v = kv_views(cache, layout, num_kv_heads, head_dim)
+    if data.dim() != 4 or data.shape[0] != 2 or data.shape[1] != num_kv_heads or data.shape[3] != head_dim:
+        raise InvalidInputError(f"data must be [2, {num_kv_heads}, T, {head_dim}], got {_shape(data)}")
+    data = data.to(device=k.device, dtype=k.dtype)
+    for block, a, b, at in _pages(block_ids, start, start + int(data.shape[2]), int(k.shape[2])):
+        k[block, :, a:b].copy_(data[0, :, at : at + b - a])
+        v[block, :, a:b].copy_(data[1, :, at : at + b - a])
+
+
+def blocks_of(block_ids: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """The pages holding tokens [start, end)."""
+    if end <= start:
+        return []
+    return [int(b) for b in block_ids[start // block_size : -(-end // block_size)]]

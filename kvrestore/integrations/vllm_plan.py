@@ -1,0 +1,382 @@
+"""What the vLLM connector decides, without vLLM: its configuration, how many stored tokens to load
+(the split), what it has learned about compute and the link, and the model's fingerprint.
+
+The split. vLLM computes a request's tokens [k, n) while the connector loads [0, k) layer by layer, so
+loading layer l+1 overlaps computing layer l. Loading k tokens costs a round trip per layer plus the bytes
+of every chunk that overlaps [0, k) over the link; computing n - k tokens after a past of k costs
+`ComputeCost.seconds(n - k, k)`. With the two pipelined over L layers, a split finishes after about
+``max(load + compute / L, compute + load / L)``: the slower of the two plus one layer of the other. The
+connector picks the k (block- and chunk-aligned, at most the stored prefix and n - 1) that minimises it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import InvalidInputError, check_int, check_seconds
+from ..paths import cache_root
+from ..profile import LinkCost, fit_nonnegative, machine_id
+from ..spec import ModelSpec, dtype_name
+from .vllm_layout import LAYOUTS
+
+log = logging.getLogger("kvrestore.vllm")
+
+SPLITS = ("planned", "load_all", "compute_all")
+
+
+# -- configuration ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """`kv_connector_extra_config`, checked. Only `store_url` is required."""
+
+    store_url: str
+    chunk_size: int = 256
+    compression: str = "none"
+    split: str = "planned"  # "planned" | "load_all" | "compute_all" (never load)
+    store_options: Mapping[str, Any] = field(default_factory=dict)  # passed to open_store
+    save: bool = True
+    load: bool = True
+    lookup_timeout_s: float = 2.0  # a store that does not answer a lookup in time is down: 0 tokens
+    load_timeout_s: float = 30.0  # a layer not loaded in time: its blocks are load errors
+    save_queue_bytes: int = 1 << 30  # KV waiting to be written; a save that does not fit is dropped
+    retry_after_s: float = 10.0  # after a store fault, lookups answer 0 for this long
+    on_load_error: str = "recompute"  # vLLM's kv_load_failure_policy the connector sets
+    throttle_bytes_per_s: float | None = None  # read the store through a ThrottledStore (benchmarks)
+    throttle_latency_s: float = 0.0
+    link_bytes_per_s: float | None = None  # a prior for the link until loads have measured it
+    fingerprint: str | None = None  # default: computed from the checkpoint's weights and dtype
+    cost_dir: str | None = None  # where learned costs persist (default: the kvrestore cache dir)
+    layout: str | None = None  # vLLM's paged layout (`vllm_layout.LAYOUTS`); default: from the device
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        extra = dict(extra or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise InvalidInputError(
+                f"unknown kv_connector_extra_config keys {unknown}; KVRestoreConnector takes {sorted(known)}"
+            )
+        url = extra.get("store_url")
+        if not isinstance(url, str) or not url.strip():
+            raise InvalidInputError(
+                "kv_connector_extra_config needs store_url, e.g. {'store_url': '/var/cache/kv'} or 's3://bucket/kv'"
+            )
+        cfg = cls(**extra)
+        check_int("chunk_size", cfg.chunk_size)
+        check_int("save_queue_bytes", cfg.save_queue_bytes)
+        for name in ("lookup_timeout_s", "load_timeout_s", "retry_after_s"):
+            check_seconds(name, getattr(cfg, name))
+        if cfg.compression not in ("none", "zstd"):
+            raise InvalidInputError(f"compression must be 'none' or 'zstd', got {cfg.compression!r}")
+        if cfg.split not in SPLITS:
+            raise InvalidInputError(f"split must be one of {SPLITS}, got {cfg.split!r}")
+        if cfg.on_load_error not in ("recompute", "fail"):
+            raise InvalidInputError(f"on_load_error must be 'recompute' or 'fail', got {cfg.on_load_error!r}")
+        if cfg.layout is not None and cfg.layout not in LAYOUTS:
+            raise InvalidInputError(f"layout must be one of {LAYOUTS}, got {cfg.layout!r}")
+        if not isinstance(cfg.store_options, Mapping):
+            raise InvalidInputError(f"store_options must be a dict, got {type(cfg.store_options).__name__}")
+        for name in ("throttle_bytes_per_s", "link_bytes_per_s"):
+            if getattr(cfg, name) is not None:
+                check_seconds(name, getattr(cfg, name))  # a positive number
+        return cfg
+
+
+# -- costs -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ComputeCost:
+    """Seconds for vLLM to prefill `n` new tokens after `past` cached ones:
+    ``fixed + n * per_token + n * (past + n / 2) * per_pair`` (the linear layers, then attention over
+    every earlier token)."""
+
+    fixed_s: float
+    per_token_s: float
+    per_pair_s: float
+
+    def seconds(self, n_tokens: int, past: int = 0) -> float:
+        if n_tokens <= 0:
+            return 0.0
+        n = n_tokens
+        return self.fixed_s + n * self.per_token_s + n * (past + n / 2) * self.per_pair_s
+
+    @staticmethod
+    def fit(samples: Sequence[Sequence[float]]) -> ComputeCost | None:
+        """From [n, past, seconds] samples; None without a prefill (n >= 16) to learn from. With fewer than
+        three prefills the attention term is not separable: a per-token cost (plus a fixed one) only."""
+        prefills = [s for s in samples if s[0] >= 16]
+        if not prefills:
+            return None
+        rows = [list(s) for s in samples if s[2] > 0]
+        if len({(int(n), int(p)) for n, p, _ in prefills}) < 3:
+            fixed = min((s for _, _, s in rows), default=0.0) if any(n < 16 for n, _, _ in rows) else 0.0
+            per = max(0.0, sum(s - fixed for _, _, s in prefills) / sum(n for n, _, _ in prefills))
+            return ComputeCost(fixed, per, 0.0)
+        coef = fit_nonnegative([[1.0, n, n * (p + n / 2)] for n, p, _ in rows], [s for _, _, s in rows])
+        return ComputeCost(*coef)
+
+
+def link_from(samples: Sequence[Sequence[float]], latency_s: float = 0.0) -> LinkCost | None:
+    """A link from [bytes, seconds] samples of whole loads: their total rate (big loads weigh most)."""
+    nbytes = sum(b for b, _ in samples)
+    secs = sum(s for _, s in samples)
+    if nbytes <= 0 or secs <= 0:
+        return None
+    return LinkCost(nbytes / secs, latency_s)
+
+
+class CostBook:
+    """What the connector has measured, kept across processes in one small JSON file per model and
+    machine: vLLM's prefill steps ([n, past, seconds]) and, per store link, whole loads ([bytes,
+    seconds]). A scheduler and a worker in one process share one book (`CostBook.shared`); in separate
+    processes the scheduler re-reads the file when the worker has written it."""
+
+    MAX_PREFILLS = 32
+    MAX_SMALL = 8
+    MAX_LOADS = 16
+    WRITE_EVERY_S = 5.0
+
+    _shared: dict[str, CostBook] = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.compute: list[list[float]] = []
+        self.links: dict[str, list[list[float]]] = {}
+        self._mtime = 0.0
+        self._written_at = 0.0
+        self._lock = threading.Lock()
+        self.refresh()
+
+    @classmethod
+    def shared(cls, fingerprint: str, cost_dir: str | os.PathLike | None = None) -> CostBook:
+        root = Path(cost_dir) if cost_dir is not None else cache_root() / "vllm"
+        path = root / f"costs-{fingerprint[:16]}-{machine_id()}.json"
+        with cls._shared_lock:
+            book = cls._shared.get(str(path))
+            if book is None:
+                book = cls._shared[str(path)] = cls(path)
+            return book
+
+    def refresh(self) -> None:
+        """Re-read the file if another process wrote it since."""
+        if self.path is None:
+            return
+        try:
+            mtime = self.path.stat().st_mtime
+            if mtime == self._mtime:
+                return
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        with self._lock:
+            self._mtime = mtime
+            self.compute = [list(map(float, s)) for s in data.get("compute", [])]
+            self.links = {k: [list(map(float, s)) for s in v] for k, v in data.get("links", {}).items()}
+
+    def add_compute(self, n_tokens: int, past: int, seconds: float) -> None:
+        with self._lock:
+            small = n_tokens < 16
+            same = [s for s in self.compute if (s[0] < 16) == small]
+            if len(same) >= (self.MAX_SMALL if small else self.MAX_PREFILLS):
+                self.compute.remove(same[0])
+            self.compute.append([float(n_tokens), float(past), float(seconds)])
+            # a prefill is worth keeping at once; decode steps (several a second) at most every few seconds
+            due = not small or time.monotonic() - self._written_at > self.WRITE_EVERY_S
+        if due:
+            self._write()
+
+    def add_load(self, link_key: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            rows = self.links.setdefault(link_key, [])
+            rows.append([float(nbytes), float(seconds)])
+            del rows[: -self.MAX_LOADS]
+        self._write()
+
+    def compute_cost(self) -> ComputeCost | None:
+        with self._lock:
+            return ComputeCost.fit(self.compute)
+
+    def link(self, link_key: str) -> LinkCost | None:
+        with self._lock:
+            return link_from(self.links.get(link_key, []))
+
+    def _write(self) -> None:
+        if self.path is None:
+            return
+        with self._lock:
+            data = json.dumps({"compute": self.compute, "links": self.links})
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".costs-", dir=self.path.parent)
+            with os.fdopen(fd, "w") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+            self._mtime = self.path.stat().st_mtime
+            self._written_at = time.monotonic()
+        except OSError as exc:  # learning is best effort
+            log.debug("could not persist learned costs to %s: %s", self.path, exc)
+            with contextlib.suppress(OSError, UnboundLocalError):
+                os.unlink(tmp)
+
+
+# -- the split ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SplitChoice:
+    """How many prompt tokens to load (`k`) and what that was predicted to cost."""
+
+    k: int
+    n_tokens: int
+    stored_tokens: int  # the longest stored prefix (whole chunks)
+    predicted_s: float | None  # None: no measured costs to predict with
+    load_s: float | None
+    compute_s: float | None
+    load_all_s: float | None  # the prediction for the largest k
+    compute_all_s: float | None  # and for k = 0
+    reason: str
+
+    def explain(self) -> str:
+        if self.predicted_s is None:
+            return f"load {self.k} of {self.n_tokens} tokens ({self.reason})"
+        return (
+            f"load {self.k} of {self.n_tokens} tokens, compute {self.n_tokens - self.k}: predicted "
+            f"{self.predicted_s:.3f} s (load {self.load_s:.3f} s, compute {self.compute_s:.3f} s; "
+            f"load-all {self.load_all_s:.3f} s, compute-all {self.compute_all_s:.3f} s; {self.reason})"
+        )
+
+
+def max_loadable(n_tokens: int, stored_tokens: int, block_size: int) -> int:
+    """The most tokens vLLM can take from the store: within the stored prefix, leaving at least one
+    prompt token to compute (vLLM needs its logits), whole blocks."""
+    return max(0, min(stored_tokens, n_tokens - 1)) // block_size * block_size
+
+
+def loaded_tokens_read(k: int, chunk_ends: Sequence[int]) -> int:
+    """Tokens whose bytes are read to load [0, k): every chunk that overlaps [0, k), whole."""
+    for end in chunk_ends:
+        if end >= k:
+            return end if k > 0 else 0
+    return chunk_ends[-1] if chunk_ends and k > 0 else 0
+
+
+def choose_split(
+    *,
+    n_tokens: int,
+    chunk_ends: Sequence[int],
+    chunk_size: int,
+    block_size: int,
+    bytes_per_token: int,
+    num_layers: int,
+    link: LinkCost | None,
+    compute: ComputeCost | None,
+    mode: str = "planned",
+) -> SplitChoice:
+    """The split for a prompt of `n_tokens` whose leading stored chunks end at `chunk_ends`."""
+    if mode not in SPLITS:
+        raise InvalidInputError(f"split must be one of {SPLITS}, got {mode!r}")
+    stored = chunk_ends[-1] if chunk_ends else 0
+    kmax = max_loadable(n_tokens, stored, block_size)
+    step = math.lcm(chunk_size, block_size)
+    candidates = sorted({0, kmax, *range(step, kmax, step)})
+
+    def predict(k: int) -> tuple[float, float, float]:
+        assert link is not None and compute is not None
+        c = compute.seconds(n_tokens - k, k)
+        if k == 0:
+            return c, 0.0, c
+        nbytes = loaded_tokens_read(k, chunk_ends) * bytes_per_token
+        ld = (num_layers + 1) * link.latency_s + nbytes / link.bytes_per_s  # headers, then a round per layer
+        return max(ld + c / num_layers, c + ld / num_layers), ld, c
+
+    known = link is not None and compute is not None
+    if mode == "compute_all" or kmax == 0:
+        k, reason = 0, "split=compute_all" if mode == "compute_all" else "nothing loadable is stored"
+    elif mode == "load_all":
+        k, reason = kmax, "split=load_all"
+    elif not known:
+        missing = " and ".join(w for w, v in (("the link", link), ("compute", compute)) if v is None)
+        k, reason = kmax, f"no measured cost of {missing} yet: loading every stored token"
+    else:
+        k = min(candidates, key=lambda c: (predict(c)[0], -c))
+        reason = "planned: the load and the compute finish together"
+    if not known:
+        return SplitChoice(k, n_tokens, stored, None, None, None, None, None, reason)
+    total, ld, c = predict(k)
+    return SplitChoice(k, n_tokens, stored, total, ld, c, predict(kmax)[0], predict(0)[0], reason)
+
+
+# -- the model ---------------------------------------------------------------------------------------
+
+
+def model_spec(hf_config: Any, dtype: torch.dtype, fingerprint: str, name: str) -> ModelSpec:
+    """The ModelSpec kvrestore would make for this HF config (what a `Restorer`'s HFBackend sees)."""
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return ModelSpec(
+        name=name,
+        num_layers=hf_config.num_hidden_layers,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        vocab_size=hf_config.vocab_size,
+        dtype=dtype,
+        fingerprint=fingerprint,
+    )
+
+
+_FP_LOCK = threading.Lock()
+
+
+def checkpoint_fingerprint(
+    path: str | os.PathLike, dtype: torch.dtype, cache_dir: str | os.PathLike | None = None
+) -> str:
+    """The fingerprint `HFBackend.from_pretrained(path, dtype=dtype)` computes, so that vLLM and a
+    `Restorer` over the same checkpoint and dtype share chunk keys. Loading the model to hash a sample of
+    its weights takes seconds; the result is cached by the checkpoint files' sizes and times."""
+    p = Path(path)
+    if not p.is_dir():
+        raise InvalidInputError(
+            f"the model {str(path)!r} is not a local checkpoint directory; give kv_connector_extra_config "
+            "a 'fingerprint' (e.g. Restorer(...).spec.fingerprint) for a model loaded by name"
+        )
+    files = sorted(f for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".json") and f.is_file())
+    stamp = "|".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+    ident = f"{p.resolve()}|{dtype_name(dtype)}|{stamp}"
+    index = cache_root(cache_dir) / "vllm" / "fingerprints.json"
+    with _FP_LOCK:
+        try:
+            known = json.loads(index.read_text())
+        except (OSError, ValueError):
+            known = {}
+        if ident in known:
+            return str(known[ident])
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, local_files_only=True)
+        fp = ModelSpec.compute_fingerprint(model.config.to_dict(), model.state_dict().items(), dtype)
+        del model
+        known[ident] = fp
+        with contextlib.suppress(OSError):
+            index.parent.mkdir(parents=True, exist_ok=True)
+            tmp = index.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known))
+            os.replace(tmp, index)
+        return fp

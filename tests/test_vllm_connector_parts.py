@@ -1,0 +1,406 @@
+"""The vLLM connector's vLLM-free parts: paged layouts, the split, config, learned costs, background I/O.
+
+The connector itself runs against a real vLLM engine in `tests_vllm/` (`make test-vllm`); nothing here
+imports vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+
+import pytest
+import torch
+
+from kvrestore import codec
+from kvrestore.errors import InvalidInputError, StoreError
+from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, LoadChunk
+from kvrestore.integrations.vllm_layout import (
+    LAYOUTS,
+    blocks_of,
+    gather_tokens,
+    kv_views,
+    scatter_tokens,
+)
+from kvrestore.integrations.vllm_plan import (
+    ComputeCost,
+    ConnectorConfig,
+    CostBook,
+    checkpoint_fingerprint,
+    choose_split,
+    max_loadable,
+)
+from kvrestore.keys import chunk_keys
+from kvrestore.kv import KVChunk
+from kvrestore.policies import LoadOnly
+from kvrestore.profile import LinkCost
+from kvrestore.restorer import SyncRestorer
+from kvrestore.spec import ModelSpec
+from kvrestore.stores import MemoryStore
+
+from .conftest import tiny_model
+
+H, D, BS, NB = 2, 4, 8, 10
+
+
+def _paged(layout: str, nb: int = NB, bs: int = BS) -> torch.Tensor:
+    """A zeroed paged layer in `layout`; the cuda one physically NHD ([B, N, H, C]) so that its logical
+    [B, H, N, C] view is not contiguous, as FlashAttention's is."""
+    if layout == "cpu":
+        return torch.zeros(nb, H, bs, 2 * D)
+    if layout == "cuda":
+        return torch.zeros(nb, bs, H, 2 * D).permute(0, 2, 1, 3)
+    shape = {
+        "flash_attn": (2, nb, bs, H, D),
+        "flashinfer_nhd": (nb, 2, bs, H, D),
+        "flashinfer_hnd": (nb, 2, H, bs, D),
+    }[layout]
+    return torch.zeros(shape)
+
+
+def _slot(cache: torch.Tensor, layout: str, kv: int, block: int, head: int, off: int) -> torch.Tensor:
+    """The [D] vector of K (kv=0) or V (kv=1) of one token slot, read the way the backend reads it."""
+    if layout == "cpu":  # cpu_attn.py's view and split, then cpu_attn_vec.hpp's reshape_and_cache
+        nb, _, bs, _ = cache.shape
+        key_cache, value_cache = cache.view(nb, H, bs * 2, -1).chunk(2, dim=2)
+        if kv == 0:  # "Write Key as column-major": element d of token `off` at d * block_size + off
+            return key_cache[block, head].reshape(-1)[off::bs][:D]
+        return value_cache[block, head, off]
+    if layout == "cuda":  # flash_attn.py: kv_cache.transpose(1, 2).split(head_size, dim=-1)
+        key_cache, value_cache = cache.transpose(1, 2).split(D, dim=-1)
+        return (key_cache, value_cache)[kv][block, off, head]
+    if layout == "flash_attn":
+        return cache[kv, block, off, head]
+    if layout == "flashinfer_nhd":
+        return cache[block, kv, off, head]
+    return cache[block, kv, head, off]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_scatter_puts_each_token_where_the_backend_reads_it_and_gather_reads_it_back(layout):
+    cache = _paged(layout)
+    blocks = [7, 2, 5]  # a request's pages, out of order
+    start, n = 3, 17  # tokens [3, 20): spans all three pages
+    data = torch.randn(2, H, n, D)
+    scatter_tokens(cache, layout, blocks, start, data, H, D)
+    for t in range(n):
+        pos = start + t
+        for kv in (0, 1):
+            for h in range(H):
+                got = _slot(cache, layout, kv, blocks[pos // BS], h, pos % BS)
+                assert torch.equal(got, data[kv, h, t])
+    # nothing else was written: every other slot is still zero
+    written = sum(int((_slot(cache, layout, 0, b, 0, o) != 0).any()) for b in range(NB) for o in range(BS))
+    assert written == n
+    assert torch.equal(gather_tokens(cache, layout, blocks, start, start + n, H, D), data)
+    assert torch.equal(gather_tokens(cache, layout, blocks, 8, 16, H, D), data[:, :, 5:13])
+
+
+def test_layout_errors_are_clear():
+    with pytest.raises(InvalidInputError, match="a cuda vLLM layer"):
+        kv_views(torch.zeros(NB, H, BS, D), "cuda", H, D)  # C must be 2 * D
+    with pytest.raises(InvalidInputError, match="contiguous"):
+        kv_views(_paged("cuda"), "cpu", H, D)
+    with pytest.raises(InvalidInputError, match="unknown paged layout"):
+        kv_views(_paged("cpu"), "nhd", H, D)
+    with pytest.raises(InvalidInputError, match="need 3 blocks"):
+        gather_tokens(_paged("cpu"), "cpu", [0, 1], 0, 17, H, D)
+    with pytest.raises(InvalidInputError, match="data must be"):
+        scatter_tokens(_paged("cpu"), "cpu", [0], 0, torch.zeros(2, H, 4, D + 1), H, D)
+    assert blocks_of([4, 9, 1, 3], 8, 17, BS) == [9, 1]
+    assert blocks_of([4, 9], 5, 5, BS) == []
+
+
+# -- the split -------------------------------------------------------------------------------------
+
+KV_PER_TOKEN = 46_080  # SmolLM2-135M, fp32
+ENDS = [256 * (i + 1) for i in range(7)] + [2000]  # a stored 2,000-token prompt in 256-token chunks
+COMPUTE = ComputeCost(0.0, 2.5e-3, 1.0e-6)  # ~5 s for 2,000 tokens from scratch
+
+
+def _split(link: LinkCost | None, compute: ComputeCost | None = COMPUTE, mode: str = "planned", ends=ENDS):
+    return choose_split(
+        n_tokens=2000,
+        chunk_ends=ends,
+        chunk_size=256,
+        block_size=128,
+        bytes_per_token=KV_PER_TOKEN,
+        num_layers=30,
+        link=link,
+        compute=compute,
+        mode=mode,
+    )
+
+
+def test_the_split_is_block_aligned_leaves_a_token_to_compute_and_stays_in_the_stored_prefix():
+    assert max_loadable(2000, 2000, 128) == 1920
+    assert max_loadable(2048, 2048, 128) == 1920  # the last token is always computed
+    assert max_loadable(2000, 700, 128) == 640
+    assert _split(None).k == 1920  # no costs measured yet: load what is stored
+    assert "no measured cost of the link" in _split(None).reason
+    assert _split(LinkCost(1e12), mode="compute_all").k == 0
+    assert _split(LinkCost(1e3), mode="load_all").k == 1920
+    assert _split(LinkCost(1e9), ends=ENDS[:3]).k == 768
+    assert _split(LinkCost(1e9), ends=[]).k == 0
+
+
+def test_the_planned_split_follows_the_link():
+    fast, slow = _split(LinkCost(1e12)), _split(LinkCost(1e5))
+    assert fast.k == 1920 and slow.k == 0
+    balance_bw = 2000 * KV_PER_TOKEN / COMPUTE.seconds(2000)  # loading all = computing all
+    mid = _split(LinkCost(balance_bw))
+    assert 0 < mid.k < 1920 and mid.k % 256 == 0
+    assert mid.predicted_s < 0.8 * min(mid.load_all_s, mid.compute_all_s)
+    assert abs(mid.load_s - mid.compute_s) < 0.25 * mid.predicted_s  # they finish nearly together
+    assert "predicted" in mid.explain() and str(mid.k) in mid.explain()
+    with pytest.raises(InvalidInputError):
+        _split(LinkCost(1e9), mode="half")
+
+
+def test_compute_cost_is_learned_from_steps():
+    assert ComputeCost.fit([]) is None
+    assert ComputeCost.fit([[1, 2000, 0.2]]) is None  # decode steps alone say nothing about prefill
+    one = ComputeCost.fit([[2000, 0, 6.0], [1, 2000, 0.2]])
+    assert one.fixed_s == pytest.approx(0.2) and one.seconds(2000) == pytest.approx(6.0)
+    true = ComputeCost(0.05, 2e-3, 1e-6)
+    samples = [
+        [n, p, true.seconds(n, p)] for n, p in [(2000, 0), (512, 1024), (256, 3000), (1, 2000), (4000, 0)]
+    ]
+    fit = ComputeCost.fit(samples)
+    assert fit.seconds(300, 1700) == pytest.approx(true.seconds(300, 1700), rel=1e-3)
+
+
+def test_cost_book_persists_across_processes(tmp_path):
+    book = CostBook(tmp_path / "c.json")
+    book.add_compute(2000, 0, 6.0)
+    book.add_load("file:///kv", 90_000_000, 3.0)
+    again = CostBook(tmp_path / "c.json")  # another process reading the same file
+    assert again.compute == [[2000.0, 0.0, 6.0]]
+    assert again.link("file:///kv").bytes_per_s == pytest.approx(3e7)
+    assert again.link("s3://other") is None
+    for i in range(40):
+        book.add_compute(1000 + i, 0, 1.0)
+    assert len(book.compute) == CostBook.MAX_PREFILLS
+
+
+def test_config_is_checked():
+    cfg = ConnectorConfig.from_extra({"store_url": "/tmp/kv", "chunk_size": 128, "split": "load_all"})
+    assert cfg.chunk_size == 128 and cfg.split == "load_all" and cfg.compression == "none"
+    for bad, match in [
+        ({}, "store_url"),
+        ({"store_url": "/x", "chunk": 3}, "unknown kv_connector_extra_config keys"),
+        ({"store_url": "/x", "chunk_size": 0}, "chunk_size"),
+        ({"store_url": "/x", "compression": "lz4"}, "compression"),
+        ({"store_url": "/x", "split": "half"}, "split"),
+        ({"store_url": "/x", "lookup_timeout_s": -1}, "lookup_timeout_s"),
+        ({"store_url": "/x", "on_load_error": "ignore"}, "on_load_error"),
+    ]:
+        with pytest.raises(InvalidInputError, match=match):
+            ConnectorConfig.from_extra(bad)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_checkpoint_fingerprint_is_the_restorers(tmp_path):
+    from kvrestore.backends.hf import HFBackend
+
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "ckpt")
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32)
+    want = HFBackend(loaded, dtype=torch.float32).spec.fingerprint
+    got = checkpoint_fingerprint(tmp_path / "ckpt", torch.float32, cache_dir=tmp_path / "cache")
+    assert got == want
+    assert (
+        checkpoint_fingerprint(tmp_path / "ckpt", torch.float32, cache_dir=tmp_path / "cache") == want
+    )  # cached
+    assert checkpoint_fingerprint(tmp_path / "ckpt", torch.bfloat16, cache_dir=tmp_path / "cache") != want
+    with pytest.raises(InvalidInputError, match="fingerprint"):
+        checkpoint_fingerprint(tmp_path / "nope", torch.float32, cache_dir=tmp_path / "cache")
+
+
+# -- background I/O --------------------------------------------------------------------------------
+
+SPEC = ModelSpec(
+    "tiny",
+    num_layers=3,
+    num_kv_heads=H,
+    head_dim=D,
+    vocab_size=100,
+    dtype=torch.float32,
+    fingerprint="ab" * 16,
+)
+
+
+@pytest.fixture
+def io():
+    t = IOThread()
+    yield t
+    t.close()
+
+
+def _stored_prompt(store: MemoryStore, io: IOThread, n: int = 40, chunk: int = 16):
+    """A prompt's chunks saved through a ChunkSaver; returns (chunks, its full KV [L, 2, H, n, D])."""
+    kv = torch.randn(SPEC.num_layers, 2, H, n, D)
+    refs = chunk_keys(list(range(n)), SPEC.fingerprint, chunk)
+    saver = ChunkSaver(SPEC, store, io)
+    for r in refs:
+        assert saver.submit(r.key, KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()))
+    assert saver.flush(timeout=10)
+    assert saver.written == len(refs) and saver.dropped == 0 and saver.pending_bytes == 0
+    return [LoadChunk(r.key, r.start, r.end) for r in refs], kv
+
+
+def _load(store, io, chunks, k, timeout=10.0):
+    placed: dict[int, torch.Tensor] = {}
+    load = LayerLoad(SPEC, store, chunks, k, lambda layer, data: placed.__setitem__(layer, data.clone()))
+    load.start(io, timeout)
+    for layer in range(SPEC.num_layers):
+        assert load.wait(layer)
+    load.future.result(timeout=10)
+    return load, placed
+
+
+def test_a_layer_load_places_every_layer_of_the_prefix(io):
+    store = MemoryStore()
+    chunks, kv = _stored_prompt(store, io)
+    load, placed = _load(store, io, chunks, 24)  # ends inside the second chunk
+    assert not load.failed and load.failed_ranges() == []
+    assert sorted(placed) == [0, 1, 2]
+    for layer in range(3):
+        assert torch.equal(placed[layer], kv[layer, :, :, :24])
+    assert load.bytes_read > 24 * SPEC.kv_bytes_per_token and load.seconds > 0
+
+
+def test_a_damaged_or_missing_chunk_fails_its_tokens_only(io):
+    store = MemoryStore()
+    chunks, kv = _stored_prompt(store, io)
+    blob = bytearray(io.call(store.get, chunks[1].key))
+    blob[-5] ^= 0xFF  # a flipped bit in the last layer's section
+    io.call(store.put, chunks[1].key, bytes(blob))
+    load, placed = _load(store, io, chunks[:2], 32)
+    assert load.failed == {1} and load.failed_ranges() == [(16, 32)]
+    assert torch.equal(placed[0][:, :, :16], kv[0, :, :, :16])
+    io.call(store.delete, chunks[0].key)
+    load, _ = _load(store, io, chunks[:2], 32)
+    assert load.failed == {0, 1}
+
+
+def test_a_foreign_chunk_is_a_failure(io):
+    store = MemoryStore()
+    chunks, _ = _stored_prompt(store, io)
+    other = ModelSpec("tiny", 3, H, D, 100, torch.float32, fingerprint="cd" * 16)
+    # the right key, another model's chunk under it
+    io.call(
+        store.put,
+        chunks[0].key,
+        codec.encode_chunk(KVChunk(0, torch.zeros(3, 2, H, 16, D)), other, chunks[0].key),
+    )
+    load, _ = _load(store, io, chunks[:1], 16)
+    assert load.failed == {0} and "fingerprint" in " ".join(load.errors).lower()
+
+
+class _DownStore(MemoryStore):
+    async def get_range(self, key, start, end):
+        raise StoreError("connection refused")
+
+    async def get(self, key):
+        raise StoreError("connection refused")
+
+
+def test_a_store_that_is_down_fails_the_load_without_hanging(io):
+    load, placed = _load(_DownStore(), io, [LoadChunk("ab" * 20, 0, 16)], 16)
+    assert load.failed == {0} and placed == {}
+
+
+class _StuckStore(MemoryStore):
+    """Answers headers, then never delivers a section (a link that stalls)."""
+
+    def __init__(self, release: threading.Event) -> None:
+        super().__init__()
+        self.release = release
+
+    async def get_range(self, key, start, end):
+        import anyio
+
+        if start > 0:
+            while not self.release.is_set():
+                await anyio.sleep(0.01)
+        return await super().get_range(key, start, end)
+
+
+def test_a_stalled_load_is_given_up_at_its_deadline_and_writes_nothing_after(io):
+    release = threading.Event()
+    store = _StuckStore(release)
+    chunks, _ = _stored_prompt(store, io)
+    placed: list[int] = []
+    load = LayerLoad(SPEC, store, chunks, 32, lambda layer, data: placed.append(layer))
+    load.start(io, timeout=0.3)
+    assert not load.wait(0)  # the deadline passes
+    assert load.cancelled and load.failed == {0, 1, 2}
+    release.set()
+    load.cancel("again")  # idempotent
+    with pytest.raises(BaseException):  # noqa: B017 - cancelled
+        load.future.result(timeout=5)
+    assert placed == []
+
+
+def test_the_save_queue_is_bounded_and_counts_drops(io):
+    store = MemoryStore()
+    saver = ChunkSaver(SPEC, store, io, max_bytes=SPEC.kv_bytes_per_token * 20)
+    refs = chunk_keys(list(range(48)), SPEC.fingerprint, 16)
+    gate = threading.Event()
+    orig = store.put
+
+    async def slow_put(key, data):
+        import anyio
+
+        while not gate.is_set():
+            await anyio.sleep(0.01)
+        await orig(key, data)
+
+    store.put = slow_put
+    results = [saver.submit(r.key, KVChunk(r.start, torch.zeros(3, 2, H, 16, D))) for r in refs]
+    assert results == [True, False, False] and saver.dropped == 2
+    gate.set()
+    assert saver.flush(timeout=10)
+    assert saver.written == 1 and io.call(store.contains, [r.key for r in refs]) == [True, False, False]
+
+
+def test_chunks_saved_the_connector_way_are_a_restorers_and_back(io):
+    """The connector's keys and wire format are the Restorer's: a Restorer loads what the connector's
+    saver wrote (from KV in the model's own layout), and a LayerLoad reads what a Restorer saved."""
+    from kvrestore.backends.hf import HFBackend
+
+    backend = HFBackend(tiny_model("llama"), name="tiny-llama")
+    spec = backend.spec
+    tokens = list(range(3, 43))
+    store = MemoryStore()
+    with SyncRestorer(backend, store, chunk_size=16) as restorer:
+        full = restorer.restore(tokens).kv  # computed
+        saver = ChunkSaver(spec, store, io)
+        for r in chunk_keys(tokens, spec.fingerprint, 16):
+            saver.submit(r.key, KVChunk(r.start, full.data[:, :, :, r.start : r.end].clone()))
+        assert saver.flush(timeout=10)
+        res = restorer.restore(tokens, policy=LoadOnly())
+        assert res.stats.loaded_chunks == 3 and res.stats.computed_chunks == 0
+        assert torch.equal(res.kv.data, full.data)
+
+    store2 = MemoryStore()
+    with SyncRestorer(backend, store2, chunk_size=16) as restorer:
+        restorer.save(tokens)
+    refs = chunk_keys(tokens, spec.fingerprint, 16)
+    placed: dict[int, torch.Tensor] = {}
+    load = LayerLoad(
+        spec,
+        store2,
+        [LoadChunk(r.key, r.start, r.end) for r in refs],
+        32,
+        lambda layer, data: placed.__setitem__(layer, data.clone()),
+    )
+    load.start(io, 10)
+    for layer in range(spec.num_layers):
+        assert load.wait(layer)
+    assert not load.failed
+    for layer in range(spec.num_layers):
+        assert torch.allclose(placed[layer], full.data[layer, :, :, :32], atol=1e-5)

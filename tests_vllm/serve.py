@@ -1,0 +1,111 @@
+"""Serve prompts with a real vLLM engine in this process; print one JSON line per prompt.
+
+    python tests_vllm/serve.py --model DIR --tokens 2000 [--connector kvrestore|example|none]
+        [--extra '{"store_url": "..."}'] [--max-tokens 8] [--offsets 0 3000]
+
+Each prompt is `--tokens` ids of kvrestore's reference text (starting `--offsets` ids in), served with
+greedy sampling; the output has the generated ids, their logprobs and the time to the first token
+(a generate call of one token, measured before the full one, when `--ttft` is given). Used by the vLLM
+test tier and `benchmarks/vllm_connector.py` as "a new process".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def prompt_ids(tokenizer, n_tokens: int, offset: int = 0) -> list[int]:
+    """`n_tokens` ids of the reference text, `offset` ids in: the prompts every vLLM test serves."""
+    from kvrestore.text import reference_tokens
+
+    return reference_tokens(tokenizer, offset + n_tokens)[offset:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[2000])
+    ap.add_argument("--offsets", type=int, nargs="+", default=[0])
+    ap.add_argument("--connector", choices=("kvrestore", "example", "none"), default="kvrestore")
+    ap.add_argument("--extra", default="{}")
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--ttft", action="store_true", help="time a one-token generate (the TTFT) only")
+    ap.add_argument("--repeat", type=int, default=1, help="serve each prompt this many times")
+    ap.add_argument(
+        "--warmup", action="store_true", help="serve a short unrelated prompt first (not reported)"
+    )
+    args = ap.parse_args()
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv = None
+    if args.connector == "kvrestore":
+        kv = KVTransferConfig(
+            kv_connector="KVRestoreConnector",
+            kv_connector_module_path="kvrestore.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=json.loads(args.extra),
+        )
+    elif args.connector == "example":
+        kv = KVTransferConfig(
+            kv_connector="ExampleConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config=json.loads(args.extra),
+        )
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=args.model,
+        max_model_len=4096,
+        enforce_eager=True,
+        dtype="float32",
+        enable_prefix_caching=False,
+        kv_transfer_config=kv,
+    )
+    print(json.dumps({"event": "ready", "seconds": time.perf_counter() - t0}), flush=True)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    if args.warmup:  # vLLM's first request in a process pays a few seconds of one-time set-up
+        llm.generate(
+            {"prompt_token_ids": prompt_ids(tok, 32, 20000)}, SamplingParams(max_tokens=1), use_tqdm=False
+        )
+    for n, offset in [(n, o) for n in args.tokens for o in args.offsets]:
+        ids = prompt_ids(tok, n, offset)
+        for _ in range(args.repeat):
+            params = SamplingParams(
+                temperature=0.0, max_tokens=1 if args.ttft else args.max_tokens, logprobs=1
+            )
+            t = time.perf_counter()
+            out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+            seconds = time.perf_counter() - t
+            logprobs = [lp[t_id].logprob for t_id, lp in zip(out.token_ids, out.logprobs or [], strict=False)]
+            print(
+                json.dumps(
+                    {
+                        "tokens": n,
+                        "offset": offset,
+                        "seconds": seconds,
+                        "ids": list(out.token_ids),
+                        "logprobs": logprobs,
+                    }
+                ),
+                flush=True,
+            )
+    # let background writes finish before the process exits
+    shutdown = getattr(llm.llm_engine, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""KVRestoreConnector against a real vLLM engine and the real SmolLM2 (`make test-vllm`).
+
+Each vLLM run is a new process (`serve.py`), as a restarted server would be. The order of the module is
+the story: vLLM alone gives the reference; a first process with the connector computes and saves; a
+`Restorer` reads what it saved and saves a prompt of its own; a new process loads both; a damaged chunk
+is recomputed; a store that is down is served around.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from serve import prompt_ids  # noqa: E402
+
+N_TOKENS = 2000
+OFFSETS = (0, 3000)  # prompt 1: saved by vLLM; prompt 2: saved by a Restorer
+LOADABLE = 1920  # 2,000 tokens: whole 128-token blocks, leaving the last token to compute
+CHUNK = 256
+N_CHUNKS = 8  # 7 of 256 tokens, then 208
+
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+
+@dataclass
+class Served:
+    results: dict[int, dict]  # offset -> {"ids", "logprobs", "seconds"}
+    log: str  # stderr: kvrestore's INFO/WARNING lines among vLLM's
+
+    def count(self, text: str) -> int:
+        return self.log.count(text)
+
+
+def serve(model: Path, *, connector: str = "kvrestore", extra: dict | None = None, offsets=(0,)) -> Served:
+    cmd = [sys.executable, str(HERE / "serve.py"), "--model", str(model), "--tokens", str(N_TOKENS)]
+    cmd += ["--offsets", *map(str, offsets), "--connector", connector, "--extra", json.dumps(extra or {})]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **VLLM_ENV})
+    assert proc.returncode == 0, f"vLLM exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
+    assert len(rows) == len(offsets), proc.stdout[-2000:]
+    return Served({r["offset"]: r for r in rows}, proc.stderr)
+
+
+def assert_same_generation(got: dict, want: dict) -> None:
+    assert got["ids"] == want["ids"]
+    diff = max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True))
+    assert diff <= 1e-3, f"logprobs differ by {diff}"
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from kvrestore.backends.hf import smollm2_checkpoint
+
+    return smollm2_checkpoint()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir) -> Served:
+    """vLLM without a connector."""
+    return serve(model_dir, connector="none", offsets=OFFSETS)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("vllm")
+    return {"store_url": str(root / "kv"), "cost_dir": str(root / "costs")}
+
+
+@pytest.fixture(scope="module")
+def first(model_dir, store) -> Served:
+    return serve(model_dir, extra=store)
+
+
+def test_first_process_computes_and_saves_every_chunk(first, reference, store):
+    assert_same_generation(first.results[0], reference.results[0])
+    assert first.count("loaded ") == 0
+    assert len(list(Path(store["store_url"]).rglob("*.kvc"))) == N_CHUNKS
+
+
+@pytest.fixture(scope="module")
+def restorer(model_dir, store):
+    from kvrestore.backends.hf import HFBackend
+    from kvrestore.restorer import SyncRestorer
+    from kvrestore.stores import open_store
+
+    backend = HFBackend.from_pretrained(model_dir, dtype=torch.float32)
+    with SyncRestorer(backend, open_store(store["store_url"]), chunk_size=CHUNK) as r:
+        yield r
+
+
+def test_a_restorer_reads_what_vllm_saved(first, restorer, tokenizer, reference):
+    from kvrestore.policies import ComputeOnly, LoadOnly
+
+    tokens = prompt_ids(tokenizer, N_TOKENS, OFFSETS[0])
+    assert restorer.lookup(tokens) == N_TOKENS  # the same keys: same fingerprint, chunking and tokens
+    loaded = restorer.restore(tokens, policy=LoadOnly())
+    assert loaded.stats.loaded_chunks == N_CHUNKS and loaded.stats.computed_chunks == 0
+    computed = restorer.restore(tokens, policy=ComputeOnly())
+    # vLLM's kernels and HF's compute the same KV up to float rounding
+    assert (loaded.kv.data - computed.kv.data).abs().max().item() < 1e-2
+    backend = restorer.restorer.backend
+    assert backend.generate(tokens, loaded.kv, max_new_tokens=4) == reference.results[0]["ids"][:4]
+
+
+@pytest.fixture(scope="module")
+def saved_by_restorer(restorer, tokenizer):
+    tokens = prompt_ids(tokenizer, N_TOKENS, OFFSETS[1])
+    stats = restorer.save(tokens)
+    assert stats.written_chunks == N_CHUNKS
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def second(model_dir, store, first, saved_by_restorer) -> Served:
+    """A new process over the same store: prompt 1 was saved by vLLM, prompt 2 by a Restorer."""
+    return serve(model_dir, extra=store, offsets=OFFSETS)
+
+
+def test_a_new_process_loads_what_vllm_and_a_restorer_saved(second, reference):
+    assert second.count(f"loaded {LOADABLE} tokens") == 2, second.log[-3000:]
+    assert second.count("did not load") == 0
+    for offset in OFFSETS:
+        assert_same_generation(second.results[offset], reference.results[offset])
+    assert "predicted" in second.log  # the split was planned from costs the first process measured
+
+
+def test_a_corrupted_chunk_is_recomputed(model_dir, store, first, reference, tmp_path, tokenizer, restorer):
+    from kvrestore.keys import chunk_keys
+    from kvrestore.stores import open_store
+
+    damaged = tmp_path / "kv"
+    shutil.copytree(store["store_url"], damaged)
+    tokens = prompt_ids(tokenizer, N_TOKENS, OFFSETS[0])
+    key = chunk_keys(tokens, restorer.restorer.spec.fingerprint, CHUNK)[3].key  # tokens [768, 1024)
+    path = Path(open_store(str(damaged)).path(key))
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF  # inside a middle layer's section
+    path.write_bytes(bytes(blob))
+    run = serve(model_dir, extra={**store, "store_url": str(damaged)})
+    assert run.count("did not load") == 1, run.log[-3000:]
+    assert "recomputes from token 768" in run.log
+    assert_same_generation(run.results[0], reference.results[0])
+    # the damaged object was deleted when found; vLLM recomputed its tokens and the connector wrote the
+    # chunk again, whole and checked
+    from kvrestore import codec
+
+    assert path.exists()
+    good = path.read_bytes()
+    assert good != bytes(blob)
+    header = codec.check_object(good, restorer.restorer.spec, key, 768, CHUNK)
+    codec.verify_sections(header, good)
+
+
+def test_a_store_that_is_down_is_served_around(model_dir, reference, store):
+    down = {
+        "store_url": "s3://kvrestore-down/kv",
+        "store_options": {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"},
+        "lookup_timeout_s": 2.0,
+        "cost_dir": store["cost_dir"],
+    }
+    run = serve(model_dir, extra=down)
+    assert_same_generation(run.results[0], reference.results[0])
+    assert "did not answer a lookup" in run.log

@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install demo test test-vllm lint bench clean
+.PHONY: install demo test test-slow test-all test-vllm lint bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -41,9 +41,16 @@ test-vllm: $(VLLM_VENV)/.installed
 demo: install
 	$(VENV)/bin/kvrestore demo
 
+# the fast tier: everything but the real model, the tutorials, the S3 server and multi-process runs
 test: install
 	$(PY) -m ruff check kvrestore tests benchmarks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
+
+# the slow tier (CI runs it after `make test`): the real SmolLM2, the tutorials, S3, processes
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+test-all: test test-slow test-vllm
 
 bench: install
 	$(PY) benchmarks/baselines.py

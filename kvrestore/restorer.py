@@ -362,7 +362,8 @@ class Restorer:
         if isinstance(policy, Auto):
             plan = self._plan(refs, stored, policy)
             policy = plan.choice
-            log.debug("restore of %d tokens: %s", len(tokens), plan.explain())
+            if log.isEnabledFor(logging.DEBUG):  # explain() works out L_delta: dozens of simulations
+                log.debug("restore of %d tokens: %s", len(tokens), plan.explain())
         predicted = self._predicted(policy, plan, refs, stored)
         job = _Job(tokens, refs, stored, errors, on_event, out)
         if policy.axis == "layers":

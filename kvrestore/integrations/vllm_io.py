@@ -23,7 +23,7 @@ import torch
 
 from .. import codec
 from ..engine import LOAD_FAULTS
-from ..errors import StoreError
+from ..errors import InvalidInputError, StoreError
 from ..kv import KVCache, KVChunk
 from ..layers import ChunkLoadFailed, LayerReader, StoredChunk
 from ..spec import ModelSpec
@@ -182,7 +182,7 @@ class LayerLoad:
         place: Callable[[int, torch.Tensor], None],
     ) -> None:
         if not chunks or chunks[0].start != 0 or chunks[-1].end < k:
-            raise ValueError(f"chunks must cover tokens [0, {k})")
+            raise InvalidInputError(f"chunks must cover tokens [0, {k})")
         self.spec = spec
         self.store = store
         self.chunks = list(chunks)

@@ -143,7 +143,7 @@ class CostLearner:
             return None
         if self._fitted is None:
             s = self.state
-            chunk = _fit_chunk(s.chunk) if s.chunk else None
+            chunk = fit_prefill_cost(s.chunk) if s.chunk else None
             layer = _fit_layer(s.layer) if s.layer else None
             n_layers = self.spec.num_layers
             if chunk is None:  # only layer-wise units seen: a whole prefill is every layer's
@@ -234,7 +234,7 @@ def _fit_terms(rows: Sequence[Sequence[float]], targets: Sequence[float], shapes
     return full
 
 
-def _fit_chunk(samples: Sequence[Sequence[float]]) -> ChunkCost:
+def fit_prefill_cost(samples: Sequence[Sequence[float]]) -> ChunkCost:
     """``fixed + n per_token + n (p + n/2) per_pair``: attention over the past and over the unit's own
     tokens (causal: n^2 / 2 pairs) cost alike per pair, so one term covers both and a few samples pin
     it."""
@@ -260,4 +260,12 @@ def check_learn(learn: object) -> bool | Path:
     raise InvalidInputError(f"learn must be True, False or a path, got {learn!r}")
 
 
-__all__ = ["CostLearner", "LearnedState", "check_learn", "learned_dir", "learned_path", "store_name"]
+__all__ = [
+    "CostLearner",
+    "LearnedState",
+    "check_learn",
+    "fit_prefill_cost",
+    "learned_dir",
+    "learned_path",
+    "store_name",
+]

@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from ..costs import fit_prefill_cost
 from ..errors import InvalidInputError, check_int, check_seconds
 from ..paths import cache_root
-from ..profile import LinkCost, fit_nonnegative, machine_id
+from ..profile import LinkCost, machine_id
 from ..spec import ModelSpec, dtype_name
 from .vllm_layout import LAYOUTS
 
@@ -129,8 +130,8 @@ class ComputeCost:
             fixed = min((s for _, _, s in rows), default=0.0) if any(n < 16 for n, _, _ in rows) else 0.0
             per = max(0.0, sum(s - fixed for _, _, s in prefills) / sum(n for n, _, _ in prefills))
             return ComputeCost(fixed, per, 0.0)
-        coef = fit_nonnegative([[1.0, n, n * (p + n / 2)] for n, p, _ in rows], [s for _, _, s in rows])
-        return ComputeCost(*coef)
+        cost = fit_prefill_cost(rows)  # kvrestore.costs: the same shape, fitted the same way
+        return ComputeCost(cost.fixed_s, cost.per_token_s, cost.per_token_past_s)
 
 
 def link_from(samples: Sequence[Sequence[float]], latency_s: float = 0.0) -> LinkCost | None:

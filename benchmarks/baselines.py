@@ -52,7 +52,7 @@ from _common import (
 
 from kvrestore import ComputeOnly, KVCache, LoadOnly, Restorer, codec, open_store
 from kvrestore.backends.hf import HFBackend
-from kvrestore.text import reference_tokens
+from kvrestore.tools.text import reference_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "baselines.json"

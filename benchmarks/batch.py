@@ -3,7 +3,7 @@
     python benchmarks/batch.py [--rounds 3] [--bandwidth 1.0] [--max-prefix 4096] [--profile PATH]
 
 On SmolLM2 (fp32), chunks of 256 tokens, a compute budget of 512 tokens per step, 4 load lanes over one
-`ThrottledStore` link (plus 1 ms per request). Scenarios (`kvrestore.workload`, seeded):
+`ThrottledStore` link (plus 1 ms per request). Scenarios (`kvrestore.sim.workload`, seeded):
 
 * ``batch-2/4/8``: that many cached restores arriving together; stored prefixes log-normal (median 1024
   tokens, cut to 256..--max-prefix), each followed by 16-64 new tokens;
@@ -40,15 +40,15 @@ from _common import format_table, machine_info, median, percentile, write_json
 
 from kvrestore import Profile, Restorer, ThrottledStore, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
-from kvrestore.batch import BatchEngine
-from kvrestore.engine import Engine
-from kvrestore.kv import KVCache
+from kvrestore.core.kv import KVCache
+from kvrestore.costs.profile import profile
 from kvrestore.policies.batch import BatchAware, FifoLanes
-from kvrestore.profile import profile
-from kvrestore.simulate import CASES, balance_bytes_per_s, batch_lower_bound, compare_schedulers
+from kvrestore.runtime.batch_engine import BatchEngine
+from kvrestore.runtime.engine import Engine
+from kvrestore.sim.simulate import CASES, balance_bytes_per_s, batch_lower_bound, compare_schedulers
+from kvrestore.sim.workload import LogNormalLengths, Request, Shapes, burst, mix, poisson
 from kvrestore.stores.memory import MemoryStore
-from kvrestore.text import reference_tokens
-from kvrestore.workload import LogNormalLengths, Request, Shapes, burst, mix, poisson
+from kvrestore.tools.text import reference_tokens
 
 CHUNK = 256
 BUDGET = 512

@@ -22,7 +22,7 @@ from _common import format_table, machine_info, median, write_json
 from kvrestore import ComputeOnly, Restorer, ThrottledStore, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.stores import FsspecStore
-from kvrestore.text import reference_tokens
+from kvrestore.tools.text import reference_tokens
 
 COMBOS = [(128, 1), (128, 2), (128, 4), (256, 1), (256, 2), (256, 4), (512, 1)]
 DEFAULT = (256, 2)

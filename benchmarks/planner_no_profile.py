@@ -28,7 +28,7 @@ from _common import format_table, machine_info, median
 from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, ThrottledStore, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.stores import FsspecStore
-from kvrestore.text import reference_tokens
+from kvrestore.tools.text import reference_tokens
 
 FIXED = {
     "compute-only": ComputeOnly,

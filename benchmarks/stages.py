@@ -14,7 +14,7 @@ over it (loading everything takes as long as computing everything). Cases, inter
 * compute-only with one and two processes (the measured costs eq. 2 and the simulator start from).
 
 Eq. 2 predicts T*_S = T*/S with T* = Tc*Tio/(Tc+Tio), Tc the measured compute-only time of one process
-and Tio the prompt's KV bytes over the link. The simulator (`kvrestore.simulate`, the real policy on a
+and Tio the prompt's KV bytes over the link. The simulator (`kvrestore.sim.simulate`, the real policy on a
 simulated clock) extrapolates to S = 4 and 8 from the measured per-chunk costs, scaled by each stage's
 share of the layers, plus its boundary activations on its link; it is checked against the measured S = 2.
 
@@ -45,9 +45,9 @@ from _provenance import code_version
 
 from kvrestore import ComputeOnly, Restorer, ThrottledStore, TokenTwoPointer, codec, open_store
 from kvrestore.backends.hf import HFBackend
-from kvrestore.bandwidth import BandwidthTrace, Link
+from kvrestore.costs.bandwidth import BandwidthTrace, Link
 from kvrestore.distributed import StageLayout, StageRestorer, gather_kv, save_with_boundaries, spawn
-from kvrestore.simulate import simulate
+from kvrestore.sim.simulate import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 MULTIPLIERS = (0.5, 1.0, 2.0)

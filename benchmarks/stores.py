@@ -42,7 +42,7 @@ from _common import Sample, interleave, machine_info, median, print_table, ratio
 from kvrestore import ComputeOnly, KVCache, LoadOnly, Restorer, open_store
 from kvrestore.backends.hf import HFBackend
 from kvrestore.stores import ChunkStore, MemoryStore, PrefetchStore, TieredStore
-from kvrestore.text import reference_tokens
+from kvrestore.tools.text import reference_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "stores.json"

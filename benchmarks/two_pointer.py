@@ -3,7 +3,7 @@
     python benchmarks/two_pointer.py            # 4096 tokens, 0.25x-4x balance, 3 rounds, fluctuation run
 
 Prints the tables and writes benchmarks/results/two_pointer.json and benchmarks/results/two_pointer.png.
-The same benchmark is `kvrestore bench` (see kvrestore/bench.py for what is measured and how).
+The same benchmark is `kvrestore bench` (see kvrestore/tools/bench.py for what is measured and how).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from kvrestore.cli import main
+from kvrestore.tools.cli import main
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -46,12 +46,12 @@ from aiohttp import web
 
 from kvrestore import ChunkStore, InvalidInputError, KVCache, Restorer, open_store
 from kvrestore.backends.hf import HFBackend
-from kvrestore.batch import BatchEngine
-from kvrestore.engine import Engine
-from kvrestore.paths import cache_root
+from kvrestore.core.paths import cache_root
 from kvrestore.policies import Policy, TokenTwoPointer
 from kvrestore.policies.batch import BatchAware
 from kvrestore.restorer import RestoreResult
+from kvrestore.runtime.batch_engine import BatchEngine
+from kvrestore.runtime.engine import Engine
 
 log = logging.getLogger("kvrestore.chat_server")
 

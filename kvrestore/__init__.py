@@ -5,10 +5,7 @@ from kvrestore.backends.hf import HFBackend
 from kvrestore.policies import ComputeOnly, LoadOnly
 """
 
-from .bandwidth import BandwidthTrace
-from .batch import BatchEngine
-from .engine import Engine
-from .errors import (
+from kvrestore.core.errors import (
     ChunkDecodeError,
     CorruptChunkError,
     ForeignChunkError,
@@ -20,14 +17,18 @@ from .errors import (
     UnsupportedModelError,
     UnsupportedURLError,
 )
-from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
-from .kv import KVCache, KVChunk
-from .policies import Auto, Blend, ComputeOnly, LayerTwoPointer, LoadOnly, Policy, TokenTwoPointer
-from .policies.batch import BatchAware, FifoLanes
-from .profile import Profile
-from .restorer import Restorer, RestoreResult, RestoreStats, SaveStats, SyncRestorer
-from .spec import ModelSpec
-from .stores import ChunkStore, ThrottledStore, TieredStore, open_store
+from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
+from kvrestore.core.kv import KVCache, KVChunk
+from kvrestore.core.spec import ModelSpec
+from kvrestore.costs.bandwidth import BandwidthTrace
+from kvrestore.costs.profile import Profile
+from kvrestore.planning import Auto
+from kvrestore.policies import Blend, ComputeOnly, LayerTwoPointer, LoadOnly, Policy, TokenTwoPointer
+from kvrestore.policies.batch import BatchAware, FifoLanes
+from kvrestore.restorer import Restorer, RestoreResult, RestoreStats, SaveStats, SyncRestorer
+from kvrestore.runtime.batch_engine import BatchEngine
+from kvrestore.runtime.engine import Engine
+from kvrestore.stores import ChunkStore, ThrottledStore, TieredStore, open_store
 
 __version__ = "0.1.0"
 

@@ -17,21 +17,28 @@ import anyio.from_thread
 import anyio.to_thread
 import torch
 
-from . import codec
-from .backend import ComputeBackend
-from .chunkio import ChunkLoader
-from .costs import CostLearner, check_learn, learned_path, store_name
-from .engine import LOAD_FAULTS, Engine, on_stream
-from .errors import ChunkDecodeError, InvalidInputError, SaveError, StoreError, check_int, check_seconds
-from .keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
-from .kv import KVCache
-from .layers import ChunkLoadFailed, LayerReader, StoredChunk
-from .policies import Blend, ComputeOnly, LoadOnly, Policy, Progress
-from .policies.planner import PLANNED, Auto, Plan, Workload, predict
-from .profile import Calibration, LinkEstimate, Profile
-from .spec import ModelSpec, dtype_name
-from .stores.base import ChunkStore
-from .trace import Trace, TraceEvent
+from kvrestore import codec
+from kvrestore.backends.base import ComputeBackend
+from kvrestore.chunkio import ChunkLoader
+from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
+from kvrestore.core.errors import (
+    ChunkDecodeError,
+    InvalidInputError,
+    SaveError,
+    StoreError,
+    check_int,
+    check_seconds,
+)
+from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
+from kvrestore.core.kv import KVCache
+from kvrestore.core.spec import ModelSpec, dtype_name
+from kvrestore.core.trace import Trace, TraceEvent
+from kvrestore.costs.learned import CostLearner, check_learn, learned_path, store_name
+from kvrestore.costs.profile import Calibration, LinkEstimate, Profile
+from kvrestore.planning.auto import PLANNED, Auto, Plan, Workload, predict
+from kvrestore.policies import Blend, ComputeOnly, LoadOnly, Policy, Progress
+from kvrestore.runtime.engine import LOAD_FAULTS, Engine, on_stream
+from kvrestore.stores.base import ChunkStore
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -39,7 +46,7 @@ if sys.version_info < (3, 11):  # pragma: no cover
 log = logging.getLogger("kvrestore.restorer")
 
 if TYPE_CHECKING:
-    from .blend import BlendResult, StoreCandidate, StorePlacement
+    from kvrestore.blend import BlendResult, StoreCandidate, StorePlacement
 
 TokenIds = Sequence[int] | torch.Tensor
 
@@ -124,7 +131,7 @@ class Restorer:
     `profile` is the cost model the `Auto` planner predicts with: a `Profile`, a path to one, or None
     for the one `kvrestore profile` saved for this machine and model (if any), or False for none even
     if one is saved. Without one, the
-    restorer learns the cost model from its own saves and restores (`costs`, see `kvrestore.costs`);
+    restorer learns the cost model from its own saves and restores (`costs`, see `kvrestore.costs.learned`);
     `learn` keeps what it learned for the next restorer of this machine, model and store: True under
     the cache directory, a path, or False (in memory only). A profile's store link is only a starting
     point: `link` follows the loads of every restore.
@@ -165,7 +172,9 @@ class Restorer:
         self.costs = CostLearner(self.spec, self.backend.device, store_name(store))
         learn = check_learn(learn)
         self._learned_at = (
-            learned_path(self.spec, self.backend.device, self.costs.state.store) if learn is True else learn or None
+            learned_path(self.spec, self.backend.device, self.costs.state.store)
+            if learn is True
+            else learn or None
         )
         if self._learned_at is not None:
             self.costs.load(self._learned_at)
@@ -356,7 +365,9 @@ class Restorer:
         except LOAD_FAULTS as exc:  # the store is down: a restore still finishes, by computing
             stored = [False] * len(refs)
             errors.append(f"lookup: {type(exc).__name__}: {exc}")
-            log.warning("store lookup failed (%s: %s): computing all %d tokens", type(exc).__name__, exc, len(tokens))
+            log.warning(
+                "store lookup failed (%s: %s): computing all %d tokens", type(exc).__name__, exc, len(tokens)
+            )
         policy = policy or self.engine.default_policy()
         plan = None
         if isinstance(policy, Auto):
@@ -574,7 +585,9 @@ class Restorer:
         stream = self.engine.cuda_stream("compute", kv.data.device)
         try:
             with on_stream(stream):
-                chunk = self.backend.prefill_chunk(tokens[start:end], kv.prefix(start) if start else None, start)
+                chunk = self.backend.prefill_chunk(
+                    tokens[start:end], kv.prefix(start) if start else None, start
+                )
         finally:
             if stream is not None:
                 stream.synchronize()
@@ -594,7 +607,7 @@ class Restorer:
         that it is prefilled after), not on its neighbours, so the chunk is found again in any prompt,
         at any position. Returns the key; a stored chunk is not recomputed.
         """
-        from .blend import save_chunk
+        from kvrestore.blend import save_chunk
 
         tokens = as_token_tensor(token_ids)
         self.backend.validate_tokens(tokens)
@@ -613,7 +626,7 @@ class Restorer:
         """CacheBlend: the KV of `prefix` + `chunks` (saved with `save_chunk`, in any order) + `suffix`,
         reusing the chunks' KV with selective recompute (`kvrestore.policies.Blend`). Returns a
         `kvrestore.blend.BlendResult`: `kv` and `tokens` go straight into `backend.generate()`."""
-        from .blend import restore_blend
+        from kvrestore.blend import restore_blend
 
         if isinstance(chunks, (str, bytes, torch.Tensor)) or not isinstance(chunks, Sequence):
             raise InvalidInputError("chunks must be a list of token-id sequences, one per chunk")
@@ -643,7 +656,7 @@ class Restorer:
         `candidates` whose per-layer load hides behind the recompute (CacheBlend §5.1), measured on the
         stores themselves and on this restorer's profile (or the model, timed, without one); see
         `kvrestore.blend.placement`."""
-        from .blend.placement import choose_blend_store
+        from kvrestore.blend.placement import choose_blend_store
 
         layer_cost = self.profile.layer if self.profile is not None else None
         return await choose_blend_store(

@@ -10,8 +10,8 @@ import anyio
 
 from kvrestore import ComputeOnly, LoadOnly, TokenTwoPointer, open_store
 from kvrestore.backends.hf import HFBackend
+from kvrestore.core.errors import StoreError
 from kvrestore.distributed import StageLayout, StageRestorer, gather_kv
-from kvrestore.errors import StoreError
 from kvrestore.stores.wrapper import WrapperStore
 from tests.conftest import random_tokens, tiny_model
 

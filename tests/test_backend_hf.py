@@ -7,7 +7,7 @@ import torch
 
 from kvrestore import KVCache
 from kvrestore.backends.hf import HFBackend
-from kvrestore.errors import InvalidInputError, UnsupportedModelError
+from kvrestore.core.errors import InvalidInputError, UnsupportedModelError
 
 from .conftest import random_tokens, tiny_model
 

@@ -10,17 +10,17 @@ from hypothesis import strategies as st
 
 from kvrestore import Restorer, ThrottledStore, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
-from kvrestore.bandwidth import BandwidthTrace, Link
-from kvrestore.batch import BatchEngine, EngineNotRunningError
-from kvrestore.errors import InvalidInputError
-from kvrestore.keys import chunk_keys
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.keys import chunk_keys
+from kvrestore.costs.bandwidth import BandwidthTrace, Link
+from kvrestore.costs.profile import ChunkCost
 from kvrestore.policies import ComputeOnly, LayerTwoPointer, Progress
 from kvrestore.policies.base import ChunkStatus
 from kvrestore.policies.batch import BatchAware, BatchJob, FifoLanes
-from kvrestore.profile import ChunkCost
-from kvrestore.simulate import batch_lower_bound, sim_requests, simulate_batch, simulate_independent
+from kvrestore.runtime.batch_engine import BatchEngine, EngineNotRunningError
+from kvrestore.sim.simulate import batch_lower_bound, sim_requests, simulate_batch, simulate_independent
+from kvrestore.sim.workload import Request
 from kvrestore.stores.memory import MemoryStore
-from kvrestore.workload import Request
 
 from .conftest import random_tokens, tiny_model
 

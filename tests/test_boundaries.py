@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvrestore import InvalidInputError, Restorer, codec, open_store
+from kvrestore.core.errors import CorruptChunkError, ForeignChunkError, TruncatedChunkError
 from kvrestore.distributed import (
     StageBackend,
     StageLayout,
@@ -14,7 +15,6 @@ from kvrestore.distributed import (
     prefill_with_boundaries,
     save_with_boundaries,
 )
-from kvrestore.errors import CorruptChunkError, ForeignChunkError, TruncatedChunkError
 from tests.conftest import random_tokens
 
 ATOL = 1e-5  # the restore tests' tolerance (tests/test_restorer.py)

@@ -14,11 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrestore import codec
-from kvrestore.checksums import device_checksums, segment_checksums, weights
 from kvrestore.chunkio import ChunkLoader, StagingPool
-from kvrestore.errors import ChunkDecodeError, CorruptChunkError, ForeignChunkError, MissingChunkError
-from kvrestore.kv import KVCache
-from kvrestore.spec import ModelSpec
+from kvrestore.codec.checksums import device_checksums, segment_checksums, weights
+from kvrestore.core.errors import ChunkDecodeError, CorruptChunkError, ForeignChunkError, MissingChunkError
+from kvrestore.core.kv import KVCache
+from kvrestore.core.spec import ModelSpec
 from kvrestore.stores import FsspecStore, MemoryStore, ThrottledStore, TieredStore
 
 KEY = "0123456789abcdef" * 2
@@ -94,7 +94,7 @@ def test_staging_pool_reuses_buffers():
 def chunk_blob(spec: ModelSpec, n_tokens: int = 6, start: int = 12, compression: str = "none", seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     data = torch.randn(spec.num_layers, 2, spec.num_kv_heads, n_tokens, spec.head_dim, generator=g)
-    from kvrestore.kv import KVChunk
+    from kvrestore.core.kv import KVChunk
 
     kv = KVChunk(start, data.to(spec.dtype))
     return kv, codec.encode_chunk(kv, spec, KEY, compression=compression)
@@ -228,7 +228,7 @@ def test_lanes_share_a_warm_staging_pool(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_pinned_memory_store_needs_cuda():
-    from kvrestore.errors import InvalidInputError
+    from kvrestore.core.errors import InvalidInputError
 
     with pytest.raises(InvalidInputError, match="needs CUDA"):
         MemoryStore(pinned=True)

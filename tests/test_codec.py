@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrestore import codec
-from kvrestore.errors import ChunkDecodeError, CorruptChunkError, ForeignChunkError, TruncatedChunkError
-from kvrestore.kv import KVChunk
-from kvrestore.spec import ModelSpec
+from kvrestore.core.errors import ChunkDecodeError, CorruptChunkError, ForeignChunkError, TruncatedChunkError
+from kvrestore.core.kv import KVChunk
+from kvrestore.core.spec import ModelSpec
 
 FP = "ab" * 16
 KEY = "0123456789abcdef" * 2

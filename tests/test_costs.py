@@ -11,11 +11,11 @@ import anyio
 import pytest
 
 from kvrestore import LayerTwoPointer, Restorer, TokenTwoPointer
-from kvrestore.costs import CostLearner, learned_dir, store_name
-from kvrestore.errors import InvalidInputError
-from kvrestore.profile import ChunkCost, LinkCost, LinkEstimate
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.trace import Trace, TraceEvent
+from kvrestore.costs.learned import CostLearner, learned_dir, store_name
+from kvrestore.costs.profile import ChunkCost, LinkCost, LinkEstimate
 from kvrestore.stores.memory import MemoryStore
-from kvrestore.trace import Trace, TraceEvent
 
 from .conftest import random_tokens
 from .test_profile import make_profile

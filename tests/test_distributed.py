@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvrestore import Restorer, codec, open_store
+from kvrestore.core.errors import StageFailedError
 from kvrestore.distributed import StageLayout, save_with_boundaries, spawn
-from kvrestore.errors import StageFailedError
 from tests import stage_workers as w
 
 ATOL = 1e-5  # the restore tests' tolerance (tests/test_restorer.py)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrestore.keys import chunk_keys, content_key
+from kvrestore.core.keys import chunk_keys, content_key
 from kvrestore.stores.base import check_key
 
 FP = "0123456789abcdef" * 2
@@ -60,7 +60,7 @@ def test_tensor_and_list_give_the_same_keys():
 def test_keys_are_stable_across_processes():
     """Keys must not depend on Python's per-process hash salt."""
     code = (
-        "from kvrestore.keys import chunk_keys, content_key;"
+        "from kvrestore.core.keys import chunk_keys, content_key;"
         f"print(','.join(r.key for r in chunk_keys(list(range(50)), {FP!r}, 16)));"
         f"print(content_key([1, 2, 3], {FP!r}))"
     )

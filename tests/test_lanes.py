@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvrestore import LoadOnly, Restorer, TokenTwoPointer, open_store
-from kvrestore.lanes import LaneThreads
+from kvrestore.runtime.lanes import LaneThreads
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from kvrestore import LayerTwoPointer, Restorer, ThrottledStore
 from kvrestore.backends.hf import HFBackend
-from kvrestore.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
-from kvrestore.keys import chunk_keys
-from kvrestore.simulate import simulate
+from kvrestore.core.keys import chunk_keys
+from kvrestore.costs.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
+from kvrestore.sim.simulate import simulate
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens, tiny_model

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, ThrottledStore, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
-from kvrestore.errors import InvalidInputError
-from kvrestore.policies.planner import Workload, crossover_length, predict
-from kvrestore.profile import Calibration, ChunkCost, LayerCost, LinkCost, profile
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.costs.profile import Calibration, ChunkCost, LayerCost, LinkCost, profile
+from kvrestore.planning.auto import Workload, crossover_length, predict
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens, tiny_model

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrestore.engine import Engine, PolicyStalledError
-from kvrestore.errors import CorruptChunkError
+from kvrestore.core.errors import CorruptChunkError
 from kvrestore.policies import ChunkStatus, ComputeOnly, Decision, LoadOnly, Policy, Progress
+from kvrestore.runtime.engine import Engine, PolicyStalledError
 
 
 def simulate(policy: Policy, stored: list[bool], broken: set[int], lanes: int = 3):

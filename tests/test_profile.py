@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from kvrestore import Profile, Restorer
 from kvrestore.backends.hf import HFBackend
-from kvrestore.errors import InvalidInputError
-from kvrestore.profile import (
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.trace import Trace, TraceEvent
+from kvrestore.costs.profile import (
     ChunkCost,
     LayerCost,
     LinkCost,
@@ -25,7 +26,6 @@ from kvrestore.profile import (
     profile,
 )
 from kvrestore.stores.memory import MemoryStore
-from kvrestore.trace import Trace, TraceEvent
 
 from .conftest import tiny_model
 

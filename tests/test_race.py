@@ -10,12 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrestore import Restorer, ThrottledStore, TokenTwoPointer
-from kvrestore.bandwidth import BandwidthTrace, Link
-from kvrestore.bookkeeping import PolicyError, apply_event, begin
+from kvrestore.core.trace import TraceEvent
+from kvrestore.costs.bandwidth import BandwidthTrace, Link
 from kvrestore.policies import ComputeOnly, Decision, LoadOnly, Progress
-from kvrestore.simulate import simulate
+from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
+from kvrestore.sim.simulate import simulate
 from kvrestore.stores.memory import MemoryStore
-from kvrestore.trace import TraceEvent
 
 from .conftest import random_tokens
 from .test_two_pointer import ATOL, full_prefill

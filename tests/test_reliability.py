@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from kvrestore import ComputeOnly, LoadOnly, Restorer, TokenTwoPointer, open_store
-from kvrestore.keys import chunk_keys
+from kvrestore.core.keys import chunk_keys
 from kvrestore.stores import MemoryStore
 
 from .conftest import random_tokens

@@ -19,7 +19,7 @@ from kvrestore import (
     UnsupportedURLError,
     open_store,
 )
-from kvrestore.keys import chunk_keys
+from kvrestore.core.keys import chunk_keys
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.memory import MemoryStore
 

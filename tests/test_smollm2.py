@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvrestore import ComputeOnly, KVCache, LoadOnly, Restorer, ThrottledStore, TokenTwoPointer, open_store
-from kvrestore.keys import chunk_keys
-from kvrestore.text import reference_tokens
+from kvrestore.core.keys import chunk_keys
+from kvrestore.tools.text import reference_tokens
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from kvrestore import LoadOnly, Restorer, open_store
 from kvrestore.backends.hf import HFBackend
-from kvrestore.keys import chunk_keys
+from kvrestore.core.keys import chunk_keys
 from kvrestore.stores import FsspecStore, MemoryStore, PrefetchStore, TieredStore
 from kvrestore.stores.fsspec_store import TMP_PREFIX
 
@@ -335,8 +335,8 @@ def test_every_accepted_key_maps_inside_the_root(tmp_path_factory, key):
 
 def test_choose_blend_store_leaves_out_a_store_that_is_down():
     from kvrestore.blend import StoreCandidate, choose_blend_store
-    from kvrestore.errors import StoreError
-    from kvrestore.profile import LayerCost
+    from kvrestore.core.errors import StoreError
+    from kvrestore.costs.profile import LayerCost
 
     b = HFBackend(tiny_model("llama", layers=2), name="tiny")
     with MotoServer() as server:
@@ -363,7 +363,7 @@ def test_faults_and_fallbacks_are_logged(llama_backend, caplog):
     leave a warning on the `kvrestore` logger."""
     import logging
 
-    from kvrestore.errors import StoreError
+    from kvrestore.core.errors import StoreError
 
     b = llama_backend
     tokens = random_tokens(96, b.spec.vocab_size, seed=5)

@@ -16,7 +16,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrestore.errors import StoreError, UnsupportedURLError
+from kvrestore.core.errors import StoreError, UnsupportedURLError
 from kvrestore.stores import (
     ChunkStore,
     FsspecStore,

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from kvrestore import BandwidthTrace, Restorer, ThrottledStore, TokenTwoPointer
-from kvrestore.engine import Engine
-from kvrestore.keys import chunk_keys
+from kvrestore.core.keys import chunk_keys
 from kvrestore.policies import Decision, Policy, Progress
+from kvrestore.runtime.engine import Engine
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens

@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrestore.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
-from kvrestore.bookkeeping import PolicyError, apply_event, begin
+from kvrestore.core.trace import TraceEvent
+from kvrestore.costs.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
 from kvrestore.policies import ChunkStatus, Decision, Progress, TokenTwoPointer
 from kvrestore.policies.token_two_pointer import GRACE
-from kvrestore.simulate import simulate
-from kvrestore.trace import TraceEvent
+from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
+from kvrestore.sim.simulate import simulate
 
 CHUNK_BYTES = 1000
 

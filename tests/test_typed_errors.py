@@ -28,8 +28,8 @@ from kvrestore import (
     TokenTwoPointer,
 )
 from kvrestore.backends.hf import HFBackend
-from kvrestore.errors import SaveError
-from kvrestore.keys import chunk_keys
+from kvrestore.core.errors import SaveError
+from kvrestore.core.keys import chunk_keys
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens, tiny_model

@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from kvrestore import codec
-from kvrestore.errors import InvalidInputError, StoreError
+from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.keys import chunk_keys
+from kvrestore.core.kv import KVChunk
+from kvrestore.core.spec import ModelSpec
+from kvrestore.costs.profile import LinkCost
 from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, LoadChunk
 from kvrestore.integrations.vllm_layout import (
     LAYOUTS,
@@ -30,12 +34,8 @@ from kvrestore.integrations.vllm_plan import (
     choose_split,
     max_loadable,
 )
-from kvrestore.keys import chunk_keys
-from kvrestore.kv import KVChunk
 from kvrestore.policies import LoadOnly
-from kvrestore.profile import LinkCost
 from kvrestore.restorer import SyncRestorer
-from kvrestore.spec import ModelSpec
 from kvrestore.stores import MemoryStore
 
 from .conftest import tiny_model

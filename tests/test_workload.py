@@ -10,7 +10,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvrestore.workload import (
+from kvrestore.sim.workload import (
     KINDS,
     LogNormalLengths,
     Request,

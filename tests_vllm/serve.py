@@ -25,7 +25,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 def prompt_ids(tokenizer, n_tokens: int, offset: int = 0) -> list[int]:
     """`n_tokens` ids of the reference text, `offset` ids in: the prompts every vLLM test serves."""
-    from kvrestore.text import reference_tokens
+    from kvrestore.tools.text import reference_tokens
 
     return reference_tokens(tokenizer, offset + n_tokens)[offset:]
 

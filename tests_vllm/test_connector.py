@@ -147,7 +147,7 @@ def test_a_new_process_loads_what_vllm_and_a_restorer_saved(second, reference):
 
 
 def test_a_corrupted_chunk_is_recomputed(model_dir, store, first, reference, tmp_path, tokenizer, restorer):
-    from kvrestore.keys import chunk_keys
+    from kvrestore.core.keys import chunk_keys
     from kvrestore.stores import open_store
 
     damaged = tmp_path / "kv"

@@ -9,19 +9,19 @@ HKVD selection), `controller` (the loading controller's pure choices), `placemen
 measured on real stores: `restorer.choose_blend_store`), `fuse` (the pipelined fusor).
 """
 
-from ..layers import ChunkLoadFailed
-from ..policies.blend import Blend, ratio_schedule
-from .chunks import StoreChunkSource, chunk_key, save_chunk
-from .controller import (
+from kvrestore.blend.chunks import StoreChunkSource, chunk_key, save_chunk
+from kvrestore.blend.controller import (
     StoreOption,
     choose_ratio,
     choose_store,
     load_seconds_per_layer,
     recompute_seconds_per_layer,
 )
-from .fuse import BlendResult, BlendStats, restore_blend
-from .placement import StoreCandidate, StorePlacement, choose_blend_store, measure_store
-from .select import kv_deviation, select_hkvd, selection_sizes
+from kvrestore.blend.fuse import BlendResult, BlendStats, restore_blend
+from kvrestore.blend.placement import StoreCandidate, StorePlacement, choose_blend_store, measure_store
+from kvrestore.blend.select import kv_deviation, select_hkvd, selection_sizes
+from kvrestore.chunkio.layers import ChunkLoadFailed
+from kvrestore.policies.blend import Blend, ratio_schedule
 
 __all__ = [
     "Blend",

@@ -21,15 +21,15 @@ import anyio
 import anyio.to_thread
 import torch
 
-from .. import codec
-from ..chunkio.pool import StagingPool
-from ..keys import content_key
-from ..kv import KVCache
-from ..layers import LayerReader, StoredChunk
-from ..stores.base import ChunkStore
+from kvrestore import codec
+from kvrestore.chunkio.layers import LayerReader, StoredChunk
+from kvrestore.chunkio.pool import StagingPool
+from kvrestore.core.keys import content_key
+from kvrestore.core.kv import KVCache
+from kvrestore.stores.base import ChunkStore
 
 if TYPE_CHECKING:
-    from ..backends.hf import HFBackend
+    from kvrestore.backends.hf import HFBackend
 
 
 _NO_PREFIX = torch.zeros(0, dtype=torch.int64)
@@ -119,7 +119,9 @@ class StoreChunkSource(LayerReader):
                 old = torch.arange(keys.shape[1], dtype=torch.int64)
                 new = old.clone()
                 for c in self.chunks:
-                    old[c.offset : c.offset + c.n_tokens] = torch.arange(c.stored_at, c.stored_at + c.n_tokens)
+                    old[c.offset : c.offset + c.n_tokens] = torch.arange(
+                        c.stored_at, c.stored_at + c.n_tokens
+                    )
                 rotation = self._rotations[-1] = self.backend.rerotation(keys, old, new)
             keys.copy_(self.backend.rerotate_keys(keys, 0, 0, rotation))
             return

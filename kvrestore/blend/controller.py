@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError
 
 
 @dataclass(frozen=True)

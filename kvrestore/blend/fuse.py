@@ -28,18 +28,18 @@ import anyio
 import anyio.to_thread
 import torch
 
-from ..chunkio.pool import StagingPool
-from ..errors import InvalidInputError
-from ..kv import KVCache
-from ..layers import ChunkLoadFailed
-from ..policies.blend import Blend
-from ..stores.base import ChunkStore
-from .chunks import StoreChunkSource, chunk_key
-from .controller import choose_ratio
-from .select import kv_deviation, select_hkvd, selection_sizes
+from kvrestore.blend.chunks import StoreChunkSource, chunk_key
+from kvrestore.blend.controller import choose_ratio
+from kvrestore.blend.select import kv_deviation, select_hkvd, selection_sizes
+from kvrestore.chunkio.layers import ChunkLoadFailed
+from kvrestore.chunkio.pool import StagingPool
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.kv import KVCache
+from kvrestore.policies.blend import Blend
+from kvrestore.stores.base import ChunkStore
 
 if TYPE_CHECKING:
-    from ..backends.hf import HFBackend
+    from kvrestore.backends.hf import HFBackend
 
 
 @dataclass

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING
 
 import anyio.to_thread
 
-from ..engine import LOAD_FAULTS
-from ..errors import InvalidInputError, StoreError
-from ..profile import LayerCost, fit_link, measure_layers, measure_link
-from ..stores.base import ChunkStore
-from .controller import StoreOption, choose_store, recompute_seconds_per_layer
+from kvrestore.blend.controller import StoreOption, choose_store, recompute_seconds_per_layer
+from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.costs.profile import LayerCost, fit_link, measure_layers, measure_link
+from kvrestore.runtime.engine import LOAD_FAULTS
+from kvrestore.stores.base import ChunkStore
 
 if TYPE_CHECKING:
-    from ..backends.hf import HFBackend
+    from kvrestore.backends.hf import HFBackend
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError
 
 
 def kv_deviation(

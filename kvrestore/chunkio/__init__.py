@@ -6,7 +6,7 @@ buffers, verifies every byte where it is cheapest (host xxh3 off the GIL, or a d
 the upload) and places it in the cache.
 """
 
-from .load import ChunkLoader
-from .pool import Staging, StagingPool
+from kvrestore.chunkio.load import ChunkLoader
+from kvrestore.chunkio.pool import Staging, StagingPool
 
 __all__ = ["ChunkLoader", "Staging", "StagingPool"]

@@ -18,7 +18,7 @@ The path a load lane runs for a chunk, and why each step is shaped so:
 
 A store that reads without the event loop (`ChunkStore.reads_now`: memory of this process, a local
 directory) gets the whole load as one blocking call, `ChunkLoader.load_now`, which the engine runs on
-its load-lane threads (`kvrestore.lanes`): the event loop's share of a chunk is then a queue put and
+its load-lane threads (`kvrestore.runtime.lanes`): the event loop's share of a chunk is then a queue put and
 one wake-up. Other stores are read with their async methods, then checked and placed in one thread hop.
 
 The host copies are numpy's, on one thread each: torch's CPU `copy_` spreads a large copy over every
@@ -37,13 +37,13 @@ import anyio.to_thread
 import numpy as np
 import torch
 
-from .. import codec
-from ..checksums import device_checkable, device_checksums
-from ..errors import CorruptChunkError, MissingChunkError, TruncatedChunkError
-from ..spec import ModelSpec
-from ..stores.base import ChunkStore, copy_into
-from ..streams import on_stream
-from .pool import Staging, StagingPool
+from kvrestore import codec
+from kvrestore.chunkio.pool import Staging, StagingPool
+from kvrestore.codec.checksums import device_checkable, device_checksums
+from kvrestore.core.errors import CorruptChunkError, MissingChunkError, TruncatedChunkError
+from kvrestore.core.spec import ModelSpec
+from kvrestore.core.streams import on_stream
+from kvrestore.stores.base import ChunkStore, copy_into
 
 #: room for the header and its padding in a staging buffer sized from the chunk's KV bytes
 HEADER_ROOM = 64 * 1024

@@ -10,19 +10,19 @@ gathered into one `KVCache` (`gather_kv`).
     from kvrestore.distributed import StageLayout, StageRestorer, gather_kv, spawn
 """
 
-from .boundaries import (
+from kvrestore.distributed.boundaries import (
     BoundaryReader,
     BoundarySaveStats,
     prefill_with_boundaries,
     save_with_boundaries,
     write_boundaries,
 )
-from .group import free_port, init_stages, spawn
-from .job import StageJob, StageOutcome, run_job
-from .layout import StageLayout
-from .plan import StagePlan
-from .restore import StageRestorer, StageResult, StageStats, gather_kv
-from .stage_backend import StageBackend
+from kvrestore.distributed.group import free_port, init_stages, spawn
+from kvrestore.distributed.job import StageJob, StageOutcome, run_job
+from kvrestore.distributed.layout import StageLayout
+from kvrestore.distributed.plan import StagePlan
+from kvrestore.distributed.restore import StageRestorer, StageResult, StageStats, gather_kv
+from kvrestore.distributed.stage_backend import StageBackend
 
 __all__ = [
     "BoundaryReader",

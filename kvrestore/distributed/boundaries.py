@@ -11,14 +11,14 @@ import anyio.to_thread
 import torch
 from anyio.abc import TaskGroup
 
-from .. import codec
-from ..engine import LOAD_FAULTS
-from ..errors import MissingChunkError, SaveError, StageFailedError
-from ..keys import ChunkRef
-from ..kv import KVCache
-from ..stores.base import ChunkStore
-from .layout import StageLayout
-from .stage_backend import StageBackend
+from kvrestore import codec
+from kvrestore.core.errors import MissingChunkError, SaveError, StageFailedError
+from kvrestore.core.keys import ChunkRef
+from kvrestore.core.kv import KVCache
+from kvrestore.distributed.layout import StageLayout
+from kvrestore.distributed.stage_backend import StageBackend
+from kvrestore.runtime.engine import LOAD_FAULTS
+from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.distributed")
 
@@ -64,7 +64,7 @@ async def save_with_boundaries(
 
     Store faults on writing fail only their objects: `SaveError` once every write has ended.
     """
-    from ..restorer import Restorer
+    from kvrestore.restorer import Restorer
 
     assert isinstance(restorer, Restorer)
     tokens, refs = restorer.chunks(token_ids)

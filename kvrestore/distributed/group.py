@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..errors import StageFailedError, check_int, check_seconds
+from kvrestore.core.errors import StageFailedError, check_int, check_seconds
 
 log = logging.getLogger("kvrestore.distributed")
 

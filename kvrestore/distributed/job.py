@@ -9,12 +9,12 @@ from typing import Any
 
 import anyio
 
-from ..keys import DEFAULT_CHUNK_SIZE
-from ..kv import KVCache
-from ..policies import Policy
-from ..stores import open_store
-from .layout import StageLayout
-from .restore import StageRestorer, StageStats, gather_kv
+from kvrestore.core.keys import DEFAULT_CHUNK_SIZE
+from kvrestore.core.kv import KVCache
+from kvrestore.distributed.layout import StageLayout
+from kvrestore.distributed.restore import StageRestorer, StageStats, gather_kv
+from kvrestore.policies import Policy
+from kvrestore.stores import open_store
 
 
 @dataclass(frozen=True)

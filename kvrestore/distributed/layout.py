@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import InvalidInputError, check_int
+from kvrestore.core.errors import InvalidInputError, check_int
 
 
 @dataclass(frozen=True)

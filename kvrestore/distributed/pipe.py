@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import StageFailedError
+from kvrestore.core.errors import StageFailedError
 
 log = logging.getLogger("kvrestore.distributed")
 

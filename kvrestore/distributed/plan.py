@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import InvalidInputError
-from .layout import StageLayout
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.distributed.layout import StageLayout
 
 
 @dataclass(frozen=True)

@@ -26,19 +26,19 @@ import anyio.to_thread
 import torch
 import torch.distributed as dist
 
-from .. import codec
-from ..engine import _single
-from ..errors import InvalidInputError, MissingChunkError, StageFailedError, StoreError
-from ..keys import DEFAULT_CHUNK_SIZE, ChunkRef
-from ..policies import LoadOnly, Policy, Progress, TokenTwoPointer
-from ..restorer import Restorer
-from ..stores.base import ChunkStore
-from ..trace import Trace
-from .boundaries import BoundaryReader
-from .layout import StageLayout
-from .pipe import Pipe
-from .plan import StagePlan
-from .stage_backend import StageBackend
+from kvrestore import codec
+from kvrestore.core.errors import InvalidInputError, MissingChunkError, StageFailedError, StoreError
+from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef
+from kvrestore.core.trace import Trace
+from kvrestore.distributed.boundaries import BoundaryReader
+from kvrestore.distributed.layout import StageLayout
+from kvrestore.distributed.pipe import Pipe
+from kvrestore.distributed.plan import StagePlan
+from kvrestore.distributed.stage_backend import StageBackend
+from kvrestore.policies import LoadOnly, Policy, Progress, TokenTwoPointer
+from kvrestore.restorer import Restorer
+from kvrestore.runtime.engine import _single
+from kvrestore.stores.base import ChunkStore
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -339,7 +339,7 @@ def gather_kv(
     The result is an ordinary KVCache: `KVCache.to_hf()` and `HFBackend.generate()` take it."""
     from datetime import timedelta
 
-    from ..kv import KVCache
+    from kvrestore.core.kv import KVCache
 
     group = group if group is not None else dist.group.WORLD
     layout, wait = result.plan.layout, timedelta(seconds=timeout_s)

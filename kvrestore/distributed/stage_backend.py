@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError
 
 
 class StageBackend:

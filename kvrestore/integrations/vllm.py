@@ -47,14 +47,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from ..errors import UnsupportedModelError
-from ..keys import ChunkRef, chunk_keys
-from ..kv import KVChunk
-from ..stores import ThrottledStore, open_store
-from ..stores.base import ChunkStore
-from .vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, LoadChunk
-from .vllm_layout import blocks_of, gather_tokens, kv_views, scatter_tokens
-from .vllm_plan import (
+from kvrestore.core.errors import UnsupportedModelError
+from kvrestore.core.keys import ChunkRef, chunk_keys
+from kvrestore.core.kv import KVChunk
+from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, LoadChunk
+from kvrestore.integrations.vllm_layout import blocks_of, gather_tokens, kv_views, scatter_tokens
+from kvrestore.integrations.vllm_plan import (
     ConnectorConfig,
     CostBook,
     SplitChoice,
@@ -62,6 +60,8 @@ from .vllm_plan import (
     choose_split,
     model_spec,
 )
+from kvrestore.stores import ThrottledStore, open_store
+from kvrestore.stores.base import ChunkStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -245,7 +245,7 @@ class KVRestoreConnector(KVConnectorBase_V1):
         return choice.k - num_computed_tokens, False
 
     def _prior_link(self) -> Any:
-        from ..profile import LinkCost
+        from kvrestore.costs.profile import LinkCost
 
         bw = self.config.link_bytes_per_s or self.config.throttle_bytes_per_s
         return LinkCost(bw, self.config.throttle_latency_s) if bw else None

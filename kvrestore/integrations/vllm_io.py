@@ -21,13 +21,13 @@ import anyio.from_thread
 import anyio.to_thread
 import torch
 
-from .. import codec
-from ..engine import LOAD_FAULTS
-from ..errors import InvalidInputError, StoreError
-from ..kv import KVCache, KVChunk
-from ..layers import ChunkLoadFailed, LayerReader, StoredChunk
-from ..spec import ModelSpec
-from ..stores.base import ChunkStore
+from kvrestore import codec
+from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
+from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.kv import KVCache, KVChunk
+from kvrestore.core.spec import ModelSpec
+from kvrestore.runtime.engine import LOAD_FAULTS
+from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError
 
 LAYOUTS = ("cpu", "cuda", "flash_attn", "flashinfer_nhd", "flashinfer_hnd")
 

@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
-from ..costs import fit_prefill_cost
-from ..errors import InvalidInputError, check_int, check_seconds
-from ..paths import cache_root
-from ..profile import LinkCost, machine_id
-from ..spec import ModelSpec, dtype_name
-from .vllm_layout import LAYOUTS
+from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
+from kvrestore.core.paths import cache_root
+from kvrestore.core.spec import ModelSpec, dtype_name
+from kvrestore.costs.learned import fit_prefill_cost
+from kvrestore.costs.profile import LinkCost, machine_id
+from kvrestore.integrations.vllm_layout import LAYOUTS
 
 log = logging.getLogger("kvrestore.vllm")
 
@@ -130,7 +130,7 @@ class ComputeCost:
             fixed = min((s for _, _, s in rows), default=0.0) if any(n < 16 for n, _, _ in rows) else 0.0
             per = max(0.0, sum(s - fixed for _, _, s in prefills) / sum(n for n, _, _ in prefills))
             return ComputeCost(fixed, per, 0.0)
-        cost = fit_prefill_cost(rows)  # kvrestore.costs: the same shape, fitted the same way
+        cost = fit_prefill_cost(rows)  # kvrestore.costs.learned: the same shape, fitted the same way
         return ComputeCost(cost.fixed_s, cost.per_token_s, cost.per_token_past_s)
 
 

@@ -1,20 +1,12 @@
-"""Restore policies: pure decision objects (see `base.Policy`)."""
+"""Restore policies: pure decision objects (see `base.Policy`). `Auto`, which plans by simulating
+them, lives in `kvrestore.planning`."""
 
-from .base import ChunkStatus, Decision, Policy, Progress
-from .blend import Blend
-from .compute_only import ComputeOnly
-from .layer_two_pointer import LayerTwoPointer
-from .load_only import LoadOnly
-from .token_two_pointer import TokenTwoPointer
-
-
-def __getattr__(name: str) -> object:
-    # the planner runs the simulator, which needs this package's base classes: import it on first use
-    if name in ("Auto", "Plan"):
-        from . import planner
-
-        return getattr(planner, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+from kvrestore.policies.base import ChunkStatus, Decision, Policy, Progress
+from kvrestore.policies.blend import Blend
+from kvrestore.policies.compute_only import ComputeOnly
+from kvrestore.policies.layer_two_pointer import LayerTwoPointer
+from kvrestore.policies.load_only import LoadOnly
+from kvrestore.policies.token_two_pointer import TokenTwoPointer
 
 
 def available() -> list[Policy]:
@@ -23,14 +15,12 @@ def available() -> list[Policy]:
 
 
 __all__ = [
-    "Auto",
     "Blend",
     "ChunkStatus",
     "ComputeOnly",
     "Decision",
     "LayerTwoPointer",
     "LoadOnly",
-    "Plan",
     "Policy",
     "Progress",
     "TokenTwoPointer",

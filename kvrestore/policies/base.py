@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError
 
 
 class ChunkStatus(str, Enum):

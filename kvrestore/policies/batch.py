@@ -36,8 +36,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import InvalidInputError, check_int
-from .base import ChunkStatus, Decision, Policy, Progress
+from kvrestore.core.errors import InvalidInputError, check_int
+from kvrestore.policies.base import ChunkStatus, Decision, Policy, Progress
 
 #: Cake's compute budget per step (tokens): two 256-token chunks
 DEFAULT_TOKEN_BUDGET = 512

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError
 
 DEVIATIONS = ("kv", "k", "v")
 

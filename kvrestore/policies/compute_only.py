@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..errors import check_int
-from .base import IDLE, Decision, Policy, Progress, next_compute_run
+from kvrestore.core.errors import check_int
+from kvrestore.policies.base import IDLE, Decision, Policy, Progress, next_compute_run
 
 
 class ComputeOnly(Policy):

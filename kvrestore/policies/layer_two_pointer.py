@@ -18,8 +18,8 @@ and `Progress.chunk_tokens` holds the same token count for every layer.
 
 from __future__ import annotations
 
-from ..errors import check_int
-from .token_two_pointer import TokenTwoPointer
+from kvrestore.core.errors import check_int
+from kvrestore.policies.token_two_pointer import TokenTwoPointer
 
 #: layers per compute unit (the first unit is one layer, to measure the lane; units shrink near the meeting)
 DEFAULT_COMPUTE_LAYERS = 2

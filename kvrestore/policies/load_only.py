@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import ChunkStatus, Decision, Policy, Progress, next_compute_run
+from kvrestore.policies.base import ChunkStatus, Decision, Policy, Progress, next_compute_run
 
 
 class LoadOnly(Policy):

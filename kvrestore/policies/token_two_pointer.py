@@ -16,8 +16,8 @@ is raced from the start: such a restore is never slower than the faster of compu
 
 from __future__ import annotations
 
-from ..errors import check_int
-from .base import ChunkStatus, Decision, Policy, Progress
+from kvrestore.core.errors import check_int
+from kvrestore.policies.base import ChunkStatus, Decision, Policy, Progress
 
 #: stored chunks per compute unit: 2 x 256-token chunks = 512 tokens, Cake's compute granularity
 DEFAULT_COMPUTE_CHUNKS = 2

@@ -15,16 +15,16 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import InvalidInputError, StoreError, UnsupportedURLError
-from .base import ChunkStore, StoredObject, check_key
-from .bounded import BoundedStore
-from .eviction import FIFO, LRU, EvictionPolicy
-from .fsspec_store import FsspecStore
-from .memory import MemoryStore
-from .prefetch import PrefetchStore
-from .throttled import ThrottledStore
-from .tiered import TieredStore, TierStats
-from .wrapper import WrapperStore
+from kvrestore.core.errors import InvalidInputError, StoreError, UnsupportedURLError
+from kvrestore.stores.base import ChunkStore, StoredObject, check_key
+from kvrestore.stores.bounded import BoundedStore
+from kvrestore.stores.eviction import FIFO, LRU, EvictionPolicy
+from kvrestore.stores.fsspec_store import FsspecStore
+from kvrestore.stores.memory import MemoryStore
+from kvrestore.stores.prefetch import PrefetchStore
+from kvrestore.stores.throttled import ThrottledStore
+from kvrestore.stores.tiered import TieredStore, TierStats
+from kvrestore.stores.wrapper import WrapperStore
 
 StoreFactory = Callable[..., ChunkStore]
 
@@ -35,7 +35,9 @@ def register_store(scheme: str, factory: StoreFactory, *, clobber: bool = False)
     """Make `open_store("<scheme>://...")` call `factory(url, **options)`."""
     scheme = scheme.lower()
     if scheme in _REGISTRY and _REGISTRY[scheme] is not factory and not clobber:
-        raise InvalidInputError(f"a store is already registered for {scheme}://; pass clobber=True to replace it")
+        raise InvalidInputError(
+            f"a store is already registered for {scheme}://; pass clobber=True to replace it"
+        )
     _REGISTRY[scheme] = factory
 
 

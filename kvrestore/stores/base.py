@@ -18,7 +18,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from ..errors import InvalidInputError, StoreError
+from kvrestore.core.errors import InvalidInputError, StoreError
 
 _KEY_RE = re.compile(r"^[0-9a-f]{16,128}$")
 
@@ -83,7 +83,7 @@ class ChunkStore(ABC):
     reads_in_memory: bool = False
     #: whether `get_now` / `read_into_now` work: the store can hand over an object from any thread without
     #: the event loop (memory of this process, a local directory), so a chunk load runs start to end on a
-    #: load-lane thread (`kvrestore.lanes`). A wrapper that does anything on a read (throttle, count,
+    #: load-lane thread (`kvrestore.runtime.lanes`). A wrapper that does anything on a read (throttle, count,
     #: promote) leaves it False, and its reads go through its async methods; see `mirrors_reads_of`.
     reads_now: bool = False
     #: the local directory that holds the objects, where processes of this host can share them (None

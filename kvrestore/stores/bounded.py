@@ -35,11 +35,11 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from ..errors import StoreError, check_int
-from .base import ChunkStore, check_key
-from .eviction import EvictionPolicy, make_policy
-from .shared_dir import SharedDir
-from .wrapper import WrapperStore
+from kvrestore.core.errors import StoreError, check_int
+from kvrestore.stores.base import ChunkStore, check_key
+from kvrestore.stores.eviction import EvictionPolicy, make_policy
+from kvrestore.stores.shared_dir import SharedDir
+from kvrestore.stores.wrapper import WrapperStore
 
 
 class BoundedStore(WrapperStore):

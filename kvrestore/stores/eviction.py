@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from ..errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError
 
 
 class EvictionPolicy(Protocol):

@@ -38,8 +38,8 @@ import anyio.to_thread
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import InvalidInputError, StoreError
-from .base import ChunkStore, StoredObject, check_key, is_key, mirrors_reads_of
+from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.stores.base import ChunkStore, StoredObject, check_key, is_key, mirrors_reads_of
 
 SUFFIX = ".kvc"
 TMP_PREFIX = ".tmp-"

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import InvalidInputError, check_int
-from .base import ChunkStore, StoredObject, check_key, copy_object, mirrors_reads_of
-from .eviction import EvictionPolicy, make_policy
+from kvrestore.core.errors import InvalidInputError, check_int
+from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object, mirrors_reads_of
+from kvrestore.stores.eviction import EvictionPolicy, make_policy
 
 
 class MemoryStore(ChunkStore):

@@ -25,10 +25,10 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import InvalidInputError, check_int
-from .background import Background
-from .base import ChunkStore, check_key, copy_object
-from .wrapper import WrapperStore
+from kvrestore.core.errors import InvalidInputError, check_int
+from kvrestore.stores.background import Background
+from kvrestore.stores.base import ChunkStore, check_key, copy_object
+from kvrestore.stores.wrapper import WrapperStore
 
 #: read-ahead sequences remembered at once (one per restore in flight)
 MAX_SEQUENCES = 64

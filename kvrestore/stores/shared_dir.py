@@ -23,8 +23,8 @@ import time
 import uuid
 from contextlib import suppress
 
-from ..errors import StoreError
-from .fsspec_store import _HOST, STALE_TMP_SECONDS, _pid_alive
+from kvrestore.core.errors import StoreError
+from kvrestore.stores.fsspec_store import _HOST, STALE_TMP_SECONDS, _pid_alive
 
 try:
     import fcntl

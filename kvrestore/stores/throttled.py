@@ -17,10 +17,10 @@ from typing import TypeVar
 
 import anyio
 
-from ..bandwidth import BandwidthTrace, Link
-from ..errors import InvalidInputError
-from .base import ChunkStore
-from .wrapper import WrapperStore
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.costs.bandwidth import BandwidthTrace, Link
+from kvrestore.stores.base import ChunkStore
+from kvrestore.stores.wrapper import WrapperStore
 
 T = TypeVar("T")
 

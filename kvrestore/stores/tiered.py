@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import anyio
 import anyio.to_thread
 
-from ..errors import InvalidInputError, StoreError, check_int
-from .background import Background
-from .base import ChunkStore, StoredObject, check_key, copy_object
+from kvrestore.core.errors import InvalidInputError, StoreError, check_int
+from kvrestore.stores.background import Background
+from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object
 
 #: what a tier may raise that makes it a miss for this call, not a failure of the whole read
 TIER_FAULTS = (StoreError, OSError, TimeoutError)

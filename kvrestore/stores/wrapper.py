@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .base import ChunkStore, StoredObject
+from kvrestore.stores.base import ChunkStore, StoredObject
 
 #: read methods that must be overridden together (see the module docstring)
 READ_PAIRS = (("get", "read_into"), ("get_range", "get_ranges"))

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from .profile import cpu_model
+from kvrestore.costs.profile import cpu_model
 
 # -- samples and interleaving ----------------------------------------------------------------------
 

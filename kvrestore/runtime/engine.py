@@ -34,13 +34,13 @@ import anyio.lowlevel
 import torch
 from anyio.abc import CapacityLimiter, TaskGroup
 
-from .bookkeeping import PolicyError, apply_event, begin, stalled
-from .cancel import run_unit
-from .errors import ChunkDecodeError, StoreError, check_int
-from .lanes import LaneThreads
-from .policies.base import Decision, Policy, Progress
-from .streams import on_stream  # noqa: F401 - re-exported: the lanes' stream context
-from .trace import Trace, TraceEvent
+from kvrestore.core.errors import ChunkDecodeError, StoreError, check_int
+from kvrestore.core.streams import on_stream  # noqa: F401 - re-exported: the lanes' stream context
+from kvrestore.core.trace import Trace, TraceEvent
+from kvrestore.policies.base import Decision, Policy, Progress
+from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin, stalled
+from kvrestore.runtime.cancel import run_unit
+from kvrestore.runtime.lanes import LaneThreads
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -127,7 +127,7 @@ class Engine:
     def default_policy(self) -> Policy:
         """The policy a restore on this engine uses when given none: the `Auto` planner (it predicts
         each strategy as if the restore had the lanes to itself, which on a plain engine it mostly has)."""
-        from .policies.planner import Auto
+        from kvrestore.planning.auto import Auto
 
         return Auto()
 

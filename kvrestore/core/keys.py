@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError
 
 DEFAULT_CHUNK_SIZE = 256
 KEY_HEX_LEN = 40  # blake2b digest_size=20

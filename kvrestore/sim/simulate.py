@@ -13,16 +13,24 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from .bandwidth import BandwidthTrace, Link
-from .bookkeeping import PolicyError, apply_event, begin, begin_loads, begin_step, stalled
-from .errors import InvalidInputError
-from .policies.base import Policy, Progress
-from .policies.batch import BatchAware, BatchJob, BatchScheduler, FifoLanes, Unit, global_wake, note_step
-from .policies.compute_only import ComputeOnly
-from .policies.token_two_pointer import TokenTwoPointer
-from .profile import ChunkCost
-from .trace import Trace, TraceEvent
-from .workload import Request
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.trace import Trace, TraceEvent
+from kvrestore.costs.bandwidth import BandwidthTrace, Link
+from kvrestore.costs.profile import ChunkCost
+from kvrestore.policies.base import Policy, Progress
+from kvrestore.policies.batch import (
+    BatchAware,
+    BatchJob,
+    BatchScheduler,
+    FifoLanes,
+    Unit,
+    global_wake,
+    note_step,
+)
+from kvrestore.policies.compute_only import ComputeOnly
+from kvrestore.policies.token_two_pointer import TokenTwoPointer
+from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin, begin_loads, begin_step, stalled
+from kvrestore.sim.workload import Request
 
 #: compute_cost(a, b, start_s) -> seconds to compute chunks [a, b) starting at simulated time start_s
 ComputeCost = Callable[[int, int, float], float]
@@ -287,7 +295,7 @@ def sim_requests(
     chunk_size: int,
     policy: Callable[[], Policy],
 ) -> list[SimRequest]:
-    """Simulated requests for a workload (`kvrestore.workload`), as a `Restorer` would chunk them.
+    """Simulated requests for a workload (`kvrestore.sim.workload`), as a `Restorer` would chunk them.
 
     A restore's prompt is its stored prefix plus its new tokens, cut into `chunk_size` chunks from the
     start; the chunks wholly inside the prefix are stored. A prefill stores nothing. A decode step is

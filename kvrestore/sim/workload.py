@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from statistics import NormalDist
 from typing import Literal, Protocol
 
-from .errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError
 
 Kind = Literal["restore", "prefill", "decode"]
 KINDS: tuple[Kind, ...] = ("restore", "prefill", "decode")
@@ -77,7 +77,9 @@ class Request:
                 f"a prefill request has nothing cached: prefix_tokens must be 0, got {self.prefix_tokens}"
             )
         if self.kind == "decode" and self.new_tokens != 1:
-            raise InvalidInputError(f"a decode step computes one token: new_tokens must be 1, got {self.new_tokens}")
+            raise InvalidInputError(
+                f"a decode step computes one token: new_tokens must be 1, got {self.new_tokens}"
+            )
 
     @property
     def restore_tokens(self) -> int:
@@ -237,7 +239,9 @@ def mix(*workloads: Iterable[Request]) -> list[Request]:
     tagged = []
     for w, workload in enumerate(workloads):
         if isinstance(workload, Request):
-            raise InvalidInputError("mix takes workloads (iterables of Request); wrap a single request in a list")
+            raise InvalidInputError(
+                "mix takes workloads (iterables of Request); wrap a single request in a list"
+            )
         for i, request in enumerate(workload):
             if not isinstance(request, Request):
                 raise InvalidInputError(f"workload {w} holds {type(request).__name__}, not Request")

@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         return _simulate(parser, args)
 
     if args.command == "demo":
-        from .demo import QUESTION, run_demo
-        from .errors import KVRestoreError
+        from kvrestore.core.errors import KVRestoreError
+        from kvrestore.tools.demo import QUESTION, run_demo
 
         if args.tokens <= 0:
             parser.error("--tokens must be positive")
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .bench import Bench, BenchConfig
+    from kvrestore.tools.bench import Bench, BenchConfig
 
     try:
         multipliers = tuple(float(m) for m in args.multipliers.split(","))
@@ -132,10 +132,10 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
-    from .backends.hf import HFBackend
-    from .errors import KVRestoreError
-    from .profile import profile
-    from .stores import open_store
+    from kvrestore.backends.hf import HFBackend
+    from kvrestore.core.errors import KVRestoreError
+    from kvrestore.costs.profile import profile
+    from kvrestore.stores import open_store
 
     if args.max_tokens <= 0 or args.chunk_size <= 0 or args.repeats <= 0:
         parser.error("--max-tokens, --chunk-size and --repeats must be positive")
@@ -173,11 +173,11 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import statistics
 
-    from .benchmarking import format_table, percentile
-    from .errors import KVRestoreError
-    from .profile import Profile
-    from .simulate import balance_bytes_per_s, batch_lower_bound, compare_schedulers
-    from .workload import burst, poisson
+    from kvrestore.core.errors import KVRestoreError
+    from kvrestore.costs.profile import Profile
+    from kvrestore.sim.simulate import balance_bytes_per_s, batch_lower_bound, compare_schedulers
+    from kvrestore.sim.workload import burst, poisson
+    from kvrestore.tools.benchmarking import format_table, percentile
 
     if not 0 <= args.restore_share <= 1:
         parser.error("--restore-share must be between 0 and 1")

@@ -18,7 +18,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from .errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError
 
 Job = Callable[[], None]
 

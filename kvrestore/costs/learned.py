@@ -33,8 +33,9 @@ from pathlib import Path
 import msgspec
 import torch
 
-from .errors import InvalidInputError
-from .profile import (
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.spec import ModelSpec, dtype_name
+from kvrestore.costs.profile import (
     ChunkCost,
     LayerCost,
     LinkCost,
@@ -44,9 +45,8 @@ from .profile import (
     profile_dir,
     profile_key,
 )
-from .spec import ModelSpec, dtype_name
 
-log = logging.getLogger("kvrestore.costs")
+log = logging.getLogger("kvrestore.costs.learned")
 
 LEARNED_VERSION = 1
 #: the most recent samples of each kind kept (older ones age out, so the model follows the machine)
@@ -161,7 +161,15 @@ class CostLearner:
                     chunk.per_token2_s / n_layers,
                 )
             self._fitted = Profile(
-                s.machine, self.spec.name, s.fingerprint, s.dtype, s.device, chunk, layer, s.link, s.store,
+                s.machine,
+                self.spec.name,
+                s.fingerprint,
+                s.dtype,
+                s.device,
+                chunk,
+                layer,
+                s.link,
+                s.store,
                 created="learned",
             )
         if self._fitted.link != self.state.link:
@@ -204,7 +212,12 @@ class CostLearner:
             return False
         mine = self.state
         same = (state.version, state.machine, state.fingerprint, state.dtype, state.device, state.store) == (
-            LEARNED_VERSION, mine.machine, mine.fingerprint, mine.dtype, mine.device, mine.store
+            LEARNED_VERSION,
+            mine.machine,
+            mine.fingerprint,
+            mine.dtype,
+            mine.device,
+            mine.store,
         )
         if not same:
             log.info("learned costs at %s are of another machine, model or store: not used", path)

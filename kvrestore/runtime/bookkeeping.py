@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .policies.base import ChunkStatus, Decision, Policy, Progress
-from .policies.batch import BatchJob, ComputeStep, LoadGrant
-from .trace import TraceEvent
+from kvrestore.core.trace import TraceEvent
+from kvrestore.policies.base import ChunkStatus, Decision, Policy, Progress
+from kvrestore.policies.batch import BatchJob, ComputeStep, LoadGrant
 
 
 class PolicyError(RuntimeError):

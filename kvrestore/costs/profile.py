@@ -33,11 +33,11 @@ import anyio.to_thread
 import msgspec
 import torch
 
-from .errors import InvalidInputError, StoreError
-from .paths import cache_root
-from .spec import ModelSpec, dtype_name
-from .stores.base import ChunkStore
-from .trace import Trace
+from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.paths import cache_root
+from kvrestore.core.spec import ModelSpec, dtype_name
+from kvrestore.core.trace import Trace
+from kvrestore.stores.base import ChunkStore
 
 PROFILE_VERSION = 1
 

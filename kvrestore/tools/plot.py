@@ -11,11 +11,17 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from .bandwidth import BandwidthTrace
-from .errors import KVRestoreError
-from .trace import Trace
+from kvrestore.core.errors import KVRestoreError
+from kvrestore.core.trace import Trace
+from kvrestore.costs.bandwidth import BandwidthTrace
 
-COLORS = {"compute": "#d95f02", "load": "#1b9e77", "load-dropped": "#bbbbbb", "load-failed": "#e7298a", "compute-dropped": "#f4b183"}
+COLORS = {
+    "compute": "#d95f02",
+    "load": "#1b9e77",
+    "load-dropped": "#bbbbbb",
+    "load-failed": "#e7298a",
+    "compute-dropped": "#f4b183",
+}
 
 
 def _pyplot():

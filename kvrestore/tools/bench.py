@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from .bandwidth import BandwidthTrace, oracle_split, trace_suffix_times
-from .benchmarking import format_table, machine_info, ratio, write_json
-from .policies import ComputeOnly, LoadOnly, Policy, TokenTwoPointer
-from .restorer import Restorer
-from .stores import FsspecStore, ThrottledStore
-from .trace import Trace
+from kvrestore.core.trace import Trace
+from kvrestore.costs.bandwidth import BandwidthTrace, oracle_split, trace_suffix_times
+from kvrestore.policies import ComputeOnly, LoadOnly, Policy, TokenTwoPointer
+from kvrestore.restorer import Restorer
+from kvrestore.stores import FsspecStore, ThrottledStore
+from kvrestore.tools.benchmarking import format_table, machine_info, ratio, write_json
 
 QUESTION = "\n\nQuestion: what does the with statement guarantee?\nAnswer:"
 
@@ -96,8 +96,8 @@ class Bench:
         self.log = log
 
     async def run(self) -> dict[str, Any]:
-        from .backends.hf import HFBackend
-        from .text import reference_tokens
+        from kvrestore.backends.hf import HFBackend
+        from kvrestore.tools.text import reference_tokens
 
         cfg = self.config
         self.backend = HFBackend.from_smollm2(dtype=torch.float32)
@@ -125,7 +125,7 @@ class Bench:
         return result
 
     def backend_kv_buffer(self, restorer: Restorer) -> Any:
-        from .kv import KVCache
+        from kvrestore.core.kv import KVCache
 
         return KVCache.empty(restorer.spec, len(self.prefix), device=self.backend.device)
 
@@ -309,7 +309,7 @@ class Bench:
             }
             self.log(f"  {policy.name}: {run.ttft_s:.2f} s ({run.computed} computed, {run.loaded} loaded)")
             if isinstance(policy, TokenTwoPointer) and cfg.plot_path is not None:
-                from .plot import plot_trace
+                from kvrestore.tools.plot import plot_trace
 
                 plot_trace(
                     run.trace,

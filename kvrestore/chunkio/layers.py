@@ -22,16 +22,16 @@ import anyio
 import anyio.to_thread
 import torch
 
-from . import codec
-from .checksums import device_checkable, segment_checksums
-from .chunkio.load import pinned_host
-from .chunkio.pool import Staging, StagingPool
-from .engine import LOAD_FAULTS
-from .errors import ChunkDecodeError, CorruptChunkError, MissingChunkError, TruncatedChunkError
-from .kv import KVCache
-from .spec import ModelSpec
-from .stores.base import ChunkStore
-from .streams import on_stream
+from kvrestore import codec
+from kvrestore.chunkio.load import pinned_host
+from kvrestore.chunkio.pool import Staging, StagingPool
+from kvrestore.codec.checksums import device_checkable, segment_checksums
+from kvrestore.core.errors import ChunkDecodeError, CorruptChunkError, MissingChunkError, TruncatedChunkError
+from kvrestore.core.kv import KVCache
+from kvrestore.core.spec import ModelSpec
+from kvrestore.core.streams import on_stream
+from kvrestore.runtime.engine import LOAD_FAULTS
+from kvrestore.stores.base import ChunkStore
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -252,7 +252,9 @@ class LayerReader:
                 raise MissingChunkError(f"chunk {chunk.key[:12]} disappeared from the store")
             if len(data) != b - a:
                 raise TruncatedChunkError(f"layer {layer}: section is {len(data)} bytes, header says {b - a}")
-            if header.compression != "none" or not device_checkable(self.spec.head_dim * self.spec.dtype.itemsize):
+            if header.compression != "none" or not device_checkable(
+                self.spec.head_dim * self.spec.dtype.itemsize
+            ):
                 return codec.decode_layers(header, {layer: data}, self.spec, [layer])  # verified on the host
             if staging is None:
                 host, staging = pinned_host(memoryview(data), self.pool)
@@ -291,7 +293,9 @@ class LayerReader:
             for _, _, staging in ups:
                 if staging is not None:
                     self.pool.release(staging, busy_until=uploaded)
-        sums = segment_checksums(device_buf.view(torch.int64), [n // 8 for n in sizes]).to("cpu", non_blocking=True)
+        sums = segment_checksums(device_buf.view(torch.int64), [n // 8 for n in sizes]).to(
+            "cpu", non_blocking=True
+        )
         synced = self.pool.event()
         synced.record()
         synced.synchronize()

@@ -35,14 +35,14 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup
 
-from .bookkeeping import apply_event, begin_loads, begin_step
-from .engine import ComputeFn, Engine, LoadFn, LoadNowFn, PolicyStalledError, timed_load
-from .errors import InvalidInputError
-from .policies.base import Policy, Progress
-from .policies.batch import BatchAware, BatchJob, BatchScheduler, ComputeStep, note_step
-from .policies.compute_only import ComputeOnly
-from .profile import ChunkCost
-from .trace import Trace, TraceEvent
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.trace import Trace, TraceEvent
+from kvrestore.costs.profile import ChunkCost
+from kvrestore.policies.base import Policy, Progress
+from kvrestore.policies.batch import BatchAware, BatchJob, BatchScheduler, ComputeStep, note_step
+from kvrestore.policies.compute_only import ComputeOnly
+from kvrestore.runtime.bookkeeping import apply_event, begin_loads, begin_step
+from kvrestore.runtime.engine import ComputeFn, Engine, LoadFn, LoadNowFn, PolicyStalledError, timed_load
 
 #: ranks chunks when no profile is given: tokens, each costing more the further along the prompt
 #: (SmolLM2 on CPU: a token after 512 others costs about twice one at the start)
@@ -98,7 +98,7 @@ class BatchEngine(Engine):
 
     def default_policy(self) -> Policy:
         """Each request's own pointers: the token-wise two-pointer (the scheduler shares the lanes)."""
-        from .policies.token_two_pointer import TokenTwoPointer
+        from kvrestore.policies.token_two_pointer import TokenTwoPointer
 
         return TokenTwoPointer()
 

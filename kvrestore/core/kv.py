@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidInputError
-from .spec import ModelSpec
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.spec import ModelSpec
 
 
 @dataclass
@@ -66,7 +66,9 @@ class KVCache:
     def write(self, chunk: KVChunk) -> None:
         """Copy a chunk into its token range."""
         if chunk.end > self.n_tokens or chunk.start < 0:
-            raise InvalidInputError(f"chunk [{chunk.start}, {chunk.end}) outside cache of {self.n_tokens} tokens")
+            raise InvalidInputError(
+                f"chunk [{chunk.start}, {chunk.end}) outside cache of {self.n_tokens} tokens"
+            )
         if (
             tuple(chunk.data.shape[:3]) != tuple(self.data.shape[:3])
             or chunk.data.shape[4] != self.data.shape[4]

@@ -6,15 +6,15 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from .kv import KVChunk
-from .spec import ModelSpec
+from kvrestore.core.kv import KVChunk
+from kvrestore.core.spec import ModelSpec
 
 
 @runtime_checkable
 class ComputeBackend(Protocol):
     """A model the engine can prefill a token range with, one chunk or one layer at a time.
 
-    Tensors follow the KV layout of `kvrestore.kv`: past KV is [L, 2, H, P, D] (keys after RoPE),
+    Tensors follow the KV layout of `kvrestore.core.kv`: past KV is [L, 2, H, P, D] (keys after RoPE),
     hidden states are [1, T, hidden]. Batch size is 1: a restore is one prompt.
 
     Optional: `prefill_into(tokens, cache, start)` (see `PrefillsInto`), which computes a token range

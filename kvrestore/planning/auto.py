@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import NamedTuple
 
-from ..bandwidth import BandwidthTrace, Link
-from ..errors import InvalidInputError
-from ..profile import Calibration, ChunkCost, LayerCost, LinkCost, Profile
-from ..simulate import simulate
-from .base import Decision, Policy, Progress
-from .compute_only import ComputeOnly
-from .layer_two_pointer import LayerTwoPointer
-from .load_only import LoadOnly
-from .token_two_pointer import TokenTwoPointer
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.costs.bandwidth import BandwidthTrace, Link
+from kvrestore.costs.profile import Calibration, ChunkCost, LayerCost, LinkCost, Profile
+from kvrestore.policies.base import Decision, Policy, Progress
+from kvrestore.policies.compute_only import ComputeOnly
+from kvrestore.policies.layer_two_pointer import LayerTwoPointer
+from kvrestore.policies.load_only import LoadOnly
+from kvrestore.policies.token_two_pointer import TokenTwoPointer
+from kvrestore.sim.simulate import simulate
 
 #: the prompt lengths (tokens) searched for the crossover L_delta
 L_DELTA_GRID = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
@@ -157,9 +157,7 @@ class Auto(Policy):
         predicted = {p.name: predict(p, profile, link, work) * factors[p.name] for p in candidates}
         order = {p.name: i for i, p in enumerate(candidates)}  # ties go to the simpler, listed first
         tried = {name for name, n in (calibration.observations if calibration else {}).items() if n}
-        margin = {
-            p.name: untried_margin if tried and p.name not in tried else 1.0 for p in candidates
-        }
+        margin = {p.name: untried_margin if tried and p.name not in tried else 1.0 for p in candidates}
         choice = min(candidates, key=lambda p: (predicted[p.name] * margin[p.name], order[p.name]))
         tc = predict(ComputeOnly(), profile, link, work)
         tio = predict(LoadOnly(), profile, link, _all_stored(work))

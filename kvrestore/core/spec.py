@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -15,7 +15,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,8 @@
+"""The wire format: chunks of KV (`chunk`), boundary activations (`boundary`), their checksums."""
+
+from kvrestore.codec.boundary import *  # noqa: F403
+from kvrestore.codec.boundary import __all__ as _boundary_all
+from kvrestore.codec.chunk import *  # noqa: F403
+from kvrestore.codec.chunk import __all__ as _chunk_all
+
+__all__ = [*_chunk_all, *_boundary_all]

@@ -1,0 +1,1 @@
+"""The core vocabulary every layer shares: model spec, chunk keys, KV containers, errors, traces."""

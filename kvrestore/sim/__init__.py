@@ -1,0 +1,1 @@
+"""The simulator: restores and batches of requests on a simulated clock, and seeded workloads."""

@@ -6,7 +6,7 @@ restore's return (the overrun) is measured, for
 
 * `ComputeOnly()` (one unit: the whole prefill) and `TokenTwoPointer()` through a `ThrottledStore` at
   about half the balance bandwidth (units of a few chunks, loads in flight);
-* **layer-bound**: as shipped, the unit stops at the next decoder layer (`kvrestore.runtime.cancel.checkpoint`);
+* **layer-bound**: as shipped, the unit stops at the next decoder layer (`kvrestore.core.cancel.checkpoint`);
 * **unit-bound**: the same with the checkpoint switched off, i.e. how cancellation behaved before: the
   restore returns when its running unit ends.
 

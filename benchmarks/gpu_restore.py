@@ -61,7 +61,7 @@ from kvrestore import (
     TokenTwoPointer,
 )
 from kvrestore.backends.hf import HFBackend
-from kvrestore.costs.bandwidth import BandwidthTrace, oracle_split, trace_suffix_times
+from kvrestore.core.bandwidth import BandwidthTrace, oracle_split, trace_suffix_times
 from kvrestore.stores import MemoryStore
 
 ROOT = Path(__file__).resolve().parent.parent

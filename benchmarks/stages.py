@@ -45,7 +45,7 @@ from _provenance import code_version
 
 from kvrestore import ComputeOnly, Restorer, ThrottledStore, TokenTwoPointer, codec, open_store
 from kvrestore.backends.hf import HFBackend
-from kvrestore.costs.bandwidth import BandwidthTrace, Link
+from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.distributed import StageLayout, StageRestorer, gather_kv, save_with_boundaries, spawn
 from kvrestore.sim.simulate import simulate
 

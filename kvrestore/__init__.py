@@ -5,6 +5,7 @@ from kvrestore.backends.hf import HFBackend
 from kvrestore.policies import ComputeOnly, LoadOnly
 """
 
+from kvrestore.core.bandwidth import BandwidthTrace
 from kvrestore.core.errors import (
     ChunkDecodeError,
     CorruptChunkError,
@@ -20,7 +21,6 @@ from kvrestore.core.errors import (
 from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from kvrestore.core.kv import KVCache, KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.costs.bandwidth import BandwidthTrace
 from kvrestore.costs.profile import Profile
 from kvrestore.planning import Auto
 from kvrestore.policies import Blend, ComputeOnly, LayerTwoPointer, LoadOnly, Policy, TokenTwoPointer

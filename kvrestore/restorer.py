@@ -36,7 +36,7 @@ from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.costs.learned import CostLearner, check_learn, learned_path, store_name
 from kvrestore.costs.profile import Calibration, LinkEstimate, Profile
 from kvrestore.planning.auto import PLANNED, Auto, Plan, Workload, predict
-from kvrestore.policies import Blend, ComputeOnly, LoadOnly, Policy, Progress
+from kvrestore.policies import Blend, ComputeOnly, LoadOnly, Policy, Progress, TokenTwoPointer
 from kvrestore.runtime.engine import LOAD_FAULTS, Engine, on_stream
 from kvrestore.stores.base import ChunkStore
 
@@ -340,7 +340,7 @@ class Restorer:
     ) -> RestoreResult:
         """The KV cache of `token_ids`, assembled by `policy` from compute and loads.
 
-        The default policy is the engine's (`Engine.default_policy`): on a plain `Engine` the `Auto`
+        The default policy depends on the engine (`Engine.plans_by_default`): on a plain `Engine` the `Auto`
         planner, which predicts every strategy with the restorer's profile and picks the fastest
         (`result.plan` says what it predicted and why); on a `BatchEngine` the token-wise two-pointer,
         whose lanes the batch scheduler shares out. `out` is a buffer to restore into (a serving process
@@ -368,7 +368,7 @@ class Restorer:
             log.warning(
                 "store lookup failed (%s: %s): computing all %d tokens", type(exc).__name__, exc, len(tokens)
             )
-        policy = policy or self.engine.default_policy()
+        policy = policy or (Auto() if self.engine.plans_by_default else TokenTwoPointer())
         plan = None
         if isinstance(policy, Auto):
             plan = self._plan(refs, stored, policy)

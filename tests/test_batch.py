@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from kvrestore import Restorer, ThrottledStore, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
+from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.keys import chunk_keys
-from kvrestore.costs.bandwidth import BandwidthTrace, Link
 from kvrestore.costs.profile import ChunkCost
 from kvrestore.policies import ComputeOnly, LayerTwoPointer, Progress
 from kvrestore.policies.base import ChunkStatus

@@ -1,5 +1,5 @@
 """Cancellation is bounded by one layer: a restore cancelled by a deadline stops its compute unit at the
-next layer boundary (`kvrestore.runtime.cancel`) and returns once nothing of it runs."""
+next layer boundary (`kvrestore.core.cancel`) and returns once nothing of it runs."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from kvrestore import ComputeOnly, Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
-from kvrestore.runtime.cancel import UnitCancelled, checkpoint, run_unit
+from kvrestore.core.cancel import UnitCancelled, checkpoint, run_unit
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens, tiny_model

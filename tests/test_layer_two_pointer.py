@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from kvrestore import LayerTwoPointer, Restorer, ThrottledStore
 from kvrestore.backends.hf import HFBackend
+from kvrestore.core.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
 from kvrestore.core.keys import chunk_keys
-from kvrestore.costs.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
 from kvrestore.sim.simulate import simulate
 from kvrestore.stores.memory import MemoryStore
 

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrestore import Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.trace import TraceEvent
-from kvrestore.costs.bandwidth import BandwidthTrace, Link
 from kvrestore.policies import ComputeOnly, Decision, LoadOnly, Progress
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
 from kvrestore.sim.simulate import simulate

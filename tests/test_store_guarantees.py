@@ -28,8 +28,8 @@ import anyio
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
+from kvrestore.core.bandwidth import BandwidthTrace
 from kvrestore.core.errors import InvalidInputError, StoreError
-from kvrestore.costs.bandwidth import BandwidthTrace
 from kvrestore.stores import (
     BoundedStore,
     ChunkStore,

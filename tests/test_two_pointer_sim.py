@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvrestore.core.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
 from kvrestore.core.trace import TraceEvent
-from kvrestore.costs.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
 from kvrestore.policies import ChunkStatus, Decision, Progress, TokenTwoPointer
 from kvrestore.policies.token_two_pointer import GRACE
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin

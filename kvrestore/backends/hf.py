@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from kvrestore.core.cancel import checkpoint
 from kvrestore.core.errors import InvalidInputError, UnsupportedModelError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec
-from kvrestore.runtime.cancel import checkpoint
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 # RoPE variants whose frequencies do not depend on the sequence: cached keys can be moved exactly
@@ -496,7 +496,7 @@ class HFBackend:
         cos, sin = self.rotary(hidden, positions)
         attend = self._attend_fn(n, n_past)
         for i in layers:
-            checkpoint()  # a cancelled restore's unit stops here (`kvrestore.runtime.cancel`)
+            checkpoint()  # a cancelled restore's unit stops here (`kvrestore.core.cancel`)
             mod = self._layers[i]
             q, k, v = self._project(mod, hidden, cos, sin)
             keys, values = place(i, k, v)

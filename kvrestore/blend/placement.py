@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING
 import anyio.to_thread
 
 from kvrestore.blend.controller import StoreOption, choose_store, recompute_seconds_per_layer
-from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.errors import LOAD_FAULTS, InvalidInputError, StoreError
 from kvrestore.costs.profile import LayerCost, fit_link, measure_layers, measure_link
-from kvrestore.runtime.engine import LOAD_FAULTS
 from kvrestore.stores.base import ChunkStore
 
 if TYPE_CHECKING:

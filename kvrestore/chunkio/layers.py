@@ -26,11 +26,16 @@ from kvrestore import codec
 from kvrestore.chunkio.load import pinned_host
 from kvrestore.chunkio.pool import Staging, StagingPool
 from kvrestore.codec.checksums import device_checkable, segment_checksums
-from kvrestore.core.errors import ChunkDecodeError, CorruptChunkError, MissingChunkError, TruncatedChunkError
+from kvrestore.core.errors import (
+    LOAD_FAULTS,
+    ChunkDecodeError,
+    CorruptChunkError,
+    MissingChunkError,
+    TruncatedChunkError,
+)
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.streams import on_stream
-from kvrestore.runtime.engine import LOAD_FAULTS
 from kvrestore.stores.base import ChunkStore
 
 if sys.version_info < (3, 11):  # pragma: no cover

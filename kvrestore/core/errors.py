@@ -90,3 +90,7 @@ class StageFailedError(KVRestoreError):
     def __init__(self, message: str, failures: Mapping[int, str] | None = None) -> None:
         super().__init__(message)
         self.failures = dict(failures or {})
+
+
+#: faults of a chunk load that turn the chunk into a miss (recomputed) instead of failing the restore
+LOAD_FAULTS = (ChunkDecodeError, StoreError, OSError, TimeoutError)

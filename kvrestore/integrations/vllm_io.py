@@ -23,10 +23,9 @@ import torch
 
 from kvrestore import codec
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
-from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.errors import LOAD_FAULTS, InvalidInputError, StoreError
 from kvrestore.core.kv import KVCache, KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.runtime.engine import LOAD_FAULTS
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")

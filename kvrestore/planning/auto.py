@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import NamedTuple
 
+from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.errors import InvalidInputError
-from kvrestore.costs.bandwidth import BandwidthTrace, Link
 from kvrestore.costs.profile import Calibration, ChunkCost, LayerCost, LinkCost, Profile
 from kvrestore.policies.base import Decision, Policy, Progress
 from kvrestore.policies.compute_only import ComputeOnly

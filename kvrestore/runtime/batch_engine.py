@@ -78,6 +78,8 @@ class BatchEngine(Engine):
     """Shared lanes for many concurrent restores, scheduled together by `scheduler`."""
 
     times_restores_alone = False
+    #: each request keeps its own token-wise two-pointer; the scheduler shares the lanes out
+    plans_by_default = False
 
     def __init__(
         self,
@@ -95,12 +97,6 @@ class BatchEngine(Engine):
         self._send: Any = None
         self._t0 = time.perf_counter()
         self._computing = False
-
-    def default_policy(self) -> Policy:
-        """Each request's own pointers: the token-wise two-pointer (the scheduler shares the lanes)."""
-        from kvrestore.policies.token_two_pointer import TokenTwoPointer
-
-        return TokenTwoPointer()
 
     def __repr__(self) -> str:
         return f"BatchEngine({self.scheduler!r}, load_lanes={self.load_lanes})"

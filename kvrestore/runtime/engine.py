@@ -34,12 +34,12 @@ import anyio.lowlevel
 import torch
 from anyio.abc import CapacityLimiter, TaskGroup
 
-from kvrestore.core.errors import ChunkDecodeError, StoreError, check_int
+from kvrestore.core.cancel import run_unit
+from kvrestore.core.errors import LOAD_FAULTS, check_int
 from kvrestore.core.streams import on_stream  # noqa: F401 - re-exported: the lanes' stream context
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.policies.base import Decision, Policy, Progress
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin, stalled
-from kvrestore.runtime.cancel import run_unit
 from kvrestore.runtime.lanes import LaneThreads
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -50,9 +50,6 @@ ComputeFn = Callable[[int, int], None]
 ComputeApartFn = Callable[[int, int], Callable[[], None]]
 LoadFn = Callable[[int], Awaitable[int]]
 LoadNowFn = Callable[[int], int]
-
-#: faults of a load that turn the chunk into a miss (recomputed) instead of failing the restore
-LOAD_FAULTS = (ChunkDecodeError, StoreError, OSError, TimeoutError)
 
 
 def _single(exc: BaseException) -> BaseException:
@@ -111,6 +108,9 @@ class Engine:
     #: whether a restore's time on this engine is its own work, so a restorer may learn from it how its
     #: predictions compare (`Restorer.calibration`); under a batch scheduler it is mostly other requests'
     times_restores_alone = True
+    #: whether a restore given no policy is planned (`Auto` predicts each strategy as if the restore had
+    #: the lanes to itself, which on a plain engine it mostly has); else it runs the token-wise two-pointer
+    plans_by_default = True
 
     def __init__(self, load_lanes: int = 4) -> None:
         self.load_lanes = check_int("load_lanes", load_lanes)
@@ -123,13 +123,6 @@ class Engine:
         if self._lane_threads is None:
             self._lane_threads = LaneThreads(self.load_lanes)
         return self._lane_threads
-
-    def default_policy(self) -> Policy:
-        """The policy a restore on this engine uses when given none: the `Auto` planner (it predicts
-        each strategy as if the restore had the lanes to itself, which on a plain engine it mostly has)."""
-        from kvrestore.planning.auto import Auto
-
-        return Auto()
 
     def cuda_stream(self, lane: str, device: torch.device | str) -> torch.cuda.Stream | None:
         """The CUDA stream of a lane ("compute" or "load") on `device`, None off CUDA.

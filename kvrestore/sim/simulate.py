@@ -13,9 +13,9 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.trace import Trace, TraceEvent
-from kvrestore.costs.bandwidth import BandwidthTrace, Link
 from kvrestore.costs.profile import ChunkCost
 from kvrestore.policies.base import Policy, Progress
 from kvrestore.policies.batch import (

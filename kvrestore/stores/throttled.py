@@ -17,8 +17,8 @@ from typing import TypeVar
 
 import anyio
 
+from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.errors import InvalidInputError
-from kvrestore.costs.bandwidth import BandwidthTrace, Link
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.wrapper import WrapperStore
 

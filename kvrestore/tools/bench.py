@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from kvrestore.core.bandwidth import BandwidthTrace, oracle_split, trace_suffix_times
 from kvrestore.core.trace import Trace
-from kvrestore.costs.bandwidth import BandwidthTrace, oracle_split, trace_suffix_times
 from kvrestore.policies import ComputeOnly, LoadOnly, Policy, TokenTwoPointer
 from kvrestore.restorer import Restorer
 from kvrestore.stores import FsspecStore, ThrottledStore

@@ -11,9 +11,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from kvrestore.core.bandwidth import BandwidthTrace
 from kvrestore.core.errors import KVRestoreError
 from kvrestore.core.trace import Trace
-from kvrestore.costs.bandwidth import BandwidthTrace
 
 COLORS = {
     "compute": "#d95f02",

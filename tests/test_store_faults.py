@@ -13,14 +13,15 @@ from functools import partial
 import anyio
 import pytest
 import torch
+from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrestore import LoadOnly, Restorer, open_store
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.keys import chunk_keys
-from kvrestore.stores import FsspecStore, MemoryStore, PrefetchStore, TieredStore
-from kvrestore.stores.fsspec_store import TMP_PREFIX
+from kvrestore.stores import FsspecStore, LocalStore, MemoryStore, PrefetchStore, TieredStore
+from kvrestore.stores.files import TMP_PREFIX
 
 from .conftest import random_tokens, tiny_model
 from .s3_server import MotoServer
@@ -318,10 +319,9 @@ def test_traversal_keys_are_refused_by_every_store(tmp_path, s3_server, s3_bucke
 @given(key=st.text(max_size=80))
 def test_every_accepted_key_maps_inside_the_root(tmp_path_factory, key):
     root = str(tmp_path_factory.getbasetemp() / "kv-root")
-    local = FsspecStore.__new__(FsspecStore)
-    local.local, local.root = True, root
-    remote = FsspecStore.__new__(FsspecStore)
-    remote.local, remote.root = False, "bucket/prefix"
+    local = LocalStore.__new__(LocalStore)
+    local.root = root
+    remote = FsspecStore.from_filesystem(MemoryFileSystem(), "bucket/prefix")
     try:
         paths = local.path(key), remote.path(key)
     except ValueError:

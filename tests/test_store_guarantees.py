@@ -34,6 +34,7 @@ from kvrestore.stores import (
     BoundedStore,
     ChunkStore,
     FsspecStore,
+    LocalStore,
     MemoryStore,
     PrefetchStore,
     ThrottledStore,
@@ -82,7 +83,7 @@ def wrap(store: ChunkStore, stack: tuple[str, ...]) -> ChunkStore:
     return store
 
 
-class RecordingDisk(FsspecStore):
+class RecordingDisk(LocalStore):
     """A real local directory that notes which of the optional calls reached it."""
 
     def __init__(self, root: str) -> None:
@@ -438,12 +439,12 @@ def test_open_store_refuses_unknown_options(tmp_path):
         open_store(f"file://{tmp_path}", capacity_bytes=1000, endpoint_url="http://x")
     with pytest.raises(InvalidInputError, match="capacity_bytes must be a positive int"):
         open_store(str(tmp_path), capacity_bytes=-1)
-    assert isinstance(open_store(str(tmp_path), fsync=True), FsspecStore)  # a real option still works
+    assert isinstance(open_store(str(tmp_path), fsync=True), LocalStore)  # a real option still works
 
 
 def test_a_reservation_holds_room_until_its_writer_is_gone(tmp_path):
     """A write in flight in another process holds its room; a killed writer's reservation does not."""
-    from kvrestore.stores.fsspec_store import _HOST
+    from kvrestore.stores.local import _HOST
 
     store = BoundedStore(FsspecStore(str(tmp_path)), 10_000)
     store.room_timeout_s = 0.1

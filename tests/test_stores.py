@@ -20,6 +20,7 @@ from kvrestore.core.errors import StoreError, UnsupportedURLError
 from kvrestore.stores import (
     ChunkStore,
     FsspecStore,
+    LocalStore,
     MemoryStore,
     known_schemes,
     open_store,
@@ -256,9 +257,9 @@ def test_open_store_schemes(tmp_path):
     m = open_store("memory://", capacity_bytes=1234)
     assert isinstance(m, MemoryStore) and m.capacity_bytes == 1234
     f = open_store(f"file://{tmp_path}/a")
-    assert isinstance(f, FsspecStore) and f.local and f.root == str(tmp_path / "a")
+    assert isinstance(f, LocalStore) and f.root == str(tmp_path / "a")
     p = open_store(str(tmp_path / "b"))
-    assert isinstance(p, FsspecStore) and p.local and (tmp_path / "b").is_dir()
+    assert isinstance(p, LocalStore) and (tmp_path / "b").is_dir()
     assert {"memory", "file", "s3"} <= set(known_schemes())
 
 
@@ -367,7 +368,7 @@ def test_repeated_scans_see_every_change_of_a_shard(tmp_path, clock):
 
 
 def test_a_listing_is_trusted_only_after_the_directory_has_been_still():
-    from kvrestore.stores.fsspec_store import RACY_COARSE_S, RACY_FINE_S, _trusted
+    from kvrestore.stores.local import RACY_COARSE_S, RACY_FINE_S, _trusted
 
     now = 1_700_000_000.5
     fine, whole = int((now - 1.0) * 1e9) + 123, int(now - 1.0) * 10**9  # changed about 1 s ago

@@ -1,8 +1,8 @@
 """Chunk stores and `open_store(url)`.
 
 Like fsspec's protocol registry: a URL's scheme picks a factory `factory(url, **options) -> ChunkStore`.
-Built in: `memory://` (MemoryStore, option `capacity_bytes`), `file://` and plain paths (FsspecStore on
-local disk), `s3://` (FsspecStore over s3fs, the `kvrestore[s3]` extra). `register_store` adds more.
+Built in: `memory://` (MemoryStore, option `capacity_bytes`), `file://` and plain paths (LocalStore, a
+local directory), `s3://` (FsspecStore over s3fs, the `kvrestore[s3]` extra). `register_store` adds more.
 Every built-in scheme takes `capacity_bytes` (and `eviction`, default LRU): a store that really evicts.
 Wrappers compose: `TieredStore([memory, disk, s3])`, `PrefetchStore(s3)`, `BoundedStore(any, n)`; every
 call a wrapper does not change reaches the store inside it (`WrapperStore`). A URL with no path
@@ -19,9 +19,10 @@ from kvrestore.core.errors import InvalidInputError, StoreError, UnsupportedURLE
 from kvrestore.stores.base import ChunkStore, StoredObject, check_key
 from kvrestore.stores.bounded import BoundedStore
 from kvrestore.stores.eviction import FIFO, LRU, EvictionPolicy
-from kvrestore.stores.fsspec_store import FsspecStore
+from kvrestore.stores.local import LocalStore
 from kvrestore.stores.memory import MemoryStore
 from kvrestore.stores.prefetch import PrefetchStore
+from kvrestore.stores.remote import FsspecStore
 from kvrestore.stores.throttled import ThrottledStore
 from kvrestore.stores.tiered import TieredStore, TierStats
 from kvrestore.stores.wrapper import WrapperStore
@@ -79,8 +80,8 @@ def _bounded(store: ChunkStore, capacity_bytes: int | None, eviction: Any) -> Ch
     return BoundedStore(store, capacity_bytes, eviction=eviction)
 
 
-def _fsspec(url: str, capacity_bytes: int | None = None, eviction: Any = None, **options: Any) -> ChunkStore:
-    return _bounded(FsspecStore(url, **options), capacity_bytes, eviction)
+def _local(url: str, capacity_bytes: int | None = None, eviction: Any = None, **options: Any) -> ChunkStore:
+    return _bounded(LocalStore(url, **options), capacity_bytes, eviction)
 
 
 def _s3(url: str, capacity_bytes: int | None = None, eviction: Any = None, **options: Any) -> ChunkStore:
@@ -99,7 +100,7 @@ def _s3(url: str, capacity_bytes: int | None = None, eviction: Any = None, **opt
 
 
 register_store("memory", _memory)
-register_store("file", _fsspec)
+register_store("file", _local)
 register_store("s3", _s3)
 
 __all__ = [
@@ -109,6 +110,7 @@ __all__ = [
     "ChunkStore",
     "EvictionPolicy",
     "FsspecStore",
+    "LocalStore",
     "MemoryStore",
     "PrefetchStore",
     "StoreFactory",

@@ -24,7 +24,7 @@ import uuid
 from contextlib import suppress
 
 from kvrestore.core.errors import StoreError
-from kvrestore.stores.fsspec_store import _HOST, STALE_TMP_SECONDS, _pid_alive
+from kvrestore.stores.local import _HOST, STALE_TMP_SECONDS, _pid_alive
 
 try:
     import fcntl

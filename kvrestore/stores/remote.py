@@ -1,0 +1,311 @@
+"""Chunk store over an fsspec filesystem other than local disk: s3://, and whatever else fsspec can open.
+
+Objects live at `<root>/<key[:2]>/<key>.kvc` (see `kvrestore.stores.files`). Two ways of doing I/O,
+picked from the filesystem:
+
+* async filesystems (`fs.async_impl`, e.g. s3fs): the `_cat_file`/`_pipe_file`/... coroutines on the
+  caller's event loop. Object stores make each PUT atomic themselves. The client session is bound to
+  the loop that made it, so a store used from a new event loop (another `anyio.run`) makes a new one.
+* other sync filesystems: their sync calls in a worker thread (`anyio.to_thread.run_sync`).
+
+A local directory is a `LocalStore` (atomic renames, `preadv` reads); `FsspecStore(path)` of a local path
+makes one, so a caller can hand any URL to `FsspecStore`. A missing object reads as None; any other
+filesystem failure raises StoreError, which the restorer treats as a miss.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import time
+from collections.abc import Callable, Sequence
+from contextlib import suppress
+from functools import partial
+from typing import Any, TypeVar
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import fsspec
+
+from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.stores.base import ChunkStore, StoredObject, check_key
+from kvrestore.stores.files import SUFFIX, check_range, filesystem_class, is_local, stored_key
+from kvrestore.stores.local import LocalStore
+
+#: concurrent requests one batch call (contains, get_many, get_ranges) keeps in flight on a remote store
+REMOTE_CONCURRENCY = 32
+
+T = TypeVar("T")
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """A failure to reach the server at all (not an answer such as 403), by type, across libraries."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    names = {c.__name__ for c in type(exc).__mro__}
+    return bool(
+        names
+        & {
+            "EndpointConnectionError",
+            "ConnectTimeoutError",
+            "ConnectionClosedError",
+            "ClientConnectorError",
+            "ServerDisconnectedError",
+            "ConnectionError",
+        }
+    )
+
+
+class FsspecStore(ChunkStore):
+    """ChunkStore over an fsspec URL, e.g. `FsspecStore("s3://b/p")`; `FsspecStore("/var/cache/kv")` (a
+    local path) makes a `LocalStore`.
+
+    `storage_options` go to the filesystem (credentials, endpoint_url, ...); `fsync` is for a local
+    directory (see `LocalStore`) and means nothing to an object store.
+
+    A remote store that cannot be reached (connection refused or timed out) fails fast for
+    `unreachable_cooloff_s` seconds before it asks again, so a restore running while its server is down
+    recomputes at once instead of paying a connection attempt (and retries) per chunk.
+    """
+
+    #: kept for callers that ask a store built from a URL which kind it is
+    local = False
+    #: seconds a remote store answers "unreachable" without asking after a connection failure
+    unreachable_cooloff_s: float = 2.0
+
+    def __new__(cls, url: str, *, fsync: bool = False, **storage_options: Any) -> Any:
+        if cls is FsspecStore and is_local(filesystem_class(url)):
+            return LocalStore(url, fsync=fsync, **storage_options)  # not a FsspecStore: no __init__ after
+        return super().__new__(cls)
+
+    def __init__(self, url: str, *, fsync: bool = False, **storage_options: Any) -> None:
+        fs_cls = filesystem_class(url)
+        if is_local(fs_cls):  # a subclass of FsspecStore given a local path
+            raise InvalidInputError(f"{url!r} is a local directory: use (or subclass) LocalStore")
+        if fs_cls.async_impl:
+            # Run the coroutines on the caller's loop, and do not share a cached instance bound to another.
+            storage_options.setdefault("asynchronous", True)
+            storage_options.setdefault("skip_instance_cache", True)
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **storage_options)
+        except Exception as e:
+            raise StoreError(f"cannot open {url!r}: {type(e).__name__}: {e}") from e
+        self._setup(fs, root, url, fsync)
+
+    @classmethod
+    def from_filesystem(
+        cls, fs: fsspec.AbstractFileSystem, root: str, *, fsync: bool = False
+    ) -> FsspecStore | LocalStore:
+        """A store over an already built filesystem object, rooted at `root` (a path on that filesystem);
+        a `LocalStore` for the local filesystem."""
+        protocol = fs.protocol if isinstance(fs.protocol, str) else fs.protocol[0]
+        if is_local(type(fs)):
+            return LocalStore(root, fsync=fsync)
+        self = ChunkStore.__new__(cls)  # past the local-path dispatch of __new__
+        self._setup(fs, root, f"{protocol}://{root}", fsync)
+        return self
+
+    def _setup(self, fs: fsspec.AbstractFileSystem, root: str, name: str, fsync: bool) -> None:
+        self.fs = fs
+        self.name = name
+        self.fsync = fsync
+        self.root = root.rstrip("/")
+        self.is_async = bool(getattr(fs, "async_impl", False))
+        self._down_until = 0.0  # monotonic time before which the store does not ask again
+        self._down_reason = ""
+        self._session: Any = None
+        self._session_loop: Any = None  # the event loop token the session belongs to
+        self._session_lock: anyio.Lock | None = None
+
+    def path(self, key: str) -> str:
+        """Where the object of `key` lives on the filesystem."""
+        check_key(key)
+        return f"{self.root}/{key[:2]}/{key}{SUFFIX}"
+
+    # -- calls to the filesystem -------------------------------------------------------------------
+
+    async def _ensure_session(self) -> None:
+        """Async filesystems with a client session (s3fs, http) must create it on the running loop.
+
+        A session made on another (possibly closed) loop is dropped, its sockets closed, and a new one
+        made here: the same store then works across `anyio.run` calls and blocking portals.
+        """
+        if not hasattr(self.fs, "set_session"):
+            return
+        loop = anyio.lowlevel.current_token()
+        if self._session is not None and self._session_loop == loop:
+            return
+        if self._session_loop != loop:
+            stale, self._session = self._session, None
+            self._session_loop, self._session_lock = loop, anyio.Lock()
+            if stale is not None:
+                self._drop_stale_session()
+        assert self._session_lock is not None
+        async with self._session_lock:
+            if self._session is None:
+                self._session = await self.fs.set_session(refresh=True)
+
+    def _drop_stale_session(self) -> None:
+        """Close, without its (gone) loop, the sockets of a session made on another loop.
+
+        Best effort over private attributes (aiobotocore's aiohttp sessions); the worst case is a
+        ResourceWarning at garbage collection.
+        """
+        client = getattr(self.fs, "_s3", None)
+        http = getattr(getattr(client, "_endpoint", None), "http_session", None)
+        for sess in list((getattr(http, "_sessions", None) or {}).values()):
+            with suppress(Exception):
+                connector = sess.connector
+                sess.detach()
+                if connector is not None:
+                    connector._close()
+        with suppress(AttributeError):
+            self.fs._s3 = None
+
+    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`fs.<method>(...)`: the `_<method>` coroutine on async filesystems, else in a worker thread."""
+        if self._down_until and time.monotonic() < self._down_until:
+            raise StoreError(
+                f"{self.name} is unreachable ({self._down_reason}); asking again in "
+                f"{self._down_until - time.monotonic():.1f} s"
+            )
+        try:
+            if self.is_async:
+                await self._ensure_session()
+                out = await getattr(self.fs, "_" + method)(*args, **kwargs)
+            else:
+                out = await anyio.to_thread.run_sync(partial(getattr(self.fs, method), *args, **kwargs))
+        except FileNotFoundError:
+            self._down_until = 0.0  # the server answered
+            raise
+        except Exception as e:
+            if _unreachable(e):
+                self._down_until = time.monotonic() + self.unreachable_cooloff_s
+                self._down_reason = f"{type(e).__name__}: {e}"
+            raise
+        self._down_until = 0.0
+        return out
+
+    async def _cat(self, key: str, start: int | None = None, end: int | None = None) -> bytes | None:
+        path = self.path(key)
+        try:
+            if start is None:
+                return bytes(await self._call("cat_file", path))
+            return bytes(await self._call("cat_file", path, start=start, end=end))
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            raise StoreError(f"cannot read {self.name} {path}: {type(e).__name__}: {e}") from e
+
+    async def _exists(self, path: str) -> bool:
+        """One HEAD on s3fs (its `exists` may add a LIST for a missing key, and may answer from a
+        listing cache that other writers have made stale); `exists` elsewhere."""
+        if not hasattr(self.fs, "_call_s3"):
+            return bool(await self._call("exists", path))
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            await self._call("call_s3", "head_object", Bucket=bucket, Key=key)
+        except FileNotFoundError:
+            return False
+        return True
+
+    @staticmethod
+    async def _batch(calls: Sequence[Callable[[], Any]], convert: Callable[[Any], T]) -> list[T]:
+        """Run coroutine factories concurrently, at most REMOTE_CONCURRENCY at a time, results in order."""
+        out: list[Any] = [None] * len(calls)
+        limiter = anyio.CapacityLimiter(REMOTE_CONCURRENCY)
+
+        async def one(i: int) -> None:
+            async with limiter:
+                out[i] = convert(await calls[i]())
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(calls)):
+                    tg.start_soon(one, i)
+        except BaseExceptionGroup as group:  # the first failure, by itself, says what went wrong
+            raise group.exceptions[0] from None
+        return out
+
+    # -- ChunkStore --------------------------------------------------------------------------------
+
+    async def get(self, key: str) -> bytes | None:
+        return await self._cat(key)
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes | None:
+        """`end` passes on as it is (an HTTP Range on s3)."""
+        check_range(start, end)
+        if end == start:  # an empty range request is invalid HTTP; answer it from existence
+            return b"" if (await self.contains([key]))[0] else None
+        return await self._cat(key, start, end)
+
+    async def put(self, key: str, data: bytes) -> None:
+        path = self.path(key)
+        try:
+            try:
+                await self._call("pipe_file", path, bytes(data))
+            except FileNotFoundError:  # filesystems with real directories (sftp, wrapped local)
+                await self._call("makedirs", path.rsplit("/", 1)[0], exist_ok=True)
+                await self._call("pipe_file", path, bytes(data))
+        except Exception as e:
+            raise StoreError(f"cannot write {self.name} {path}: {type(e).__name__}: {e}") from e
+
+    async def contains(self, keys: Sequence[str]) -> list[bool]:
+        paths = [self.path(k) for k in keys]
+        try:
+            if not self.is_async:
+                return await anyio.to_thread.run_sync(lambda: [bool(self.fs.exists(p)) for p in paths])
+            # Object stores have no multi-key HEAD: all requests go out at once (one round trip of
+            # latency for up to REMOTE_CONCURRENCY keys), never one after another.
+            return await self._batch([partial(self._exists, p) for p in paths], bool)
+        except Exception as e:
+            raise StoreError(f"cannot list {self.name}: {type(e).__name__}: {e}") from e
+
+    async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return await self._batch([partial(self._cat, k) for k in keys], lambda x: x)
+
+    async def scan(self) -> list[StoredObject]:
+        """Every object under the root (temp files and foreign names skipped): one listing."""
+        try:
+            found = await self._call("find", self.root, detail=True)
+        except FileNotFoundError:
+            return []
+        except Exception as e:
+            raise StoreError(f"cannot list {self.name}: {type(e).__name__}: {e}") from e
+        out = []
+        for path, info in found.items():
+            *_, shard, name = ["", *path.split("/")]
+            key = stored_key(name, shard)
+            if key is not None:
+                mtime = info.get("LastModified") or info.get("mtime") or info.get("created") or 0.0
+                if hasattr(mtime, "timestamp"):
+                    mtime = mtime.timestamp()
+                out.append(StoredObject(key, int(info.get("size") or 0), float(mtime)))
+        return out
+
+    async def delete(self, key: str) -> None:
+        path = self.path(key)
+        try:
+            await self._call("rm_file", path)
+        except FileNotFoundError:
+            pass
+        except Exception as e:
+            raise StoreError(f"cannot delete {self.name} {path}: {type(e).__name__}: {e}") from e
+
+    async def close(self) -> None:
+        if self._session is not None and self._session_loop != anyio.lowlevel.current_token():
+            self._drop_stale_session()  # made on another loop: its own close() cannot run here
+            self._session = None
+        session, self._session = self._session, None
+        if session is not None and hasattr(session, "close"):
+            with suppress(Exception):
+                res = session.close()
+                if inspect.isawaitable(res):
+                    await res
+
+    def __repr__(self) -> str:
+        return f"FsspecStore({self.name!r})"

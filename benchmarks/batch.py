@@ -41,7 +41,7 @@ from _common import format_table, machine_info, median, percentile, write_json
 from kvrestore import Profile, Restorer, ThrottledStore, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.kv import KVCache
-from kvrestore.costs.profile import profile
+from kvrestore.costs.measure import profile
 from kvrestore.policies.batch import BatchAware, FifoLanes
 from kvrestore.runtime.batch_engine import BatchEngine
 from kvrestore.runtime.engine import Engine

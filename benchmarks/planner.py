@@ -6,7 +6,7 @@
 With --no-profile: Auto on fresh restorers that have no profile, restore #1, #2, #3 and #4 of each
 (what it learns from its own work), against the same strategies (`planner_no_profile.py`).
 
-On SmolLM2 (fp32): first `kvrestore.costs.profile` measures this machine (or `--profile` loads a saved one).
+On SmolLM2 (fp32): first `kvrestore.costs.measure` measures this machine (or `--profile` loads a saved one).
 For each prompt length N the balance bandwidth is N's KV bytes over N's measured compute-only time; for
 each multiple of it, a `ThrottledStore` over a local directory (plus `--latency-ms` per request) gives the
 link, which Auto learns the way a service would: `measure_link` on the store, then every restore's loads.
@@ -43,7 +43,8 @@ from kvrestore import (
     TokenTwoPointer,
 )
 from kvrestore.backends.hf import HFBackend
-from kvrestore.costs.profile import fit_link, measure_link, profile
+from kvrestore.costs.links import fit_link
+from kvrestore.costs.measure import measure_link, profile
 from kvrestore.planning.auto import crossover_length
 from kvrestore.stores import FsspecStore
 from kvrestore.tools.text import reference_tokens

@@ -13,7 +13,7 @@ from kvrestore.backends.hf import HFBackend
 from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.keys import chunk_keys
-from kvrestore.costs.profile import ChunkCost
+from kvrestore.costs.compute import ChunkCost
 from kvrestore.policies import ComputeOnly, LayerTwoPointer, Progress
 from kvrestore.policies.base import ChunkStatus
 from kvrestore.policies.batch import BatchAware, BatchJob, FifoLanes

@@ -28,7 +28,7 @@ from kvrestore.blend import (
     select_hkvd,
     selection_sizes,
 )
-from kvrestore.costs.profile import LayerCost
+from kvrestore.costs.compute import LayerCost
 from kvrestore.stores.memory import MemoryStore
 from kvrestore.stores.throttled import ThrottledStore
 from kvrestore.tools.text import reference_tokens

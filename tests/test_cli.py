@@ -114,7 +114,7 @@ def test_profile_command_saves_a_profile_restorer_can_use(smollm2, tmp_path, cap
 
 
 def test_simulate_compares_the_schedulers_from_a_saved_profile(tmp_path, capsys):
-    from kvrestore.costs.profile import ChunkCost
+    from kvrestore.costs.compute import ChunkCost
 
     from .test_profile import make_profile
 

@@ -13,8 +13,9 @@ import pytest
 from kvrestore import LayerTwoPointer, Restorer, TokenTwoPointer
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.trace import Trace, TraceEvent
+from kvrestore.costs.compute import ChunkCost
 from kvrestore.costs.learned import CostLearner, learned_dir, store_name
-from kvrestore.costs.profile import ChunkCost, LinkCost, LinkEstimate
+from kvrestore.costs.links import LinkCost, LinkEstimate
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens

@@ -14,7 +14,10 @@ from hypothesis import strategies as st
 from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, ThrottledStore, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.errors import InvalidInputError
-from kvrestore.costs.profile import Calibration, ChunkCost, LayerCost, LinkCost, profile
+from kvrestore.costs.calibration import Calibration
+from kvrestore.costs.compute import ChunkCost, LayerCost
+from kvrestore.costs.links import LinkCost
+from kvrestore.costs.measure import profile
 from kvrestore.planning.auto import Workload, crossover_length, predict
 from kvrestore.stores.memory import MemoryStore
 

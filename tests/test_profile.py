@@ -12,19 +12,11 @@ from kvrestore import Profile, Restorer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.trace import Trace, TraceEvent
-from kvrestore.costs.profile import (
-    ChunkCost,
-    LayerCost,
-    LinkCost,
-    LinkEstimate,
-    _busy_seconds,
-    fit_chunk_cost,
-    fit_layer_cost,
-    fit_link,
-    fit_nonnegative,
-    machine_id,
-    profile,
-)
+from kvrestore.costs.compute import ChunkCost, LayerCost, fit_chunk_cost, fit_layer_cost
+from kvrestore.costs.fit import fit_nonnegative
+from kvrestore.costs.links import LinkCost, LinkEstimate, _busy_seconds, fit_link
+from kvrestore.costs.measure import profile
+from kvrestore.costs.profile import machine_id
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import tiny_model

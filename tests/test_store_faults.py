@@ -336,7 +336,7 @@ def test_every_accepted_key_maps_inside_the_root(tmp_path_factory, key):
 def test_choose_blend_store_leaves_out_a_store_that_is_down():
     from kvrestore.blend import StoreCandidate, choose_blend_store
     from kvrestore.core.errors import StoreError
-    from kvrestore.costs.profile import LayerCost
+    from kvrestore.costs.compute import LayerCost
 
     b = HFBackend(tiny_model("llama", layers=2), name="tiny")
     with MotoServer() as server:

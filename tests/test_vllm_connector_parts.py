@@ -17,7 +17,7 @@ from kvrestore.core.errors import InvalidInputError, StoreError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.costs.profile import LinkCost
+from kvrestore.costs.links import LinkCost
 from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, LoadChunk
 from kvrestore.integrations.vllm_layout import (
     LAYOUTS,

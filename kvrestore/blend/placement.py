@@ -3,11 +3,11 @@
 `controller.choose_store` is pure: it takes each store's bandwidth and one layer's prefill time. This
 module measures both on the real parts, then asks it:
 
-* each candidate store's read link: `profile.measure_link` writes a few objects of a small size and of
+* each candidate store's read link: `measure.measure_link` writes a few objects of a small size and of
   one layer's KV of the blend, reads them back, deletes them, and `fit_link` turns that into a round
   trip and a bandwidth;
 * one layer's full prefill over the blend's tokens: the restorer's profile (`LayerCost`) when it has
-  one, else the model's whole layer stack timed here over that many tokens (`profile.measure_layers`).
+  one, else the model's whole layer stack timed here over that many tokens (`measure.measure_layers`).
 
 The answer says why: every store's per-layer load time against the recompute time it must hide behind.
 A store that cannot be measured (down, refusing writes, losing objects) is left out and named in the
@@ -24,7 +24,9 @@ import anyio.to_thread
 
 from kvrestore.blend.controller import StoreOption, choose_store, recompute_seconds_per_layer
 from kvrestore.core.errors import LOAD_FAULTS, InvalidInputError, StoreError
-from kvrestore.costs.profile import LayerCost, fit_link, measure_layers, measure_link
+from kvrestore.costs.compute import LayerCost
+from kvrestore.costs.links import fit_link
+from kvrestore.costs.measure import measure_layers, measure_link
 from kvrestore.stores.base import ChunkStore
 
 if TYPE_CHECKING:

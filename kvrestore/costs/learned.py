@@ -5,9 +5,9 @@ restorer without one learns the same model from what it does anyway:
 
 * every compute unit of every save and restore: n tokens prefilled after p tokens of past KV, in
   seconds (token-wise units), or one decoder layer over N tokens (layer-wise units);
-* every load (the link: `profile.LinkEstimate` follows the delivery rate and estimates the per-request
+* every load (the link: `links.LinkEstimate` follows the delivery rate and estimates the per-request
   latency);
-* how each strategy's restores compared with the predictions (`profile.Calibration`).
+* how each strategy's restores compared with the predictions (`calibration.Calibration`).
 
 Until it has seen both a compute unit and a load, `Auto` explores with a policy that adapts by itself
 (the layer-wise two-pointer for a short stored prefix, the token-wise one for a long one) and learns
@@ -35,16 +35,10 @@ import torch
 
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.spec import ModelSpec, dtype_name
-from kvrestore.costs.profile import (
-    ChunkCost,
-    LayerCost,
-    LinkCost,
-    Profile,
-    fit_nonnegative,
-    machine_id,
-    profile_dir,
-    profile_key,
-)
+from kvrestore.costs.compute import ChunkCost, LayerCost
+from kvrestore.costs.fit import fit_nonnegative
+from kvrestore.costs.links import LinkCost
+from kvrestore.costs.profile import Profile, machine_id, profile_dir, profile_key
 
 log = logging.getLogger("kvrestore.costs.learned")
 

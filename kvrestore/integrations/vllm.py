@@ -245,7 +245,7 @@ class KVRestoreConnector(KVConnectorBase_V1):
         return choice.k - num_computed_tokens, False
 
     def _prior_link(self) -> Any:
-        from kvrestore.costs.profile import LinkCost
+        from kvrestore.costs.links import LinkCost
 
         bw = self.config.link_bytes_per_s or self.config.throttle_bytes_per_s
         return LinkCost(bw, self.config.throttle_latency_s) if bw else None

@@ -30,7 +30,8 @@ from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
 from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec, dtype_name
 from kvrestore.costs.learned import fit_prefill_cost
-from kvrestore.costs.profile import LinkCost, machine_id
+from kvrestore.costs.links import LinkCost
+from kvrestore.costs.profile import machine_id
 from kvrestore.integrations.vllm_layout import LAYOUTS
 
 log = logging.getLogger("kvrestore.vllm")

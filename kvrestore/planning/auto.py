@@ -24,7 +24,10 @@ from typing import NamedTuple
 
 from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.errors import InvalidInputError
-from kvrestore.costs.profile import Calibration, ChunkCost, LayerCost, LinkCost, Profile
+from kvrestore.costs.calibration import Calibration
+from kvrestore.costs.compute import ChunkCost, LayerCost
+from kvrestore.costs.links import LinkCost
+from kvrestore.costs.profile import Profile
 from kvrestore.policies.base import Decision, Policy, Progress
 from kvrestore.policies.compute_only import ComputeOnly
 from kvrestore.policies.layer_two_pointer import LayerTwoPointer

@@ -134,7 +134,7 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from kvrestore.backends.hf import HFBackend
     from kvrestore.core.errors import KVRestoreError
-    from kvrestore.costs.profile import profile
+    from kvrestore.costs.measure import profile
     from kvrestore.stores import open_store
 
     if args.max_tokens <= 0 or args.chunk_size <= 0 or args.repeats <= 0:

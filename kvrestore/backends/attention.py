@@ -1,0 +1,90 @@
+"""Attention as the HF backend runs it: RoPE, causal masks, and which SDPA kernel a unit of new tokens
+after a past gets (`attention_plan`), kept apart from the layer loop so the choice can be tested alone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+_SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [1, heads, T, D] by cos/sin [1, T, D] (the HF convention: halves, not interleaved)."""
+    return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
+
+
+def _causal_mask(n_new: int, n_past: int, device: torch.device) -> torch.Tensor:
+    """Boolean [n_new, n_past + n_new]: query i sees keys up to position n_past + i."""
+    q = torch.arange(n_new, device=device).unsqueeze(1) + n_past
+    k = torch.arange(n_past + n_new, device=device).unsqueeze(0)
+    return k <= q
+
+
+# what flash attention runs on (it takes grouped K/V heads as they are; the memory-efficient kernel does not)
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_MAX_HEAD_DIM = 256
+
+
+def attention_plan(
+    device_type: str, dtype: torch.dtype, head_dim: int, n_past: int, gqa: bool
+) -> tuple[str, bool]:
+    """How a unit of new tokens attends over itself and `n_past` cached tokens: (mode, expand_kv).
+
+    mode is "causal" without a past (SDPA's `is_causal=True`), "lower_right" on CUDA with a past (SDPA
+    with `torch.nn.attention.bias.causal_lower_right`: the flash or memory-efficient kernel runs with
+    the causal diagonal moved to the bottom right, no mask tensor), or "mask" elsewhere with a past
+    (one boolean mask per unit; exact on CPU). expand_kv says whether grouped K/V heads are repeated
+    to the query heads first (a copy): only where the kernel that will run cannot take them as they are
+    -- torch without `enable_gqa`, or the lower-right path in a dtype (float32) or head size flash
+    attention does not run, where `CausalBias` picks the memory-efficient kernel, which has no GQA.
+    """
+    if n_past == 0:
+        mode = "causal"
+    elif device_type == "cuda":
+        mode = "lower_right"
+    else:
+        mode = "mask"
+    if not gqa:
+        return mode, False
+    if not _SDPA_GQA:
+        return mode, True
+    flash = dtype in _FLASH_DTYPES and head_dim <= _FLASH_MAX_HEAD_DIM
+    return mode, mode == "lower_right" and not flash
+
+
+def attend_fn(
+    n_new: int, n_past: int, plan: tuple[str, bool], rep: int, scale: float, device: torch.device
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """attend(q [1, heads, n_new, D], k, v [1, H, n_past + n_new, D]) -> [1, heads, n_new, D]: causal
+    attention of a unit's queries over its past and itself, as `plan` (`attention_plan`) says, with
+    `rep` query heads per K/V head, set up once per unit (mask or bias built here, not per layer;
+    nothing that waits for the device)."""
+    mode, expand = plan
+    kwargs: dict[str, Any] = {"scale": scale}
+    if mode == "causal":
+        kwargs["is_causal"] = True
+    elif mode == "lower_right":
+        kwargs["attn_mask"] = causal_lower_right(n_new, n_past + n_new)
+    else:
+        kwargs["attn_mask"] = _causal_mask(n_new, n_past, device)
+    if rep > 1 and not expand:
+        kwargs["enable_gqa"] = True
+    sdpa = F.scaled_dot_product_attention
+
+    if rep == 1 or not expand:
+        return lambda q, k, v: sdpa(q, k, v, **kwargs)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sdpa(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), **kwargs)
+
+    return attend

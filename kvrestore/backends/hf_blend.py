@@ -1,0 +1,195 @@
+"""The HF backend's CacheBlend methods: re-rotating cached keys to new positions and recomputing a
+subset of tokens of a layer over blended KV.
+
+A mixin of `HFBackend` (kvrestore.backends.hf): the methods use its layers, rotary module and
+projection helpers (`_layers`, `_rotary`, `rotary`, `_project`, `_project_normed`, `_mix`, `_sdpa`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kvrestore.backends.attention import _SDPA_GQA, _rotate_half, apply_rope
+from kvrestore.core.errors import UnsupportedModelError
+
+# RoPE variants whose frequencies do not depend on the sequence: cached keys can be moved exactly
+REROTATABLE_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+
+
+class HFBlendMixin:
+    """CacheBlend's view of a decoder: keys moved between positions, layers run for selected tokens."""
+
+    _layers: list[Any]
+    _rotary: Any
+    _head_dim: int
+    _n_heads: int
+    _n_kv: int
+    _qk_norm: bool
+    _scaling: float
+    device: torch.device
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """The model's own RoPE inverse frequencies [D/2], checked to make re-rotation exact.
+
+        Keys are cached after RoPE, and RoPE is a rotation per frequency pair, so moving a key from
+        position p to p + delta is one more rotation by delta * inv_freq -- exact whenever the
+        frequencies do not depend on the position or sequence length (default, linear, Llama-3 and
+        YaRN scaling; YaRN's attention factor is already inside the cached keys). Dynamic NTK and
+        LongRoPE pick frequencies from the sequence length, so a key cached alone cannot be moved
+        exactly: they raise UnsupportedModelError, as does a rotary module without `inv_freq`.
+        """
+        rope_type = getattr(self._rotary, "rope_type", "default")
+        inv_freq = getattr(self._rotary, "inv_freq", None)
+        if rope_type not in REROTATABLE_ROPE_TYPES or inv_freq is None:
+            raise UnsupportedModelError(
+                f"cannot re-rotate cached keys of a {rope_type!r} RoPE model exactly (its frequencies "
+                f"depend on the sequence length); CacheBlend supports {sorted(REROTATABLE_ROPE_TYPES)}"
+            )
+        if inv_freq.numel() * 2 != self._head_dim:
+            raise UnsupportedModelError(
+                f"partial rotary embedding ({inv_freq.numel() * 2} of {self._head_dim} dims) is not supported"
+            )
+        return inv_freq
+
+    @torch.inference_mode()
+    def rerotate_keys(
+        self,
+        k: torch.Tensor,
+        old_pos: torch.Tensor | int,
+        new_pos: torch.Tensor | int,
+        rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Keys k [..., T, D] cached (after RoPE) at `old_pos` moved to `new_pos` (ints or [T] tensors).
+
+        Returns a new tensor; R(new) = R(new - old) . R(old), with the delta angle computed in float64.
+        `rotation` is `rerotation(k, old_pos, new_pos)` made before (the same for every layer).
+        """
+        cos, sin = rotation if rotation is not None else self.rerotation(k, old_pos, new_pos)
+        return k * cos + _rotate_half(k) * sin
+
+    def rerotation(
+        self, k: torch.Tensor, old_pos: torch.Tensor | int, new_pos: torch.Tensor | int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, D] in k's dtype and device that move keys like k from `old_pos` to `new_pos`."""
+        inv_freq = self.rope_inv_freq().to(device=k.device, dtype=torch.float64)
+        t = k.shape[-2]
+        old = torch.as_tensor(old_pos, device=k.device, dtype=torch.float64).expand(t)
+        new = torch.as_tensor(new_pos, device=k.device, dtype=torch.float64).expand(t)
+        angles = (new - old)[:, None] * inv_freq[None, :]
+        emb = torch.cat((angles, angles), dim=-1)
+        return emb.cos().to(k.dtype), emb.sin().to(k.dtype)
+
+    @torch.inference_mode()
+    def project_kv(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (after RoPE) and V [H, T, D] that `layer` makes of `hidden` [1, T, hidden]: no attention.
+
+        CacheBlend uses it to measure the KV deviation of candidate tokens before choosing which ones
+        to recompute.
+        """
+        cos, sin = rope if rope is not None else self.rotary(hidden, positions)
+        return self.project_candidates(layer, hidden, (cos, sin))[1:]
+
+    @torch.inference_mode()
+    def project_candidates(
+        self, layer: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`project_kv` that also returns the normed inputs [1, T, hidden]: `run_layer_selective` takes
+        the selected tokens' rows of all three (`projected=`) instead of projecting them again."""
+        mod = self._layers[layer]
+        x = mod.input_layernorm(hidden)
+        _, k, v = self._project_normed(mod, x, *rope, with_q=False)
+        assert k is not None and v is not None
+        return x, k[0], v[0]
+
+    @torch.inference_mode()
+    def run_layer_selective(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        index: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One decoder layer for a subset of tokens of a sequence whose KV for this layer is `k`, `v`.
+
+        `hidden` [1, S, hidden] are the inputs of the tokens at sequence positions `index` [S] (sorted,
+        position = index: the sequence starts at 0). `k`, `v` [H, N, D] hold the layer's KV for all N
+        tokens; the selected rows are **overwritten in place** with the recomputed ones before the
+        attention runs, so each selected query attends over the blended KV with a causal mask at its
+        position. Returns (hidden out [1, S, hidden], K rows [H, S, D], V rows [H, S, D]). With
+        `projected` (the tokens' normed inputs [1, S, hidden], K and V rows [H, S, D] from
+        `project_candidates`) only their queries are projected here.
+        """
+        index = index.to(self.device)
+        cos, sin = rope if rope is not None else self.rotary(hidden, index)
+        mod = self._layers[layer]
+        if projected is None:
+            q, kr, vr = self._project(mod, hidden, cos, sin)
+        else:
+            x, k_rows, v_rows = projected
+            q, _, _ = self._project_normed(mod, x, cos, sin, with_kv=False)
+            kr, vr = k_rows[None], v_rows[None]
+        k.index_copy_(1, index, kr[0])
+        v.index_copy_(1, index, vr[0])
+        mask = torch.arange(k.shape[1], device=self.device)[None, :] <= index[:, None]
+        out = self._attention_masked(q, k.unsqueeze(0), v.unsqueeze(0), mask)
+        return self._mix(mod, hidden, out), kr[0], vr[0]
+
+    @torch.inference_mode()
+    def attention_probs(
+        self, layer: int, hidden: torch.Tensor, k: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention probabilities [heads, S, N] of the tokens at `index` (inputs `hidden` [1, S, hidden])
+        over a layer's keys `k` [H, N, D], causal at each token's position: the forward attention matrix
+        rows that CacheBlend's attention deviation compares."""
+        index = index.to(self.device)
+        cos, sin = self.rotary(hidden, index)
+        mod = self._layers[layer]
+        attn = mod.self_attn
+        s = hidden.shape[1]
+        q = attn.q_proj(mod.input_layernorm(hidden)).view(1, s, -1, self._head_dim)
+        if self._qk_norm:
+            q = attn.q_norm(q)
+        q = apply_rope(q.transpose(1, 2), cos, sin)[0]
+        keys = k.repeat_interleave(self._n_heads // self._n_kv, dim=0)
+        scores = (q.float() @ keys.float().transpose(1, 2)) * self._scaling
+        mask = torch.arange(k.shape[1], device=self.device)[None, :] <= index[:, None]
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1)
+
+    def _attention_masked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention under an arbitrary boolean mask (CacheBlend's scattered rows). On CUDA it runs on
+        the memory-efficient kernel, with grouped-query heads expanded first: cuDNN's attention would
+        build a new execution plan (tens of milliseconds) for every new number of selected rows, and
+        the selection shrinks layer by layer."""
+        if q.device.type != "cuda":
+            return self._sdpa(q, k, v, attn_mask=mask)
+        if self._n_heads != self._n_kv:
+            rep = self._n_heads // self._n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self._scaling)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Scaled dot-product attention with the model's scale, grouped-query heads expanded if needed."""
+        if self._n_heads != self._n_kv:
+            if _SDPA_GQA:
+                kwargs["enable_gqa"] = True
+            else:
+                rep = self._n_heads // self._n_kv
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, scale=self._scaling, **kwargs)

@@ -1,0 +1,186 @@
+"""How a `TieredStore` moves objects between its tiers: promotion of a lower tier's hit into the tiers
+above it, and write-back of objects the top tier has accepted into the tiers below it (see
+`kvrestore.stores.tiered` for the rules), each in the background and best effort, with per-tier counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import anyio
+
+from kvrestore.core.errors import StoreError
+from kvrestore.stores.background import Background
+from kvrestore.stores.base import ChunkStore
+
+#: what a tier may raise that makes it a miss for this call, not a failure of the whole read
+TIER_FAULTS = (StoreError, OSError, TimeoutError)
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier as seen through the tiered store."""
+
+    name: str
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0
+    promoted_in: int = 0  # objects copied into this tier from a lower one
+    flushed_in: int = 0  # write-back copies that reached this tier
+    last_error: str | None = None
+
+
+@dataclass(eq=False)
+class DirtyEntry:
+    """An object `put` accepted that has not reached every tier yet (write-back's buffer holds it)."""
+
+    data: bytes
+    pending: set[int]  # tiers the object has not reached yet
+    busy: bool = False
+    deleted: bool = False
+    idle: asyncio.Event | None = None  # set when a flush in flight ends
+
+
+class TierMoves:
+    """The promotion and write-back machinery of `TieredStore` (a mixin: the store's constructor sets
+    the state below)."""
+
+    tiers: Sequence[ChunkStore]
+    stats: list[TierStats]
+    promote: bool
+    max_promote_bytes: int
+    promote_bytes: int
+    flush_concurrency: int
+    flush_retries: int
+    dirty_bytes: int
+    _dirty: dict[str, DirtyEntry]
+    _promoting: dict[str, object]
+    _bg: Background
+    _flusher: asyncio.Task[None] | None
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+
+    def _failed(self, i: int, exc: BaseException) -> str:
+        msg = f"{self.tiers[i].name}: {type(exc).__name__}: {exc}"
+        self.stats[i].errors += 1
+        self.stats[i].last_error = msg
+        return msg
+
+    @property
+    def pending_writes(self) -> int:
+        """Objects accepted by `put` that have not reached every tier yet."""
+        return len(self._dirty)
+
+    async def _put_tiers(self, key: str, data: bytes, tiers: Iterable[int]) -> dict[int, str]:
+        """Write to several tiers at once; returns {tier: error} of those that failed."""
+        failures: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            try:
+                await self.tiers[i].put(key, data)
+            except TIER_FAULTS as exc:
+                failures[i] = self._failed(i, exc)
+
+        async with anyio.create_task_group() as tg:
+            for i in tiers:
+                tg.start_soon(one, i)
+        return failures
+
+    async def _delete_tiers(self, key: str, tiers: Iterable[int]) -> dict[int, str]:
+        failures: dict[int, str] = {}
+
+        async def one(i: int) -> None:
+            try:
+                await self.tiers[i].delete(key)
+            except TIER_FAULTS as exc:
+                failures[i] = self._failed(i, exc)
+
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for i in tiers:
+                    tg.start_soon(one, i)
+        return failures
+
+    # -- promotion -------------------------------------------------------------------------------------
+
+    def _promote(self, key: str, data: bytes, found_in: int) -> None:
+        """Copy an object read from tier `found_in` into the tiers above it, in the background."""
+        if not self.promote or found_in == 0 or key in self._promoting:
+            return
+        if self.promote_bytes + len(data) > self.max_promote_bytes:
+            return  # promotions are an optimisation: skip rather than queue without bound
+        token = object()
+        self._promoting[key] = token
+        self.promote_bytes += len(data)
+        if self._bg.spawn(self._promote_task, key, data, found_in, token) is None:
+            self._promoting.pop(key, None)
+            self.promote_bytes -= len(data)
+
+    async def _promote_task(self, key: str, data: bytes, found_in: int, token: object) -> None:
+        try:
+            if self._promoting.get(key) is not token:
+                return  # deleted before it started
+            failed = await self._put_tiers(key, data, range(found_in))
+            written = [i for i in range(found_in) if i not in failed]
+            for i in written:
+                self.stats[i].promoted_in += 1
+            if self._promoting.get(key) is not token:  # deleted while it was written: undo
+                await self._delete_tiers(key, written)
+        finally:
+            self.promote_bytes -= len(data)
+            if self._promoting.get(key) is token:
+                del self._promoting[key]
+
+    # -- write-back ------------------------------------------------------------------------------------
+
+    def _kick(self) -> None:
+        """Make sure a flusher runs on this loop."""
+        if not self._bg.is_live(self._flusher):
+            self._flusher = self._bg.spawn(self._flush_loop)
+
+    async def _flush_loop(self) -> None:
+        failures = 0
+        while failures < self.flush_retries:
+            batch = [(k, e) for k, e in self._dirty.items() if not e.busy][: self.flush_concurrency]
+            if not batch:
+                return
+            # a background task is always an asyncio one (see Background): gather is the plain way
+            results = await asyncio.gather(*(self._flush_entry(k, e) for k, e in batch))
+            if all(results):
+                failures = 0
+            else:
+                failures += 1
+                await anyio.sleep(min(0.05 * 2**failures, 2.0))
+        # gave up for now: the entries stay dirty; the next put, flush() or close() tries again
+
+    async def _flush_entry(self, key: str, e: DirtyEntry) -> bool:
+        """Write one dirty object to the tiers it has not reached; True when none is left."""
+        if e.busy:
+            return False
+        e.busy = True
+        e.idle = asyncio.Event()
+        try:
+            tiers = sorted(e.pending)
+            failed = await self._put_tiers(key, e.data, tiers)
+            for i in tiers:
+                if i not in failed:
+                    e.pending.discard(i)
+                    self.stats[i].flushed_in += 1
+            if e.deleted:  # deleted while it was written: undo
+                await self._delete_tiers(key, [i for i in tiers if i not in failed])
+                return True
+            if not e.pending and self._dirty.get(key) is e:
+                del self._dirty[key]
+                self.dirty_bytes -= len(e.data)
+            return not failed
+        finally:
+            e.busy = False
+            e.idle.set()
+
+    async def _settle(self, key: str) -> None:
+        """Wait until no flush of `key` is in flight, so a put or delete after it cannot be overtaken by
+        an older object landing in a lower tier."""
+        while (e := self._dirty.get(key)) is not None and e.busy and e.idle is not None:
+            await e.idle.wait()

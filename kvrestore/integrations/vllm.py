@@ -26,13 +26,13 @@ What it does:
   `kv_load_failure_policy` to "recompute" unless `on_load_error` is "fail").
 
 The vLLM-free parts are in `vllm_layout` (paged layouts), `vllm_plan` (config, split, learned costs,
-fingerprint) and `vllm_io` (background I/O); this module is the glue to vLLM's interface.
+fingerprint) and `vllm_io` (background I/O); this module is the glue to vLLM's interface: the connector's
+set-up and scheduler side here, its worker side (and the metadata the two exchange) in `vllm_worker`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 import weakref
@@ -44,14 +44,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorWorkerMetadata,
 )
 
 from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.keys import ChunkRef, chunk_keys
-from kvrestore.core.kv import KVChunk
 from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, LoadChunk
-from kvrestore.integrations.vllm_layout import blocks_of, gather_tokens, kv_views, scatter_tokens
+from kvrestore.integrations.vllm_layout import blocks_of
 from kvrestore.integrations.vllm_plan import (
     ConnectorConfig,
     CostBook,
@@ -60,13 +58,18 @@ from kvrestore.integrations.vllm_plan import (
     choose_split,
     model_spec,
 )
+from kvrestore.integrations.vllm_worker import (
+    KVRestoreConnectorMetadata,
+    KVRestoreWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+    WorkerSide,
+)
 from kvrestore.stores import ThrottledStore, open_store
 from kvrestore.stores.base import ChunkStore
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -87,43 +90,6 @@ def flush_saves(timeout: float | None = 60.0) -> bool:
 
 
 @dataclass
-class LoadSpec:
-    req_id: str
-    chunks: list[LoadChunk]
-    k: int
-    block_ids: list[int]
-
-
-@dataclass
-class SaveSpec:
-    req_id: str
-    chunks: list[LoadChunk]
-    block_ids: list[int]
-
-
-@dataclass
-class KVRestoreConnectorMetadata(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-    #: (req_id, new tokens, tokens already computed) of every request in the step: what compute costs
-    steps: list[tuple[str, int, int]] = field(default_factory=list)
-
-
-@dataclass
-class KVRestoreWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: per request, the chunks that did not load (vLLM recomputes them; the
-    scheduler side then saves them again)."""
-
-    failed: dict[str, set[int]] = field(default_factory=dict)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if isinstance(other, KVRestoreWorkerMetadata):
-            for req_id, chunks in other.failed.items():
-                self.failed.setdefault(req_id, set()).update(chunks)
-        return self
-
-
-@dataclass
 class _Request:
     """Scheduler-side state of one request."""
 
@@ -136,11 +102,11 @@ class _Request:
     choice: SplitChoice | None = None
 
 
-_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+class KVRestoreConnector(WorkerSide, KVConnectorBase_V1):
+    """A vLLM KV connector that saves and loads prompts' KV through a kvrestore store (module docs).
 
-
-class KVRestoreConnector(KVConnectorBase_V1):
-    """A vLLM KV connector that saves and loads prompts' KV through a kvrestore store (module docs)."""
+    This class holds the set-up and the scheduler side; the worker side is `vllm_worker.WorkerSide`.
+    """
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -342,166 +308,6 @@ class KVRestoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
         return False, None
-
-    # -- worker side ---------------------------------------------------------------------------------
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        names = list(kv_caches)
-
-        def index(name: str) -> int:
-            m = _LAYER_INDEX.search(name)
-            return int(m.group(1)) if m else names.index(name)
-
-        ordered = sorted(names, key=index)
-        if len(ordered) != self.spec.num_layers:
-            raise UnsupportedModelError(
-                f"vLLM has {len(ordered)} KV cache layers, the model config says {self.spec.num_layers}"
-            )
-        self._layer_of = {name: i for i, name in enumerate(ordered)}
-        self._caches = [kv_caches[name] for name in ordered]
-        first = self._caches[0]
-        H, D = self.spec.num_kv_heads, self.spec.head_dim
-        if self.config.layout is not None:
-            self._layout = self.config.layout
-        elif first.dim() == 4 and first.shape[1] == H and first.shape[3] == 2 * D:
-            # the CPU backend keeps a page's keys, then its values; CUDA backends one token's K then V
-            self._layout = "cpu" if first.device.type == "cpu" else "cuda"
-        elif first.dim() == 5 and first.shape[0] == 2 and tuple(first.shape[3:]) == (H, D):
-            self._layout = "flash_attn"
-        else:
-            raise UnsupportedModelError(
-                f"unknown vLLM KV cache layout {tuple(first.shape)} for {H} heads of {D}; "
-                "set kv_connector_extra_config['layout']"
-            )
-        kv_views(first, self._layout, H, D)  # checks the shape
-        if self._layout == "cpu":
-            self._check_cpu_kernels(int(first.shape[2]))
-        log.info("kvrestore: %d KV layers, layout %s %s", len(ordered), self._layout, tuple(first.shape))
-
-    def _check_cpu_kernels(self, block_size: int) -> None:
-        """The "cpu" layout is that of vLLM's portable CPU kernels ("vec"); AMX, NEON and the others keep
-        their pages their own way."""
-        try:
-            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-        except ImportError:  # another vLLM: trust the layout
-            return
-        isa = _get_attn_isa(self.spec.dtype, block_size, self.spec.head_dim)
-        if isa != "vec":
-            raise UnsupportedModelError(
-                f"vLLM's CPU attention uses its {isa!r} kernels here; kvrestore reads and writes the pages of its "
-                "'vec' kernels only (fp32, or bf16 without AMX, on x86, with block sizes a multiple of 32)"
-            )
-
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
-        self._bound_at = time.perf_counter()
-        self._waited_s = 0.0
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVRestoreConnectorMetadata)
-        for spec in meta.loads:
-            load = LayerLoad(self.spec, self.store, spec.chunks, spec.k, self._placer(spec.block_ids))
-            load.start(self.io, self.config.load_timeout_s)
-            self._loads.append((spec, load))
-
-    def _placer(self, block_ids: list[int]) -> Any:
-        H, D = self.spec.num_kv_heads, self.spec.head_dim
-
-        def place(layer: int, data: torch.Tensor) -> None:
-            scatter_tokens(self._caches[layer], self._layout, block_ids, 0, data, H, D)
-
-        return place
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        layer = self._layer_of.get(layer_name)
-        if layer is None:
-            return
-        t = time.perf_counter()
-        for spec, load in self._loads:
-            if not load.wait(layer):
-                log.warning(
-                    "kvrestore: request %s: layer %d not loaded within %.1f s: its %d tokens are recomputed",
-                    spec.req_id,
-                    layer,
-                    self.config.load_timeout_s,
-                    spec.k,
-                )
-        self._waited_s += time.perf_counter() - t
-
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
-    ) -> None:
-        return  # chunks are copied out whole, all layers at once, in wait_for_save
-
-    def wait_for_save(self) -> None:
-        if not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVRestoreConnectorMetadata)
-        elapsed = time.perf_counter() - self._bound_at if self._bound_at is not None else None
-        if meta.loads and elapsed is not None:
-            log.info("kvrestore: a step that loaded %d requests took %.3f s", len(meta.loads), elapsed)
-        failed = any(load.failed for _, load in self._loads)
-        self._finish_loads()
-        if elapsed is not None and len(meta.steps) == 1 and meta.steps[0][1] > 0 and not failed:
-            # a step that loaded computed while it did not wait for a layer: a sample with a past, which
-            # steps from scratch never give (the split's suffix is computed after a loaded prefix)
-            _, n_new, past = meta.steps[0]
-            self.costs.add_compute(n_new, past, elapsed - self._waited_s)
-        for spec in meta.saves:
-            self._save(spec)
-
-    def _finish_loads(self) -> None:
-        for spec, load in self._loads:
-            load.cancel("the step ended")  # a no-op for a load that finished
-            bad = [
-                b for a, e in load.failed_ranges() for b in blocks_of(spec.block_ids, a, e, self.block_size)
-            ]
-            if bad:
-                with self._errors_lock:
-                    self._load_errors.update(bad)
-                self._failed_chunks.setdefault(spec.req_id, set()).update(load.failed)
-                log.warning(
-                    "kvrestore: request %s: %d of %d chunks did not load (%s); vLLM recomputes from token %d",
-                    spec.req_id,
-                    len(load.failed),
-                    len(load.chunks),
-                    "; ".join(load.errors[:3]),
-                    min(a for a, _ in load.failed_ranges()),
-                )
-            elif load.seconds is not None:
-                self.costs.add_load(self.link_key, load.bytes_read, load.seconds)
-                log.info(
-                    "kvrestore: request %s: loaded %d tokens (%d bytes) in %.3f s",
-                    spec.req_id,
-                    spec.k,
-                    load.bytes_read,
-                    load.seconds,
-                )
-        self._loads.clear()
-
-    def _save(self, spec: SaveSpec) -> None:
-        H, D = self.spec.num_kv_heads, self.spec.head_dim
-        for c in spec.chunks:
-            data = torch.stack(
-                [
-                    gather_tokens(cache, self._layout, spec.block_ids, c.start, c.end, H, D)
-                    for cache in self._caches
-                ]
-            ).to("cpu")
-            self.saver.submit(c.key, KVChunk(c.start, data))
-
-    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._failed_chunks:
-            return None
-        meta, self._failed_chunks = KVRestoreWorkerMetadata(self._failed_chunks), {}
-        return meta
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        with self._errors_lock:
-            errors, self._load_errors = self._load_errors, set()
-        return errors
 
     def shutdown(self) -> None:
         for _, load in self._loads:

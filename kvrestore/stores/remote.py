@@ -77,8 +77,9 @@ class FsspecStore(ChunkStore):
     #: seconds a remote store answers "unreachable" without asking after a connection failure
     unreachable_cooloff_s: float = 2.0
 
-    def __new__(cls, url: str, *, fsync: bool = False, **storage_options: Any) -> Any:
-        if cls is FsspecStore and is_local(filesystem_class(url)):
+    def __new__(cls, url: str | None = None, *, fsync: bool = False, **storage_options: Any) -> Any:
+        # url None: copy and pickle make an empty instance to fill in
+        if cls is FsspecStore and url is not None and is_local(filesystem_class(url)):
             return LocalStore(url, fsync=fsync, **storage_options)  # not a FsspecStore: no __init__ after
         return super().__new__(cls)
 

@@ -157,7 +157,7 @@ def encode_chunk(
         payloads: list[Buffer] = [cctx.compress(rows[i].data) for i in range(L)]
     else:
         payloads = [rows[i].data for i in range(L)]
-    lengths = [len(p) if isinstance(p, bytes) else p.nbytes for p in payloads]
+    lengths = [memoryview(p).nbytes for p in payloads]
     sums = [host_checksum(p) for p in payloads]
 
     def header_for(body_start: int) -> bytes:

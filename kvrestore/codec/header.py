@@ -1,0 +1,183 @@
+"""The framing of a stored chunk: its constants, its msgpack header, and reading and checking that header.
+
+An object starts with `MAGIC`, the header's length and the header's crc32 (`PREFIX_SIZE` bytes), then the
+header (`ChunkHeader`: whose chunk, its shapes and dtype, and each layer's `LayerSection`), then the
+sections from `body_start_after(header end)`. `codec.chunk` encodes and decodes whole chunks with it;
+`codec.boundary` frames boundary activations the same way.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+import zlib
+from collections.abc import Sequence
+from typing import Literal
+
+import msgspec
+
+from kvrestore.core.errors import CorruptChunkError, ForeignChunkError, TruncatedChunkError
+from kvrestore.core.spec import ModelSpec, dtype_name
+
+MAGIC = b"KVRC"
+FORMAT_VERSION = 3  # 3: a device checksum per section; 2: xxh3-64 section checksums (1 used crc32)
+HEADER_PROBE = 4096
+COMPRESSIONS = ("none", "zstd")
+
+_PREFIX = struct.Struct("<4sII")  # magic, header length, header crc32
+PREFIX_SIZE = _PREFIX.size
+# A sane header is a few KiB even for 128 layers; a larger length field is damage, not a big header.
+MAX_HEADER = 1 << 20
+#: sections start at a multiple of this offset, so a section read into an aligned buffer can be viewed as
+#: a tensor of any dtype (and DMA copies start on a cache line)
+BODY_ALIGN = 64
+
+Buffer = bytes | bytearray | memoryview
+
+
+class LayerSection(msgspec.Struct, frozen=True, array_like=True):
+    """Where one layer's K+V lives in the object. `offset` is absolute from the object start."""
+
+    offset: int
+    length: int  # stored (possibly compressed) bytes
+    raw_length: int  # bytes of the [2, H, T, D] tensor
+    checksum: int  # xxh3-64 of the stored bytes
+    device_sum: int  # `checksums.device_checksums` of the raw bytes (0 where rows are not whole words)
+
+
+class ChunkHeader(msgspec.Struct, frozen=True):
+    version: int
+    fingerprint: str
+    key: str
+    start: int
+    n_tokens: int
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    compression: Literal["none", "zstd"]
+    layers: list[LayerSection]
+
+    @property
+    def end(self) -> int:
+        """Offset one past the last section: the object's exact size."""
+        return max((s.offset + s.length for s in self.layers), default=0)
+
+
+class _Versioned(msgspec.Struct):
+    """Just the version field, read first so a newer format is reported as foreign, not corrupt."""
+
+    version: int
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_HEADER_DECODER = msgspec.msgpack.Decoder(ChunkHeader)
+_VERSION_DECODER = msgspec.msgpack.Decoder(_Versioned)
+
+
+def _require_little_endian() -> None:
+    # Sections are the tensor's in-memory bytes; on a big-endian host they would need byte swapping.
+    if sys.byteorder != "little":
+        raise NotImplementedError(
+            "the kvrestore chunk format is little-endian; big-endian hosts are unsupported"
+        )
+
+
+def _layer_bytes(spec: ModelSpec, n_tokens: int) -> int:
+    itemsize = spec.dtype.itemsize
+    return 2 * spec.num_kv_heads * n_tokens * spec.head_dim * itemsize
+
+
+# -- header ---------------------------------------------------------------------------------------
+
+
+def header_length(prefix: Buffer) -> int:
+    """Total bytes (from the object start) needed to parse the header; needs the first 12 bytes."""
+    if len(prefix) < PREFIX_SIZE:
+        raise TruncatedChunkError(
+            f"object is {len(prefix)} bytes, shorter than the {PREFIX_SIZE}-byte prefix"
+        )
+    magic, hlen, _ = _PREFIX.unpack_from(prefix, 0)
+    if magic != MAGIC:
+        raise CorruptChunkError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if hlen > MAX_HEADER:
+        raise CorruptChunkError(f"header length {hlen} exceeds the {MAX_HEADER}-byte limit")
+    return PREFIX_SIZE + hlen
+
+
+def read_header(prefix: Buffer) -> tuple[ChunkHeader, int]:
+    """Parse and verify the header at the start of `prefix`; returns (header, header_end).
+
+    Raises TruncatedChunkError when `prefix` stops before the header does (fetch `header_length(prefix)`
+    bytes and call again), CorruptChunkError on a bad magic, checksum or structure, ForeignChunkError
+    on another format version.
+    """
+    need = header_length(prefix)
+    if len(prefix) < need:
+        raise TruncatedChunkError(f"header needs {need} bytes, only {len(prefix)} available")
+    _, _, crc = _PREFIX.unpack_from(prefix, 0)
+    raw = memoryview(prefix)[PREFIX_SIZE:need]
+    if zlib.crc32(raw) != crc:
+        raise CorruptChunkError("header checksum mismatch")
+    try:
+        version = _VERSION_DECODER.decode(raw).version
+        if version != FORMAT_VERSION:
+            raise ForeignChunkError(f"chunk format version {version}, this reader handles {FORMAT_VERSION}")
+        header = _HEADER_DECODER.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise CorruptChunkError(f"unparseable chunk header: {e}") from e
+    _check_sections(header, need)
+    return header, need
+
+
+def body_start_after(header_end: int) -> int:
+    """Where the first section starts: the header's end rounded up to `BODY_ALIGN` (zero padding)."""
+    return -(-header_end // BODY_ALIGN) * BODY_ALIGN
+
+
+def _check_sections(header: ChunkHeader, header_end: int) -> None:
+    """Sections must follow the header's padding back to back in layer order: no gaps, overlaps or odd
+    sizes."""
+    if len(header.layers) != header.num_layers:
+        raise CorruptChunkError(f"header lists {len(header.layers)} sections for {header.num_layers} layers")
+    off = body_start_after(header_end)
+    for i, s in enumerate(header.layers):
+        if s.offset != off or s.length < 0 or s.raw_length < 0:
+            raise CorruptChunkError(f"section {i} at {s.offset}+{s.length} does not follow byte {off}")
+        if header.compression == "none" and s.length != s.raw_length:
+            raise CorruptChunkError(f"uncompressed section {i} has length {s.length} != raw {s.raw_length}")
+        off += s.length
+
+
+def _check_spec(header: ChunkHeader, spec: ModelSpec) -> None:
+    expect = {
+        "version": FORMAT_VERSION,
+        "fingerprint": spec.fingerprint,
+        "dtype": dtype_name(spec.dtype),
+        "num_layers": spec.num_layers,
+        "num_kv_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+    }
+    for field, want in expect.items():
+        got = getattr(header, field)
+        if got != want:
+            raise ForeignChunkError(f"chunk {field} is {got!r}, expected {want!r}")
+    raw = _layer_bytes(spec, header.n_tokens)
+    for i, s in enumerate(header.layers):
+        if s.raw_length != raw:
+            raise ForeignChunkError(f"section {i} holds {s.raw_length} raw bytes, expected {raw}")
+
+
+def check_header(header: ChunkHeader, spec: ModelSpec, key: str, start: int, n_tokens: int) -> None:
+    """Raise ForeignChunkError unless the chunk is exactly the one asked for, for this model and dtype."""
+    for field, want in (("key", key), ("start", start), ("n_tokens", n_tokens)):
+        got = getattr(header, field)
+        if got != want:
+            raise ForeignChunkError(f"chunk {field} is {got!r}, expected {want!r}")
+    _check_spec(header, spec)
+
+
+def layer_ranges(header: ChunkHeader, layers: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """Byte ranges [start, end) of the given layers' sections (all layers by default), for get_ranges."""
+    idx = range(header.num_layers) if layers is None else layers
+    return [(header.layers[i].offset, header.layers[i].offset + header.layers[i].length) for i in idx]

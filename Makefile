@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install demo test test-slow test-all test-vllm lint bench clean
+.PHONY: install demo test typecheck test-slow test-all test-vllm lint bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -41,9 +41,15 @@ test-vllm: $(VLLM_VENV)/.installed
 demo: install
 	$(VENV)/bin/kvrestore demo
 
-# the fast tier: everything but the real model, the tutorials, the S3 server and multi-process runs
+# the type checker over the whole package (configured in pyproject.toml's [tool.mypy])
+typecheck: install
+	$(PY) -m mypy
+
+# the fast tier: lint, types, then everything but the real model, the tutorials, the S3 server and
+# multi-process runs
 test: install
 	$(PY) -m ruff check kvrestore tests benchmarks
+	$(MAKE) --no-print-directory typecheck
 	$(PY) -m pytest -q -m "not slow"
 
 # the slow tier (CI runs it after `make test`): the real SmolLM2, the tutorials, S3, processes

@@ -17,24 +17,33 @@ from kvrestore.core.cancel import UnitCancelled, checkpoint, run_unit
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens, tiny_model
+from .waiting import wait_until
 
 LAYER_S = 0.08
 LAYERS = 12
 
 
 class SlowLayers(HFBackend):
-    """Each decoder layer of every prefill takes at least LAYER_S; counts the layers it ran."""
+    """Each decoder layer of every prefill takes at least LAYER_S (the slowness is the subject: a unit long
+    enough to be cancelled part-way); counts the layers it ran and those running now."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.layers_run = 0
+        self.in_layer = 0
         self._lock = threading.Lock()
 
     def _project(self, *args, **kwargs):
-        time.sleep(LAYER_S)
         with self._lock:
-            self.layers_run += 1
-        return super()._project(*args, **kwargs)
+            self.in_layer += 1
+        try:
+            time.sleep(LAYER_S)
+            with self._lock:
+                self.layers_run += 1
+            return super()._project(*args, **kwargs)
+        finally:
+            with self._lock:
+                self.in_layer -= 1
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +66,11 @@ def test_a_deadline_stops_the_unit_at_the_next_layer(slow_backend, policy):
             await r.restore(tokens, policy)
         assert scope.cancelled_caught
         ran = slow_backend.layers_run
-        await anyio.sleep(3 * LAYER_S)
-        assert slow_backend.layers_run == ran  # nothing of the cancelled unit still runs
+        assert slow_backend.in_layer == 0  # the restore returned with no layer of its unit running
         res = await r.restore(tokens, ComputeOnly())  # the compute lane is free again and exact
+        # nothing of the cancelled unit ran meanwhile: exactly the new restore's layers were added
+        units = len(res.trace.of_kind("compute"))
+        assert slow_backend.layers_run - ran == units * LAYERS, (slow_backend.layers_run - ran, units)
         return ran - before, res
 
     layers, res = anyio.run(main)
@@ -113,12 +124,14 @@ def test_a_unit_cancelled_before_its_thread_starts_never_runs_and_does_not_hang(
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(anyio.to_thread.run_sync, release.wait)  # holds the only worker token
-                await anyio.sleep(0.05)
+                await wait_until(lambda: limiter.borrowed_tokens == 1)
                 with anyio.fail_after(5):
-                    with anyio.move_on_after(0.05):
+                    with anyio.move_on_after(0.05):  # the cancellation (the subject), while it waits
                         await run_unit(lambda: ran.append(1))
                 release.set()
-            await anyio.sleep(0.1)
+            # the worker is free again: had the cancelled unit been queued for it, it would run now
+            await wait_until(lambda: limiter.borrowed_tokens == 0)
+            await anyio.to_thread.run_sync(lambda: None)
         finally:
             limiter.total_tokens = old
 

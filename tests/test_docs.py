@@ -17,10 +17,12 @@ def python_blocks(path: Path) -> list[str]:
 
 #: tutorials that need another environment run in their own tier (tutorial-vllm.md: `make test-vllm`)
 OTHER_TIERS = {"tutorial-vllm.md"}
+#: pages that describe, with nothing to run
+NOT_TUTORIALS = {"architecture.md"}
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("doc", sorted(p.name for p in DOCS.glob("*.md") if p.name not in OTHER_TIERS))
+@pytest.mark.parametrize("doc", sorted(p.name for p in DOCS.glob("*.md") if p.name not in OTHER_TIERS | NOT_TUTORIALS))
 def test_doc_runs(doc, smollm2):
     blocks = python_blocks(DOCS / doc)
     assert blocks, f"{doc} has no python blocks"

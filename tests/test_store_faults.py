@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from functools import partial
 
 import anyio
@@ -195,23 +194,19 @@ def test_s3_server_stopped_mid_restore_finishes_by_recomputing(llama_backend):
                 if event.kind == "load" and server.proc is not None:
                     server.stop()
 
-            t0 = time.perf_counter()
-            res = await r.restore(tokens, LoadOnly(), on_event=stop_after_first_load)
-            mid = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            down = await r.restore(tokens, LoadOnly())  # server already down at lookup
-            later = time.perf_counter() - t0
+            with anyio.fail_after(20):  # a bound that catches a hang, not a claim about speed
+                res = await r.restore(tokens, LoadOnly(), on_event=stop_after_first_load)
+            with anyio.fail_after(20):
+                down = await r.restore(tokens, LoadOnly())  # server already down at lookup
             await r.close()
-            return res, mid, down, later
+            return res, down
 
-        res, mid, down, later = run(main)
+        res, down = run(main)
 
     assert res.stats.loaded_chunks >= 1 and res.stats.failed_loads >= 1
     assert res.stats.loaded_chunks + res.stats.computed_chunks == 8
     assert any("StoreError" in e for e in res.stats.errors)
     assert down.stats.computed_chunks == 8 and down.stats.errors[0].startswith("lookup: StoreError")
-    print(f"restore with the server stopped mid-way: {mid:.2f} s; with it down from the start: {later:.2f} s")
-    assert mid < 20 and later < 20, (mid, later)
     for r in (res, down):
         torch.testing.assert_close(r.kv.data, ref, atol=ATOL, rtol=0)
 

@@ -189,7 +189,7 @@ async def _fuse(
     recomputed = [n]
     hkvd: list[int] = []
     wait = 0.0
-    state: dict[str, object] = {}
+    state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the rotary cos, sin of every token
 
     def layer0() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         mark = timer.start()
@@ -208,7 +208,7 @@ async def _fuse(
         """Selective recompute of layer i; queues its kernels and returns without waiting for them (the
         sizes are known on the host: every candidate set holds all `n_forced` forced tokens)."""
         mark = timer.start()
-        cos, sin = state["rope"]  # type: ignore[misc]
+        cos, sin = state["rope"]
         k_layer, v_layer = kv.data[i, 0], kv.data[i, 1]
         x, k_new, v_new = backend.project_candidates(i, hidden, (cos[:, cand], sin[:, cand]))
         dev = kv_deviation(k_new, v_new, k_layer[:, cand], v_layer[:, cand], policy.deviation)

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -51,7 +52,7 @@ class ChunkLoadFailed(ChunkDecodeError):
         self.error = error
 
 
-async def _each(fn: Callable[[int], Awaitable[None]], indices: Sequence[int]) -> None:
+async def _each(fn: Callable[[int], Coroutine[Any, Any, None]], indices: Sequence[int]) -> None:
     """fn(j) for every j concurrently; an unexpected error is raised as itself, not as a group."""
     try:
         async with anyio.create_task_group() as tg:

@@ -314,7 +314,7 @@ def upload_checked(
         done.record()
     done.synchronize()
     pool.give_event(done)
-    if sums is not None:
+    if sums is not None and expected is not None:
         for i, (got, want) in enumerate(zip(sums.tolist(), expected, strict=True)):
             if got != want:
                 raise CorruptChunkError(f"layer {i}: device checksum mismatch")

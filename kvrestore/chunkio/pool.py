@@ -60,7 +60,9 @@ class StagingPool:
         size = -(-max(nbytes, 1) // GRANULE) * GRANULE
         tensor = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
         self.allocated += 1
-        return Staging(tensor, memoryview(tensor.numpy()).cast("B"), self.pinned)
+        # an ndarray has the buffer protocol (numpy's stubs say so only on Python 3.12+)
+        view = memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type,unused-ignore]
+        return Staging(tensor, view, self.pinned)
 
     def release(self, buf: Staging, busy_until: torch.cuda.Event | None = None) -> None:
         """Hand `buf` back; with `busy_until`, it is reused only after that event has completed."""

@@ -1,4 +1,4 @@
-"""The wire format: chunks of KV (`chunk`), boundary activations (`boundary`), their checksums."""
+"""The wire format: chunks of KV (`chunk`, framed by `header`), boundary activations (`boundary`), their checksums."""
 
 from kvrestore.codec.boundary import *  # noqa: F403
 from kvrestore.codec.boundary import __all__ as _boundary_all

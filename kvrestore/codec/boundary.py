@@ -17,7 +17,7 @@ import msgspec
 import torch
 
 from kvrestore.codec.checksums import host_checksum
-from kvrestore.codec.framing import (
+from kvrestore.codec.header import (
     _ENCODER,
     _PREFIX,
     _VERSION_DECODER,

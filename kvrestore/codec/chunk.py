@@ -17,7 +17,8 @@ offset, stored length, raw length and xxh3-64 checksum, so
 Format 3 added the device checksum. A chunk of an older format is foreign to this reader: a clean miss,
 recomputed and written again in the current format.
 
-Boundary activations (`codec.boundary`) use the same framing under their own magic.
+The framing (prefix, header, reading and checking it) is `codec.header`; boundary activations
+(`codec.boundary`) use the same framing under their own magic.
 
 Readers fetch `HEADER_PROBE` bytes first; `read_header` raises `TruncatedChunkError` when the header is
 longer than what was fetched, and `header_length` says how much to fetch instead.
@@ -25,6 +26,7 @@ longer than what was fetched, and `header_length` says how much to fetch instead
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 
@@ -38,7 +40,7 @@ from kvrestore.codec.checksums import (
     host_checksum,
     host_checksum_parts,
 )
-from kvrestore.codec.framing import (
+from kvrestore.codec.header import (
     _ENCODER,
     _PREFIX,
     BODY_ALIGN,
@@ -55,11 +57,16 @@ from kvrestore.codec.framing import (
     body_start_after,
     check_header,
     header_length,
+    layer_ranges,
     read_header,
 )
 from kvrestore.core.errors import CorruptChunkError, InvalidInputError, TruncatedChunkError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec, dtype_name
+
+# `_fill` only reads through its zero-copy view of stored bytes; torch's warning about read-only buffers
+# does not apply.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
 
 # -- encode --------------------------------------------------------------------------------------
 
@@ -98,7 +105,7 @@ def encode_chunk(
         payloads: list[Buffer] = [cctx.compress(rows[i].data) for i in range(L)]
     else:
         payloads = [rows[i].data for i in range(L)]
-    lengths = [len(p) if isinstance(p, bytes) else p.nbytes for p in payloads]
+    lengths = [memoryview(p).nbytes for p in payloads]
     sums = [host_checksum(p) for p in payloads]
 
     def header_for(body_start: int) -> bytes:
@@ -135,12 +142,6 @@ def encode_chunk(
 
 
 # -- decode ---------------------------------------------------------------------------------------
-
-
-def layer_ranges(header: ChunkHeader, layers: Sequence[int] | None = None) -> list[tuple[int, int]]:
-    """Byte ranges [start, end) of the given layers' sections (all layers by default), for get_ranges."""
-    idx = range(header.num_layers) if layers is None else layers
-    return [(header.layers[i].offset, header.layers[i].offset + header.layers[i].length) for i in idx]
 
 
 def _fill(dst: torch.Tensor, stored: Buffer, section: LayerSection, compression: str, layer: int) -> None:

@@ -13,7 +13,7 @@ import bisect
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvrestore.core.errors import InvalidInputError
 
@@ -27,6 +27,7 @@ class BandwidthTrace:
     """
 
     steps: tuple[tuple[float, float], ...]
+    _times: list[float] = field(init=False, repr=False, compare=False)  # the step times, for bisect
 
     def __post_init__(self) -> None:
         steps = tuple((float(t), float(r)) for t, r in self.steps)

@@ -12,12 +12,14 @@ import torch
 from anyio.abc import TaskGroup
 
 from kvrestore import codec
-from kvrestore.core.errors import MissingChunkError, SaveError, StageFailedError
+from kvrestore.backends.base import ComputeBackend
+from kvrestore.core.errors import LOAD_FAULTS, MissingChunkError, SaveError, StageFailedError
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
+from kvrestore.core.spec import ModelSpec
 from kvrestore.distributed.layout import StageLayout
 from kvrestore.distributed.stage_backend import StageBackend
-from kvrestore.runtime.engine import LOAD_FAULTS
+from kvrestore.restorer import Restorer
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.distributed")
@@ -37,13 +39,12 @@ class BoundarySaveStats:
 
 
 def prefill_with_boundaries(
-    backend: object, tokens: torch.Tensor, layout: StageLayout
+    backend: ComputeBackend, tokens: torch.Tensor, layout: StageLayout
 ) -> tuple[KVCache, dict[int, torch.Tensor]]:
     """A full prefill of `tokens` stage by stage: the KV cache and the hidden state entering each stage
     boundary layer ([N, hidden] per boundary; for chunk c its rows are chunk c's boundary activation, the
     hidden state of its tokens given the whole prefix before them)."""
-    spec = backend.spec  # type: ignore[attr-defined]
-    kv = KVCache.empty(spec, len(tokens), device=backend.device)  # type: ignore[attr-defined]
+    kv = KVCache.empty(backend.spec, len(tokens), device=backend.device)
     hidden: torch.Tensor | None = None
     acts: dict[int, torch.Tensor] = {}
     for a, b in layout.stages:
@@ -57,16 +58,13 @@ def prefill_with_boundaries(
 
 
 async def save_with_boundaries(
-    restorer: object, token_ids: Sequence[int] | torch.Tensor, layout: StageLayout
+    restorer: Restorer, token_ids: Sequence[int] | torch.Tensor, layout: StageLayout
 ) -> BoundarySaveStats:
     """Store the prompt's KV chunks (those the store lacks) and every chunk's boundary activations for
     `layout`'s boundaries, for a stage-parallel restore (`StageRestorer`). One full prefill computes both.
 
     Store faults on writing fail only their objects: `SaveError` once every write has ended.
     """
-    from kvrestore.restorer import Restorer
-
-    assert isinstance(restorer, Restorer)
     tokens, refs = restorer.chunks(token_ids)
     layout.check(restorer.spec.num_layers)
     kv, acts = await anyio.to_thread.run_sync(prefill_with_boundaries, restorer.backend, tokens, layout)
@@ -80,7 +78,11 @@ async def save_with_boundaries(
 
 
 async def write_boundaries(
-    store: ChunkStore, spec: object, refs: Sequence[ChunkRef], acts: dict[int, torch.Tensor], lanes: int = 4
+    store: ChunkStore,
+    spec: ModelSpec,
+    refs: Sequence[ChunkRef],
+    acts: dict[int, torch.Tensor],
+    lanes: int = 4,
 ) -> tuple[int, int]:
     """Write each chunk's boundary activation at each layer of `acts` ([N, hidden] each); returns
     (objects written, bytes). Faults: `SaveError` naming the objects not written, after every write."""
@@ -95,7 +97,7 @@ async def write_boundaries(
         async with limiter:
             blob = codec.encode_boundary(
                 hidden[ref.start : ref.end].contiguous(), spec, ref.key, ref.start, layer
-            )  # type: ignore[arg-type]
+            )
             try:
                 await store.put(key, blob)
             except WRITE_FAULTS as exc:
@@ -134,7 +136,7 @@ class BoundaryReader:
     def __init__(
         self,
         store: ChunkStore,
-        spec: object,
+        spec: ModelSpec,
         refs: Sequence[ChunkRef],
         layer: int,
         hidden_size: int,
@@ -189,7 +191,7 @@ class BoundaryReader:
                     ref.start,
                     ref.n_tokens,
                     self.layer,
-                    self.hidden_size,  # type: ignore[arg-type]
+                    self.hidden_size,
                 )
             )
         except LOAD_FAULTS as exc:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvrestore.core.errors import StageFailedError, check_int, check_seconds
+from kvrestore.distributed.pipe import world
 
 log = logging.getLogger("kvrestore.distributed")
 
@@ -44,7 +45,7 @@ def init_stages(timeout_s: float = 60.0, backend: str | None = None) -> dist.Pro
     if not dist.is_initialized():
         dist.init_process_group(backend or default_backend(), timeout=timeout)
     if dist.get_backend() == "gloo":
-        return dist.group.WORLD
+        return world()
     return dist.new_group(backend="gloo", timeout=timeout)
 
 

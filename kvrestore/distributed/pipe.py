@@ -27,6 +27,21 @@ _GO = _SPAN - 1
 _EPOCHS = 1000
 
 
+def world() -> dist.ProcessGroup:
+    """The default process group (every rank); StageFailedError when torch.distributed has none yet."""
+    group = dist.group.WORLD
+    if group is None:
+        raise StageFailedError("torch.distributed is not initialised: no process group")
+    return group
+
+
+def started(work: dist.Work | None) -> dist.Work:
+    """A point-to-point operation's handle (torch gives None to a rank outside the group)."""
+    if work is None:
+        raise StageFailedError("this process is not a member of the stage group")
+    return work
+
+
 class Pipe:
     """The links of stage `stage` to its neighbours in `group` (group rank = stage index)."""
 
@@ -60,7 +75,7 @@ class Pipe:
     def _isend(self, tensors: list[torch.Tensor], tag: int) -> None:
         dst = self._peer(self.stage + 1)
         for i, t in enumerate(tensors):
-            self._sends.append((dist.isend(t, dst, group=self.group, tag=tag + i), [t]))
+            self._sends.append((started(dist.isend(t, dst, group=self.group, tag=tag + i)), [t]))
 
     def send(self, chunk: int, hidden: torch.Tensor) -> None:
         """Send chunk `chunk`'s stage output [1, T, hidden] to the next stage."""
@@ -81,7 +96,7 @@ class Pipe:
         src = self._peer(self.stage - 1)
         header = torch.zeros(3, dtype=torch.int64)
         self._wait(
-            dist.irecv(header, src, group=self.group, tag=self.base + 2 * chunk),
+            started(dist.irecv(header, src, group=self.group, tag=self.base + 2 * chunk)),
             f"waiting for chunk {chunk}'s input",
         )
         c, ok, n = header.tolist()
@@ -95,7 +110,7 @@ class Pipe:
             )
         payload = torch.empty((n_tokens, self.hidden_size), dtype=self.dtype)
         self._wait(
-            dist.irecv(payload, src, group=self.group, tag=self.base + 2 * chunk + 1),
+            started(dist.irecv(payload, src, group=self.group, tag=self.base + 2 * chunk + 1)),
             f"receiving chunk {chunk}'s input",
         )
         return payload.to(device)[None]
@@ -112,7 +127,7 @@ class Pipe:
             return
         flag = torch.zeros(1, dtype=torch.int64)
         self._wait(
-            dist.irecv(flag, self._peer(self.stage - 1), group=self.group, tag=self.base + _GO),
+            started(dist.irecv(flag, self._peer(self.stage - 1), group=self.group, tag=self.base + _GO)),
             "waiting for its turn",
         )
         if not int(flag):

@@ -27,12 +27,14 @@ import torch
 import torch.distributed as dist
 
 from kvrestore import codec
+from kvrestore.backends.base import ComputeBackend
 from kvrestore.core.errors import InvalidInputError, MissingChunkError, StageFailedError, StoreError
 from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef
+from kvrestore.core.spec import ModelSpec
 from kvrestore.core.trace import Trace
 from kvrestore.distributed.boundaries import BoundaryReader
 from kvrestore.distributed.layout import StageLayout
-from kvrestore.distributed.pipe import Pipe
+from kvrestore.distributed.pipe import Pipe, started, world
 from kvrestore.distributed.plan import StagePlan
 from kvrestore.distributed.stage_backend import StageBackend
 from kvrestore.policies import LoadOnly, Policy, Progress, TokenTwoPointer
@@ -84,7 +86,7 @@ class StageRestorer:
 
     def __init__(
         self,
-        backend: object,
+        backend: ComputeBackend,
         store: ChunkStore,
         layout: StageLayout,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -98,7 +100,7 @@ class StageRestorer:
             raise InvalidInputError(
                 "torch.distributed is not initialised: use kvrestore.distributed.spawn or torchrun"
             )
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = group if group is not None else world()
         self.stage = dist.get_rank(self.group)
         if self.stage < 0:
             raise InvalidInputError("this process is not a member of the group")
@@ -107,7 +109,7 @@ class StageRestorer:
             raise InvalidInputError(f"the layout has {layout.n_stages} stages for a group of {n} ranks")
         self.restorer = Restorer(
             backend, store, chunk_size, load_lanes=load_lanes, load_timeout_s=load_timeout_s
-        )  # type: ignore[arg-type]
+        )
         self.layout = layout.check(self.restorer.spec.num_layers)
         self.stage_backend = StageBackend(backend, *layout.stages[self.stage])
         self.store, self.timeout_s = store, timeout_s
@@ -330,7 +332,7 @@ class StageRestorer:
 
 def gather_kv(
     result: StageResult,
-    spec: object,
+    spec: ModelSpec,
     group: dist.ProcessGroup | None = None,
     dst: int = 0,
     timeout_s: float = 60.0,
@@ -341,20 +343,22 @@ def gather_kv(
 
     from kvrestore.core.kv import KVCache
 
-    group = group if group is not None else dist.group.WORLD
+    group = group if group is not None else world()
     layout, wait = result.plan.layout, timedelta(seconds=timeout_s)
     peer = (lambda r: dist.get_global_rank(group, r)) if group is not dist.group.WORLD else (lambda r: r)
     try:
         if result.stage != dst:
-            dist.isend(result.shard.detach().to("cpu").contiguous(), peer(dst), group=group, tag=7).wait(wait)
+            started(
+                dist.isend(result.shard.detach().to("cpu").contiguous(), peer(dst), group=group, tag=7)
+            ).wait(wait)
             return None
         n = result.shard.shape[3]
-        kv = KVCache.empty(spec, n)  # type: ignore[arg-type]
+        kv = KVCache.empty(spec, n)
         for s, (a, b) in enumerate(layout.stages):
             if s == dst:
                 kv.data[a:b].copy_(result.shard)
             else:
-                dist.irecv(kv.data[a:b], peer(s), group=group, tag=7).wait(wait)
+                started(dist.irecv(kv.data[a:b], peer(s), group=group, tag=7)).wait(wait)
         return kv
     except RuntimeError as exc:
         raise StageFailedError(

@@ -185,6 +185,6 @@ def _landing_estimate(p: Progress, a: int) -> float | None:
         for j in range(p.n_chunks)
         if p.status[j] is ChunkStatus.LOADING
         and p.load_started[j] is not None
-        and (p.load_started[j], -j) <= (started, -a)  # type: ignore[operator]
+        and (p.load_started[j], -j) <= (started, -a)
     )
     return max(landed[-1][0], min(started, p.now)) + ahead * per_token

@@ -97,7 +97,7 @@ class BoundedStore(WrapperStore):
     async def _list(self) -> None:
         """Make the index what a listing finds: objects gone leave it, new ones join oldest first. An
         object tracked while the listing ran (a write that landed meanwhile) is newer than the listing."""
-        self._fresh = fresh = set()
+        self._fresh = fresh = set[str]()
         try:
             found = await self.inner.scan()
         finally:

@@ -60,7 +60,7 @@ class MemoryStore(ChunkStore):
         cap = f"capacity_bytes={self.capacity_bytes}" if self.capacity_bytes is not None else ""
         return f"{type(self).__name__}({cap})"
 
-    def _lookup(self, key: str) -> bytes | None:
+    def _lookup(self, key: str) -> bytes | memoryview | None:
         check_key(key)
         with self._lock:
             data = self._objects.get(key)
@@ -93,18 +93,19 @@ class MemoryStore(ChunkStore):
         check_key(key)
         if self.pinned:  # one GIL-free copy into page-locked memory, before any state changes
             host = torch.empty(len(data), dtype=torch.uint8, pin_memory=True)
-            view = memoryview(host.numpy()).cast("B")  # keeps `host` alive
+            # keeps `host` alive; an ndarray has the buffer protocol (numpy's stubs say so only on 3.12+)
+            view = memoryview(host.numpy()).cast("B")  # type: ignore[arg-type,unused-ignore]
             await copy_object(view, data)
-            data = view
+            stored: bytes | memoryview = view
         else:
-            data = bytes(data)  # no copy for bytes; snapshot for bytearray / memoryview
+            stored = bytes(data)  # no copy for bytes; snapshot for bytearray / memoryview
         with self._lock:
             self._drop(key)
-            if self.capacity_bytes is not None and len(data) > self.capacity_bytes:
+            if self.capacity_bytes is not None and len(stored) > self.capacity_bytes:
                 return
-            self._objects[key] = data
-            self.eviction.add(key, len(data))
-            self.bytes_used += len(data)
+            self._objects[key] = stored
+            self.eviction.add(key, len(stored))
+            self.bytes_used += len(stored)
             if self.capacity_bytes is not None:
                 while self.bytes_used > self.capacity_bytes:
                     victim = self.eviction.victim()

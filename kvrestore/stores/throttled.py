@@ -78,6 +78,10 @@ class ThrottledStore(WrapperStore):
         """Seconds on the link's clock."""
         return time.monotonic() - self._t0
 
+    async def _sleep(self, seconds: float) -> None:
+        """Wait `seconds` on the link's clock (a test replaces this and `clock` with a simulated clock)."""
+        await anyio.sleep(seconds)
+
     async def _through_link(self, fetch: Callable[[], Awaitable[T]], size: Callable[[T], int]) -> T:
         """Fetch from the inner store, then deliver its bytes in request order (a read's size is known
         only once it has been read, so a read books the link after every earlier request has)."""
@@ -92,7 +96,7 @@ class ThrottledStore(WrapperStore):
             done = self.link.reserve(requested_at, size(result))
             booked = True
             mine.set()
-            await anyio.sleep(max(0.0, done - self.clock()))
+            await self._sleep(max(0.0, done - self.clock()))
             return result
         finally:
             if not booked:  # failed or cancelled before booking: later requests must not wait on it
@@ -116,5 +120,5 @@ class ThrottledStore(WrapperStore):
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         found = await self.inner.contains(keys)
-        await anyio.sleep(self.link.latency_s)
+        await self._sleep(self.link.latency_s)
         return found

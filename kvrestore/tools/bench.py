@@ -28,7 +28,7 @@ from kvrestore.core.trace import Trace
 from kvrestore.policies import ComputeOnly, LoadOnly, Policy, TokenTwoPointer
 from kvrestore.restorer import Restorer
 from kvrestore.stores import FsspecStore, ThrottledStore
-from kvrestore.tools.benchmarking import format_table, machine_info, ratio, write_json
+from kvrestore.tools.benchmarking import format_table, machine_info, next_token_logits, ratio, write_json
 
 QUESTION = "\n\nQuestion: what does the with statement guarantee?\nAnswer:"
 
@@ -102,6 +102,7 @@ class Bench:
         cfg = self.config
         self.backend = HFBackend.from_smollm2(dtype=torch.float32)
         tok = self.backend.tokenizer
+        assert tok is not None  # from_smollm2 loads the model's own tokenizer
         self.prefix = reference_tokens(tok, cfg.n_tokens)
         self.suffix = torch.tensor(tok(QUESTION, add_special_tokens=False)["input_ids"])
         with tempfile.TemporaryDirectory(prefix="kvrestore-bench-") as tmp:
@@ -131,8 +132,7 @@ class Bench:
 
     async def _reference_token(self, restorer: Restorer) -> int:
         full = torch.tensor(self.prefix + self.suffix.tolist())
-        _, logits = await restorer.engine.compute(lambda: self.backend.forward(full, None, 0, logits=True))
-        return int(logits.argmax())
+        return int((await next_token_logits(restorer, self.backend, full, None, 0)).argmax())
 
     async def _ttft(self, restorer: Restorer, policy: Policy) -> Run:
         store = restorer.store
@@ -142,9 +142,7 @@ class Bench:
         result = await restorer.restore(self.prefix, policy, out=self.out)
         restore_s = time.perf_counter() - t0
         past = result.kv.data
-        _, logits = await restorer.engine.compute(
-            lambda: self.backend.forward(self.suffix, past, len(self.prefix), logits=True)
-        )
+        logits = await next_token_logits(restorer, self.backend, self.suffix, past, len(self.prefix))
         ttft = time.perf_counter() - t0
         s = result.stats
         dropped = len(result.trace.of_kind("load-dropped"))
@@ -215,7 +213,8 @@ class Bench:
             return statistics.median(getattr(r, attr) for r in runs[name])
 
         co = med("compute-only")
-        rows, grid = [], []
+        rows: list[list[Any]] = []
+        grid: list[dict[str, Any]] = []
         for m in cfg.multipliers:
             lo, tp, bound = med(f"load-only@{m}"), med(f"two-pointer@{m}"), statistics.median(oracle[m])
             point = {
@@ -297,7 +296,7 @@ class Bench:
             backend = self.backend
             shared = SharedCompute(backend, shares)
             store = ThrottledStore(self.inner, trace=bandwidth)
-            restorer = Restorer(shared, store, cfg.chunk_size, load_lanes=cfg.load_lanes)  # type: ignore[arg-type]
+            restorer = Restorer(shared, store, cfg.chunk_size, load_lanes=cfg.load_lanes)
             shared.t0 = time.perf_counter()
             run = await self._ttft(restorer, policy)
             out[policy.name] = {

@@ -24,9 +24,15 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from kvrestore.costs.profile import cpu_model
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvrestore.backends.hf import HFBackend
+    from kvrestore.restorer import Restorer
 
 # -- samples and interleaving ----------------------------------------------------------------------
 
@@ -240,3 +246,17 @@ __all__ = [
     "timed",
     "write_json",
 ]
+
+
+async def next_token_logits(
+    restorer: Restorer, backend: HFBackend, tokens: torch.Tensor, past: torch.Tensor | None, start: int
+) -> torch.Tensor:
+    """The logits after `tokens` at [start, ...) on top of `past`, computed on the restorer's compute lane
+    (the first token of an answer: what a time to first token ends with)."""
+
+    def run() -> torch.Tensor:
+        _, logits = backend.forward(tokens, past, start, logits=True)
+        assert logits is not None  # asked for
+        return logits
+
+    return cast("torch.Tensor", await restorer.engine.compute(run))

@@ -176,7 +176,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from kvrestore.core.errors import KVRestoreError
     from kvrestore.costs.profile import Profile
     from kvrestore.sim.simulate import balance_bytes_per_s, batch_lower_bound, compare_schedulers
-    from kvrestore.sim.workload import burst, poisson
+    from kvrestore.sim.workload import Kind, burst, poisson
     from kvrestore.tools.benchmarking import format_table, percentile
 
     if not 0 <= args.restore_share <= 1:
@@ -197,7 +197,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         workload = burst(args.batch, seed=args.seed, weights={"restore": 1.0})
         what = f"{args.batch} restores arriving together"
     else:
-        weights = {"restore": args.restore_share, "prefill": 1 - args.restore_share}
+        weights: dict[Kind, float] = {"restore": args.restore_share, "prefill": 1 - args.restore_share}
         workload = poisson(args.rate, args.duration, seed=args.seed, weights=weights)
         what = f"{len(workload)} requests, Poisson at {args.rate}/s"
     if not any(r.kind == "restore" for r in workload):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TextIO
 
@@ -18,8 +19,10 @@ import torch
 
 from kvrestore import policies as policy_mod
 from kvrestore.core.paths import cache_root
+from kvrestore.planning import Auto
 from kvrestore.restorer import Restorer
 from kvrestore.stores import ThrottledStore, open_store
+from kvrestore.tools.benchmarking import next_token_logits
 from kvrestore.tools.text import reference_tokens
 
 QUESTION = "What does the with statement guarantee about the __exit__() method?"
@@ -84,6 +87,7 @@ async def run_demo(
     smollm2_checkpoint(progress=say)
     backend = HFBackend.from_smollm2(dtype=torch.float32)
     tok = backend.tokenizer
+    assert tok is not None  # from_smollm2 loads the model's own tokenizer
     store_url = store_url or default_store_url()
     if fresh and store_url.startswith("file://"):
         import shutil
@@ -116,15 +120,17 @@ async def run_demo(
 
         full = torch.tensor(prefix + suffix)
         say("baseline: full prefill of document + question, no cache")
+
         t0 = time.perf_counter()
-        _, logits = await restorer.engine.compute(lambda: backend.forward(full, None, 0, logits=True))
+        logits = await next_token_logits(restorer, backend, full, None, 0)
         base_ttft = time.perf_counter() - t0
         first = int(logits.argmax())
 
         # Each policy from the local disk; then, since a local disk is far faster than computing, the
         # policies that read again through a link only as fast as computing (where computing and
         # loading at the same time pays most), as a store shared over the network may be.
-        saved_bytes = sum(map(len, await store.get_many([r.key for r in restorer.chunks(prefix)[1]])))
+        stored_chunks = await store.get_many([r.key for r in restorer.chunks(prefix)[1]])
+        saved_bytes = sum(len(data) for data in stored_chunks if data is not None)
         link = ThrottledStore(store, saved_bytes / base_ttft)
         slow = Restorer(backend, link, chunk_size=chunk_size, engine=restorer.engine)
         where = {"local": "local disk", "link": f"link {link.trace.rate_at(0) / 1e6:.0f} MB/s"}
@@ -132,7 +138,7 @@ async def run_demo(
         cases += [
             ("link", slow, p) for p in policy_mod.available() if not isinstance(p, policy_mod.ComputeOnly)
         ]
-        cases.append(("link", slow, policy_mod.Auto()))  # the planner: what it picks, and why
+        cases.append(("link", slow, Auto()))  # the planner: what it picks, and why
         for place, r, policy in cases:
             unit = "layers" if policy.axis == "layers" else "chunks"
             n_units = backend.spec.num_layers if unit == "layers" else -(-len(prefix) // chunk_size)
@@ -149,14 +155,12 @@ async def run_demo(
             result = await r.restore(prefix, policy, on_event=on_event)
             restore_s = time.perf_counter() - t0
             past = result.kv.data
-            _, logits = await restorer.engine.compute(
-                lambda past=past: backend.forward(torch.tensor(suffix), past, len(prefix), logits=True)
-            )
+            logits = await next_token_logits(restorer, backend, torch.tensor(suffix), past, len(prefix))
             ttft = time.perf_counter() - t0
             if int(logits.argmax()) != first:
                 say(f"warning: {policy.name} gave another first token than the full prefill")
             answer_ids = await anyio.to_thread.run_sync(
-                lambda kv=result.kv: backend.generate(full, kv, max_new_tokens=max_new_tokens)
+                partial(backend.generate, full, result.kv, max_new_tokens=max_new_tokens)
             )
             answer = tok.decode(answer_ids, skip_special_tokens=True).strip()
             s = result.stats
@@ -181,11 +185,11 @@ async def run_demo(
     head = f"\n{'policy':<22}{'store':<16}{'TTFT s':>8}{'vs full':>9}{'computed':>11}{'loaded':>11}"
     print(head, file=out)
     print(f"{'full prefill':<22}{'(no cache)':<16}{base_ttft:8.2f}{1.0:9.2f}{'-':>11}{'-':>11}", file=out)
-    for r in runs:
-        unit = "L" if r.unit == "layers" else ""
-        computed, loaded = f"{r.computed}{unit}", f"{r.loaded}{unit}"
+    for row in runs:
+        unit = "L" if row.unit == "layers" else ""
+        computed, loaded = f"{row.computed}{unit}", f"{row.loaded}{unit}"
         print(
-            f"{r.name:<22}{r.store:<16}{r.ttft_s:8.2f}{r.ttft_s / base_ttft:9.2f}{computed:>11}{loaded:>11}",
+            f"{row.name:<22}{row.store:<16}{row.ttft_s:8.2f}{row.ttft_s / base_ttft:9.2f}{computed:>11}{loaded:>11}",
             file=out,
         )
     print("(L: layers, for the layer-wise two-pointer; otherwise chunks)", file=out)

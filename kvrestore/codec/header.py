@@ -1,18 +1,17 @@
-"""The framing every stored object shares: prefix, msgpack header, 64-byte-aligned sections.
+"""The framing of a stored chunk: its constants, its msgpack header, and reading and checking that header.
 
-    magic (4 bytes) | u32 LE header length | u32 LE crc32(header) | header | zero padding | sections
-
-Chunks of KV (`codec.chunk`, magic b"KVRC") and boundary activations (`codec.boundary`, b"KVRB") are
-framed alike. This module holds the constants, the chunk header's types, and reading and checking a
-header; `codec.chunk` encodes and decodes chunk bodies.
+An object starts with `MAGIC`, the header's length and the header's crc32 (`PREFIX_SIZE` bytes), then the
+header (`ChunkHeader`: whose chunk, its shapes and dtype, and each layer's `LayerSection`), then the
+sections from `body_start_after(header end)`. `codec.chunk` encodes and decodes whole chunks with it;
+`codec.boundary` frames boundary activations the same way.
 """
 
 from __future__ import annotations
 
 import struct
 import sys
-import warnings
 import zlib
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -70,10 +69,6 @@ class _Versioned(msgspec.Struct):
 
     version: int
 
-
-# `_fill` only reads through its zero-copy view of stored bytes; torch's warning about read-only buffers
-# does not apply.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _HEADER_DECODER = msgspec.msgpack.Decoder(ChunkHeader)
@@ -180,3 +175,9 @@ def check_header(header: ChunkHeader, spec: ModelSpec, key: str, start: int, n_t
         if got != want:
             raise ForeignChunkError(f"chunk {field} is {got!r}, expected {want!r}")
     _check_spec(header, spec)
+
+
+def layer_ranges(header: ChunkHeader, layers: Sequence[int] | None = None) -> list[tuple[int, int]]:
+    """Byte ranges [start, end) of the given layers' sections (all layers by default), for get_ranges."""
+    idx = range(header.num_layers) if layers is None else layers
+    return [(header.layers[i].offset, header.layers[i].offset + header.layers[i].length) for i in idx]

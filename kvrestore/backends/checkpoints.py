@@ -47,7 +47,7 @@ def smollm2_checkpoint(cache_dir: str | os.PathLike | None = None, progress: Any
     # the GGUF was dequantized on load: save plain weights, not a quantized checkpoint
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it as set; None drops it
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:

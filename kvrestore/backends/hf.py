@@ -151,7 +151,7 @@ class HFBackend(HFBlendMixin):
         mod = self._layers[layer]
         q, k, v = self._project(mod, hidden, cos, sin)
         n_past = 0 if past_k is None else past_k.shape[1]
-        if n_past:
+        if past_k is not None and past_v is not None and n_past:
             keys = torch.cat([past_k.unsqueeze(0), k], dim=2)
             values = torch.cat([past_v.unsqueeze(0), v], dim=2)
         else:
@@ -160,12 +160,12 @@ class HFBackend(HFBlendMixin):
         return self._mix(mod, hidden, out), k[0], v[0]
 
     def _project(
-        self, mod: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, with_q: bool = True
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
-        """A layer's Q (unless `with_q` is False), K (both normed if the model does, after RoPE) and V
-        of `hidden` [1, T, hidden], each [1, heads, T, D]."""
-        q, k, v = self._project_normed(mod, mod.input_layernorm(hidden), cos, sin, with_q=with_q)
-        assert k is not None and v is not None
+        self, mod: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A layer's Q, K (both normed if the model does, after RoPE) and V of `hidden` [1, T, hidden],
+        each [1, heads, T, D]."""
+        q, k, v = self._project_normed(mod, mod.input_layernorm(hidden), cos, sin)
+        assert q is not None and k is not None and v is not None
         return q, k, v
 
     def _project_normed(

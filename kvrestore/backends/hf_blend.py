@@ -7,7 +7,7 @@ projection helpers (`_layers`, `_rotary`, `rotary`, `_project`, `_project_normed
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,29 @@ class HFBlendMixin:
     _qk_norm: bool
     _scaling: float
     device: torch.device
+
+    if TYPE_CHECKING:  # what HFBackend, the class this is mixed into, provides
+
+        def rotary(
+            self, hidden: torch.Tensor, positions: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+        def _project(
+            self, mod: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+        def _project_normed(
+            self,
+            mod: Any,
+            x: torch.Tensor,
+            cos: torch.Tensor,
+            sin: torch.Tensor,
+            with_q: bool = True,
+            with_kv: bool = True,
+        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]: ...
+
+        @staticmethod
+        def _mix(mod: Any, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor: ...
 
     def rope_inv_freq(self) -> torch.Tensor:
         """The model's own RoPE inverse frequencies [D/2], checked to make re-rotation exact.
@@ -139,7 +162,9 @@ class HFBlendMixin:
             q, kr, vr = self._project(mod, hidden, cos, sin)
         else:
             x, k_rows, v_rows = projected
-            q, _, _ = self._project_normed(mod, x, cos, sin, with_kv=False)
+            q_only, _, _ = self._project_normed(mod, x, cos, sin, with_kv=False)
+            assert q_only is not None
+            q = q_only
             kr, vr = k_rows[None], v_rows[None]
         k.index_copy_(1, index, kr[0])
         v.index_copy_(1, index, vr[0])

@@ -12,6 +12,7 @@ profile` on the command line) measures
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 import statistics
@@ -71,7 +72,7 @@ def measure_chunks(backend: Any, max_tokens: int, chunk_size: int, repeats: int 
 
             samples.append([end - start, start, _timed(unit, repeats)])
     for n in _doublings(chunk_size // 2, max_tokens // 2):
-        samples.append([n, 0, _timed(lambda n=n: backend.prefill_chunk(tokens[:n], None, 0), repeats)])
+        samples.append([n, 0, _timed(functools.partial(backend.prefill_chunk, tokens[:n], None, 0), repeats)])
     return samples
 
 

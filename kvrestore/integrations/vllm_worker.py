@@ -145,7 +145,7 @@ class WorkerSide:
             )
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
+        super().bind_connector_metadata(connector_metadata)  # type: ignore[misc]  # vLLM's base, next in the MRO
         self._bound_at = time.perf_counter()
         self._waited_s = 0.0
 

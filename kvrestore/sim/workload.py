@@ -90,8 +90,11 @@ class Request:
 class Lengths(Protocol):
     """A distribution of token counts."""
 
-    low: int
-    high: int
+    @property
+    def low(self) -> int: ...
+
+    @property
+    def high(self) -> int: ...
 
     def sample(self, rng: random.Random) -> int: ...
 

@@ -56,9 +56,9 @@ def _pid_alive(pid: int) -> bool:
 def _dead_writer(name: str) -> bool:
     """A temp file written by a process of this host that no longer runs (so it will never be renamed)."""
     m = _TMP_OWNER.match(name)
-    return (
-        bool(m) and m.group(1) == _HOST and int(m.group(2)) != os.getpid() and not _pid_alive(int(m.group(2)))
-    )
+    if m is None:
+        return False
+    return m.group(1) == _HOST and int(m.group(2)) != os.getpid() and not _pid_alive(int(m.group(2)))
 
 
 def _trusted(mtime_ns: int, listed_at: float) -> bool:

@@ -279,7 +279,8 @@ class FsspecStore(ChunkStore):
             raise StoreError(f"cannot list {self.name}: {type(e).__name__}: {e}") from e
         out = []
         for path, info in found.items():
-            *_, shard, name = ["", *path.split("/")]
+            parts: list[str] = ["", *str(path).split("/")]
+            shard, name = parts[-2], parts[-1]
             key = stored_key(name, shard)
             if key is not None:
                 mtime = info.get("LastModified") or info.get("mtime") or info.get("created") or 0.0

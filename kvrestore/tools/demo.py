@@ -18,6 +18,7 @@ import torch
 
 from kvrestore import policies as policy_mod
 from kvrestore.core.paths import cache_root
+from kvrestore.planning import Auto
 from kvrestore.restorer import Restorer
 from kvrestore.stores import ThrottledStore, open_store
 from kvrestore.tools.text import reference_tokens
@@ -132,7 +133,7 @@ async def run_demo(
         cases += [
             ("link", slow, p) for p in policy_mod.available() if not isinstance(p, policy_mod.ComputeOnly)
         ]
-        cases.append(("link", slow, policy_mod.Auto()))  # the planner: what it picks, and why
+        cases.append(("link", slow, Auto()))  # the planner: what it picks, and why
         for place, r, policy in cases:
             unit = "layers" if policy.axis == "layers" else "chunks"
             n_units = backend.spec.num_layers if unit == "layers" else -(-len(prefix) // chunk_size)

@@ -205,7 +205,8 @@ def test_every_async_method_has_a_sync_face():
     """SyncRestorer is generated from Restorer: a new public async method cannot be left without its
     blocking twin, nor drift from it in name, signature or docstring."""
     names = public_coroutines(Restorer)
-    assert {"lookup", "save", "restore", "save_chunk", "restore_blend", "choose_blend_store", "close"} <= set(names)
+    expected = {"lookup", "save", "restore", "save_chunk", "restore_blend", "choose_blend_store", "close"}
+    assert expected <= set(names)
     for name in names:
         face = getattr(SyncRestorer, name, None)
         assert face is not None, f"SyncRestorer has no {name}"

@@ -150,12 +150,12 @@ def test_compute_units_are_sized_from_the_measured_fixed_cost(llama_backend, cap
     # launch-bound below 600 tokens (fixed cost more than a quarter of its time): units are merged
     heavy = make_profile(llama_backend, chunk=ChunkCost(0.02, 1e-4, 0.0, 0.0))
     r = Restorer(llama_backend, MemoryStore(), chunk_size=32, profile=heavy)
-    assert r._min_unit_tokens() == 600 and r._min_unit_chunks() == 19
+    assert r.planner.min_unit_tokens() == 600 and r.planner.min_unit_chunks() == 19
     light = make_profile(llama_backend, chunk=ChunkCost(0.0, 1e-4, 0.0, 0.0))
-    assert Restorer(llama_backend, MemoryStore(), chunk_size=32, profile=light)._min_unit_chunks() == 1
+    assert Restorer(llama_backend, MemoryStore(), chunk_size=32, profile=light).planner.min_unit_chunks() == 1
     # the planner predicts the token-wise two-pointer with the same floor the restore runs with
     tokens = random_tokens(640, llama_backend.spec.vocab_size)
-    work = r._workload(r.chunks(tokens)[1], [True] * 20)
+    work = r.planner.workload(r.chunks(tokens)[1], [True] * 20)
     assert work.min_unit_chunks == 19
 
     async def main():

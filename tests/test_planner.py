@@ -11,7 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore import (
+    Auto,
+    ComputeOnly,
+    LayerTwoPointer,
+    LoadOnly,
+    Policy,
+    Restorer,
+    ThrottledStore,
+    TokenTwoPointer,
+)
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.costs.calibration import Calibration
@@ -119,8 +128,10 @@ def test_restore_defaults_to_auto_and_returns_its_plan(llama_backend):
     r = Restorer(llama_backend, MemoryStore(), chunk_size=32, profile=make_profile(llama_backend))
     with pytest.raises(InvalidInputError, match="2 flags for 7 chunks"):
         r.plan(tokens, [True, True])
-    with pytest.raises(TypeError, match="Restorer.restore"):
-        Auto().decide(None)  # type: ignore[arg-type]
+    # Auto plans a whole restore: it is no Policy, so nothing can ask it for a decision that raises
+    assert not isinstance(Auto(), Policy) and not hasattr(Auto(), "decide")
+    res = anyio.run(r.restore, tokens, Auto())  # and restore takes it, replaced by its plan's choice
+    assert res.plan is not None and res.stats.policy == res.plan.choice.name == "compute-only"
 
 
 def test_calibration_learns_how_each_strategy_compares_with_its_prediction():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import threading
 
 import anyio
@@ -20,6 +22,7 @@ from kvrestore import (
     open_store,
 )
 from kvrestore.core.keys import chunk_keys
+from kvrestore.core.sync import public_coroutines
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.memory import MemoryStore
 
@@ -196,6 +199,44 @@ def test_sync_facade(llama_backend, tmp_path):
         assert r.lookup(tokens) == 80
         res = r.restore(tokens, LoadOnly())
     torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+def test_every_async_method_has_a_sync_face():
+    """SyncRestorer is generated from Restorer: a new public async method cannot be left without its
+    blocking twin, nor drift from it in name, signature or docstring."""
+    names = public_coroutines(Restorer)
+    expected = {"lookup", "save", "restore", "save_chunk", "restore_blend", "choose_blend_store", "close"}
+    assert expected <= set(names)
+    for name in names:
+        face = getattr(SyncRestorer, name, None)
+        assert face is not None, f"SyncRestorer has no {name}"
+        assert not inspect.iscoroutinefunction(face), f"SyncRestorer.{name} is not blocking"
+        if name != "close":  # close also stops the loop: written out, and takes no arguments either way
+            assert inspect.signature(face) == inspect.signature(getattr(Restorer, name))
+            assert face.__doc__ == getattr(Restorer, name).__doc__
+    assert list(inspect.signature(SyncRestorer.close).parameters) == ["self"]
+
+
+def test_sync_facade_runs_on_one_loop_thread(llama_backend):
+    """Every sync call runs on the SyncRestorer's own event loop, one thread for all of them (stores
+    that bind connections to a loop keep working), and close stops it."""
+    seen = []
+
+    class LoopStore(MemoryStore):
+        async def contains(self, keys):
+            seen.append((threading.get_ident(), id(asyncio.get_running_loop())))
+            return await super().contains(keys)
+
+    tokens = random_tokens(64, llama_backend.spec.vocab_size)
+    r = SyncRestorer(llama_backend, LoopStore(), chunk_size=32, learn=False)
+    assert r.lookup(tokens) == 0
+    r.save(tokens)
+    assert r.lookup(tokens) == 64
+    assert len(set(seen)) == 1 and seen[0][0] != threading.get_ident()
+    r.close()
+    r.close()  # twice is fine
+    with pytest.raises(RuntimeError):
+        r.lookup(tokens)
 
 
 class SlowStore(MemoryStore):

@@ -28,7 +28,7 @@ from kvrestore.costs.calibration import Calibration
 from kvrestore.costs.compute import ChunkCost, LayerCost
 from kvrestore.costs.links import LinkCost
 from kvrestore.costs.profile import Profile
-from kvrestore.policies.base import Decision, Policy, Progress
+from kvrestore.policies.base import Policy
 from kvrestore.policies.compute_only import ComputeOnly
 from kvrestore.policies.layer_two_pointer import LayerTwoPointer
 from kvrestore.policies.load_only import LoadOnly
@@ -103,12 +103,15 @@ class Plan:
         return "\n".join(lines)
 
 
-class Auto(Policy):
+class Auto:
     """Pick the restore strategy predicted fastest (see the module docstring).
 
     Pass it to `Restorer.restore` (it is the default there); the restorer plans with its cost model
     (a measured profile, or what it learned from its own saves and restores) and its link estimate,
     and runs the chosen policy. Until it has a cost model and a link estimate, it explores (`explore`).
+
+    It is a planner, not a `Policy`: it plans a whole restore once, before it starts, and never decides
+    a unit, so no engine or simulator can be handed something whose decisions raise.
     """
 
     name = "auto"
@@ -124,11 +127,6 @@ class Auto(Policy):
 
     def __repr__(self) -> str:
         return "Auto()"
-
-    def decide(self, progress: Progress) -> Decision:
-        raise TypeError(
-            "Auto plans a whole restore: pass it to Restorer.restore, or run Auto.plan(...).choice"
-        )
 
     def plan(
         self,

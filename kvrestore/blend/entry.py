@@ -1,0 +1,63 @@
+"""CacheBlend as `Restorer` offers it: token ids in, checked the way every restore checks them.
+
+`save_chunk`, `restore_blend` and `choose_blend_store` (chunks, fuse, placement) take validated token
+tensors; these take what a caller has (lists, [1, n] tensors, None for no prefix or suffix), refuse
+bad input with `InvalidInputError` before any work, and hold a blend to the model's context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvrestore.backends.base import ComputeBackend
+from kvrestore.blend.chunks import save_chunk
+from kvrestore.blend.fuse import BlendResult, restore_blend
+from kvrestore.chunkio.pool import StagingPool
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.tokens import TokenIds, check_length, model_tokens, optional_tokens
+from kvrestore.policies.blend import Blend
+from kvrestore.stores.base import ChunkStore
+
+
+async def save_prompt_chunk(
+    backend: ComputeBackend, store: ChunkStore, token_ids: TokenIds, prefix: TokenIds | None, compression: str
+) -> str:
+    """`Restorer.save_chunk`: the chunk's content key, after storing it unless it is stored already."""
+    tokens = model_tokens(backend, token_ids)
+    head = optional_tokens(backend, prefix)
+    check_length(backend, len(head) + len(tokens), "the prefix and chunk")
+    key, _ = await save_chunk(backend, store, tokens, prefix=head, compression=compression)  # type: ignore[arg-type]
+    return key
+
+
+async def blend_prompt(
+    backend: ComputeBackend,
+    store: ChunkStore,
+    chunks: Sequence[TokenIds],
+    suffix: TokenIds | None,
+    policy: Blend | None,
+    prefix: TokenIds | None,
+    load_stream: torch.cuda.Stream | None,
+    pool: StagingPool,
+) -> BlendResult:
+    """`Restorer.restore_blend`: checks the parts, then blends them (`fuse.restore_blend`)."""
+    if isinstance(chunks, (str, bytes, torch.Tensor)) or not isinstance(chunks, Sequence):
+        raise InvalidInputError("chunks must be a list of token-id sequences, one per chunk")
+    if policy is not None and not isinstance(policy, Blend):
+        raise InvalidInputError(f"policy must be a Blend (or None), got {policy!r}")
+    parts = [model_tokens(backend, c) for c in chunks]
+    tail, head = optional_tokens(backend, suffix), optional_tokens(backend, prefix)
+    total = len(head) + sum(len(t) for t in parts) + len(tail)
+    check_length(backend, total, "the blend (prefix, chunks and suffix)")
+    return await restore_blend(
+        backend,  # type: ignore[arg-type]
+        store,
+        parts,
+        tail,
+        policy,
+        prefix=head,
+        load_stream=load_stream,
+        pool=pool,
+    )

@@ -1,0 +1,47 @@
+"""One chunk of a prompt into its rows of a KV cache, and what happens to a damaged one.
+
+A chunk that fails to decode (corrupt, truncated, foreign) is deleted from the store: it is never
+served again, and the next save writes a good copy. A fault raises before the chunk counts as loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import anyio
+
+from kvrestore.chunkio.load import ChunkLoader
+from kvrestore.core.errors import ChunkDecodeError
+from kvrestore.core.keys import ChunkRef
+from kvrestore.core.kv import KVCache
+from kvrestore.stores.base import ChunkStore
+
+log = logging.getLogger("kvrestore.chunkio")
+
+
+async def load_chunk(loader: ChunkLoader, ref: ChunkRef, kv: KVCache) -> int:
+    """Fetch, verify and place `ref` in its token range of `kv` (`ChunkLoader.load`); returns the stored
+    bytes read. A damaged chunk is forgotten before its error propagates."""
+    try:
+        return await loader.load(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
+    except ChunkDecodeError:
+        await forget(loader.store, ref.key)
+        raise
+
+
+def load_chunk_now(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: list[str]) -> int:
+    """`load_chunk` on a load-lane thread (stores that read without the event loop): a damaged chunk's
+    key goes to `damaged`, to be forgotten on the loop (`forget`) once the restore is over."""
+    try:
+        return loader.load_now(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
+    except ChunkDecodeError:
+        damaged.append(ref.key)
+        raise
+
+
+async def forget(store: ChunkStore, key: str) -> None:
+    """Delete a damaged chunk: never serve it again; the next save writes a good copy."""
+    log.warning("chunk %s is damaged: deleted from the store (the next save writes it again)", key)
+    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+        await store.delete(key)  # best effort: the miss is what matters

@@ -1,0 +1,86 @@
+"""Writing a prompt's chunks: encode each off the event loop and store it, a few at a time.
+
+A store fault fails its chunk only (the others are written and stay stored); once every write has
+ended they raise one `SaveError` that says which keys were written and which were not. Any other error
+is a bug and propagates as itself, not wrapped in an exception group.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import anyio
+import anyio.to_thread
+
+from kvrestore import codec
+from kvrestore.core.errors import SaveError, StoreError
+from kvrestore.core.keys import ChunkRef
+from kvrestore.core.kv import KVCache
+from kvrestore.core.spec import ModelSpec
+from kvrestore.stores.base import ChunkStore
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+#: faults of one chunk's write that fail that chunk only (`SaveError`); any other error is a bug and propagates
+WRITE_FAULTS = (StoreError, OSError)
+
+
+@dataclass
+class SaveStats:
+    n_chunks: int
+    written_chunks: int
+    skipped_chunks: int  # already stored
+    bytes_written: int
+    seconds: float
+
+
+async def write_chunks(
+    store: ChunkStore, spec: ModelSpec, kv: KVCache, refs: list[ChunkRef], lanes: int, compression: str
+) -> int:
+    """Encode and store `refs`' chunks of `kv`, `lanes` at a time; returns the bytes written. Store
+    faults (`WRITE_FAULTS`) fail their chunk only: `SaveError` once all writes have ended."""
+    nbytes = 0
+    written: list[str] = []
+    failed: dict[str, Exception] = {}
+    limiter = anyio.CapacityLimiter(lanes)
+
+    async def write(ref: ChunkRef) -> None:
+        nonlocal nbytes
+        async with limiter:
+            chunk = kv.chunk(ref.start, ref.end)
+            blob = await anyio.to_thread.run_sync(
+                lambda: codec.encode_chunk(chunk, spec, ref.key, compression=compression)
+            )
+            try:
+                await store.put(ref.key, blob)
+            except WRITE_FAULTS as exc:
+                failed[ref.key] = exc
+                return
+            written.append(ref.key)
+            nbytes += len(blob)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for ref in refs:
+                tg.start_soon(write, ref)
+    except BaseExceptionGroup as group:  # a bug, not a store fault: raise it as itself
+        raise first_error(group) from None
+    if failed:
+        first = next(iter(failed.values()))
+        raise SaveError(
+            f"{len(failed)} of {len(refs)} chunks could not be written ({len(written)} were, and stay "
+            f"stored); first error: {type(first).__name__}: {first}",
+            written,
+            failed,
+        ) from first
+    return nbytes
+
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The first error inside (nested) exception groups."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc

@@ -1,0 +1,224 @@
+"""The restorer's planner: the cost model it predicts with, what `Auto` chooses, and what it learns.
+
+One object keeps everything a restorer knows about costs -- a measured `Profile` (or None), the costs
+it learned from its own saves and restores (`CostLearner`), the live estimate of the store's link and
+the calibration of predictions against measured restores -- so the facade only asks it to plan, feeds
+it each restore's trace, and lets it persist what it learned.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import anyio.to_thread
+import torch
+
+from kvrestore.backends.base import ComputeBackend
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.keys import ChunkRef
+from kvrestore.core.spec import dtype_name
+from kvrestore.core.trace import Trace
+from kvrestore.costs.calibration import Calibration
+from kvrestore.costs.learned import CostLearner, check_learn, learned_path
+from kvrestore.costs.links import LinkEstimate
+from kvrestore.costs.profile import Profile
+from kvrestore.planning.auto import PLANNED, Auto, Plan, Workload, predict
+from kvrestore.policies import Policy
+from kvrestore.runtime.engine import Engine
+
+log = logging.getLogger("kvrestore.planning")
+
+#: On a GPU a compute unit smaller than this is launch-bound: measured on an H100 with Llama-3.1-8B's
+#: shape, a 256-token unit costs about 1.1 ms of kernel launches per layer for 0.28 ms of work, while from
+#: about 1,024-2,048 tokens the work hides the launches (`benchmarks/gpu_restore.py --compute-chunks`).
+#: On a CPU the work always dominates, so units stay as small as the policy likes.
+CUDA_MIN_UNIT_TOKENS = 2048
+
+#: with learned costs, how much faster a strategy never run must be predicted than one that was run,
+#: to be chosen over it (`Auto.plan`): learned from one strategy's restores, the others' predictions
+#: are extrapolations
+UNTRIED_MARGIN = 1.15
+
+#: a compute unit's fixed cost (launches, per-call work) may be at most this share of its time
+LAUNCH_SHARE = 0.25
+#: the largest unit the cost model may ask for on its own
+MAX_MIN_UNIT_TOKENS = 4096
+
+ProfileArg = Profile | str | os.PathLike | Literal[False] | None
+
+
+def find_profile(backend: ComputeBackend, profile: ProfileArg) -> Profile | None:
+    """The measured profile to plan with: False for none, None for the one `kvrestore profile` saved
+    for this machine and model (if any), else the given one (or a path to it), which must match."""
+    spec = backend.spec
+    if profile is False:  # none, even if one is saved: the costs are learned
+        return None
+    if profile is None:
+        return Profile.find(spec, backend.device)
+    if not isinstance(profile, Profile):
+        profile = Profile.load(profile)
+    if not profile.matches(spec, backend.device):
+        raise InvalidInputError(
+            f"the profile is of {profile.model} ({profile.dtype}, {profile.device}), not of "
+            f"{spec.name} ({dtype_name(spec.dtype)}, {torch.device(backend.device).type})"
+        )
+    return profile
+
+
+class Planner:
+    """Plans a restorer's restores and learns their costs (see the module docstring).
+
+    `store_name` names the store in the learned costs; `learn` is True (keep them under the cache
+    directory), a path, or False (in memory only), as `Restorer` takes it.
+    """
+
+    def __init__(
+        self,
+        backend: ComputeBackend,
+        engine: Engine,
+        chunk_size: int,
+        store_name: str,
+        profile: ProfileArg = None,
+        learn: bool | str | os.PathLike = True,
+    ) -> None:
+        self.backend, self.engine, self.chunk_size = backend, engine, chunk_size
+        spec = backend.spec
+        self.profile = find_profile(backend, profile)
+        self.costs = CostLearner(spec, backend.device, store_name)
+        learn = check_learn(learn)
+        self.learned_at: Path | None = (
+            learned_path(spec, backend.device, self.costs.state.store) if learn is True else learn or None
+        )
+        if self.learned_at is not None:
+            self.costs.load(self.learned_at)
+        start = self.profile.link if self.profile is not None else None
+        self.link = LinkEstimate(start or self.costs.state.link)
+        self.link.measured_latency = start is not None  # else it goes on estimating it from the loads
+        self.calibration = Calibration()  # how this restorer's restores compare with predictions
+        self.calibration.resume(self.costs.state.calibration, self.costs.state.calibrated)
+
+    @property
+    def cost_model(self) -> Profile | None:
+        """What `Auto` predicts with: the measured profile, else the learned costs (None before any
+        compute unit was seen)."""
+        return self.profile if self.profile is not None else self.costs.profile()
+
+    def costs_line(self) -> str:
+        """Where the cost model comes from, for `Plan.explain`."""
+        if self.profile is not None:
+            return f"from the profile of this machine ({self.profile.created or 'kvrestore profile'})"
+        return self.costs.describe()
+
+    def plan(self, refs: list[ChunkRef], stored: Sequence[bool], auto: Auto | None = None) -> Plan:
+        """What `auto` (default `Auto()`) chooses for `refs` given which are `stored`."""
+        return (auto or Auto()).plan(
+            self.cost_model,
+            self.link.current,
+            self.workload(refs, stored),
+            self.calibration,
+            costs=self.costs_line(),
+            untried_margin=1.0 if self.profile is not None else UNTRIED_MARGIN,
+        )
+
+    def workload(self, refs: list[ChunkRef], stored: Sequence[bool]) -> Workload:
+        """One restore as the planner sees it."""
+        spec = self.backend.spec
+        return Workload(
+            tuple(r.n_tokens for r in refs),
+            tuple(bool(s) for s in stored),
+            spec.num_layers,
+            spec.kv_bytes_per_token,
+            self.engine.load_lanes,
+            self.min_unit_chunks(),
+        )
+
+    def min_unit_chunks(self) -> int:
+        """`Progress.min_unit_chunks` of the token-wise restores (see `min_unit_tokens`)."""
+        if not self.engine.times_restores_alone:  # a batch scheduler sizes units from its own token budget
+            return 1
+        return max(1, -(-self.min_unit_tokens() // self.chunk_size))
+
+    def min_unit_tokens(self) -> int:
+        """The fewest tokens a compute unit should cover: the backend's `min_unit_tokens` if it says;
+        else, from the cost model, the fewest for which the fixed cost of a unit (on a GPU, mostly
+        kernel launches) is at most `LAUNCH_SHARE` of its time, so launch-bound units are merged; before
+        any cost is known, `CUDA_MIN_UNIT_TOKENS` on a GPU and none on a CPU."""
+        own = getattr(self.backend, "min_unit_tokens", None)
+        if own is not None:
+            return int(own)
+        model = self.cost_model
+        if model is not None and model.chunk.per_token_s > 0:
+            fixed, per_token = model.chunk.fixed_s, model.chunk.per_token_s
+            return min(MAX_MIN_UNIT_TOKENS, math.ceil(fixed * (1 - LAUNCH_SHARE) / LAUNCH_SHARE / per_token))
+        return CUDA_MIN_UNIT_TOKENS if torch.device(self.backend.device).type == "cuda" else 0
+
+    def predicted(
+        self, policy: Policy, plan: Plan | None, refs: list[ChunkRef], stored: Sequence[bool]
+    ) -> float | None:
+        """The cost model's own (uncalibrated) prediction for running `policy`, where there is one to
+        learn from: a cost model, a link estimate, a strategy the planner knows, and an engine whose
+        restore times are their own (`Engine.times_restores_alone`; not a `BatchEngine`)."""
+        model = self.cost_model
+        if model is None or self.link.current is None or not self.engine.times_restores_alone:
+            return None
+        if plan is not None and policy.name in plan.predicted_s:
+            return plan.predicted_s[policy.name] / plan.calibration.get(policy.name, 1.0)
+        if policy.name not in PLANNED or not any(stored):
+            return None
+        return predict(policy, model, self.link.current, self.workload(refs, stored))
+
+    def calibrate(
+        self,
+        policy: Policy,
+        predicted: float | None,
+        refs: list[ChunkRef],
+        stored: Sequence[bool],
+        seconds: float,
+        clean: bool,
+    ) -> None:
+        """After a restore: set its time against the prediction (a clean one only), count it."""
+        if predicted is None and self.profile is None:
+            # an exploring restore: set against what the costs it just taught predict for it, so the
+            # planner knows how that strategy compares with its model (and that it has run it)
+            predicted = self.predicted(policy, None, refs, stored)
+        if predicted is not None and clean:
+            self.calibration.observe(policy.name, predicted, seconds)
+        self.costs.observe_restore()
+
+    def learn(self, trace: Trace, refs: list[ChunkRef], layers_over: int | None = None) -> None:
+        """Feed what a restore (or a save's restore) did to the cost model and the link estimate: its
+        compute units (token-wise, or layer-wise over `layers_over` tokens) and its loads. Compute
+        times are learned only where the restore had the compute lane to itself (not under a batch
+        scheduler)."""
+        if self.engine.times_restores_alone:
+            for e in trace.of_kind("compute"):
+                seconds = e.end_s - e.start_s
+                if layers_over is None:
+                    start = refs[e.first_chunk].start
+                    self.costs.observe_compute(refs[e.last_chunk].end - start, start, seconds)
+                else:
+                    self.costs.observe_layers(layers_over, e.last_chunk - e.first_chunk + 1, seconds)
+        moved = self.link.observe(trace)
+        self.costs.observe_link(self.link.current, moved)
+
+    def learn_compute(self, n_tokens: int, start: int, seconds: float) -> None:
+        """One compute unit timed outside the engine (a layer-wise restore's token-wise tail)."""
+        if self.engine.times_restores_alone:
+            self.costs.observe_compute(n_tokens, start, seconds)
+
+    async def keep(self) -> None:
+        """Persist what was learned (a small JSON file; a failure to write it is logged, not raised)."""
+        if self.learned_at is None or self.profile is not None:
+            return
+        self.costs.state.calibration = self.calibration.logs()
+        self.costs.state.calibrated = dict(self.calibration.observations)
+        try:
+            await anyio.to_thread.run_sync(self.costs.save, self.learned_at)
+        except OSError as exc:
+            log.warning("could not keep the learned costs at %s: %s", self.learned_at, exc)
+            self.learned_at = None

@@ -1,0 +1,76 @@
+"""A restore along layers: the stored prefix layer by layer (compute bottom-up, load top-down, as the
+policy decides: CacheFlow's layer-wise two-pointer), then the chunks after it computed token-wise.
+
+A fault on any layer read (missing, damaged or foreign chunk, store error) fails that layer and every
+later one, which are computed instead: once a chunk is unusable, no layer read that includes it can be
+used.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+
+from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
+from kvrestore.policies import ComputeOnly, Policy, Progress
+from kvrestore.restore.compute import LayerCompute, prefill_into
+from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
+from kvrestore.restore.token_wise import restore_tokens
+
+
+async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResult:
+    """`Restorer.restore` along layers (see the module docstring)."""
+    tokens, refs, stored, errors, on_event, out = job
+    k = stored.index(False) if False in stored else len(stored)
+    if k == 0:  # nothing stored: layers have nothing to load
+        return await restore_tokens(parts, job, ComputeOnly())
+    engine, spec = parts.engine, parts.backend.spec
+    t0 = time.perf_counter()
+    kv = parts.buffer(out, len(tokens))
+    n_layers, prefix = spec.num_layers, refs[k - 1].end
+    progress = Progress([prefix] * n_layers, [True] * n_layers)
+    reader = LayerReader(
+        spec,
+        parts.store,
+        [StoredChunk(r.key, r.start, r.start, r.n_tokens) for r in refs[:k]],
+        stream=engine.cuda_stream("load", kv.data.device),
+        pool=parts.loader.pool(pinned=True),
+    )
+    compute = LayerCompute(parts.backend, tokens[:prefix], kv, engine.cuda_stream("compute", kv.data.device))
+    opening = anyio.Lock()
+
+    async def load(layer: int) -> int:
+        async with opening:  # the first read opens every chunk's header
+            if not reader.opened:
+                await reader.open()
+        if reader.unusable:  # a layer read without a chunk would leave its rows unset
+            error = reader.errors[-1] if reader.errors else "not in the store"
+            raise ChunkLoadFailed(reader.unusable, f"layer reads stopped: {error}")
+        return await reader.read_layer(layer, kv)
+
+    trace = await engine.run(progress, policy, compute, load, on_event, parts.load_timeout_s)
+    parts.planner.learn(trace, refs, layers_over=prefix)
+    if k < len(refs):  # the chunks after the stored prefix, computed on top of it
+        t_tail = time.perf_counter()
+        await engine.compute(prefill_into, engine, parts.backend, kv, tokens, prefix, len(tokens))
+        parts.planner.learn_compute(len(tokens) - prefix, prefix, time.perf_counter() - t_tail)
+    failed = trace.of_kind("load-failed")
+    computed_layers = sum(e.last_chunk - e.first_chunk + 1 for e in trace.of_kind("compute"))
+    loaded_layers = len(trace.of_kind("load"))
+    stats = RestoreStats(
+        policy=policy.name,
+        n_tokens=len(tokens),
+        n_chunks=len(refs),
+        hit_chunks=sum(stored),
+        computed_chunks=len(refs) - k + (k if computed_layers else 0),
+        loaded_chunks=k if loaded_layers else 0,
+        failed_loads=len(failed),
+        bytes_loaded=reader.bytes_read,
+        seconds=time.perf_counter() - t0,
+        errors=errors + [f"layer {e.first_chunk}: {e.error}" for e in failed],
+        axis="layers",
+        computed_layers=computed_layers,
+        loaded_layers=loaded_layers,
+    )
+    return RestoreResult(kv, stats, trace)

@@ -1,0 +1,74 @@
+"""What a restore returns, and what both restore axes take: the job and the parts that run it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from kvrestore.backends.base import ComputeBackend
+from kvrestore.chunkio import ChunkLoader
+from kvrestore.core.keys import ChunkRef
+from kvrestore.core.kv import KVCache
+from kvrestore.core.trace import Trace, TraceEvent
+from kvrestore.planning.auto import Plan
+from kvrestore.planning.planner import Planner
+from kvrestore.runtime.engine import Engine
+from kvrestore.stores.base import ChunkStore
+
+
+@dataclass
+class RestoreStats:
+    policy: str
+    n_tokens: int
+    n_chunks: int
+    hit_chunks: int  # chunks the store listed before the restore began
+    computed_chunks: int
+    loaded_chunks: int
+    failed_loads: int  # listed but unusable: missing, corrupt, truncated, foreign, store error
+    bytes_loaded: int
+    seconds: float
+    errors: list[str] = field(default_factory=list)
+    axis: str = "tokens"  # "layers": the stored prefix was restored layer by layer (LayerTwoPointer)
+    computed_layers: int = 0  # on the layer axis: layers computed / loaded over the stored prefix
+    loaded_layers: int = 0
+
+
+@dataclass
+class RestoreResult:
+    kv: KVCache
+    stats: RestoreStats
+    trace: Trace
+    plan: Plan | None = None  # with `Auto` (the default): what it predicted, and why it chose
+
+
+class Job(NamedTuple):
+    """One restore's tokens, chunks and lookup, as both axes take them."""
+
+    tokens: torch.Tensor
+    refs: list[ChunkRef]
+    stored: list[bool]
+    errors: list[str]
+    on_event: Callable[[TraceEvent], None] | None
+    out: KVCache | None
+
+
+@dataclass
+class Parts:
+    """What runs a restore: the model, the store and its chunk loader, the engine's lanes, the planner
+    that learns from each run, and how long a load may take."""
+
+    backend: ComputeBackend
+    store: ChunkStore
+    engine: Engine
+    loader: ChunkLoader
+    planner: Planner
+    load_timeout_s: float | None
+
+    def buffer(self, out: KVCache | None, n_tokens: int) -> KVCache:
+        """A new KV buffer, or the head of `out` (checked by `Restorer.restore`)."""
+        if out is None:
+            return KVCache.empty(self.backend.spec, n_tokens, device=self.backend.device)
+        return out.head(n_tokens)

@@ -1,0 +1,69 @@
+"""A restore along tokens: the engine runs `policy` over the prompt's chunks, computing some and
+loading others at the same time (CacheFlow's token-wise two-pointer, or one resource alone)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from kvrestore.chunkio.read import forget, load_chunk, load_chunk_now
+from kvrestore.policies import Policy, Progress
+from kvrestore.restore.compute import prefill_apart, prefill_into
+from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
+
+
+async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResult:
+    """`Restorer.restore` for tokens already chunked and looked up (a save has done both before it
+    needs KV). Every load fault fails its chunk only, which is computed instead."""
+    tokens, refs, stored, errors, on_event, out = job
+    engine, backend, loader = parts.engine, parts.backend, parts.loader
+    t0 = time.perf_counter()
+    kv = parts.buffer(out, len(tokens))
+    progress = Progress([r.n_tokens for r in refs], list(stored))
+    progress.min_unit_chunks = parts.planner.min_unit_chunks()
+
+    def compute(a: int, b: int) -> None:
+        prefill_into(engine, backend, kv, tokens, refs[a].start, refs[b - 1].end)
+
+    def compute_apart(a: int, b: int) -> Callable[[], None]:
+        return prefill_apart(engine, backend, kv, tokens, refs[a].start, refs[b - 1].end)
+
+    async def load(i: int) -> int:
+        return await load_chunk(loader, refs[i], kv)
+
+    damaged: list[str] = []  # found damaged on a lane thread: deleted once the restore is over
+
+    def load_now(
+        i: int,
+    ) -> int:  # on a load-lane thread (`Engine.run`), for stores that read without the loop
+        return load_chunk_now(loader, refs[i], kv, damaged)
+
+    try:
+        trace = await engine.run(
+            progress,
+            policy,
+            compute,
+            load,
+            on_event,
+            parts.load_timeout_s,
+            load_now=load_now if loader.reads_now else None,
+            compute_apart=compute_apart,
+        )
+    finally:
+        for key in damaged:
+            await forget(parts.store, key)
+    failed = trace.of_kind("load-failed")
+    stats = RestoreStats(
+        policy=policy.name,
+        n_tokens=len(tokens),
+        n_chunks=len(refs),
+        hit_chunks=sum(stored),
+        computed_chunks=sum(e.last_chunk - e.first_chunk + 1 for e in trace.of_kind("compute")),
+        loaded_chunks=len(trace.of_kind("load")),
+        failed_loads=len(failed),
+        bytes_loaded=progress.bytes_loaded,
+        seconds=time.perf_counter() - t0,
+        errors=errors + [f"chunk {e.first_chunk}: {e.error}" for e in failed],
+    )
+    parts.planner.learn(trace, refs)
+    return RestoreResult(kv, stats, trace)

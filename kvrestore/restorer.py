@@ -8,6 +8,7 @@ generated from `Restorer`'s async ones (`kvrestore.core.sync`), so the two canno
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -236,11 +237,12 @@ class Restorer:
         `candidates` whose per-layer load hides behind the recompute (CacheBlend §5.1), measured on the
         stores themselves and on this restorer's profile (or the model, timed, without one); see
         `kvrestore.blend.placement`."""
+        from kvrestore.blend.entry import blend_backend
         from kvrestore.blend.placement import choose_blend_store
 
         layer_cost = self.profile.layer if self.profile is not None else None
         return await choose_blend_store(
-            self.backend, candidates, n_tokens=n_tokens, ratio=ratio, layer_cost=layer_cost
+            blend_backend(self.backend), candidates, n_tokens=n_tokens, ratio=ratio, layer_cost=layer_cost
         )
 
     async def close(self) -> None:
@@ -270,8 +272,9 @@ class SyncRestorer:
         self, backend: ComputeBackend, store: ChunkStore, chunk_size: int = DEFAULT_CHUNK_SIZE, **kwargs: Any
     ):
         self.restorer = Restorer(backend, store, chunk_size, **kwargs)
-        self._portal_cm = anyio.from_thread.start_blocking_portal()
-        self._portal = self._portal_cm.__enter__()
+        portal_cm = anyio.from_thread.start_blocking_portal()
+        self._portal = portal_cm.__enter__()
+        self._portal_cm: contextlib.AbstractContextManager[Any] | None = portal_cm
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return self._portal.call(lambda: fn(*args, **kwargs))

@@ -8,10 +8,12 @@ bad input with `InvalidInputError` before any work, and hold a blend to the mode
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from kvrestore.backends.base import ComputeBackend
+from kvrestore.backends.hf_blend import HFBlendMixin
 from kvrestore.blend.chunks import save_chunk
 from kvrestore.blend.fuse import BlendResult, restore_blend
 from kvrestore.chunkio.pool import StagingPool
@@ -19,6 +21,20 @@ from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.tokens import TokenIds, check_length, model_tokens, optional_tokens
 from kvrestore.policies.blend import Blend
 from kvrestore.stores.base import ChunkStore
+
+if TYPE_CHECKING:
+    from kvrestore.backends.hf import HFBackend
+
+
+def blend_backend(backend: ComputeBackend) -> HFBackend:
+    """`backend` as CacheBlend needs it: one that re-rotates stored keys and recomputes selected tokens
+    layer by layer (`HFBackend`); anything else is refused before any work."""
+    if not isinstance(backend, HFBlendMixin):
+        raise InvalidInputError(
+            f"CacheBlend needs a backend that re-rotates keys and recomputes selected tokens (HFBackend), "
+            f"got {type(backend).__name__}"
+        )
+    return cast("HFBackend", backend)
 
 
 async def save_prompt_chunk(
@@ -28,7 +44,7 @@ async def save_prompt_chunk(
     tokens = model_tokens(backend, token_ids)
     head = optional_tokens(backend, prefix)
     check_length(backend, len(head) + len(tokens), "the prefix and chunk")
-    key, _ = await save_chunk(backend, store, tokens, prefix=head, compression=compression)  # type: ignore[arg-type]
+    key, _ = await save_chunk(blend_backend(backend), store, tokens, prefix=head, compression=compression)
     return key
 
 
@@ -52,7 +68,7 @@ async def blend_prompt(
     total = len(head) + sum(len(t) for t in parts) + len(tail)
     check_length(backend, total, "the blend (prefix, chunks and suffix)")
     return await restore_blend(
-        backend,  # type: ignore[arg-type]
+        blend_backend(backend),
         store,
         parts,
         tail,

@@ -53,8 +53,10 @@ def model_tokens(backend: TakesTokens, token_ids: TokenIds) -> torch.Tensor:
 
 def optional_tokens(backend: TakesTokens, token_ids: TokenIds | None) -> torch.Tensor:
     """Validated tokens, or an empty tensor for None / an empty sequence."""
+    if token_ids is None:
+        return torch.zeros(0, dtype=torch.int64)
     with contextlib.suppress(TypeError):  # no length: as_token_tensor says what is wrong
-        if token_ids is None or len(token_ids) == 0:
+        if len(token_ids) == 0:
             return torch.zeros(0, dtype=torch.int64)
     return model_tokens(backend, token_ids)
 

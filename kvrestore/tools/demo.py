@@ -134,7 +134,9 @@ async def run_demo(
         link = ThrottledStore(store, saved_bytes / base_ttft)
         slow = Restorer(backend, link, chunk_size=chunk_size, engine=restorer.engine)
         where = {"local": "local disk", "link": f"link {link.trace.rate_at(0) / 1e6:.0f} MB/s"}
-        cases = [("local", restorer, p) for p in policy_mod.available()]
+        cases: list[tuple[str, Restorer, policy_mod.Policy | Auto]] = [
+            ("local", restorer, p) for p in policy_mod.available()
+        ]
         cases += [
             ("link", slow, p) for p in policy_mod.available() if not isinstance(p, policy_mod.ComputeOnly)
         ]

@@ -17,7 +17,7 @@ from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.costs.profile import ChunkCost
-from kvrestore.policies.base import Policy, Progress
+from kvrestore.policies.base import Decision, Policy, Progress
 from kvrestore.policies.batch import (
     BatchAware,
     BatchJob,
@@ -30,6 +30,7 @@ from kvrestore.policies.batch import (
 from kvrestore.policies.compute_only import ComputeOnly
 from kvrestore.policies.token_two_pointer import TokenTwoPointer
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin, begin_loads, begin_step, stalled
+from kvrestore.runtime.driver import drive, run_sync
 from kvrestore.sim.workload import Request
 
 #: compute_cost(a, b, start_s) -> seconds to compute chunks [a, b) starting at simulated time start_s
@@ -60,72 +61,94 @@ def simulate(
     progress = Progress(list(chunk_tokens), list(stored))
     progress.min_unit_chunks = min_unit_chunks
     progress.can_race = True
-    trace = Trace()
-    queue: list[tuple[float, int, TraceEvent]] = []
-    seq = 0
-    live_loads: dict[int, int] = {}  # chunk -> sequence number of its load's completion
-    race_seq: int | None = None  # the racing compute unit's completion, while it races
-    lost: set[int] = set()  # completions of racing compute units that lost (stopped when the fetch landed)
-    now = 0.0
+    lanes = SimLanes(compute_cost, chunk_bytes, link, load_lanes, failing)
+    trace = run_sync(drive(progress, policy, lanes, max_steps=max_steps))
+    return SimResult(lanes.now(), trace, progress)
 
-    def push(event: TraceEvent) -> int:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(queue, (event.end_s, seq, event))
-        if event.kind != "compute":
-            live_loads[event.first_chunk] = seq
-        return seq
 
-    def apply(event: TraceEvent) -> None:
-        apply_event(progress, event)
-        trace.add(event)
+class SimLanes:
+    """One restore's lanes on a simulated clock (the driver's `Lanes`): compute units priced by
+    `compute_cost`, loads across `link`; the finished units come off a heap in time order. A race ends as
+    on the engine: the first of the two to finish wins and the other ends "load-dropped" or
+    "compute-dropped" at that instant."""
 
-    for _ in range(max_steps):
-        if progress.finished:
-            return SimResult(now, trace, progress)
-        progress.now = now
-        progress.free_load_lanes = max(0, load_lanes - progress.loads_in_flight)
-        decision = policy.decide(progress)
-        for i in decision.drop:  # the dropped load stops now; its booked link time is spent anyway
-            live_loads.pop(i, None)
-            start = progress.load_started[i] or now
-            push(TraceEvent("load-dropped", i, i, start, now))
-        begin(progress, decision, policy)
+    def __init__(
+        self,
+        compute_cost: ComputeCost,
+        chunk_bytes: Sequence[int],
+        link: Link,
+        load_lanes: int,
+        failing: Collection[int] = (),
+    ) -> None:
+        self.compute_cost = compute_cost
+        self.chunk_bytes = chunk_bytes
+        self.link = link
+        self.load_lanes = load_lanes
+        self.failing = failing
+        self.t = 0.0
+        self.queue: list[tuple[float, int, TraceEvent]] = []
+        self.seq = 0
+        self.live_loads: dict[int, tuple[int, float]] = {}  # chunk -> (its completion's seq, start)
+        self.racing: tuple[int, int, float] | None = None  # (chunk, compute completion's seq, start)
+        self.lost: set[int] = set()  # completions of racing compute units that lost to their fetch
+
+    def now(self) -> float:
+        return self.t
+
+    def _push(self, event: TraceEvent) -> int:
+        self.seq += 1
+        heapq.heappush(self.queue, (event.end_s, self.seq, event))
+        return self.seq
+
+    def stop(self, drops: Sequence[int]) -> None:
+        for i in drops:  # the dropped load stops now; its booked link time is spent anyway
+            _, start = self.live_loads.pop(i)
+            self._push(TraceEvent("load-dropped", i, i, start, self.t))
+
+    def start(self, decision: Decision) -> None:
+        now = self.t
         for i in decision.loads:
-            end = link.reserve(now, chunk_bytes[i])
-            kind = "load-failed" if i in failing else "load"
-            nbytes = 0 if i in failing else chunk_bytes[i]
-            push(TraceEvent(kind, i, i, now, end, nbytes, error="simulated fault" if i in failing else None))
+            end = self.link.reserve(now, self.chunk_bytes[i])
+            if i in self.failing:
+                event = TraceEvent("load-failed", i, i, now, end, 0, error="simulated fault")
+            else:
+                event = TraceEvent("load", i, i, now, end, self.chunk_bytes[i])
+            self.live_loads[i] = (self._push(event), now)
         if decision.compute is not None:
             a, b = decision.compute
-            n = push(TraceEvent("compute", a, b - 1, now, now + compute_cost(a, b, now)))
-            race_seq = n if decision.race else None
-        if stalled(progress, decision):
-            raise PolicyError(f"{policy!r} left chunks {progress.pending()} with no unit running")
-        wake = math.inf if decision.wake_at is None else max(decision.wake_at, now)
-        now = min(queue[0][0] if queue else math.inf, wake)
+            n = self._push(TraceEvent("compute", a, b - 1, now, now + self.compute_cost(a, b, now)))
+            if decision.race:
+                self.racing = (a, n, now)
+
+    async def wait(self, wake_at: float | None) -> list[TraceEvent | BaseException]:
+        queue = self.queue
+        wake = math.inf if wake_at is None else max(wake_at, self.t)
+        now = self.t = min(queue[0][0] if queue else math.inf, wake)
+        out: list[TraceEvent | BaseException] = []
         while queue and queue[0][0] <= now:
             _, n, event = heapq.heappop(queue)
-            if event.kind in ("load", "load-failed") and live_loads.get(event.first_chunk) != n:
-                continue  # the completion of a load dropped earlier
-            if n in lost:
+            kind, i = event.kind, event.first_chunk
+            if kind != "compute":
+                if kind != "load-dropped":
+                    if self.live_loads.get(i, (None,))[0] != n:
+                        continue  # the completion of a load dropped earlier
+                    del self.live_loads[i]
+                out.append(event)
+                if kind == "load" and self.racing is not None and self.racing[0] == i:
+                    _, lost, start = self.racing  # the fetch won: the compute unit stops now
+                    self.racing = None
+                    self.lost.add(lost)
+                    out.append(TraceEvent("compute-dropped", i, i, start, now))
                 continue
-            racing = progress.racing
-            if event.kind == "compute" and racing is not None and racing in live_loads:
-                # the compute unit won its race: the fetch stops now, its chunk is the unit's
-                live_loads.pop(racing)
-                apply(TraceEvent("load-dropped", racing, racing, progress.load_started[racing] or now, now))
-            if event.kind != "compute":
-                live_loads.pop(event.first_chunk, None)
-            apply(event)
-            if event.kind == "compute" and n == race_seq:
-                race_seq = None
-            if event.kind == "load" and event.first_chunk == racing:  # the fetch won: the unit stops
-                start = next(e.start_s for _, m, e in queue if m == race_seq)
-                lost.add(race_seq)  # type: ignore[arg-type]
-                race_seq = None
-                apply(TraceEvent("compute-dropped", racing, racing, start, now))
-    raise PolicyError(f"{policy!r} did not finish within {max_steps} steps")
+            if n in self.lost:
+                continue
+            if self.racing is not None and self.racing[1] == n:
+                self.racing = None
+                if i in self.live_loads:  # the compute unit won its race: the fetch stops now
+                    _, start = self.live_loads.pop(i)
+                    out.append(TraceEvent("load-dropped", i, i, start, now))
+            out.append(event)
+        return out
 
 
 # -- many requests on shared lanes -------------------------------------------------------------------

@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 from kvrestore import Restorer, ThrottledStore, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.bandwidth import BandwidthTrace, Link
-from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.costs.profile import ChunkCost
-from kvrestore.policies import ComputeOnly, LayerTwoPointer, Progress
+from kvrestore.policies import ComputeOnly, Progress
 from kvrestore.policies.base import ChunkStatus
 from kvrestore.policies.batch import BatchAware, BatchJob, FifoLanes
 from kvrestore.runtime.batch_engine import BatchEngine, EngineNotRunningError
-from kvrestore.sim.simulate import batch_lower_bound, sim_requests, simulate_batch, simulate_independent
+from kvrestore.sim.batch import sim_requests, simulate_batch, simulate_independent
+from kvrestore.sim.compare import batch_lower_bound
 from kvrestore.sim.workload import Request
 from kvrestore.stores.memory import MemoryStore
 
@@ -292,15 +292,6 @@ def test_batch_engine_errors_name_the_problem(deep_backend):
 
     with pytest.raises(EngineNotRunningError, match="async with"):
         anyio.run(not_entered)
-
-    async def layer_wise():
-        async with BatchEngine() as engine:
-            restorer = Restorer(deep_backend, MemoryStore(), chunk_size=16, engine=engine)
-            await restorer.save(tokens)
-            await restorer.restore(tokens, LayerTwoPointer())
-
-    with pytest.raises(InvalidInputError, match="along tokens"):
-        anyio.run(layer_wise)
 
     async def too_big_chunks():
         async with BatchEngine(BatchAware(token_budget=8)) as engine:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import anyio
 import pytest
 import torch
@@ -38,6 +40,16 @@ def _job(i, kind, tokens, stored, arrival=0.0):
         cost.append(COST.seconds(n, past))
         past += n
     return BatchJob(i, kind, p, TokenTwoPointer() if kind == "restore" else ComputeOnly(), arrival, cost)
+
+
+def test_scheduling_is_a_pure_decision():
+    """Asking for a step or for loads changes no job's progress (bookkeeping does, when it begins them)."""
+    jobs = [_job(0, "restore", [256] * 6, [True] * 6, arrival=0.5), _job(1, "prefill", [256], [False])]
+    before = [dataclasses.replace(j.progress) for j in jobs]
+    for scheduler in (BatchAware(), FifoLanes()):
+        scheduler.compute_step(jobs, now=2.0)
+        scheduler.load_grants(jobs, 3, now=2.0)
+    assert [j.progress for j in jobs] == before
 
 
 def test_batch_aware_computes_decode_then_prefill_then_the_shortest_restore():

@@ -12,6 +12,7 @@ from kvrestore import BatchEngine, LayerTwoPointer, Restorer, ThrottledStore, To
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
 from kvrestore.core.keys import chunk_keys
+from kvrestore.planning.auto import Auto
 from kvrestore.policies.batch import BatchAware, FifoLanes
 from kvrestore.sim.simulate import simulate
 from kvrestore.stores.memory import MemoryStore
@@ -72,6 +73,20 @@ def test_layer_two_pointer_on_a_batch_engine_equals_full_prefill(deep_backend, s
     assert computed == set(range(len(computed)))
     torch.testing.assert_close(res.kv.data, full_prefill(deep_backend, tokens), atol=ATOL, rtol=0)
     torch.testing.assert_close(out["tokens"].kv.data, full_prefill(deep_backend, other), atol=ATOL, rtol=0)
+
+
+def test_auto_may_pick_layer_wise_on_a_batch_engine(deep_backend):
+    tokens = random_tokens(150, deep_backend.spec.vocab_size)
+
+    async def main():
+        async with BatchEngine() as engine:
+            restorer = Restorer(deep_backend, MemoryStore(), chunk_size=16, engine=engine)
+            await restorer.save(tokens)
+            return await restorer.restore(tokens, Auto([LayerTwoPointer()]))
+
+    res = anyio.run(main)
+    assert res.stats.axis == "layers" and res.plan is not None and res.plan.choice.axis == "layers"
+    torch.testing.assert_close(res.kv.data, full_prefill(deep_backend, tokens), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("layer_seconds", [0.0002, 0.003, 0.03])

@@ -19,7 +19,8 @@ first-come first-served scheduler, as vLLM's default).
 
 A scheduler is a pure decision: it reads the jobs' progress and answers with a `ComputeStep` or a
 `LoadGrant`; the driver (the `BatchEngine` on a real clock, `simulate_batch` on a simulated one) applies
-it with `begin_step` / `begin_loads` and updates the jobs from finished units. Each job's own policy is
+it with `begin_step` / `begin_loads` and updates the jobs from finished units and passed-over steps
+(`note_step`): asking a job's policy (`BatchJob.ask`) changes nothing. Each job's own policy is
 asked as if it ran alone (its `Progress`, with the lanes the scheduler grants it), so every request keeps
 its two-pointer invariants.
 
@@ -58,7 +59,7 @@ class BatchJob:
     which ranks jobs by remaining recomputation. `unit_tokens` is what each unit spends of a step's
     token budget: by default its chunk's tokens; a layer-axis job's units are layers over the whole
     prefix, each about the work of prefix/layers tokens. `skipped` (steps passed over in a row) and
-    `most_skipped` (the most ever) are kept by the driver (`note_step`).
+    `most_skipped` (the most ever) are kept by the driver (`bookkeeping.note_step`).
     """
 
     id: int
@@ -272,13 +273,3 @@ class BatchAware(BatchScheduler):
 
     def load_order(self, job: BatchJob) -> tuple:
         return (-job.next_load_value(), job.arrival_s, job.id)
-
-
-def note_step(jobs: dict[int, BatchJob], step: ComputeStep) -> None:
-    """Update the jobs' starvation counters from a step (state kept apart from the decision)."""
-    for u in step.units:
-        jobs[u.job].skipped = 0
-    for j in step.passed_over:
-        job = jobs[j]
-        job.skipped += 1
-        job.most_skipped = max(job.most_skipped, job.skipped)

@@ -12,8 +12,9 @@ it for its lifetime and gives it to its `Restorer`::
         ...  # any number of concurrent `await restorer.restore(tokens)` calls
 
 One driver task (started by ``async with``) owns all decisions: a restore's `run` registers its job and
-waits; the driver asks the scheduler, starts units, and applies their results with the same bookkeeping
-as the `Engine` and the simulator (`simulate_batch` runs the very same scheduler objects). Decode steps
+waits; the driver (`driver.drive_batch`, the very loop `simulate_batch` runs on a simulated clock) asks
+the scheduler, starts units on this engine's lanes (`_Lanes`) and applies their results. Restores along
+either axis are scheduled: a layer-wise restore's units are layers, priced as shares of a prefill. Decode steps
 and other blocking model work go through `compute`, as the highest-priority class.
 
 Cancellation: a cancelled restore is taken out of scheduling at once; its loads are cancelled and

@@ -19,8 +19,16 @@ from typing import Any, Protocol, TypeVar
 
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.policies.base import Decision, Policy, Progress
-from kvrestore.policies.batch import BatchJob, BatchScheduler, ComputeStep, LoadGrant, note_step
-from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin, begin_loads, begin_step, stalled
+from kvrestore.policies.batch import BatchJob, BatchScheduler, ComputeStep, LoadGrant
+from kvrestore.runtime.bookkeeping import (
+    PolicyError,
+    apply_event,
+    begin,
+    begin_loads,
+    begin_step,
+    note_step,
+    stalled,
+)
 
 T = TypeVar("T")
 

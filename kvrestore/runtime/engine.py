@@ -9,8 +9,9 @@ reads without the event loop also hands over `load_now` (the same load as one bl
 loads run on the engine's lane threads (`lanes.LaneThreads`, at most `load_lanes` of them), and the
 loop only queues each one and hears back once, so its Python per chunk stays small (it holds the GIL
 that a compute lane launching kernels needs). `load_timeout_s` bounds the loads that wait on a remote
-store; a blocking load from memory or a local file is not interrupted. After each finished
-unit the engine updates the progress (`bookkeeping.apply_event`) and asks the policy again; a policy
+store; a blocking load from memory or a local file is not interrupted. The loop that asks the policy,
+begins its decision and applies each finished unit is `driver.drive`, the simulator's too; this module
+is its real-clock lanes (`_RealLanes`). After each finished unit the policy is asked again; a policy
 may also drop a load in flight (its chunk goes to the compute lane once the load has stopped) or ask
 to be woken at a time of its choosing (`Decision.wake_at`).
 

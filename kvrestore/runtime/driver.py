@@ -1,14 +1,17 @@
-"""The one driver loop: ask the policy, start its decision on the lanes, apply what finishes.
+"""The driver loops: ask, begin the decision on the lanes, apply what finishes; written once.
 
-Every way a restore runs is this loop over some `Lanes`: the `Engine` runs it over real lanes (anyio
-tasks, worker and lane threads, a real clock), the simulator over simulated ones (a heap of future
-events, a simulated clock). Writing it once keeps the rules in one place: the decision is taken on a
-fresh view of the progress, started with `bookkeeping.begin` between stopping the dropped loads and
-starting the new units, and the finished units are applied in the order they finished; a restore with
-nothing running, nothing due to wake it and chunks left fails with `PolicyStalledError`.
+Every way a restore runs is one of these over some lanes. `drive` runs one restore's policy: the
+`Engine` over real lanes (anyio tasks, worker and lane threads, a real clock), `simulate` over simulated
+ones (a heap of future events, a simulated clock), and `simulate_independent` runs one per request over
+a simulated plain engine. `drive_batch` runs a `BatchScheduler` over many jobs: the `BatchEngine` on a
+real clock, `simulate_batch` on a simulated one. Writing them once keeps the rules in one place: a
+decision is begun with `bookkeeping` between stopping the loads it drops and starting its units, the
+finished units are applied in the order they finished, and a restore with nothing running, nothing due
+to wake it and chunks left fails with `PolicyStalledError`.
 
-The loop is a coroutine so that real lanes can suspend in `wait`. Simulated lanes never suspend, so
-the simulator runs it with `run_sync` (one `send`), without an event loop and at a plain loop's speed.
+The loops are coroutines so that real lanes can suspend while they wait. Simulated lanes never suspend,
+so the simulator runs a loop with `run_sync` (one `send`), without an event loop and at a plain loop's
+speed; `simulate_independent` steps its requests' loops itself, one `send` per wake-up.
 """
 
 from __future__ import annotations

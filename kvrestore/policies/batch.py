@@ -32,7 +32,6 @@ is served within `max_skipped_steps + n` steps, n the number of jobs waiting wit
 
 from __future__ import annotations
 
-import copy
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -110,7 +109,8 @@ class BatchJob:
         A pure question: the policy decides on a copy of the progress that shows the job's clock, the
         granted lanes and (with `compute_free` False: the compute lane is not on offer, so the policy
         plans loads only) a busy compute lane; the job's own progress changes only in bookkeeping."""
-        view = copy.copy(self.progress)
+        view = object.__new__(Progress)  # a shallow copy (copy.copy is several times slower)
+        view.__dict__.update(self.progress.__dict__)
         view.now = now - self.arrival_s
         view.free_load_lanes = free_load_lanes
         if not compute_free:

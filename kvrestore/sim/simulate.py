@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvrestore.core.bandwidth import Link
 from kvrestore.core.trace import Trace, TraceEvent
@@ -50,31 +50,27 @@ def simulate(
     return SimResult(lanes.now(), trace, progress)
 
 
+@dataclass(eq=False)
 class SimLanes:
     """One restore's lanes on a simulated clock (the driver's `Lanes`): compute units priced by
     `compute_cost`, loads across `link`; the finished units come off a heap in time order. A race ends as
     on the engine: the first of the two to finish wins and the other ends "load-dropped" or
     "compute-dropped" at that instant."""
 
-    def __init__(
-        self,
-        compute_cost: ComputeCost,
-        chunk_bytes: Sequence[int],
-        link: Link,
-        load_lanes: int,
-        failing: Collection[int] = (),
-    ) -> None:
-        self.compute_cost = compute_cost
-        self.chunk_bytes = chunk_bytes
-        self.link = link
-        self.load_lanes = load_lanes
-        self.failing = failing
-        self.t = 0.0
-        self.queue: list[tuple[float, int, TraceEvent]] = []
-        self.seq = 0
-        self.live_loads: dict[int, tuple[int, float]] = {}  # chunk -> (its completion's seq, start)
-        self.racing: tuple[int, int, float] | None = None  # (chunk, compute completion's seq, start)
-        self.lost: set[int] = set()  # completions of racing compute units that lost to their fetch
+    compute_cost: ComputeCost
+    chunk_bytes: Sequence[int]
+    link: Link
+    load_lanes: int
+    failing: Collection[int] = ()
+    t: float = 0.0
+    queue: list[tuple[float, int, TraceEvent]] = field(default_factory=list)
+    seq: int = 0
+    #: loads in flight: chunk -> (its completion's seq, its start)
+    live_loads: dict[int, tuple[int, float]] = field(default_factory=dict)
+    #: the race in progress: (chunk, the compute unit's completion seq, its start)
+    racing: tuple[int, int, float] | None = None
+    #: completions of racing compute units that lost to their fetch
+    lost: set[int] = field(default_factory=set)
 
     def now(self) -> float:
         return self.t

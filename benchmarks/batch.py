@@ -45,7 +45,7 @@ from kvrestore.costs.measure import profile
 from kvrestore.policies.batch import BatchAware, FifoLanes
 from kvrestore.runtime.batch_engine import BatchEngine
 from kvrestore.runtime.engine import Engine
-from kvrestore.sim.simulate import CASES, balance_bytes_per_s, batch_lower_bound, compare_schedulers
+from kvrestore.sim.compare import CASES, balance_bytes_per_s, batch_lower_bound, compare_schedulers
 from kvrestore.sim.workload import LogNormalLengths, Request, Shapes, burst, mix, poisson
 from kvrestore.stores.memory import MemoryStore
 from kvrestore.tools.text import reference_tokens

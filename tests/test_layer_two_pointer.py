@@ -8,10 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrestore import LayerTwoPointer, Restorer, ThrottledStore
+from kvrestore import BatchEngine, LayerTwoPointer, Restorer, ThrottledStore, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
 from kvrestore.core.keys import chunk_keys
+from kvrestore.planning.auto import Auto
+from kvrestore.policies.batch import BatchAware, FifoLanes
 from kvrestore.sim.simulate import simulate
 from kvrestore.stores.memory import MemoryStore
 
@@ -38,6 +40,53 @@ async def _saved(backend: HFBackend, tokens: torch.Tensor, chunk_size: int = 16)
 
 def _layers(trace, kind: str) -> set[int]:
     return {j for e in trace.of_kind(kind) for j in range(e.first_chunk, e.last_chunk + 1)}
+
+
+@pytest.mark.parametrize("scheduler", [BatchAware(), FifoLanes(token_budget=64)], ids=repr)
+def test_layer_two_pointer_on_a_batch_engine_equals_full_prefill(deep_backend, scheduler):
+    """The batch scheduler runs a layer-axis restore (its units are layers, each 1/L of the prefix's
+    prefill) next to a token-wise one: both exact, each layer once, computed layers below loaded ones."""
+    tokens = random_tokens(150, deep_backend.spec.vocab_size)
+    other = random_tokens(90, deep_backend.spec.vocab_size, seed=7)
+
+    async def main():
+        inner, layer_bytes = await _saved(deep_backend, tokens)
+        await Restorer(deep_backend, inner, chunk_size=16).save(other[:64])
+        store = ThrottledStore(inner, layer_bytes / 0.003)
+        async with BatchEngine(scheduler, load_lanes=3) as engine:
+            restorer = Restorer(deep_backend, store, chunk_size=16, engine=engine)
+            out = {}
+
+            async def one(name, prompt, policy):
+                out[name] = await restorer.restore(prompt, policy)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, "layers", tokens, LayerTwoPointer())
+                tg.start_soon(one, "tokens", other, TokenTwoPointer())
+        return out
+
+    out = anyio.run(main)
+    res = out["layers"]
+    assert res.stats.axis == "layers" and res.stats.failed_loads == 0
+    computed, loaded = _layers(res.trace, "compute"), _layers(res.trace, "load")
+    assert computed | loaded == set(range(12)) and not computed & loaded
+    assert computed == set(range(len(computed)))
+    torch.testing.assert_close(res.kv.data, full_prefill(deep_backend, tokens), atol=ATOL, rtol=0)
+    torch.testing.assert_close(out["tokens"].kv.data, full_prefill(deep_backend, other), atol=ATOL, rtol=0)
+
+
+def test_auto_may_pick_layer_wise_on_a_batch_engine(deep_backend):
+    tokens = random_tokens(150, deep_backend.spec.vocab_size)
+
+    async def main():
+        async with BatchEngine() as engine:
+            restorer = Restorer(deep_backend, MemoryStore(), chunk_size=16, engine=engine)
+            await restorer.save(tokens)
+            return await restorer.restore(tokens, Auto([LayerTwoPointer()]))
+
+    res = anyio.run(main)
+    assert res.stats.axis == "layers" and res.plan is not None and res.plan.choice.axis == "layers"
+    torch.testing.assert_close(res.kv.data, full_prefill(deep_backend, tokens), atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("layer_seconds", [0.0002, 0.003, 0.03])

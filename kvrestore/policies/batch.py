@@ -19,7 +19,8 @@ first-come first-served scheduler, as vLLM's default).
 
 A scheduler is a pure decision: it reads the jobs' progress and answers with a `ComputeStep` or a
 `LoadGrant`; the driver (the `BatchEngine` on a real clock, `simulate_batch` on a simulated one) applies
-it with `begin_step` / `begin_loads` and updates the jobs from finished units. Each job's own policy is
+it with `begin_step` / `begin_loads` and updates the jobs from finished units and passed-over steps
+(`note_step`): asking a job's policy (`BatchJob.ask`) changes nothing. Each job's own policy is
 asked as if it ran alone (its `Progress`, with the lanes the scheduler grants it), so every request keeps
 its two-pointer invariants.
 
@@ -53,8 +54,11 @@ class BatchJob:
     """One request as a scheduler sees it.
 
     `progress` is the job's own restore progress on its own clock (seconds since `arrival_s`);
-    `chunk_cost` estimates each chunk's compute cost (seconds from a profile, or any consistent unit),
-    which ranks jobs by remaining recomputation. `skipped` is kept by the driver (`note_step`).
+    `chunk_cost` estimates each unit's compute cost (seconds from a profile, or any consistent unit),
+    which ranks jobs by remaining recomputation. `unit_tokens` is what each unit spends of a step's
+    token budget: by default its chunk's tokens; a layer-axis job's units are layers over the whole
+    prefix, each about the work of prefix/layers tokens. `skipped` (steps passed over in a row) and
+    `most_skipped` (the most ever) are kept by the driver (`bookkeeping.note_step`).
     """
 
     id: int
@@ -63,13 +67,22 @@ class BatchJob:
     policy: Policy
     arrival_s: float
     chunk_cost: Sequence[float]
+    unit_tokens: Sequence[int] = ()
     skipped: int = 0
+    most_skipped: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in CLASS_ORDER:
             raise InvalidInputError(f"job kind must be one of {sorted(CLASS_ORDER)}, got {self.kind!r}")
         if len(self.chunk_cost) != self.progress.n_chunks:
             raise InvalidInputError("chunk_cost and the job's chunks differ in length")
+        self.unit_tokens = list(self.unit_tokens) or list(self.progress.chunk_tokens)
+        if len(self.unit_tokens) != self.progress.n_chunks:
+            raise InvalidInputError("unit_tokens and the job's chunks differ in length")
+
+    def tokens(self, a: int, b: int) -> int:
+        """What units [a, b) spend of a step's token budget."""
+        return sum(self.unit_tokens[a:b])
 
     def remaining_compute(self) -> float:
         """Cost of the chunks nobody is working on yet: what computing the rest would take."""
@@ -82,7 +95,7 @@ class BatchJob:
         p = self.progress
         for j in range(p.n_chunks - 1, -1, -1):
             if p.stored[j] and p.status[j] is ChunkStatus.PENDING:
-                return self.chunk_cost[j] / max(1, p.chunk_tokens[j])
+                return self.chunk_cost[j] / max(1, self.unit_tokens[j])
         return 0.0
 
     def loadable(self) -> bool:
@@ -91,18 +104,18 @@ class BatchJob:
 
     def ask(self, now: float, free_load_lanes: int, compute_free: bool = True) -> Decision:
         """The job's own policy's decision at global time `now`, with the lanes the scheduler grants
-        (`wake_at` comes back on the global clock)."""
-        p = self.progress
-        p.now = now - self.arrival_s
-        p.free_load_lanes = free_load_lanes
-        if not compute_free and not p.compute_busy:
-            p.compute_busy = True  # the compute lane is not on offer: the policy plans loads only
-            try:
-                d = self.policy.decide(p)
-            finally:
-                p.compute_busy = False
-        else:
-            d = self.policy.decide(p)
+        (`wake_at` comes back on the global clock).
+
+        A pure question: the policy decides on a copy of the progress that shows the job's clock, the
+        granted lanes and (with `compute_free` False: the compute lane is not on offer, so the policy
+        plans loads only) a busy compute lane; the job's own progress changes only in bookkeeping."""
+        view = object.__new__(Progress)  # a shallow copy (copy.copy is several times slower)
+        view.__dict__.update(self.progress.__dict__)
+        view.now = now - self.arrival_s
+        view.free_load_lanes = free_load_lanes
+        if not compute_free:
+            view.compute_busy = True
+        d = self.policy.decide(view)
         if d.wake_at is None:
             return d
         return Decision(d.compute, d.loads, d.drop, global_wake(d.wake_at, self.arrival_s, now))
@@ -145,10 +158,6 @@ class LoadGrant:
     wake_at: float | None = None
 
 
-def unit_tokens(progress: Progress, a: int, b: int) -> int:
-    return sum(progress.chunk_tokens[a:b])
-
-
 class BatchScheduler(ABC):
     """Spends the shared lanes on the jobs of a batch; subclasses say in which order."""
 
@@ -165,10 +174,10 @@ class BatchScheduler(ABC):
 
     def check(self, job: BatchJob) -> None:
         """Refuse a job the budget cannot serve: each chunk must fit in one step."""
-        biggest = max(job.progress.chunk_tokens, default=0)
+        biggest = max(job.unit_tokens, default=0)
         if biggest > self.token_budget:
             raise InvalidInputError(
-                f"job {job.id} has a {biggest}-token chunk, more than the scheduler's token budget of "
+                f"job {job.id} has a {biggest}-token unit, more than the scheduler's token budget of "
                 f"{self.token_budget}: raise token_budget or use a smaller chunk_size"
             )
 
@@ -202,14 +211,14 @@ class BatchScheduler(ABC):
                     wake = min(wake, d.wake_at)
                 continue
             a, b = d.compute
-            while b > a and unit_tokens(p, a, b) > budget:
+            while b > a and job.tokens(a, b) > budget:
                 b -= 1  # a unit is cut to what the budget has left (whole chunks)
             if b == a:
                 passed.append(job.id)
                 continue
             units.append(Unit(job.id, a, b))
             drops.extend((job.id, i) for i in d.drop if a <= i < b)
-            budget -= unit_tokens(p, a, b)
+            budget -= job.tokens(a, b)
         return ComputeStep(tuple(units), tuple(drops), tuple(passed), None if wake == math.inf else wake)
 
     def load_grants(self, jobs: Sequence[BatchJob], free_lanes: int, now: float) -> LoadGrant:
@@ -264,11 +273,3 @@ class BatchAware(BatchScheduler):
 
     def load_order(self, job: BatchJob) -> tuple:
         return (-job.next_load_value(), job.arrival_s, job.id)
-
-
-def note_step(jobs: dict[int, BatchJob], step: ComputeStep) -> None:
-    """Update the jobs' starvation counters from a step (state kept apart from the decision)."""
-    for u in step.units:
-        jobs[u.job].skipped = 0
-    for j in step.passed_over:
-        jobs[j].skipped += 1

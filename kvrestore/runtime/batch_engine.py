@@ -12,8 +12,9 @@ it for its lifetime and gives it to its `Restorer`::
         ...  # any number of concurrent `await restorer.restore(tokens)` calls
 
 One driver task (started by ``async with``) owns all decisions: a restore's `run` registers its job and
-waits; the driver asks the scheduler, starts units, and applies their results with the same bookkeeping
-as the `Engine` and the simulator (`simulate_batch` runs the very same scheduler objects). Decode steps
+waits; the driver (`driver.drive_batch`, the very loop `simulate_batch` runs on a simulated clock) asks
+the scheduler, starts units on this engine's lanes (`_Lanes`) and applies their results. Restores along
+either axis are scheduled: a layer-wise restore's units are layers, priced as shares of a prefill. Decode steps
 and other blocking model work go through `compute`, as the highest-priority class.
 
 Cancellation: a cancelled restore is taken out of scheduling at once; its loads are cancelled and
@@ -27,7 +28,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,14 +36,13 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup
 
-from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.trace import Trace, TraceEvent
-from kvrestore.costs.profile import ChunkCost
+from kvrestore.costs.compute import ChunkCost
 from kvrestore.policies.base import Policy, Progress
-from kvrestore.policies.batch import BatchAware, BatchJob, BatchScheduler, ComputeStep, note_step
+from kvrestore.policies.batch import BatchAware, BatchJob, BatchScheduler, ComputeStep, LoadGrant
 from kvrestore.policies.compute_only import ComputeOnly
-from kvrestore.runtime.bookkeeping import apply_event, begin_loads, begin_step
-from kvrestore.runtime.engine import ComputeFn, Engine, LoadFn, LoadNowFn, PolicyStalledError, timed_load
+from kvrestore.runtime.driver import drive_batch
+from kvrestore.runtime.engine import ComputeFn, Engine, LoadFn, LoadNowFn, timed_load
 
 #: ranks chunks when no profile is given: tokens, each costing more the further along the prompt
 #: (SmolLM2 on CPU: a token after 512 others costs about twice one at the start)
@@ -96,7 +96,6 @@ class BatchEngine(Engine):
         self._tg: TaskGroup | None = None
         self._send: Any = None
         self._t0 = time.perf_counter()
-        self._computing = False
 
     def __repr__(self) -> str:
         return f"BatchEngine({self.scheduler!r}, load_lanes={self.load_lanes})"
@@ -110,7 +109,7 @@ class BatchEngine(Engine):
         self._tg = await stack.enter_async_context(anyio.create_task_group())
         self._send, receive = anyio.create_memory_object_stream[tuple](math.inf)
         self._stack = stack
-        self._tg.start_soon(self._drive, self._tg, receive)
+        self._tg.start_soon(drive_batch, self.scheduler, _Lanes(self, self._tg, receive))
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -124,7 +123,6 @@ class BatchEngine(Engine):
         self._tg.cancel_scope.cancel()
         await stack.aclose()  # waits for compute units already in their thread
         self._live.clear()
-        self._computing = False
 
     def _now(self) -> float:
         return time.perf_counter() - self._t0
@@ -144,12 +142,8 @@ class BatchEngine(Engine):
     ) -> Trace:
         """Hand one restore to the scheduler and wait for it; returns its trace. Its loads run as tasks
         under the scheduler's grants (`load_now` is not used; nor is `compute_apart`: a batch step does
-        not race its units against fetches)."""
-        if policy.axis != "tokens":
-            raise InvalidInputError(
-                f"BatchEngine schedules restores along tokens; {policy!r} works along {policy.axis} "
-                "(use TokenTwoPointer, ComputeOnly or LoadOnly)"
-            )
+        not race its units against fetches). A layer-axis restore (`LayerTwoPointer`) is scheduled like
+        any other: its units are layers, each priced as its share of a prefill of the prefix."""
         kind = "restore" if any(progress.stored) else "prefill"
         return await self._submit(kind, progress, policy, compute, load, on_event, load_timeout_s)
 
@@ -162,6 +156,24 @@ class BatchEngine(Engine):
 
         await self._submit("decode", Progress([1], [False]), ComputeOnly(), unit, _no_load, None, None)
         return out[0]
+
+    def _unit_costs(self, progress: Progress, axis: str) -> tuple[list[float], list[int]]:
+        """Each unit's compute cost and what it spends of a step's token budget.
+
+        Along tokens a unit is a chunk: its own tokens, attending to every token before it. Along layers
+        a unit is one layer over the whole prefix (`Progress.chunk_tokens` holds the prefix's length
+        for each): 1/L of a prefill of the prefix, so it spends about prefix/L tokens of the budget and
+        a prompt longer than the budget still fits one layer per step."""
+        if axis == "layers":
+            n_layers = progress.n_chunks
+            prefix = progress.chunk_tokens[0] if n_layers else 0
+            share = -(-prefix // max(1, n_layers))
+            return [self.cost.seconds(prefix, 0) / n_layers] * n_layers, [share] * n_layers
+        costs, past = [], 0
+        for n in progress.chunk_tokens:
+            costs.append(self.cost.seconds(n, past))
+            past += n
+        return costs, list(progress.chunk_tokens)
 
     async def _submit(
         self,
@@ -178,11 +190,8 @@ class BatchEngine(Engine):
                 "BatchEngine is not running: enter it first (`async with engine:`) for the lifetime of the "
                 "process that restores with it"
             )
-        costs, past = [], 0
-        for n in progress.chunk_tokens:
-            costs.append(self.cost.seconds(n, past))
-            past += n
-        job = BatchJob(next(self._ids), kind, progress, policy, self._now(), costs)
+        costs, tokens = self._unit_costs(progress, policy.axis)
+        job = BatchJob(next(self._ids), kind, progress, policy, self._now(), costs, tokens)
         self.scheduler.check(job)
         live = _Live(job, compute, load, on_event, load_timeout_s)
         if progress.finished:
@@ -201,104 +210,110 @@ class BatchEngine(Engine):
             raise live.error
         return live.trace
 
-    # -- the driver ----------------------------------------------------------------------------------
 
-    async def _drive(self, tg: TaskGroup, receive: Any) -> None:
+class _Lanes:
+    """The engine's lanes as the batch driver sees them (`driver.BatchLanes` on a real clock)."""
+
+    def __init__(self, engine: BatchEngine, tg: TaskGroup, receive: Any) -> None:
+        self.engine, self.tg, self.receive = engine, tg, receive
+        self.live = engine._live
+        self.load_lanes = engine.load_lanes
+        self.computing = False
+        self.stopped: dict[tuple[int, int], anyio.Event] = {}  # dropped loads the next step waits for
+
+    def now(self) -> float:
+        return self.engine._now()
+
+    def jobs(self) -> dict[int, BatchJob]:
+        return {j: live.job for j, live in self.live.items() if live.active}
+
+    def loads_in_flight(self) -> int:
+        """Loads started and not yet reported (a retired job has none: it retires once idle)."""
+        return sum(len(live.loads) for live in self.live.values())
+
+    def busy(self) -> bool:
+        return self.computing or self.loads_in_flight() > 0
+
+    def stop(self, drops: Sequence[tuple[int, int]]) -> None:
+        for j, i in drops:
+            scope, event = self.live[j].loads[i]
+            scope.cancel()
+            self.stopped[(j, i)] = event
+
+    def start_step(self, step: ComputeStep) -> None:
+        self.computing = True
+        for u in step.units:
+            self.live[u.job].busy += 1
+        self.tg.start_soon(self._run_step, step, self.stopped)
+        self.stopped = {}
+
+    def start_loads(self, grant: LoadGrant) -> None:
+        for j, i in grant.loads:
+            live = self.live[j]
+            live.loads[i] = (anyio.CancelScope(), anyio.Event())
+            live.busy += 1
+            self.tg.start_soon(self._load, live, i)
+
+    def fail(self, jobs: Sequence[BatchJob], error: Exception) -> None:
+        for job in jobs:
+            live = self.live[job.id]
+            if live.active:
+                live.error = error
+                for scope, _ in live.loads.values():
+                    scope.cancel()
+                self._retire(live)
+
+    async def wait(self, wake_at: float | None) -> list[tuple[BatchJob, TraceEvent]]:
+        out: list[tuple[BatchJob, TraceEvent]] = []
+        timeout = math.inf if wake_at is None else max(0.0, wake_at - self.now())
+        with anyio.move_on_after(timeout):
+            self._handle(await self.receive.receive(), out)
         while True:
             try:
-                wake = self._schedule(tg)
-            except Exception as exc:  # a scheduler or policy broke a rule: fail the restores, not the engine
-                for live in list(self._live.values()):
-                    if live.active:
-                        live.error = exc
-                        for scope, _ in live.loads.values():
-                            scope.cancel()
-                        self._retire(live)
-                wake = None
-            timeout = math.inf if wake is None else max(0.0, wake - self._now())
-            with anyio.move_on_after(timeout):
-                self._handle(await receive.receive())
-            while True:
-                try:
-                    self._handle(receive.receive_nowait())
-                except anyio.WouldBlock:
-                    break
+                self._handle(self.receive.receive_nowait(), out)
+            except anyio.WouldBlock:
+                return out
 
-    def _loads_in_flight(self) -> int:
-        """Loads started and not yet reported (a retired job has none: it retires once idle)."""
-        return sum(len(live.loads) for live in self._live.values())
-
-    def _active(self) -> list[BatchJob]:
-        return [live.job for live in self._live.values() if live.active]
-
-    def _schedule(self, tg: TaskGroup) -> float | None:
-        """Start what the scheduler picks; returns when to look again (None: when something reports)."""
-        now = self._now()
-        jobs = {j.id: j for j in self._active()}
-        wake = math.inf
-        if not self._computing and jobs:
-            step = self.scheduler.compute_step(list(jobs.values()), now)
-            note_step(jobs, step)
-            stopped = {}
-            for j, i in step.drops:
-                scope, event = self._live[j].loads[i]
-                scope.cancel()
-                stopped[(j, i)] = event
-            begin_step(jobs, step)
-            if step.units:
-                self._computing = True
-                for u in step.units:
-                    self._live[u.job].busy += 1
-                tg.start_soon(self._run_step, step, stopped)
-            wake = min(wake, step.wake_at if step.wake_at is not None else math.inf)
-        free = self.load_lanes - self._loads_in_flight()
-        if free > 0 and jobs:
-            grant = self.scheduler.load_grants(list(jobs.values()), free, now)
-            begin_loads(jobs, grant)
-            for j, i in grant.loads:
-                live = self._live[j]
-                live.loads[i] = (anyio.CancelScope(), anyio.Event())
-                live.busy += 1
-                tg.start_soon(self._load, live, i)
-            wake = min(wake, grant.wake_at if grant.wake_at is not None else math.inf)
-        if wake == math.inf and not self._computing and self._loads_in_flight() == 0:
-            for live in list(self._live.values()):
-                if live.active:  # nothing runs and nobody asked to be woken: it can never finish
-                    live.error = PolicyStalledError(
-                        f"{live.job.policy!r} under {self.scheduler!r} left chunks {live.job.progress.pending()}"
-                        " with no unit running"
-                    )
-                    self._retire(live)
-        return None if wake == math.inf else wake
+    def record(self, job: BatchJob, event: TraceEvent) -> None:
+        live = self.live.get(job.id)
+        if live is None:
+            return
+        live.trace.add(event)
+        if live.on_event is not None:
+            live.on_event(event)
+        if job.progress.finished:
+            live.done.set()
+            self._retire(live)
 
     async def _run_step(self, step: ComputeStep, stopped: dict[tuple[int, int], anyio.Event]) -> None:
+        send = self.engine._send
         try:
             for u in step.units:
-                live = self._live.get(u.job)
+                live = self.live.get(u.job)
                 if live is None or not live.active:
-                    self._send.send_nowait(("skipped", u.job))
+                    send.send_nowait(("skipped", u.job))
                     continue
                 for (j, i), event in stopped.items():  # a dropped load may be writing these rows
                     if j == u.job and u.a <= i < u.b:
                         await event.wait()
                 t0 = live.job.arrival_s
-                start = self._now()
+                start = self.now()
                 try:
                     await anyio.to_thread.run_sync(live.compute, u.a, u.b, abandon_on_cancel=False)
                 except Exception as exc:  # the unit's own error fails its restore only
-                    self._send.send_nowait(("failed", u.job, exc))
+                    send.send_nowait(("failed", u.job, exc))
                     continue
-                event = TraceEvent("compute", u.a, u.b - 1, start - t0, self._now() - t0)
-                self._send.send_nowait(("event", u.job, event))
+                event = TraceEvent("compute", u.a, u.b - 1, start - t0, self.now() - t0)
+                send.send_nowait(("event", u.job, event))
         finally:
-            self._send.send_nowait(("step-done",))
+            send.send_nowait(("step-done",))
 
     async def _load(self, live: _Live, i: int) -> None:
         scope, stopped = live.loads[i]
-        t0 = live.job.arrival_s
+        t0, send = live.job.arrival_s, self.engine._send
 
         def now() -> float:  # the job's own clock
-            return self._now() - t0
+            return self.now() - t0
 
         start = now()
         event: TraceEvent | None = None
@@ -307,21 +322,22 @@ class BatchEngine(Engine):
                 event = await timed_load(live.load, i, live.load_timeout_s, now)
             if scope.cancel_called or event is None:  # dropped: whatever it read is not applied
                 event = TraceEvent("load-dropped", i, i, start, now())
-            self._send.send_nowait(("event", live.job.id, event))
+            send.send_nowait(("event", live.job.id, event))
         except BaseException as exc:
-            self._send.send_nowait(("failed", live.job.id, exc))
+            send.send_nowait(("failed", live.job.id, exc))
             raise
         finally:
             stopped.set()
 
-    def _handle(self, msg: tuple) -> None:
+    def _handle(self, msg: tuple, out: list[tuple[BatchJob, TraceEvent]]) -> None:
+        """Take one message from the units; a finished unit of a live job goes to `out` to apply."""
         kind = msg[0]
         if kind == "step-done":
-            self._computing = False
+            self.computing = False
             return
         if kind == "kick":
             return
-        live = self._live.get(msg[1])
+        live = self.live.get(msg[1])
         if live is None:
             return
         if kind == "cancel":
@@ -345,19 +361,13 @@ class BatchEngine(Engine):
         if not live.active:
             self._retire(live)
             return
-        apply_event(live.job.progress, event)
-        live.trace.add(event)
-        if live.on_event is not None:
-            live.on_event(event)
-        if live.job.progress.finished:
-            live.done.set()
-            self._retire(live)
+        out.append((live.job, event))
 
     def _retire(self, live: _Live) -> None:
         """Forget a job that finished, failed or was cancelled once none of its units runs any more."""
         if live.busy > 0:
             return
-        self._live.pop(live.job.id, None)
+        self.live.pop(live.job.id, None)
         live.done.set()
 
 

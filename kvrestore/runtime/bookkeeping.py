@@ -143,6 +143,17 @@ def stalled(progress: Progress, decision: Decision) -> bool:
     )
 
 
+def note_step(jobs: Mapping[int, BatchJob], step: ComputeStep) -> None:
+    """Update the jobs' starvation counters from a step (the scheduler only decides; this keeps the
+    state that its starvation bound reads)."""
+    for u in step.units:
+        jobs[u.job].skipped = 0
+    for j in step.passed_over:
+        job = jobs[j]
+        job.skipped += 1
+        job.most_skipped = max(job.most_skipped, job.skipped)
+
+
 def begin_step(jobs: Mapping[int, BatchJob], step: ComputeStep) -> None:
     """Mark a batch compute step's units (and the loads they take over) as started."""
     drops: dict[int, list[int]] = {}

@@ -9,8 +9,9 @@ reads without the event loop also hands over `load_now` (the same load as one bl
 loads run on the engine's lane threads (`lanes.LaneThreads`, at most `load_lanes` of them), and the
 loop only queues each one and hears back once, so its Python per chunk stays small (it holds the GIL
 that a compute lane launching kernels needs). `load_timeout_s` bounds the loads that wait on a remote
-store; a blocking load from memory or a local file is not interrupted. After each finished
-unit the engine updates the progress (`bookkeeping.apply_event`) and asks the policy again; a policy
+store; a blocking load from memory or a local file is not interrupted. The loop that asks the policy,
+begins its decision and applies each finished unit is `driver.drive`, the simulator's too; this module
+is its real-clock lanes (`_RealLanes`). After each finished unit the policy is asked again; a policy
 may also drop a load in flight (its chunk goes to the compute lane once the load has stopped) or ask
 to be woken at a time of its choosing (`Decision.wake_at`).
 
@@ -26,7 +27,7 @@ import contextlib
 import math
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import anyio
@@ -39,7 +40,7 @@ from kvrestore.core.errors import LOAD_FAULTS, check_int
 from kvrestore.core.streams import on_stream  # noqa: F401 - re-exported: the lanes' stream context
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.policies.base import Decision, Policy, Progress
-from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin, stalled
+from kvrestore.runtime.driver import PolicyStalledError, drive  # noqa: F401 - re-exported
 from kvrestore.runtime.lanes import LaneThreads
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -96,10 +97,6 @@ def _on_asyncio() -> bool:
     except RuntimeError:
         return False
     return True
-
-
-class PolicyStalledError(PolicyError):
-    """The policy started nothing while nothing was running and chunks were left."""
 
 
 class Engine:
@@ -169,64 +166,69 @@ class Engine:
         if load_now is not None and not _on_asyncio():
             load_now = None
         progress.can_race = compute_apart is not None
-        run = _Run(self, progress, policy, compute, load, on_event, load_timeout_s, load_now, compute_apart)
+        lanes = _RealLanes(self, progress, compute, load, load_timeout_s, load_now, compute_apart)
         try:
-            await run.drive()
+            async with anyio.create_task_group() as tg:
+                lanes.tg = tg
+                try:
+                    return await drive(progress, policy, lanes, on_event)
+                finally:
+                    if lanes.thread_loads:  # failed or cancelled: nothing may write into its KV after it
+                        await lanes.stop_thread_loads()
         except BaseExceptionGroup as group:
             raise _single(group) from None
-        return run.trace
 
 
-class _Run:
-    """One restore on an engine: starts the units the policy picks and applies their results."""
+class _RealLanes:
+    """One restore's lanes on an engine (the driver's `Lanes` on a real clock): loads as tasks or on
+    lane threads, compute units and races in the compute lane's worker thread."""
+
+    tg: TaskGroup
 
     def __init__(
         self,
         engine: Engine,
         progress: Progress,
-        policy: Policy,
         compute: ComputeFn,
         load: LoadFn,
-        on_event: Callable[[TraceEvent], None] | None,
         load_timeout_s: float | None,
         load_now: LoadNowFn | None = None,
         compute_apart: ComputeApartFn | None = None,
     ) -> None:
         self.engine = engine
+        self.load_lanes = engine.load_lanes
         self.compute_apart = compute_apart
         self.race_scope: anyio.CancelScope | None = None  # the racing compute unit's, while it races
         self.outcomes: dict[int, str] = {}  # how each chunk's latest load ended ("load", "load-dropped"...)
         self.progress = progress
-        self.policy = policy
         self.compute_fn = compute
         self.load_fn = load
-        self.on_event = on_event
         self.load_timeout_s = load_timeout_s
         self.compute_lane, self.load_lane = engine._lanes()
-        self.trace = Trace()
         self.t0 = time.perf_counter()
         self.send, self.receive = anyio.create_memory_object_stream[TraceEvent | BaseException](math.inf)
         self.loads: dict[int, tuple[_Stoppable, anyio.Event]] = {}  # in flight, by chunk
+        self.dropped: list[anyio.Event] = []  # the loads the next compute unit waits for to stop
         self.load_now = load_now
         self.thread_loads: set[_ThreadLoad] = set()  # on lane threads, not yet heard back from
 
-    def _now(self) -> float:
+    def now(self) -> float:
         return time.perf_counter() - self.t0
 
     async def _compute(self, a: int, b: int, dropped: list[anyio.Event]) -> None:
         for stopped in dropped:  # a dropped load may be writing these rows until it stops
             await stopped.wait()
         async with self.compute_lane:
-            start = self._now()
+            start = self.now()
             await run_unit(self.compute_fn, a, b)  # cancelled: stops at the next layer, then returns
-            self.send.send_nowait(TraceEvent("compute", a, b - 1, start, self._now()))
+            self.send.send_nowait(TraceEvent("compute", a, b - 1, start, self.now()))
 
     async def _race(self, a: int, scope: anyio.CancelScope) -> None:
         """Compute chunk `a` apart while its fetch runs (`Decision.race`). Whichever ends first wins;
         the compute unit's KV is written only once the fetch has stopped without landing."""
         assert self.compute_apart is not None
         async with self.compute_lane:
-            start = self._now()
+            start = self.now()
             commit = None
             with scope:
                 commit = await run_unit(self.compute_apart, a, a + 1)
@@ -237,21 +239,21 @@ class _Run:
                 with anyio.CancelScope(shield=True):
                     await stopped.wait()
             if commit is None or self.outcomes.get(a) == "load":  # the fetch landed first: it won
-                self.send.send_nowait(TraceEvent("compute-dropped", a, a, start, self._now()))
+                self.send.send_nowait(TraceEvent("compute-dropped", a, a, start, self.now()))
                 return
             await run_unit(commit)
-            self.send.send_nowait(TraceEvent("compute", a, a, start, self._now()))
+            self.send.send_nowait(TraceEvent("compute", a, a, start, self.now()))
 
     async def _load(self, i: int, scope: anyio.CancelScope, stopped: anyio.Event) -> None:
-        start = self._now()
+        start = self.now()
         event: TraceEvent | None = None
         try:
             with scope:
                 async with self.load_lane:
-                    start = self._now()
-                    event = await timed_load(self.load_fn, i, self.load_timeout_s, self._now)
+                    start = self.now()
+                    event = await timed_load(self.load_fn, i, self.load_timeout_s, self.now)
             if scope.cancel_called:  # dropped: whatever it read is not applied
-                event = TraceEvent("load-dropped", i, i, start, self._now())
+                event = TraceEvent("load-dropped", i, i, start, self.now())
             if event is not None:
                 self.outcomes[i] = event.kind
                 self.send.send_nowait(event)
@@ -261,7 +263,7 @@ class _Run:
     def _submit_now(self, i: int) -> _ThreadLoad:
         """Queue the load of chunk `i` on a lane thread; its outcome comes back through `_landed`."""
         assert self.load_now is not None
-        load_now, now, job = self.load_now, self._now, _ThreadLoad()
+        load_now, now, job = self.load_now, self.now, _ThreadLoad()
         call_soon = asyncio.get_running_loop().call_soon_threadsafe
 
         def run() -> None:  # on a lane thread
@@ -296,7 +298,7 @@ class _Run:
         job.stopped.set()
         self.send.send_nowait(outcome)
 
-    async def _stop_thread_loads(self) -> None:
+    async def stop_thread_loads(self) -> None:
         """Drop every load still on a lane thread and wait until none can write any more."""
         with anyio.CancelScope(shield=True):
             for job in list(self.thread_loads):
@@ -304,28 +306,13 @@ class _Run:
             for job in list(self.thread_loads):
                 await job.stopped.wait()
 
-    def _receive(self, item: TraceEvent | BaseException) -> None:
-        if isinstance(item, BaseException):
-            raise item
-        self._apply(item)
+    def stop(self, drops: Sequence[int]) -> None:
+        for i in drops:
+            stoppable, stopped = self.loads[i]
+            stoppable.cancel()
+            self.dropped.append(stopped)
 
-    def _apply(self, event: TraceEvent) -> None:
-        if event.kind.startswith("load"):
-            self.loads.pop(event.first_chunk, None)
-        if event.kind == "load" and event.first_chunk == self.progress.racing and self.race_scope:
-            self.race_scope.cancel()  # the fetch won: the compute unit stops at its next layer
-        apply_event(self.progress, event)
-        self.trace.add(event)
-        if self.on_event is not None:
-            self.on_event(event)
-
-    def _start(self, tg: TaskGroup, decision: Decision) -> None:
-        dropped = []
-        for i in decision.drop:
-            scope, stopped = self.loads[i]
-            scope.cancel()
-            dropped.append(stopped)
-        begin(self.progress, decision, self.policy)
+    def start(self, decision: Decision) -> None:
         for i in decision.loads:
             self.outcomes.pop(i, None)
             if self.load_now is not None:
@@ -333,37 +320,31 @@ class _Run:
                 self.loads[i] = (job, job.stopped)
                 continue
             self.loads[i] = (anyio.CancelScope(), anyio.Event())
-            tg.start_soon(self._load, i, *self.loads[i])
+            self.tg.start_soon(self._load, i, *self.loads[i])
         if decision.race:
             self.race_scope = anyio.CancelScope()
-            tg.start_soon(self._race, decision.compute[0], self.race_scope)  # type: ignore[index]
+            self.tg.start_soon(self._race, decision.compute[0], self.race_scope)  # type: ignore[index]
         elif decision.compute is not None:
-            tg.start_soon(self._compute, *decision.compute, dropped)
+            self.tg.start_soon(self._compute, *decision.compute, self.dropped)
+        if decision.compute is not None:
+            self.dropped = []
 
-    async def drive(self) -> None:
-        try:
-            await self._drive()
-        finally:
-            if self.thread_loads:  # a failed or cancelled restore: nothing may write into its KV after it
-                await self._stop_thread_loads()
+    def _take(self, item: TraceEvent | BaseException) -> TraceEvent | BaseException:
+        if isinstance(item, BaseException):
+            return item
+        if item.kind.startswith("load"):
+            self.loads.pop(item.first_chunk, None)
+        if item.kind == "load" and item.first_chunk == self.progress.racing and self.race_scope:
+            self.race_scope.cancel()  # the fetch won: the compute unit stops at its next layer
+        return item
 
-    async def _drive(self) -> None:
-        progress, policy = self.progress, self.policy
-        async with anyio.create_task_group() as tg:
-            while not progress.finished:
-                progress.now = self._now()
-                progress.free_load_lanes = max(0, self.engine.load_lanes - progress.loads_in_flight)
-                decision = policy.decide(progress)
-                self._start(tg, decision)
-                if stalled(progress, decision):
-                    raise PolicyStalledError(
-                        f"{policy!r} left chunks {progress.pending()} with no unit running"
-                    )
-                timeout = math.inf if decision.wake_at is None else max(0.0, decision.wake_at - self._now())
-                with anyio.move_on_after(timeout):
-                    self._receive(await self.receive.receive())
-                while True:  # everything else that finished meanwhile, so the policy sees it all
-                    try:
-                        self._receive(self.receive.receive_nowait())
-                    except anyio.WouldBlock:
-                        break
+    async def wait(self, wake_at: float | None) -> list[TraceEvent | BaseException]:
+        out = []
+        timeout = math.inf if wake_at is None else max(0.0, wake_at - self.now())
+        with anyio.move_on_after(timeout):
+            out.append(self._take(await self.receive.receive()))
+        while True:  # everything else that finished meanwhile, so the policy sees it all
+            try:
+                out.append(self._take(self.receive.receive_nowait()))
+            except anyio.WouldBlock:
+                return out

@@ -175,7 +175,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from kvrestore.core.errors import KVRestoreError
     from kvrestore.costs.profile import Profile
-    from kvrestore.sim.simulate import balance_bytes_per_s, batch_lower_bound, compare_schedulers
+    from kvrestore.sim.compare import balance_bytes_per_s, batch_lower_bound, compare_schedulers
     from kvrestore.sim.workload import Kind, burst, poisson
     from kvrestore.tools.benchmarking import format_table, percentile
 

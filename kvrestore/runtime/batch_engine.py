@@ -120,7 +120,8 @@ class BatchEngine(Engine):
         for live in list(self._live.values()):
             live.error = live.error or EngineNotRunningError("the BatchEngine was closed during the restore")
             live.done.set()
-        self._tg.cancel_scope.cancel()
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
         await stack.aclose()  # waits for compute units already in their thread
         self._live.clear()
 
@@ -303,8 +304,8 @@ class _Lanes:
                 except Exception as exc:  # the unit's own error fails its restore only
                     send.send_nowait(("failed", u.job, exc))
                     continue
-                event = TraceEvent("compute", u.a, u.b - 1, start - t0, self.now() - t0)
-                send.send_nowait(("event", u.job, event))
+                done = TraceEvent("compute", u.a, u.b - 1, start - t0, self.now() - t0)
+                send.send_nowait(("event", u.job, done))
         finally:
             send.send_nowait(("step-done",))
 

@@ -33,7 +33,8 @@ from typing import Protocol
 import anyio
 import anyio.lowlevel
 import torch
-from anyio.abc import CapacityLimiter, TaskGroup
+from anyio import CapacityLimiter
+from anyio.abc import TaskGroup
 
 from kvrestore.core.cancel import run_unit
 from kvrestore.core.errors import LOAD_FAULTS, check_int
@@ -147,7 +148,8 @@ class Engine:
         """Run blocking torch work on the compute lane (shared with every restore on this engine)."""
         compute_lane, _ = self._lanes()
         async with compute_lane:
-            return await run_unit(fn, *args)
+            out = await run_unit(fn, *args)
+        return out
 
     async def run(
         self,
@@ -171,12 +173,13 @@ class Engine:
             async with anyio.create_task_group() as tg:
                 lanes.tg = tg
                 try:
-                    return await drive(progress, policy, lanes, on_event)
+                    trace = await drive(progress, policy, lanes, on_event)
                 finally:
                     if lanes.thread_loads:  # failed or cancelled: nothing may write into its KV after it
                         await lanes.stop_thread_loads()
         except BaseExceptionGroup as group:
             raise _single(group) from None
+        return trace
 
 
 class _RealLanes:
@@ -319,8 +322,9 @@ class _RealLanes:
                 job = self._submit_now(i)
                 self.loads[i] = (job, job.stopped)
                 continue
-            self.loads[i] = (anyio.CancelScope(), anyio.Event())
-            self.tg.start_soon(self._load, i, *self.loads[i])
+            scope, stopped = anyio.CancelScope(), anyio.Event()
+            self.loads[i] = (scope, stopped)
+            self.tg.start_soon(self._load, i, scope, stopped)
         if decision.race:
             self.race_scope = anyio.CancelScope()
             self.tg.start_soon(self._race, decision.compute[0], self.race_scope)  # type: ignore[index]

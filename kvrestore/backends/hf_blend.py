@@ -7,6 +7,7 @@ projection helpers (`_layers`, `_rotary`, `rotary`, `_project`, `_project_normed
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,28 +33,11 @@ class HFBlendMixin:
     _scaling: float
     device: torch.device
 
-    if TYPE_CHECKING:  # what HFBackend, the class this is mixed into, provides
-
-        def rotary(
-            self, hidden: torch.Tensor, positions: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-        def _project(
-            self, mod: Any, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-        def _project_normed(
-            self,
-            mod: Any,
-            x: torch.Tensor,
-            cos: torch.Tensor,
-            sin: torch.Tensor,
-            with_q: bool = True,
-            with_kv: bool = True,
-        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]: ...
-
-        @staticmethod
-        def _mix(mod: Any, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor: ...
+    if TYPE_CHECKING:  # what HFBackend, the class this is mixed into, provides (see there)
+        rotary: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+        _project: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+        _project_normed: Callable[..., tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]
+        _mix: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
 
     def rope_inv_freq(self) -> torch.Tensor:
         """The model's own RoPE inverse frequencies [D/2], checked to make re-rotation exact.

@@ -17,6 +17,8 @@ from kvrestore.core.errors import InvalidInputError, StoreError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
+from kvrestore.costs.compute import ChunkCost
+from kvrestore.costs.learned import fit_prefill_steps
 from kvrestore.costs.links import LinkCost
 from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, LoadChunk
 from kvrestore.integrations.vllm_layout import (
@@ -27,7 +29,6 @@ from kvrestore.integrations.vllm_layout import (
     scatter_tokens,
 )
 from kvrestore.integrations.vllm_plan import (
-    ComputeCost,
     ConnectorConfig,
     CostBook,
     checkpoint_fingerprint,
@@ -115,10 +116,10 @@ def test_layout_errors_are_clear():
 
 KV_PER_TOKEN = 46_080  # SmolLM2-135M, fp32
 ENDS = [256 * (i + 1) for i in range(7)] + [2000]  # a stored 2,000-token prompt in 256-token chunks
-COMPUTE = ComputeCost(0.0, 2.5e-3, 1.0e-6)  # ~5 s for 2,000 tokens from scratch
+COMPUTE = ChunkCost.per_pair(0.0, 2.5e-3, 1.0e-6)  # ~5 s for 2,000 tokens from scratch
 
 
-def _split(link: LinkCost | None, compute: ComputeCost | None = COMPUTE, mode: str = "planned", ends=ENDS):
+def _split(link: LinkCost | None, compute: ChunkCost | None = COMPUTE, mode: str = "planned", ends=ENDS):
     return choose_split(
         n_tokens=2000,
         chunk_ends=ends,
@@ -158,15 +159,15 @@ def test_the_planned_split_follows_the_link():
 
 
 def test_compute_cost_is_learned_from_steps():
-    assert ComputeCost.fit([]) is None
-    assert ComputeCost.fit([[1, 2000, 0.2]]) is None  # decode steps alone say nothing about prefill
-    one = ComputeCost.fit([[2000, 0, 6.0], [1, 2000, 0.2]])
+    assert fit_prefill_steps([]) is None
+    assert fit_prefill_steps([[1, 2000, 0.2]]) is None  # decode steps alone say nothing about prefill
+    one = fit_prefill_steps([[2000, 0, 6.0], [1, 2000, 0.2]])
     assert one.fixed_s == pytest.approx(0.2) and one.seconds(2000) == pytest.approx(6.0)
-    true = ComputeCost(0.05, 2e-3, 1e-6)
+    true = ChunkCost.per_pair(0.05, 2e-3, 1e-6)
     samples = [
         [n, p, true.seconds(n, p)] for n, p in [(2000, 0), (512, 1024), (256, 3000), (1, 2000), (4000, 0)]
     ]
-    fit = ComputeCost.fit(samples)
+    fit = fit_prefill_steps(samples)
     assert fit.seconds(300, 1700) == pytest.approx(true.seconds(300, 1700), rel=1e-3)
 
 

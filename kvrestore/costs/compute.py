@@ -25,6 +25,12 @@ class ChunkCost(msgspec.Struct, frozen=True):
     per_token_past_s: float
     per_token2_s: float = 0.0
 
+    @classmethod
+    def per_pair(cls, fixed_s: float, per_token_s: float, per_pair_s: float) -> ChunkCost:
+        """``fixed + n * per_token + n * (past + n / 2) * per_pair``: every attended pair, past or causal
+        (n^2 / 2 of them), costs alike; what a serving engine's prefill steps pin with few samples."""
+        return cls(fixed_s, per_token_s, per_pair_s, per_pair_s / 2)
+
     def seconds(self, n_tokens: int, past: int = 0) -> float:
         n = n_tokens
         return (

@@ -248,7 +248,27 @@ def fit_prefill_cost(samples: Sequence[Sequence[float]]) -> ChunkCost:
     rows = [[1.0, n, n * (p + n / 2)] for n, p, _ in samples]
     shapes = _distinct([(n, p) for n, p, _ in samples])
     fixed, per_token, per_pair = _fit_terms(rows, [s for _, _, s in samples], shapes)
-    return ChunkCost(fixed, per_token, per_pair, per_pair / 2)
+    return ChunkCost.per_pair(fixed, per_token, per_pair)
+
+
+#: a step of fewer new tokens than this is a decode step (or a tiny prefill): it says little about prefill
+MIN_PREFILL_TOKENS = 16
+
+
+def fit_prefill_steps(samples: Sequence[Sequence[float]]) -> ChunkCost | None:
+    """A serving engine's prefill cost from its steps, [n new tokens, past, seconds]; None without a
+    prefill (n >= `MIN_PREFILL_TOKENS`) to learn from. With fewer than three distinct prefills the
+    attention term is not separable: a per-token cost (plus the decode steps' fixed cost) only."""
+    prefills = [s for s in samples if s[0] >= MIN_PREFILL_TOKENS]
+    if not prefills:
+        return None
+    rows = [list(s) for s in samples if s[2] > 0]
+    if len({(int(n), int(p)) for n, p, _ in prefills}) < 3:
+        small = any(n < MIN_PREFILL_TOKENS for n, _, _ in rows)
+        fixed = min((s for _, _, s in rows), default=0.0) if small else 0.0
+        per = max(0.0, sum(s - fixed for _, _, s in prefills) / sum(n for n, _, _ in prefills))
+        return ChunkCost.per_pair(fixed, per, 0.0)
+    return fit_prefill_cost(rows)
 
 
 def _fit_layer(samples: Sequence[Sequence[float]]) -> LayerCost:

@@ -39,6 +39,16 @@ def fit_link(samples: Sequence[Sequence[float]]) -> LinkCost:
     return LinkCost(1.0 / max(per_byte, 1e-15), latency)
 
 
+def link_from_loads(samples: Sequence[Sequence[float]], latency_s: float = 0.0) -> LinkCost | None:
+    """A link from [bytes, seconds] samples of whole loads (each a round trip per layer, so no
+    latency term can be separated): their total rate, big loads weighing most. None without bytes."""
+    nbytes = sum(b for b, _ in samples)
+    secs = sum(s for _, s in samples)
+    if nbytes <= 0 or secs <= 0:
+        return None
+    return LinkCost(nbytes / secs, latency_s)
+
+
 class LinkEstimate:
     """A store's link as restores see it: starts from a profile's, then follows the loads (EWMA).
 

@@ -4,9 +4,11 @@
 The split. vLLM computes a request's tokens [k, n) while the connector loads [0, k) layer by layer, so
 loading layer l+1 overlaps computing layer l. Loading k tokens costs a round trip per layer plus the bytes
 of every chunk that overlaps [0, k) over the link; computing n - k tokens after a past of k costs
-`ComputeCost.seconds(n - k, k)`. With the two pipelined over L layers, a split finishes after about
+`ChunkCost.seconds(n - k, k)`. With the two pipelined over L layers, a split finishes after about
 ``max(load + compute / L, compute + load / L)``: the slower of the two plus one layer of the other. The
 connector picks the k (block- and chunk-aligned, at most the stored prefix and n - 1) that minimises it.
+Both costs are `kvrestore.costs` models (`ChunkCost`, `LinkCost`), learned by `CostBook` from what
+vLLM's steps and the connector's loads took (`fit_prefill_steps`, `link_from_loads`).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ import torch
 from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
 from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec, dtype_name
-from kvrestore.costs.learned import fit_prefill_cost
-from kvrestore.costs.links import LinkCost
+from kvrestore.costs.compute import ChunkCost
+from kvrestore.costs.learned import fit_prefill_steps
+from kvrestore.costs.links import LinkCost, link_from_loads
 from kvrestore.costs.profile import machine_id
 from kvrestore.integrations.vllm_layout import LAYOUTS
 
@@ -103,47 +106,6 @@ class ConnectorConfig:
 # -- costs -----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ComputeCost:
-    """Seconds for vLLM to prefill `n` new tokens after `past` cached ones:
-    ``fixed + n * per_token + n * (past + n / 2) * per_pair`` (the linear layers, then attention over
-    every earlier token)."""
-
-    fixed_s: float
-    per_token_s: float
-    per_pair_s: float
-
-    def seconds(self, n_tokens: int, past: int = 0) -> float:
-        if n_tokens <= 0:
-            return 0.0
-        n = n_tokens
-        return self.fixed_s + n * self.per_token_s + n * (past + n / 2) * self.per_pair_s
-
-    @staticmethod
-    def fit(samples: Sequence[Sequence[float]]) -> ComputeCost | None:
-        """From [n, past, seconds] samples; None without a prefill (n >= 16) to learn from. With fewer than
-        three prefills the attention term is not separable: a per-token cost (plus a fixed one) only."""
-        prefills = [s for s in samples if s[0] >= 16]
-        if not prefills:
-            return None
-        rows = [list(s) for s in samples if s[2] > 0]
-        if len({(int(n), int(p)) for n, p, _ in prefills}) < 3:
-            fixed = min((s for _, _, s in rows), default=0.0) if any(n < 16 for n, _, _ in rows) else 0.0
-            per = max(0.0, sum(s - fixed for _, _, s in prefills) / sum(n for n, _, _ in prefills))
-            return ComputeCost(fixed, per, 0.0)
-        cost = fit_prefill_cost(rows)  # kvrestore.costs.learned: the same shape, fitted the same way
-        return ComputeCost(cost.fixed_s, cost.per_token_s, cost.per_token_past_s)
-
-
-def link_from(samples: Sequence[Sequence[float]], latency_s: float = 0.0) -> LinkCost | None:
-    """A link from [bytes, seconds] samples of whole loads: their total rate (big loads weigh most)."""
-    nbytes = sum(b for b, _ in samples)
-    secs = sum(s for _, s in samples)
-    if nbytes <= 0 or secs <= 0:
-        return None
-    return LinkCost(nbytes / secs, latency_s)
-
-
 class CostBook:
     """What the connector has measured, kept across processes in one small JSON file per model and
     machine: vLLM's prefill steps ([n, past, seconds]) and, per store link, whole loads ([bytes,
@@ -212,13 +174,13 @@ class CostBook:
             del rows[: -self.MAX_LOADS]
         self._write()
 
-    def compute_cost(self) -> ComputeCost | None:
+    def compute_cost(self) -> ChunkCost | None:
         with self._lock:
-            return ComputeCost.fit(self.compute)
+            return fit_prefill_steps(self.compute)
 
     def link(self, link_key: str) -> LinkCost | None:
         with self._lock:
-            return link_from(self.links.get(link_key, []))
+            return link_from_loads(self.links.get(link_key, []))
 
     def _write(self) -> None:
         if self.path is None:
@@ -289,7 +251,7 @@ def choose_split(
     bytes_per_token: int,
     num_layers: int,
     link: LinkCost | None,
-    compute: ComputeCost | None,
+    compute: ChunkCost | None,
     mode: str = "planned",
 ) -> SplitChoice:
     """The split for a prompt of `n_tokens` whose leading stored chunks end at `chunk_ends`."""

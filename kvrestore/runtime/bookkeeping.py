@@ -133,14 +133,9 @@ def _apply_race(progress: Progress, event: TraceEvent) -> None:
         progress.stored[i] = False
 
 
-def stalled(progress: Progress, decision: Decision) -> bool:
-    """Nothing runs, nothing is due to wake the policy, and chunks are left: the restore cannot finish."""
-    return (
-        not progress.finished
-        and not progress.compute_busy
-        and progress.loads_in_flight == 0
-        and decision.wake_at is None
-    )
+def stalled(progress: Progress) -> bool:
+    """Nothing runs and chunks are left: unless the policy asked to be woken, the restore cannot finish."""
+    return not progress.finished and not progress.compute_busy and progress.loads_in_flight == 0
 
 
 def note_step(jobs: Mapping[int, BatchJob], step: ComputeStep) -> None:

@@ -1,8 +1,9 @@
 """Many requests on shared lanes, simulated: under a batch scheduler, or as independent restores.
 
-Both run the runtime's own driver loops on a simulated clock, so they keep exactly the rules of the
-engines they stand for: `simulate_batch` is `driver.drive_batch` (the `BatchEngine`'s loop) over
-simulated batch lanes; `simulate_independent` is one `driver.drive` (the `Engine`'s loop) per request,
+Both run the runtime's one driver loop on a simulated clock, so they keep exactly the rules of the
+engines they stand for: `simulate_batch` is `driver.drive_batch` (the loop under a batch scheduler, as
+the `BatchEngine` runs it) over simulated batch lanes; `simulate_independent` is one `driver.drive` (the
+loop under one policy, as the `Engine` runs it) per request,
 over one simulated machine whose compute lane and load lanes serve units first come, first served, as a
 plain `Engine`'s limiters do. Traces are kept on each request's own clock (0 at its arrival).
 """

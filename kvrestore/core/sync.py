@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T", bound=type)
@@ -35,17 +35,15 @@ def sync_wrapper(name: str, fn: Callable[..., Any], via: str, run: str) -> Calla
     return method
 
 
-def mirror_sync_methods(
-    source: type, *, via: str, run: str = "_call", skip: Iterable[str] = ()
-) -> Callable[[T], T]:
+def mirror_sync_methods(source: type, *, via: str, run: str = "_call") -> Callable[[T], T]:
     """Class decorator: give the decorated class a sync face (`sync_wrapper`) of every public coroutine
-    method of `source`, except those in `skip` and those the class defines itself (which need more
+    method of `source`, except those the class defines itself (which need more
     than running the coroutine, e.g. a `close` that also stops the loop). `via` is the attribute that
     holds the async object, `run` the method that runs a coroutine function to its result."""
 
     def decorate(cls: T) -> T:
         for name in public_coroutines(source):
-            if name in skip or name in cls.__dict__:
+            if name in cls.__dict__:
                 continue
             setattr(cls, name, sync_wrapper(name, getattr(source, name), via, run))
         return cls

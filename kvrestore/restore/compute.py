@@ -12,7 +12,8 @@ import torch
 
 from kvrestore.backends.base import ComputeBackend
 from kvrestore.core.kv import KVCache
-from kvrestore.runtime.engine import Engine, on_stream
+from kvrestore.core.streams import on_stream
+from kvrestore.runtime.engine import Engine
 
 
 def prefill_into(

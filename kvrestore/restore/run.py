@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from kvrestore.chunkio.save import SaveStats, write_chunks
-from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.errors import LOAD_FAULTS, InvalidInputError
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
@@ -23,7 +23,6 @@ from kvrestore.policies import Blend, ComputeOnly, LoadOnly, Policy, TokenTwoPoi
 from kvrestore.restore.layer_wise import restore_layers
 from kvrestore.restore.results import Job, Parts, RestoreResult
 from kvrestore.restore.token_wise import restore_tokens
-from kvrestore.runtime.engine import LOAD_FAULTS
 
 log = logging.getLogger("kvrestore.restorer")
 

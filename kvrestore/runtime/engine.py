@@ -38,7 +38,6 @@ from anyio.abc import TaskGroup
 
 from kvrestore.core.cancel import run_unit
 from kvrestore.core.errors import LOAD_FAULTS, check_int
-from kvrestore.core.streams import on_stream  # noqa: F401 - re-exported: the lanes' stream context
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.policies.base import Decision, Policy, Progress
 from kvrestore.runtime.driver import PolicyStalledError, drive  # noqa: F401 - re-exported

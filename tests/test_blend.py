@@ -441,6 +441,28 @@ def test_loading_next_layer_overlaps_recompute(monkeypatch):
         assert l0 < c1 and c0 < l1, f"layer {i + 2} load did not overlap layer {i + 1} compute"
 
 
+
+class _PlainBackend:
+    """A `ComputeBackend` that prefills like the HF one but cannot re-rotate keys or recompute selected
+    tokens (it forwards everything else to `inner`)."""
+
+    def __init__(self, inner: HFBackend) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+
+def test_a_backend_that_cannot_blend_is_refused_before_any_work(backend):
+    store = MemoryStore()
+    restorer = Restorer(_PlainBackend(backend), store, learn=False)
+    chunk = random_tokens(5, 16)
+    with pytest.raises(InvalidInputError, match="CacheBlend needs a backend"):
+        anyio.run(restorer.save_chunk, chunk)
+    with pytest.raises(InvalidInputError, match="CacheBlend needs a backend"):
+        anyio.run(restorer.restore_blend, [chunk], [1, 2])
+    assert anyio.run(store.scan) == []  # nothing was computed or written
+
 def test_auto_ratio_stays_within_bounds(backend):
     chunks = _chunks([16, 16], seed=70)
     res = run_blend(backend, chunks, random_tokens(3, 256), Blend(recompute_ratio=None, min_ratio=0.2))

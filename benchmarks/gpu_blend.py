@@ -9,6 +9,8 @@ the device, nothing downloaded). For each layout (default 4 chunks x 2,048 and 4
 * **stock HF prefill** of the whole prompt: `model(ids, use_cache=True, logits_to_keep=1)`, synchronized;
 * **`restore_blend`** at 5%, 15% and 30% recompute (`Blend(recompute_ratio=r)`), with its own breakdown:
   layer 0's compute, the other layers' compute, the time the compute lane waited for a layer to load;
+  and at 15% with the selected rows' attention in one masked call over all keys
+  (`backend.blend_attention_groups = 1`, "one-call"), against the default groups over key prefixes;
 * **prefix restore** of the same tokens saved as a prefix (`LoadOnly`), the best a blend could do if the
   chunks had been seen together in this order;
 * **exactness**: `restore_blend` at 100% recompute against the stock prefill's KV (the same tolerance
@@ -92,13 +94,18 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
     async def hf() -> Sample:
         return timed_stock_prefill(model, ids_dev)
 
-    def blend_case(r: float):
+    def blend_case(r: float, groups: int | None = None):
         async def case() -> Sample:
-            sync(device)
-            t = time.perf_counter()
-            res = await restorer.restore_blend(chunks, question, Blend(recompute_ratio=r))
-            sync(device)
-            s = time.perf_counter() - t
+            default = backend.blend_attention_groups
+            backend.blend_attention_groups = default if groups is None else groups
+            try:
+                sync(device)
+                t = time.perf_counter()
+                res = await restorer.restore_blend(chunks, question, Blend(recompute_ratio=r))
+                sync(device)
+                s = time.perf_counter() - t
+            finally:
+                backend.blend_attention_groups = default
             st = res.stats
             return Sample(
                 s,
@@ -127,6 +134,8 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
     cases: dict[str, Any] = {"hf-prefill": hf}
     for r in args.ratios:
         cases[f"blend@{r:g}"] = blend_case(r)
+    if 0.15 in args.ratios:  # the selected rows' attention in one masked call, as before the grouping
+        cases["blend@0.15 one-call"] = blend_case(0.15, groups=1)
     cases["prefix-load-only"] = prefix_restore
     wrapped = {name: Failing(name, fn, device) for name, fn in cases.items()}
     raw = await interleave(wrapped, args.rounds, warmup=args.warmup, log=lambda s: log("  " + s))

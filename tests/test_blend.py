@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from pathlib import Path
@@ -12,8 +13,10 @@ import torch
 import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvrestore import InvalidInputError, Restorer, UnsupportedModelError, open_store
+from kvrestore.backends.attention import row_groups
 from kvrestore.backends.hf import HFBackend
 from kvrestore.blend import (
     Blend,
@@ -23,12 +26,14 @@ from kvrestore.blend import (
     choose_ratio,
     choose_store,
     chunk_key,
+    fuse,
     load_seconds_per_layer,
     ratio_schedule,
     recompute_seconds_per_layer,
     select_hkvd,
     selection_sizes,
 )
+from kvrestore.blend.select import SelectionBounds
 from kvrestore.costs.compute import LayerCost
 from kvrestore.stores.memory import MemoryStore
 from kvrestore.stores.throttled import ThrottledStore
@@ -146,6 +151,69 @@ def test_selective_layer_equals_full_layer_on_its_rows(picks, layer):
     torch.testing.assert_close(vr, v[:, index], atol=1e-5, rtol=0)
 
 
+@settings(max_examples=15, deadline=None)
+@given(
+    picks=st.lists(st.booleans(), min_size=40, max_size=40),
+    groups=st.integers(1, 8),
+    rows=st.integers(1, 6),
+    slack=st.integers(0, 7),
+)
+def test_grouped_attention_equals_one_masked_call(picks, groups, rows, slack):
+    """Selected rows split over key prefixes, by the exact positions or any looser upper bounds of
+    them, compute the same layer as one masked call over all keys."""
+    b = HFBackend(tiny_model("llama", layers=1), name="tiny-llama")
+    tokens = random_tokens(40, 256, seed=8)
+    hidden = b.embed(tokens)
+    _, k, v = b.run_layer(0, hidden, None, None, torch.arange(40))
+    index = torch.tensor([i for i, p in enumerate(picks) if p] or [39])
+    upper = [min(39, p + slack) for p in index.tolist()]
+    one = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone())
+    b.blend_attention_groups, b.blend_group_rows = groups, rows
+    grouped = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=upper)
+    for x, y in zip(grouped, one, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    upper=st.lists(st.integers(0, 500), min_size=1, max_size=300).map(sorted),
+    extra=st.integers(0, 40),
+    max_groups=st.integers(1, 9),
+    min_rows=st.integers(1, 80),
+)
+def test_row_groups_cover_the_rows_with_every_key_a_row_may_see(upper, extra, max_groups, min_rows):
+    n_keys = upper[-1] + 1 + extra
+    groups = row_groups(upper, n_keys, max_groups, min_rows)
+    assert 1 <= len(groups) <= max_groups
+    assert groups[0][0] == 0 and groups[-1][1] == len(upper)
+    for (a, b, kl), nxt in zip(groups, [*groups[1:], None], strict=True):
+        assert a < b and kl <= n_keys and all(p < kl for p in upper[a:b])
+        if nxt is not None:
+            assert nxt[0] == b and nxt[2] >= kl
+    if len(groups) > 1:
+        assert all(b - a >= min_rows for a, b, _ in groups)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 200), seed=st.integers(0, 10**6), layers=st.integers(1, 8), exact=st.booleans())
+def test_selection_bounds_hold_for_nested_selections(n, seed, layers, exact):
+    """The host-side bounds from earlier (superset) selections are never below a selected position."""
+    gen = torch.Generator().manual_seed(seed)
+    bounds = SelectionBounds(n, torch.device("cpu"), exact=exact)
+    current = torch.arange(n)
+    for _ in range(layers):
+        keep = torch.rand(current.numel(), generator=gen) < 0.8
+        keep[-1] = True
+        current = current[keep]
+        upper = bounds.upper(current)
+        bounds.record(current)
+        assert len(upper) == current.numel()
+        assert all(p <= u for p, u in zip(current.tolist(), upper, strict=True))
+        assert list(upper) == sorted(upper)
+        if exact:
+            assert list(upper) == current.tolist()
+
+
 def test_attention_probs_match_transformers_eager(llama_backend):
     b = llama_backend
     tokens = random_tokens(25, 256, seed=8)
@@ -256,6 +324,45 @@ def test_pipeline_selection_properties(backend, monkeypatch, lengths, n_suffix, 
         assert len(sel - forced) == sizes[i]
         prev = sel
     assert res.stats.hkvd == sizes
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_grouped_attention_in_the_pipeline_changes_nothing(backend, monkeypatch, exact):
+    """The fusor's grouped attention, with exact positions (CPU) or the bounds from earlier layers'
+    selections that CUDA uses, gives the blend of one masked call: exact at ratio 1, the same at 0.3."""
+    chunks = _chunks([40, 33, 51], seed=30)
+    suffix = random_tokens(7, 256, seed=31)
+    one = {}
+    monkeypatch.setattr(backend, "blend_attention_groups", 1)
+    for ratio in (1.0, 0.3):
+        one[ratio] = run_blend(backend, chunks, suffix, Blend(recompute_ratio=ratio))
+    monkeypatch.setattr(backend, "blend_attention_groups", 6)
+    monkeypatch.setattr(backend, "blend_group_rows", 4)
+    monkeypatch.setattr(fuse, "SelectionBounds", functools.partial(SelectionBounds, exact=exact))
+    calls = _record_groups(monkeypatch)
+    for ratio in (1.0, 0.3):
+        res = run_blend(backend, chunks, suffix, Blend(recompute_ratio=ratio))
+        torch.testing.assert_close(res.kv.data, one[ratio].kv.data, atol=1e-5, rtol=0)
+        torch.testing.assert_close(res.logits, one[ratio].logits, atol=1e-5, rtol=0)
+    full, _ = backend.forward(res.tokens, None, 0, logits=True)
+    torch.testing.assert_close(one[1.0].kv.data, full.data, atol=ATOL, rtol=0)
+    n = res.tokens.numel()
+    assert max(len(g) for g in calls) == 6  # the attention did run in groups
+    # and the early groups skipped keys none of their rows could see
+    assert all(g[0][2] < n for g in calls if len(g) > 1)
+
+
+def _record_groups(monkeypatch) -> list[list[tuple[int, int, int]]]:
+    import kvrestore.backends.hf_blend as hf_blend
+
+    calls: list[list[tuple[int, int, int]]] = []
+
+    def spy(*args, **kwargs):
+        calls.append(row_groups(*args, **kwargs))
+        return calls[-1]
+
+    monkeypatch.setattr(hf_blend, "row_groups", spy)
+    return calls
 
 
 def test_shared_prefix(backend):
@@ -440,6 +547,53 @@ def test_loading_next_layer_overlaps_recompute(monkeypatch):
         # the two intervals overlap: each started before the other ended
         assert l0 < c1 and c0 < l1, f"layer {i + 2} load did not overlap layer {i + 1} compute"
 
+
+
+# ops that make the host wait for the device on CUDA (a scalar read, or a result whose size is data)
+_SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive"}
+
+
+class _OpLog(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.bool_indexing = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops.append(name)
+        if name.startswith("index") and any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.bool for a in args if isinstance(a, list | tuple) for t in a
+        ):
+            self.bool_indexing += 1  # indexing with a boolean mask is a nonzero inside
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_layers_never_wait_for_the_device(backend, monkeypatch):
+    """Every op of the selective layers, run as on CUDA (bounds from earlier selections, grouped
+    attention), is one the host can queue without reading a result back: nothing like `.item()`,
+    `int(t)`, `nonzero` or boolean-mask indexing between layer 1 and the logits."""
+    logs: list[_OpLog] = []
+
+    class SpyTimer(fuse.LayerTimer):
+        def start(self):
+            logs.append(_OpLog())
+            logs[-1].__enter__()
+            return super().start()
+
+        def stop(self, i, mark, wait=False):
+            super().stop(i, mark, wait)
+            logs[-1].__exit__(None, None, None)
+
+    monkeypatch.setattr(fuse, "LayerTimer", SpyTimer)
+    monkeypatch.setattr(fuse, "SelectionBounds", functools.partial(SelectionBounds, exact=False))
+    monkeypatch.setattr(backend, "blend_group_rows", 4)
+    res = run_blend(backend, _chunks([40, 33, 51], seed=32), random_tokens(7, 256, seed=33), Blend())
+    assert len(logs) == backend.spec.num_layers and res.stats.hkvd[0] > 0
+    for i, log in enumerate(logs[1:], start=1):
+        assert "sdpa" in " ".join(log.ops) or "scaled_dot_product" in " ".join(log.ops)
+        assert not _SYNCING_OPS & set(log.ops), f"layer {i} waits for the device: {_SYNCING_OPS & set(log.ops)}"
+        assert log.bool_indexing == 0, f"layer {i} indexes with a boolean mask"
 
 
 class _PlainBackend:

@@ -3,7 +3,7 @@ after a past gets (`attention_plan`), kept apart from the layer loop so the choi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -88,3 +88,23 @@ def attend_fn(
         return sdpa(q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), **kwargs)
 
     return attend
+
+
+def row_groups(
+    upper: Sequence[int], n_keys: int, max_groups: int, min_rows: int
+) -> list[tuple[int, int, int]]:
+    """Split the sorted rows of a selective layer's queries into groups that attend over key prefixes.
+
+    Row r is a token at a sequence position of at most `upper[r]` (non-decreasing; the exact positions
+    or bounds known on the host, see `kvrestore.blend.select.SelectionBounds`). Under the causal mask it
+    sees no key past that, so a group of rows [a, b) needs only keys [0, upper[b-1] + 1). Returns
+    (a, b, n_keys of the group) for up to `max_groups` groups of at least `min_rows` rows (one group
+    over all `n_keys` keys if the rows are too few): on average about (1 + 1/G) / 2 of the attention of
+    one masked call, for G - 1 more calls.
+    """
+    s = len(upper)
+    g = max(1, min(max_groups, s // max(1, min_rows)))
+    if g == 1:
+        return [(0, s, n_keys)] if s else []
+    cuts = [round(s * i / g) for i in range(g + 1)]
+    return [(a, b, min(n_keys, upper[b - 1] + 1)) for a, b in zip(cuts, cuts[1:], strict=False)]

@@ -7,14 +7,14 @@ projection helpers (`_layers`, `_rotary`, `rotary`, `_project`, `_project_normed
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvrestore.backends.attention import _SDPA_GQA, _rotate_half, apply_rope
+from kvrestore.backends.attention import _SDPA_GQA, _rotate_half, apply_rope, row_groups
 from kvrestore.core.errors import UnsupportedModelError
 
 # RoPE variants whose frequencies do not depend on the sequence: cached keys can be moved exactly
@@ -32,6 +32,12 @@ class HFBlendMixin:
     _qk_norm: bool
     _scaling: float
     device: torch.device
+
+    # The selected rows' attention is split into up to this many groups over key prefixes (`row_groups`),
+    # of at least `blend_group_rows` rows each, when the caller knows bounds of the rows' positions on the
+    # host (`run_layer_selective(upper=)`); 1 runs one masked call over all keys.
+    blend_attention_groups: int = 4
+    blend_group_rows: int = 64
 
     if TYPE_CHECKING:  # what HFBackend, the class this is mixed into, provides (see there)
         rotary: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -128,6 +134,7 @@ class HFBlendMixin:
         v: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        upper: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decoder layer for a subset of tokens of a sequence whose KV for this layer is `k`, `v`.
 
@@ -137,7 +144,10 @@ class HFBlendMixin:
         attention runs, so each selected query attends over the blended KV with a causal mask at its
         position. Returns (hidden out [1, S, hidden], K rows [H, S, D], V rows [H, S, D]). With
         `projected` (the tokens' normed inputs [1, S, hidden], K and V rows [H, S, D] from
-        `project_candidates`) only their queries are projected here.
+        `project_candidates`) only their queries are projected here. With `upper` (for each row, a
+        host-side upper bound of its position, non-decreasing: `index` itself, or bounds that need no
+        device sync) the attention runs in groups of rows over key prefixes (`row_groups`): the same
+        result, for about half the attention work.
         """
         index = index.to(self.device)
         cos, sin = rope if rope is not None else self.rotary(hidden, index)
@@ -152,8 +162,7 @@ class HFBlendMixin:
             kr, vr = k_rows[None], v_rows[None]
         k.index_copy_(1, index, kr[0])
         v.index_copy_(1, index, vr[0])
-        mask = torch.arange(k.shape[1], device=self.device)[None, :] <= index[:, None]
-        out = self._attention_masked(q, k.unsqueeze(0), v.unsqueeze(0), mask)
+        out = self._attention_selected(q, k.unsqueeze(0), v.unsqueeze(0), index, upper)
         return self._mix(mod, hidden, out), kr[0], vr[0]
 
     @torch.inference_mode()
@@ -177,18 +186,46 @@ class HFBlendMixin:
         mask = torch.arange(k.shape[1], device=self.device)[None, :] <= index[:, None]
         return scores.masked_fill(~mask, float("-inf")).softmax(-1)
 
+    def _attention_selected(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        index: torch.Tensor,
+        upper: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Attention of scattered rows q [1, heads, S, D] at sorted positions `index` [S] over k, v
+        [1, H, N, D], each row causal at its position; in groups over key prefixes when `upper` bounds
+        the positions on the host (see `run_layer_selective`). On CUDA grouped-query heads are expanded
+        once (see `_attention_masked`) and each group's keys are a view of them."""
+        n = k.shape[2]
+        if upper is None:
+            groups = [(0, q.shape[2], n)]
+        else:
+            groups = row_groups(upper, n, self.blend_attention_groups, self.blend_group_rows)
+        last = groups[-1][2]  # the key counts do not decrease
+        k, v = k[:, :, :last], v[:, :, :last]
+        if q.device.type == "cuda" and self._n_heads != self._n_kv:
+            rep = self._n_heads // self._n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        positions = torch.arange(last, device=q.device)
+        outs = [
+            self._attention_masked(
+                q[:, :, a:b], k[:, :, :kl], v[:, :, :kl], positions[None, :kl] <= index[a:b, None]
+            )
+            for a, b, kl in groups
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
     def _attention_masked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """Attention under an arbitrary boolean mask (CacheBlend's scattered rows). On CUDA it runs on
-        the memory-efficient kernel, with grouped-query heads expanded first: cuDNN's attention would
-        build a new execution plan (tens of milliseconds) for every new number of selected rows, and
-        the selection shrinks layer by layer."""
+        the memory-efficient kernel over K/V heads already expanded to the query heads: cuDNN's
+        attention would build a new execution plan (tens of milliseconds) for every new number of
+        selected rows, and the selection shrinks layer by layer."""
         if q.device.type != "cuda":
             return self._sdpa(q, k, v, attn_mask=mask)
-        if self._n_heads != self._n_kv:
-            rep = self._n_heads // self._n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self._scaling)
 

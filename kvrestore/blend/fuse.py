@@ -30,7 +30,7 @@ import torch
 
 from kvrestore.blend.chunks import StoreChunkSource, chunk_key
 from kvrestore.blend.controller import choose_ratio
-from kvrestore.blend.select import kv_deviation, select_hkvd, selection_sizes
+from kvrestore.blend.select import SelectionBounds, kv_deviation, select_hkvd, selection_sizes
 from kvrestore.chunkio.layers import ChunkLoadFailed
 from kvrestore.chunkio.pool import StagingPool
 from kvrestore.core.errors import InvalidInputError
@@ -186,6 +186,7 @@ async def _fuse(
                 ev.set()
 
     timer = LayerTimer(torch.device(device), n_layers)
+    bounds = SelectionBounds(n, torch.device(device))
     recomputed = [n]
     hkvd: list[int] = []
     wait = 0.0
@@ -214,6 +215,8 @@ async def _fuse(
         dev = kv_deviation(k_new, v_new, k_layer[:, cand], v_layer[:, cand], policy.deviation)
         keep = select_hkvd(dev, forced[cand], size, n_forced=n_forced)
         sel = cand[keep]
+        upper = bounds.upper(sel)  # where the kept rows can sit, for the attention's key prefixes
+        bounds.record(sel)
         if policy.update_candidates:  # every candidate's fresh K/V replaces its loaded K/V (no compute)
             k_layer.index_copy_(1, cand, k_new)
             v_layer.index_copy_(1, cand, v_new)
@@ -225,6 +228,7 @@ async def _fuse(
             v_layer,
             rope=(cos[:, sel], sin[:, sel]),
             projected=(x[:, keep], k_new[:, keep], v_new[:, keep]),
+            upper=upper,
         )
         timer.stop(i, mark)
         chosen = min(size, cand.numel() - n_forced)

@@ -9,6 +9,7 @@ therefore shrink monotonically and the forced tokens are in every one of them.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -54,3 +55,45 @@ def selection_sizes(schedule: Sequence[float], n_reused: int) -> list[int]:
         n = min(n_reused, max(0, round(r * n_reused)))
         sizes.append(min(n, sizes[-1]) if sizes else n)
     return sizes
+
+
+class SelectionBounds:
+    """Upper bounds of each layer's selected positions, known on the host without waiting for the device.
+
+    The selected positions bound the keys each recomputed row attends to (`row_groups`), so the host
+    must know them before it queues the attention. On a CPU the selection itself is on the host. On
+    CUDA reading it would wait for the device on every layer; instead each selection is copied to
+    pinned host memory behind the layer's kernels (`record`), and a later layer uses the newest copy
+    that has landed (polled, never waited for) -- all tokens before the first one. That is enough:
+    every selection is a subset of the one before (gradual filtering), and if a sorted set of s
+    positions is drawn from a sorted superset P of m, its r-th smallest is at most P[r + m - s] (at
+    least s - 1 - r of its members lie above it). The bound is tight when the sets shrink slowly, as
+    they do from layer 2 on.
+    """
+
+    def __init__(self, n_tokens: int, device: torch.device, exact: bool | None = None) -> None:
+        self.exact = device.type != "cuda" if exact is None else exact
+        self._superset: Sequence[int] = range(n_tokens)
+        self._pending: deque[tuple[torch.cuda.Event | None, torch.Tensor]] = deque()
+
+    def upper(self, selection: torch.Tensor) -> Sequence[int]:
+        """Non-decreasing upper bounds of the sorted positions in `selection` (one per row)."""
+        if self.exact:
+            return selection.tolist()
+        while self._pending and (self._pending[0][0] is None or self._pending[0][0].query()):
+            self._superset = self._pending.popleft()[1].tolist()
+        m, s = len(self._superset), selection.numel()
+        return self._superset[m - s :]
+
+    def record(self, selection: torch.Tensor) -> None:
+        """Start copying a layer's selection to the host, for the bounds of the layers after it."""
+        if self.exact:
+            return
+        if not selection.is_cuda:  # bounds from earlier layers on a CPU too (tests of the CUDA logic)
+            self._pending.append((None, selection.clone()))
+            return
+        host = torch.empty(selection.shape, dtype=selection.dtype, pin_memory=True)
+        host.copy_(selection, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((event, host))

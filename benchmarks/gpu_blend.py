@@ -222,6 +222,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "seed": args.seed,
             "tiny": args.tiny,
+            "switch_interval_s": sys.getswitchinterval(),
         },
         "machine": machine_info(),
         "code": code_version(),
@@ -249,7 +250,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default cuda (--tiny: cpu)")
     p.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU: a smoke test")
     p.add_argument("--out", type=Path, default=None, help=f"JSON path (default {DEFAULT_OUT})")
+    p.add_argument(
+        "--switch-interval",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval in seconds (a diagnostic: do the compute lane's launches wait for the "
+        "GIL behind the loader? default: Python's 0.005)",
+    )
     args = p.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     args.chunk_tokens = args.chunk_tokens or ([128] if args.tiny else [2048, 4096])
     args.rounds = args.rounds or (2 if args.tiny else 5)
     if args.tiny:

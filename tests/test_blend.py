@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import threading
 import time
 from pathlib import Path
 
@@ -547,6 +548,54 @@ def test_loading_next_layer_overlaps_recompute(monkeypatch):
         # the two intervals overlap: each started before the other ended
         assert l0 < c1 and c0 < l1, f"layer {i + 2} load did not overlap layer {i + 1} compute"
 
+
+
+class HangingLayers(MemoryStore):
+    """Headers read normally; every layer section after the first `free` hangs until cancelled."""
+
+    def __init__(self, free: int) -> None:
+        super().__init__()
+        self.free = free
+        self.section_reads = 0
+
+    async def get_range(self, key, start, end):
+        if end - start > 4096:  # a layer section, not a header probe
+            self.section_reads += 1
+            if self.section_reads > self.free:
+                await anyio.sleep_forever()
+        return await super().get_range(key, start, end)
+
+
+def test_a_cancelled_blend_stops_its_compute_lane(monkeypatch):
+    """Cancelled while the compute lane waits for a layer that never lands, the blend returns at the
+    deadline and its worker thread stops at that layer instead of waiting, or computing, on."""
+    b = HFBackend(tiny_model("llama", layers=6), name="tiny-llama-6")
+    chunks = _chunks([20, 20], seed=61)
+    store = HangingLayers(free=2 * 2)  # layers 1 and 2 of both chunks load, layer 3 never does
+    computed: list[int] = []
+    original = b.run_layer_selective
+
+    def spy(layer, *args, **kwargs):
+        computed.append(layer)
+        return original(layer, *args, **kwargs)
+
+    monkeypatch.setattr(b, "run_layer_selective", spy)
+
+    async def main() -> bool:
+        async with Restorer(b, store) as r:
+            for c in chunks:
+                await r.save_chunk(c)
+            with anyio.move_on_after(1.0) as scope:
+                await r.restore_blend(chunks, random_tokens(4, 256, seed=62), Blend(recompute_ratio=0.5))
+            return scope.cancelled_caught
+
+    outcome: list[bool] = []
+    runner = threading.Thread(target=lambda: outcome.append(anyio.run(main)), daemon=True)
+    runner.start()
+    runner.join(timeout=60)  # a compute lane left waiting would hang the blend: fail, not hang, here
+    assert not runner.is_alive(), "the cancelled blend never returned"
+    assert outcome == [True]
+    assert computed == [1, 2]  # nothing after the layer that never loaded, and the lane has returned
 
 
 # ops that make the host wait for the device on CUDA (a scalar read, or a result whose size is data)

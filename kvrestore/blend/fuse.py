@@ -6,11 +6,14 @@ o_j) and builds the KV of all N tokens:
 * a loader task fetches layer 1, 2, ... of every chunk from the store (each layer one range read per
   chunk), re-rotates the keys to their new positions and signals the layer as ready; it runs ahead of
   the compute, so loading layer i+1 overlaps the recompute of layer i;
-* the compute lane (a worker thread) recomputes layer 0 fully -- its KV needs no cross-attention and
-  every token gets a hidden state -- then, on each layer i >= 1 once it is loaded, projects the
-  candidates' K/V, keeps the forced tokens plus the reused ones with the highest KV deviation
-  (`select`), and runs the layer for those only (`HFBackend.run_layer_selective`): their K/V overwrite
-  the loaded rows, their queries attend over the blended KV. The kept set is the next layer's candidates.
+* the compute lane (one worker-thread call for the whole blend, which waits for each layer's load on a
+  thread event: no turn of the event loop between layers) recomputes layer 0 fully -- its KV needs no
+  cross-attention and every token gets a hidden state -- then, on each layer i >= 1 once it is loaded,
+  projects the candidates' K/V, keeps the forced tokens plus the reused ones with the highest KV
+  deviation (`select`), and runs the layer for those only (`HFBackend.run_layer_selective`): their K/V
+  overwrite the loaded rows, their queries attend over the blended KV, in groups over key prefixes
+  (`SelectionBounds`, `row_groups`). The kept set is the next layer's candidates. On CUDA nothing in a
+  layer waits for the device: the lane queues kernels and runs ahead.
 
 Layer 0 is never loaded (it is recomputed). The suffix, the last token and the tokens of chunks that
 could not be loaded are forced: recomputed on every layer, so a missing or damaged chunk costs time,
@@ -19,12 +22,14 @@ never correctness. A chunk that fails part-way restarts the blend with that chun
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import torch
 
@@ -169,7 +174,11 @@ async def _fuse(
     n_reused = n - n_forced
     forced = forced_host.to(device)
 
-    ready = [anyio.Event() for _ in range(n_layers)]
+    # The loader (a task on the event loop) sets ready[i] once layer i is in place; the compute lane (one
+    # worker-thread call for the whole blend) waits for it there, so a layer's compute never waits for a
+    # turn of the event loop. A loader that fails or is cancelled sets `halted`, then wakes every waiter.
+    ready = [threading.Event() for _ in range(n_layers)]
+    halted: list[bool] = []
     load_s = [0.0] * n_layers
     failure: list[ChunkLoadFailed] = []
 
@@ -182,15 +191,25 @@ async def _fuse(
                 ready[i].set()
         except ChunkLoadFailed as exc:
             failure.append(exc)
-            for ev in ready:
-                ev.set()
+        finally:
+            if not all(ev.is_set() for ev in ready[1:]):
+                halted.append(True)
+                for ev in ready:
+                    ev.set()
 
     timer = LayerTimer(torch.device(device), n_layers)
     bounds = SelectionBounds(n, torch.device(device))
     recomputed = [n]
     hkvd: list[int] = []
-    wait = 0.0
-    state: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # the rotary cos, sin of every token
+    waits = [0.0]
+    plan: dict[str, Any] = {"ratio": 0.0, "schedule": []}
+
+    def wait_for(i: int) -> bool:
+        """Wait until layer i is loaded; False if the blend must stop instead."""
+        t = time.perf_counter()
+        ready[i].wait()
+        waits[0] += time.perf_counter() - t
+        return not halted
 
     def layer0() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         mark = timer.start()
@@ -204,12 +223,12 @@ async def _fuse(
         return hidden, rope
 
     def layer(
-        i: int, hidden: torch.Tensor, cand: torch.Tensor, size: int
+        i: int, hidden: torch.Tensor, cand: torch.Tensor, size: int, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Selective recompute of layer i; queues its kernels and returns without waiting for them (the
         sizes are known on the host: every candidate set holds all `n_forced` forced tokens)."""
         mark = timer.start()
-        cos, sin = state["rope"]
+        cos, sin = rope
         k_layer, v_layer = kv.data[i, 0], kv.data[i, 1]
         x, k_new, v_new = backend.project_candidates(i, hidden, (cos[:, cand], sin[:, cand]))
         dev = kv_deviation(k_new, v_new, k_layer[:, cand], v_layer[:, cand], policy.deviation)
@@ -236,44 +255,43 @@ async def _fuse(
         hkvd.append(chosen)
         return hidden, sel
 
-    logits = None
-    ratio = 0.0
-    schedule: list[float] = []
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(loader)
-        hidden, state["rope"] = await anyio.to_thread.run_sync(layer0)
+    def compute_lane() -> torch.Tensor | None:
+        """Layer 0, the ratio, every selective layer as its load lands, the logits; None if halted."""
+        hidden, rope = layer0()
         if policy.recompute_ratio is not None:
             ratio = policy.recompute_ratio
         elif n_layers > 1:  # the loading controller: measured layer-1 load vs a full layer's compute
-            t = time.perf_counter()
-            await ready[1].wait()
-            wait += time.perf_counter() - t
+            if not wait_for(1):
+                return None
             ratio = choose_ratio(load_s[1], timer.seconds[0], policy.min_ratio, policy.max_ratio)
         else:
             ratio = policy.min_ratio
-        schedule = policy.schedule(ratio, n_layers)
-        sizes = selection_sizes(schedule, n_reused)
+        plan["ratio"], plan["schedule"] = ratio, policy.schedule(ratio, n_layers)
+        sizes = selection_sizes(plan["schedule"], n_reused)
         cand = torch.arange(n, device=device)
         for i in range(1, n_layers):
-            t = time.perf_counter()
-            await ready[i].wait()
-            wait += time.perf_counter() - t
-            if failure:
-                break
-            hidden, cand = await anyio.to_thread.run_sync(layer, i, hidden, cand, sizes[i - 1])
-        if not failure:
-            logits = await anyio.to_thread.run_sync(backend.final_logits, hidden)
-            await anyio.to_thread.run_sync(timer.finish)
+            if not wait_for(i):
+                return None
+            hidden, cand = layer(i, hidden, cand, sizes[i - 1], rope)
+        logits = backend.final_logits(hidden)
+        timer.finish()
+        return logits
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(loader)
+        logits = await anyio.to_thread.run_sync(compute_lane)
     if failure:
         raise failure[0]
-    assert logits is not None
+    if logits is None:  # the loader was cancelled: raise that cancellation here
+        await anyio.lowlevel.checkpoint()
+        raise RuntimeError("the blend's loader stopped with no failure and no cancellation")
     stats = BlendStats(
         n_tokens=n,
         n_chunks=len(layout.chunks),
         n_suffix=len(layout.suffix),
         n_prefix=len(layout.prefix),
-        ratio=ratio,
-        schedule=schedule,
+        ratio=plan["ratio"],
+        schedule=plan["schedule"],
         recomputed=recomputed,
         hkvd=hkvd,
         loaded_chunks=0,
@@ -282,7 +300,7 @@ async def _fuse(
         seconds=0.0,
         load_seconds=load_s,
         compute_seconds=timer.seconds,
-        wait_seconds=wait,
+        wait_seconds=waits[0],
     )
     return BlendResult(kv, layout.tokens, logits, stats)
 

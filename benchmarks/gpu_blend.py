@@ -112,6 +112,7 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
                 {
                     "layer0_s": st.compute_seconds[0],
                     "layers_s": sum(st.compute_seconds[1:]),
+                    "layer_s": list(st.compute_seconds),
                     "load_s": sum(st.load_seconds),
                     "wait_s": st.wait_seconds,
                     "loaded_chunks": st.loaded_chunks,
@@ -152,6 +153,9 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
         if name.startswith("blend@"):
             for key in ("layer0_s", "layers_s", "load_s", "wait_s"):
                 entry[key] = median([s.extra[key] for s in samples if key in s.extra])
+            per_layer = [s.extra["layer_s"] for s in samples if "layer_s" in s.extra]
+            if per_layer:  # each layer's compute time (CUDA events), median over the rounds
+                entry["layer_ms"] = [median([r[i] for r in per_layer]) * 1e3 for i in range(len(per_layer[0]))]
             entry["loaded_chunks"] = samples[-1].extra.get("loaded_chunks")
             entry["recomputed_per_layer"] = samples[-1].extra.get("recomputed")
         summary[name] = entry
@@ -174,6 +178,9 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
         title=f"{args.chunks} x {chunk_tokens} + {args.question} tokens on {device}, median of {args.rounds} rounds",
     )
 
+    if args.profile:  # where one blend@0.15's time goes, op by op, on the host and on the device
+        out["profile_blend15"] = await profile_blend(restorer, chunks, question, device)
+
     # exactness: 100% recompute reproduces the full prefill
     res = await restorer.restore_blend(chunks, question, Blend(recompute_ratio=1.0))
     sync(device)
@@ -186,6 +193,27 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
     del res, stock_kv
     free_memory(device)
     return out
+
+
+async def profile_blend(restorer: Restorer, chunks: list, question: torch.Tensor, device: torch.device) -> dict:
+    """One blend@0.15 under torch.profiler: the top ops by host and by device time, and the launch count."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    try:  # the compute lane and the loader run in worker threads
+        config = {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+    except TypeError:  # a torch without it: the device side is still whole
+        config = {}
+    with torch.profiler.profile(activities=activities, **config) as prof:
+        await restorer.restore_blend(chunks, question, Blend(recompute_ratio=0.15))
+        sync(device)
+    events = prof.key_averages()
+    by_host = events.table(sort_by="self_cpu_time_total", row_limit=20)
+    by_device = events.table(sort_by="self_device_time_total", row_limit=20) if device.type == "cuda" else ""
+    log(by_host)
+    log(by_device)
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"))
+    return {"top_by_host": by_host, "top_by_device": by_device, "kernel_launches": launches}
 
 
 def targets(layouts: list[dict[str, Any]], apply: bool) -> dict[str, Any]:
@@ -250,6 +278,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default cuda (--tiny: cpu)")
     p.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU: a smoke test")
     p.add_argument("--out", type=Path, default=None, help=f"JSON path (default {DEFAULT_OUT})")
+    p.add_argument("--profile", action="store_true", help="profile one blend@0.15 per layout (torch.profiler)")
     p.add_argument(
         "--switch-interval",
         type=float,

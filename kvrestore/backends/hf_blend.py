@@ -208,11 +208,9 @@ class HFBlendMixin:
         if q.device.type == "cuda" and self._n_heads != self._n_kv:
             rep = self._n_heads // self._n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        positions = torch.arange(last, device=q.device)
+        mask = torch.arange(last, device=q.device)[None, :] <= index[:, None]  # one mask, sliced per group
         outs = [
-            self._attention_masked(
-                q[:, :, a:b], k[:, :, :kl], v[:, :, :kl], positions[None, :kl] <= index[a:b, None]
-            )
+            self._attention_masked(q[:, :, a:b], k[:, :, :kl], v[:, :, :kl], mask[a:b, :kl])
             for a, b, kl in groups
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)

@@ -223,17 +223,20 @@ async def _fuse(
         return hidden, rope
 
     def layer(
-        i: int, hidden: torch.Tensor, cand: torch.Tensor, size: int, rope: tuple[torch.Tensor, torch.Tensor]
+        i: int, hidden: torch.Tensor, cand: torch.Tensor, size: int, rope: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Selective recompute of layer i; queues its kernels and returns without waiting for them (the
-        sizes are known on the host: every candidate set holds all `n_forced` forced tokens)."""
+        sizes are known on the host: every candidate set holds all `n_forced` forced tokens). `rope` is
+        every token's rotary cos and sin stacked, [2, 1, N, D]."""
         mark = timer.start()
-        cos, sin = rope
         k_layer, v_layer = kv.data[i, 0], kv.data[i, 1]
-        x, k_new, v_new = backend.project_candidates(i, hidden, (cos[:, cand], sin[:, cand]))
-        dev = kv_deviation(k_new, v_new, k_layer[:, cand], v_layer[:, cand], policy.deviation)
+        rope_cand = rope.index_select(2, cand)  # cos and sin of the candidates: one gather
+        x, k_new, v_new = backend.project_candidates(i, hidden, (rope_cand[0], rope_cand[1]))
+        loaded = kv.data[i].index_select(2, cand)  # their loaded K and V: one gather
+        dev = kv_deviation(k_new, v_new, loaded[0], loaded[1], policy.deviation)
         keep = select_hkvd(dev, forced[cand], size, n_forced=n_forced)
         sel = cand[keep]
+        rope_sel = rope_cand.index_select(2, keep)
         upper = bounds.upper(sel)  # where the kept rows can sit, for the attention's key prefixes
         bounds.record(sel)
         if policy.update_candidates:  # every candidate's fresh K/V replaces its loaded K/V (no compute)
@@ -245,7 +248,7 @@ async def _fuse(
             sel,
             k_layer,
             v_layer,
-            rope=(cos[:, sel], sin[:, sel]),
+            rope=(rope_sel[0], rope_sel[1]),
             projected=(x[:, keep], k_new[:, keep], v_new[:, keep]),
             upper=upper,
         )
@@ -269,10 +272,11 @@ async def _fuse(
         plan["ratio"], plan["schedule"] = ratio, policy.schedule(ratio, n_layers)
         sizes = selection_sizes(plan["schedule"], n_reused)
         cand = torch.arange(n, device=device)
+        rope_all = torch.stack(rope)
         for i in range(1, n_layers):
             if not wait_for(i):
                 return None
-            hidden, cand = layer(i, hidden, cand, sizes[i - 1], rope)
+            hidden, cand = layer(i, hidden, cand, sizes[i - 1], rope_all)
         logits = backend.final_logits(hidden)
         timer.finish()
         return logits

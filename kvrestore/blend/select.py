@@ -20,13 +20,16 @@ from kvrestore.core.errors import InvalidInputError
 def kv_deviation(
     k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor, kind: str = "kv"
 ) -> torch.Tensor:
-    """Per-token squared L2 distance [T] between fresh and loaded K/V ([H, T, D] each)."""
-    dev = torch.zeros(k_new.shape[1], dtype=torch.float32, device=k_new.device)
+    """Per-token squared L2 distance [T] between fresh and loaded K/V ([H, T, D] each), in float32.
+
+    A few device ops (a difference, a cast, a reduction per tensor): it runs on every selective layer.
+    """
+    parts = []
     if kind in ("kv", "k"):
-        dev += (k_new.float() - k_old.float()).square().sum(dim=(0, 2))
+        parts.append((k_new - k_old).float().square().sum(dim=(0, 2)))
     if kind in ("kv", "v"):
-        dev += (v_new.float() - v_old.float()).square().sum(dim=(0, 2))
-    return dev
+        parts.append((v_new - v_old).float().square().sum(dim=(0, 2)))
+    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
 def select_hkvd(

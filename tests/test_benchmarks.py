@@ -81,15 +81,27 @@ def test_data_path_tiny(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_gpu_blend_tiny(tmp_path: Path) -> None:
-    data = run_script("gpu_blend.py", tmp_path / "gpu_blend-tiny.json")
+    data = run_script("gpu_blend.py", tmp_path / "gpu_blend-tiny.json", "--profile")
     for key in ("config", "machine", "layouts", "targets"):
         assert key in data, key
     (layout,) = data["layouts"]
     assert not layout["errors"], layout["errors"]
-    assert set(layout["cases"]) == {"hf-prefill", "blend@0.05", "blend@0.15", "blend@0.3", "prefix-load-only"}
+    assert set(layout["cases"]) == {
+        "hf-prefill",
+        "blend@0.05",
+        "blend@0.15",
+        "blend@0.3",
+        "blend@0.15 one-call",
+        "prefix-load-only",
+    }
     for name, case in layout["cases"].items():
         assert case["median_s"] > 0, name
-    assert layout["cases"]["blend@0.15"]["loaded_chunks"] == 4
+    for name in ("blend@0.15", "blend@0.15 one-call"):
+        assert layout["cases"][name]["loaded_chunks"] == 4
+        layers = data["config"]["shape"]["num_hidden_layers"]
+        assert len(layout["cases"][name]["layer_ms"]) == layers and min(layout["cases"][name]["layer_ms"]) > 0
+    # the profile covers the compute lane's thread: its selective attention is in it
+    assert "scaled_dot_product" in layout["profile_blend15"]["top_by_host"]
     assert layout["exactness_full_recompute"]["passed"]
 
 

@@ -213,6 +213,8 @@ def test_selection_bounds_hold_for_nested_selections(n, seed, layers, exact):
         assert list(upper) == sorted(upper)
         if exact:
             assert list(upper) == current.tolist()
+    everything = torch.arange(n)  # not a subset of the last selection: still a valid bound per row
+    assert all(p <= u for p, u in zip(everything.tolist(), bounds.upper(everything), strict=True))
 
 
 def test_attention_probs_match_transformers_eager(llama_backend):

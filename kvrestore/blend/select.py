@@ -76,6 +76,7 @@ class SelectionBounds:
 
     def __init__(self, n_tokens: int, device: torch.device, exact: bool | None = None) -> None:
         self.exact = device.type != "cuda" if exact is None else exact
+        self._n_tokens = n_tokens
         self._superset: Sequence[int] = range(n_tokens)
         self._pending: deque[tuple[torch.cuda.Event | None, torch.Tensor]] = deque()
 
@@ -83,9 +84,14 @@ class SelectionBounds:
         """Non-decreasing upper bounds of the sorted positions in `selection` (one per row)."""
         if self.exact:
             return selection.tolist()
+        landed = None
         while self._pending and (self._pending[0][0] is None or self._pending[0][0].query()):
-            self._superset = self._pending.popleft()[1].tolist()
+            landed = self._pending.popleft()[1]
+        if landed is not None:
+            self._superset = landed.tolist()
         m, s = len(self._superset), selection.numel()
+        if s > m:  # not drawn from the last set (never, in the fusor): every row may see every key
+            return [self._n_tokens - 1] * s
         return self._superset[m - s :]
 
     def record(self, selection: torch.Tensor) -> None:

@@ -137,6 +137,8 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
         cases[f"blend@{r:g}"] = blend_case(r)
     if 0.15 in args.ratios:  # the selected rows' attention in one masked call, as before the grouping
         cases["blend@0.15 one-call"] = blend_case(0.15, groups=1)
+        for g in args.groups:  # more group counts to compare with the default (`--groups`)
+            cases[f"blend@0.15 groups={g}"] = blend_case(0.15, groups=g)
     cases["prefix-load-only"] = prefix_restore
     wrapped = {name: Failing(name, fn, device) for name, fn in cases.items()}
     raw = await interleave(wrapped, args.rounds, warmup=args.warmup, log=lambda s: log("  " + s))
@@ -278,6 +280,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default cuda (--tiny: cpu)")
     p.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU: a smoke test")
     p.add_argument("--out", type=Path, default=None, help=f"JSON path (default {DEFAULT_OUT})")
+    p.add_argument(
+        "--groups",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time blend@0.15 with these attention group counts (blend_attention_groups)",
+    )
     p.add_argument("--profile", action="store_true", help="profile one blend@0.15 per layout (torch.profiler)")
     p.add_argument(
         "--switch-interval",

@@ -81,6 +81,7 @@ from _common import (
     timed,
     write_json,
 )
+from _provenance import code_version
 
 from kvrestore import KVCache, Restorer, open_store
 from kvrestore.backends.hf import HFBackend
@@ -628,6 +629,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     return {
         "machine": machine_info(),
+        "code": code_version(),
         "config": {
             "model": backend.spec.name,
             "cases": n,

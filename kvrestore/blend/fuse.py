@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.lowlevel
@@ -178,7 +178,7 @@ async def _fuse(
     # worker-thread call for the whole blend) waits for it there, so a layer's compute never waits for a
     # turn of the event loop. A loader that fails or is cancelled sets `halted`, then wakes every waiter.
     ready = [threading.Event() for _ in range(n_layers)]
-    halted: list[bool] = []
+    halted = threading.Event()
     load_s = [0.0] * n_layers
     failure: list[ChunkLoadFailed] = []
 
@@ -193,7 +193,7 @@ async def _fuse(
             failure.append(exc)
         finally:
             if not all(ev.is_set() for ev in ready[1:]):
-                halted.append(True)
+                halted.set()
                 for ev in ready:
                     ev.set()
 
@@ -201,15 +201,15 @@ async def _fuse(
     bounds = SelectionBounds(n, torch.device(device))
     recomputed = [n]
     hkvd: list[int] = []
-    waits = [0.0]
-    plan: dict[str, Any] = {"ratio": 0.0, "schedule": []}
+    wait_s = 0.0
 
     def wait_for(i: int) -> bool:
         """Wait until layer i is loaded; False if the blend must stop instead."""
+        nonlocal wait_s
         t = time.perf_counter()
         ready[i].wait()
-        waits[0] += time.perf_counter() - t
-        return not halted
+        wait_s += time.perf_counter() - t
+        return not halted.is_set()
 
     def layer0() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         mark = timer.start()
@@ -258,8 +258,9 @@ async def _fuse(
         hkvd.append(chosen)
         return hidden, sel
 
-    def compute_lane() -> torch.Tensor | None:
-        """Layer 0, the ratio, every selective layer as its load lands, the logits; None if halted."""
+    def compute_lane() -> tuple[torch.Tensor, float, list[float]] | None:
+        """Layer 0, the ratio, every selective layer as its load lands: (logits, ratio, per-layer
+        ratios), or None if halted."""
         hidden, rope = layer0()
         if policy.recompute_ratio is not None:
             ratio = policy.recompute_ratio
@@ -269,8 +270,8 @@ async def _fuse(
             ratio = choose_ratio(load_s[1], timer.seconds[0], policy.min_ratio, policy.max_ratio)
         else:
             ratio = policy.min_ratio
-        plan["ratio"], plan["schedule"] = ratio, policy.schedule(ratio, n_layers)
-        sizes = selection_sizes(plan["schedule"], n_reused)
+        schedule = policy.schedule(ratio, n_layers)
+        sizes = selection_sizes(schedule, n_reused)
         cand = torch.arange(n, device=device)
         rope_all = torch.stack(rope)
         for i in range(1, n_layers):
@@ -279,23 +280,24 @@ async def _fuse(
             hidden, cand = layer(i, hidden, cand, sizes[i - 1], rope_all)
         logits = backend.final_logits(hidden)
         timer.finish()
-        return logits
+        return logits, ratio, schedule
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(loader)
-        logits = await anyio.to_thread.run_sync(compute_lane)
+        outcome = await anyio.to_thread.run_sync(compute_lane)
     if failure:
         raise failure[0]
-    if logits is None:  # the loader was cancelled: raise that cancellation here
+    if outcome is None:  # the loader was cancelled: raise that cancellation here
         await anyio.lowlevel.checkpoint()
         raise RuntimeError("the blend's loader stopped with no failure and no cancellation")
+    logits, ratio, schedule = outcome
     stats = BlendStats(
         n_tokens=n,
         n_chunks=len(layout.chunks),
         n_suffix=len(layout.suffix),
         n_prefix=len(layout.prefix),
-        ratio=plan["ratio"],
-        schedule=plan["schedule"],
+        ratio=ratio,
+        schedule=schedule,
         recomputed=recomputed,
         hkvd=hkvd,
         loaded_chunks=0,
@@ -304,7 +306,7 @@ async def _fuse(
         seconds=0.0,
         load_seconds=load_s,
         compute_seconds=timer.seconds,
-        wait_seconds=waits[0],
+        wait_seconds=wait_s,
     )
     return BlendResult(kv, layout.tokens, logits, stats)
 

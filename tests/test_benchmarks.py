@@ -106,6 +106,14 @@ def test_gpu_blend_tiny(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_blend_ops_tiny(tmp_path: Path) -> None:
+    data = run_script("blend_ops.py", tmp_path / "blend_ops-tiny.json")
+    assert len(data["launching_per_layer"]) == data["config"]["layers"] - 1
+    assert min(data["launching_per_layer"]) > 0 and not any(data["syncing_per_layer"])
+    assert data["layer1_launching"]["scaled_dot_product_attention"] >= 1
+
+
+@pytest.mark.slow
 def test_cancel_tiny(tmp_path: Path) -> None:
     data = run_script("cancel.py", tmp_path / "cancel-tiny.json")
     assert data["layer_s"] > 0 and len(data["deadlines_s"]) == 2

@@ -11,6 +11,8 @@ the device, nothing downloaded). For each layout (default 4 chunks x 2,048 and 4
   layer 0's compute, the other layers' compute, the time the compute lane waited for a layer to load;
   and at 15% with the selected rows' attention in one masked call over all keys
   (`backend.blend_attention_groups = 1`, "one-call"), against the default groups over key prefixes;
+  and at 15% with the loader checking each layer's device checksums on the host before placing it
+  ("checked-per-layer", a device round trip per layer), against the default deferred checks;
 * **prefix restore** of the same tokens saved as a prefix (`LoadOnly`), the best a blend could do if the
   chunks had been seen together in this order;
 * **exactness**: `restore_blend` at 100% recompute against the stock prefill's KV (the same tolerance
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
 import time
 from pathlib import Path
@@ -53,6 +56,7 @@ from gpu_restore import (
 )
 
 from kvrestore import Blend, KVCache, LoadOnly, Restorer
+from kvrestore.blend import StoreChunkSource, fuse
 from kvrestore.stores import MemoryStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,10 +98,12 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
     async def hf() -> Sample:
         return timed_stock_prefill(model, ids_dev)
 
-    def blend_case(r: float, groups: int | None = None):
+    def blend_case(r: float, groups: int | None = None, per_layer_checks: bool = False):
         async def case() -> Sample:
             default = backend.blend_attention_groups
             backend.blend_attention_groups = default if groups is None else groups
+            if per_layer_checks:  # the loader as before deferred checks: a host round trip per layer
+                fuse.StoreChunkSource = functools.partial(StoreChunkSource, defer_checks=False)  # type: ignore[misc]
             try:
                 sync(device)
                 t = time.perf_counter()
@@ -106,6 +112,7 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
                 s = time.perf_counter() - t
             finally:
                 backend.blend_attention_groups = default
+                fuse.StoreChunkSource = StoreChunkSource  # type: ignore[misc]
             st = res.stats
             return Sample(
                 s,
@@ -137,6 +144,7 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
         cases[f"blend@{r:g}"] = blend_case(r)
     if 0.15 in args.ratios:  # the selected rows' attention in one masked call, as before the grouping
         cases["blend@0.15 one-call"] = blend_case(0.15, groups=1)
+        cases["blend@0.15 checked-per-layer"] = blend_case(0.15, per_layer_checks=True)
         for g in args.groups:  # more group counts to compare with the default (`--groups`)
             cases[f"blend@0.15 groups={g}"] = blend_case(0.15, groups=g)
     cases["prefix-load-only"] = prefix_restore

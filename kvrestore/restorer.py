@@ -227,7 +227,7 @@ class Restorer:
         reusing the chunks' KV with selective recompute (`kvrestore.policies.Blend`). Returns a
         `kvrestore.blend.BlendResult`: `kv` and `tokens` go straight into `backend.generate()`."""
         stream = self.engine.cuda_stream("load", self.backend.device)
-        pool = self.loader.pool(pinned=True)
+        pool = self.loader.pool(pinned=stream is not None)  # pinned for uploads to a GPU
         return await blend_prompt(self.backend, self.store, chunks, suffix, policy, prefix, stream, pool)
 
     async def choose_blend_store(

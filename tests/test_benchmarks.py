@@ -92,11 +92,12 @@ def test_gpu_blend_tiny(tmp_path: Path) -> None:
         "blend@0.15",
         "blend@0.3",
         "blend@0.15 one-call",
+        "blend@0.15 checked-per-layer",
         "prefix-load-only",
     }
     for name, case in layout["cases"].items():
         assert case["median_s"] > 0, name
-    for name in ("blend@0.15", "blend@0.15 one-call"):
+    for name in ("blend@0.15", "blend@0.15 one-call", "blend@0.15 checked-per-layer"):
         assert layout["cases"][name]["loaded_chunks"] == 4
         layers = data["config"]["shape"]["num_hidden_layers"]
         assert len(layout["cases"][name]["layer_ms"]) == layers and min(layout["cases"][name]["layer_ms"]) > 0

@@ -34,7 +34,11 @@ from kvrestore.blend import (
     select_hkvd,
     selection_sizes,
 )
+from kvrestore.blend.chunks import StoreChunkSource, save_chunk
 from kvrestore.blend.select import SelectionBounds
+from kvrestore.chunkio.deferred import DeferredChecks
+from kvrestore.chunkio.layers import ChunkLoadFailed
+from kvrestore.core.kv import KVCache
 from kvrestore.costs.compute import LayerCost
 from kvrestore.stores.memory import MemoryStore
 from kvrestore.stores.throttled import ThrottledStore
@@ -402,7 +406,16 @@ def test_missing_chunk_is_recomputed(backend):
     torch.testing.assert_close(res.kv.data, full, atol=ATOL, rtol=0)
 
 
-def test_corrupt_layer_restarts_without_the_chunk(llama_backend, tmp_path: Path):
+def _defer_checks(monkeypatch) -> None:
+    """Blend with the loader's device path, as on CUDA: sections checked by device checksums compared
+    on the device, every layer placed at once, the flags read back once at the end (`verify`)."""
+    monkeypatch.setattr(fuse, "StoreChunkSource", functools.partial(StoreChunkSource, defer_checks=True))
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["checked-per-layer", "deferred-checks"])
+def test_corrupt_layer_restarts_without_the_chunk(llama_backend, tmp_path: Path, deferred, monkeypatch):
+    if deferred:
+        _defer_checks(monkeypatch)
     b = llama_backend
     chunks = _chunks([10, 16], seed=40)
     suffix = random_tokens(3, 256, seed=41)
@@ -425,6 +438,63 @@ def test_corrupt_layer_restarts_without_the_chunk(llama_backend, tmp_path: Path)
     assert not path.exists()  # never served again
     full = b.prefill_chunk(res.tokens, None, 0).data
     torch.testing.assert_close(res.kv.data, full, atol=ATOL, rtol=0)
+    if deferred:  # found by the device checksum of the last layer, once the whole blend was queued
+        assert any(f"layer {b.spec.num_layers - 1}: device checksum mismatch" in e for e in res.stats.errors)
+
+
+@pytest.mark.parametrize("kind", ["memory", "file", "async-store"])
+@pytest.mark.parametrize("ratio", [0.0, 0.3])
+def test_deferred_checks_give_the_same_blend(llama_backend, kind, ratio, tmp_path: Path, monkeypatch):
+    """The loader's device path (deferred checks) places the same KV as the per-layer host path."""
+    chunks = _chunks([40, 17, 64], seed=52)
+    suffix = random_tokens(6, 256, seed=53)
+    order = [chunks[2], chunks[0], chunks[1]]
+    want = run_blend(llama_backend, order, suffix, Blend(recompute_ratio=ratio), saved=chunks)
+    _defer_checks(monkeypatch)
+    got = run_blend(
+        llama_backend, order, suffix, Blend(recompute_ratio=ratio), store=_cuda_store(kind, tmp_path), saved=chunks
+    )
+    assert got.stats.loaded_chunks == 3 and not got.stats.errors and got.stats.restarts == 0
+    torch.testing.assert_close(got.kv.data, want.kv.data, atol=ATOL, rtol=0)
+    assert got.stats.recomputed == want.stats.recomputed
+    torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=0)
+
+
+def test_a_deferred_check_reports_damage_only_at_verify(llama_backend):
+    """With deferred checks a damaged section is placed like any other (nothing waits for its sum);
+    `verify` then names the chunk and its first damaged layer, deletes the object, and is clear after."""
+    b = llama_backend
+    store = MemoryStore()
+    chunks = _chunks([12, 20], seed=54)
+
+    async def go():
+        keys = [(await save_chunk(b, store, c))[0] for c in chunks]
+        blob = bytearray(await store.get(keys[1]))
+        blob[-5] ^= 0xFF  # in the last layer's section
+        await store.put(keys[1], bytes(blob))
+        source = StoreChunkSource(b, store, keys, [0, 12], [12, 20], defer_checks=True)
+        assert await source.open() == [True, True]
+        kv = KVCache(b.spec, torch.zeros((b.spec.num_layers, 2, b.spec.num_kv_heads, 32, b.spec.head_dim)))
+        for layer in range(1, b.spec.num_layers):
+            await source.load_layer(layer, kv)  # the damaged layer too: no error yet
+        with pytest.raises(ChunkLoadFailed) as caught:
+            await source.verify()
+        await source.verify()  # the flags were read and cleared; chunk 1 is dropped
+        return caught.value, source, await store.contains(keys)
+
+    failed, source, present = anyio.run(go)
+    assert failed.indices == [1] and f"layer {b.spec.num_layers - 1}" in failed.error
+    assert source.unusable == [1] and present == [True, False]
+
+
+def test_deferred_checks_keep_at_most_ahead_layers_in_flight(llama_backend):
+    checks = DeferredChecks({}, 2, 6, torch.device("cpu"))
+    for layer in range(5):
+        checks.throttle(3)
+        checks.start(layer)
+        checks.placed(layer)
+        assert len(checks._in_flight) <= 3
+    assert checks.seconds(4) == 0.0 and checks.seconds(5) is None  # placed by the loader's own thread
 
 
 CUDA_STORES = ["memory", "pinned-memory", "file", "async-store"]

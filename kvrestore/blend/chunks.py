@@ -78,7 +78,9 @@ async def save_chunk(
 class StoreChunkSource(LayerReader):
     """Loads the chunks of one blend from a store, layer by layer, into a KVCache at their offsets,
     re-rotating the keys of every chunk placed elsewhere than where it was saved (`stored_at`, the
-    shared prefix's length)."""
+    shared prefix's length). Into a CUDA cache the layers' checks are deferred (`chunkio.deferred`):
+    the blend's cache is its own until it returns, so the fusor reads the checks once, at the end
+    (`verify`), and a damaged chunk restarts the blend with its tokens recomputed."""
 
     def __init__(
         self,
@@ -90,9 +92,10 @@ class StoreChunkSource(LayerReader):
         stored_at: int = 0,
         stream: torch.cuda.Stream | None = None,
         pool: StagingPool | None = None,
+        defer_checks: bool | None = None,
     ) -> None:
         chunks = [StoredChunk(k, stored_at, o, n) for k, o, n in zip(keys, offsets, lengths, strict=True)]
-        super().__init__(backend.spec, store, chunks, stream=stream, pool=pool)
+        super().__init__(backend.spec, store, chunks, stream=stream, pool=pool, defer_checks=defer_checks)
         self.backend = backend
         self._rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

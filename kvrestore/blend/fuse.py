@@ -40,6 +40,7 @@ from kvrestore.chunkio.layers import ChunkLoadFailed
 from kvrestore.chunkio.pool import StagingPool
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.kv import KVCache
+from kvrestore.core.streams import load_stream as new_load_stream
 from kvrestore.policies.blend import Blend
 from kvrestore.stores.base import ChunkStore
 
@@ -126,7 +127,7 @@ async def restore_blend(
     lengths = [len(c) for c in layout.chunks]
     device = torch.device(backend.device)
     if device.type == "cuda" and load_stream is None:
-        load_stream = torch.cuda.Stream(device)
+        load_stream = new_load_stream(device)
     source = StoreChunkSource(
         backend, store, keys, layout.offsets, lengths, stored_at=len(prefix), stream=load_stream, pool=pool
     )
@@ -136,6 +137,7 @@ async def restore_blend(
     while True:
         try:
             result = await _fuse(backend, layout, source, policy, missing)
+            await source.verify()  # the device's checks of every layer (on CUDA they are read once, here)
             break
         except ChunkLoadFailed as exc:  # a layer failed part-way: its chunk's tokens are recomputed
             for j in exc.indices:
@@ -204,12 +206,17 @@ async def _fuse(
     wait_s = 0.0
 
     def wait_for(i: int) -> bool:
-        """Wait until layer i is loaded; False if the blend must stop instead."""
+        """Wait until layer i is loaded (on CUDA: queued on the load stream, then the compute stream
+        waits for it on the device); False if the blend must stop instead."""
         nonlocal wait_s
         t = time.perf_counter()
         ready[i].wait()
         wait_s += time.perf_counter() - t
-        return not halted.is_set()
+        if halted.is_set():
+            return False
+        timer.before_wait(i)
+        source.wait_placed(i)
+        return True
 
     def layer0() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         mark = timer.start()
@@ -267,7 +274,8 @@ async def _fuse(
         elif n_layers > 1:  # the loading controller: measured layer-1 load vs a full layer's compute
             if not wait_for(1):
                 return None
-            ratio = choose_ratio(load_s[1], timer.seconds[0], policy.min_ratio, policy.max_ratio)
+            layer1 = load_s[1] + (source.placed_seconds(1) or 0.0)
+            ratio = choose_ratio(layer1, timer.seconds[0], policy.min_ratio, policy.max_ratio)
         else:
             ratio = policy.min_ratio
         schedule = policy.schedule(ratio, n_layers)
@@ -291,6 +299,8 @@ async def _fuse(
         await anyio.lowlevel.checkpoint()
         raise RuntimeError("the blend's loader stopped with no failure and no cancellation")
     logits, ratio, schedule = outcome
+    for i in range(1, n_layers):  # the loader's time (fetch, queue) plus the device's, where it queued
+        load_s[i] += source.placed_seconds(i) or 0.0
     stats = BlendStats(
         n_tokens=n,
         n_chunks=len(layout.chunks),
@@ -306,7 +316,7 @@ async def _fuse(
         seconds=0.0,
         load_seconds=load_s,
         compute_seconds=timer.seconds,
-        wait_seconds=wait_s,
+        wait_seconds=wait_s + timer.device_wait,
     )
     return BlendResult(kv, layout.tokens, logits, stats)
 
@@ -318,7 +328,16 @@ class LayerTimer:
     def __init__(self, device: torch.device, n_layers: int) -> None:
         self.cuda = device.type == "cuda"
         self.seconds = [0.0] * n_layers
+        self.device_wait = 0.0  # the compute stream waiting for loads on the device (CUDA)
         self._events: dict[int, tuple[torch.cuda.Event, torch.cuda.Event]] = {}
+        self._waits: dict[int, torch.cuda.Event] = {}
+
+    def before_wait(self, i: int) -> None:
+        """Mark the compute stream before it waits for layer i's load: the wait is the gap from here to
+        the layer's start (`finish` adds it to `device_wait`)."""
+        if self.cuda:
+            event = self._waits[i] = torch.cuda.Event(enable_timing=True)
+            event.record()
 
     def start(self) -> float | torch.cuda.Event:
         if not self.cuda:
@@ -345,3 +364,4 @@ class LayerTimer:
             self._events[max(self._events)][1].synchronize()
         for i, (a, b) in self._events.items():
             self.seconds[i] = a.elapsed_time(b) / 1e3
+        self.device_wait = sum(w.elapsed_time(self._events[i][0]) for i, w in self._waits.items()) / 1e3

@@ -8,24 +8,24 @@ Each section carries its own checksum, so a layer is verified on its own, withou
 `open` fetches and checks every chunk's header first (one concurrent round of small reads) and says
 which chunks can be read; `read_layer` raises `ChunkLoadFailed` naming the chunks whose section could
 not be used. Either way the fault is noted in `errors`, a damaged object is deleted so it is never
-served again, and nothing unverified reaches the cache.
+served again, and nothing unverified reaches the cache -- except with deferred checks
+(`chunkio.deferred`), for a caller that keeps the cache to itself until `verify` has passed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
 
 import anyio
 import anyio.to_thread
 import torch
 
 from kvrestore import codec
+from kvrestore.chunkio.deferred import DeferredChecks
 from kvrestore.chunkio.load import pinned_host
 from kvrestore.chunkio.pool import Staging, StagingPool
+from kvrestore.chunkio.stored import ChunkLoadFailed, StoredChunk, each
 from kvrestore.codec.checksums import device_checkable, segment_checksums
 from kvrestore.core.errors import (
     LOAD_FAULTS,
@@ -38,41 +38,6 @@ from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.streams import on_stream
 from kvrestore.stores.base import ChunkStore
-
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
-
-
-class ChunkLoadFailed(ChunkDecodeError):
-    """A layer of some chunks could not be read after their headers were: those chunks are misses."""
-
-    def __init__(self, indices: Sequence[int], error: str) -> None:
-        super().__init__(f"chunks {list(indices)}: {error}")
-        self.indices = list(indices)
-        self.error = error
-
-
-async def _each(fn: Callable[[int], Coroutine[Any, Any, None]], indices: Sequence[int]) -> None:
-    """fn(j) for every j concurrently; an unexpected error is raised as itself, not as a group."""
-    try:
-        async with anyio.create_task_group() as tg:
-            for j in indices:
-                tg.start_soon(fn, j)
-    except BaseExceptionGroup as group:
-        exc: BaseException = group
-        while isinstance(exc, BaseExceptionGroup):
-            exc = exc.exceptions[0]
-        raise exc from None
-
-
-@dataclass(frozen=True)
-class StoredChunk:
-    """Where a stored chunk comes from (`key`, saved at position `stored_at`) and goes (`offset`)."""
-
-    key: str
-    stored_at: int
-    offset: int
-    n_tokens: int
 
 
 class LayerReader:
@@ -89,6 +54,8 @@ class LayerReader:
         chunks: Sequence[StoredChunk],
         stream: torch.cuda.Stream | None = None,
         pool: StagingPool | None = None,
+        defer_checks: bool | None = False,
+        ahead: int = 4,
     ) -> None:
         self.spec = spec
         self.store = store
@@ -100,10 +67,16 @@ class LayerReader:
         self.opened = False
         self.errors: list[str] = []
         self.bytes_read = 0
+        # Deferred checks (`chunkio.deferred`): None means on a CUDA cache only; True runs the device
+        # path on a CPU cache too (tests of the same code, without streams). At most `ahead` layers
+        # are queued on the device at once.
+        self.defer_checks = defer_checks
+        self.ahead = ahead
+        self.checks: DeferredChecks | None = None
 
     async def open(self) -> list[bool]:
         """Fetch and check every chunk's header, concurrently; which chunks can be read."""
-        await _each(self._open_one, range(len(self.chunks)))
+        await each(self._open_one, range(len(self.chunks)))
         self.opened = True
         return [self.readable(j) for j in range(len(self.chunks))]
 
@@ -122,37 +95,40 @@ class LayerReader:
     async def read_layer(self, layer: int, kv: KVCache) -> int:
         """Place layer `layer` of every open chunk into `kv`; returns the bytes read.
 
-        Into a CPU cache the sections are fetched concurrently, then verified and placed in one
-        worker-thread call (one thread hop per layer, not one per chunk: short prompts have many small
-        sections). Into a CUDA cache each chunk's section goes its own way at once, in parallel
-        (`_upload_section`). Raises `ChunkLoadFailed` naming the chunks whose section was missing or
-        damaged (the others are placed).
+        The sections are fetched concurrently (on the device path a store that `reads_now` is read in
+        the worker thread instead), then verified and placed in one worker-thread call: one thread hop
+        per layer, not one per chunk. Raises `ChunkLoadFailed` naming the chunks whose section was
+        missing or damaged (the others are placed). With deferred checks the layer is only queued on
+        the device when this returns (`wait_placed`) and damage shows in `verify`.
         """
-        if kv.data.device.type == "cuda":
-            return await self._read_layer_cuda(layer, kv)
-        sections: dict[int, bytes] = {}
+        device_path = kv.data.device.type == "cuda" or bool(self.defer_checks)
+        js = [j for j in self.headers if j not in self.dropped]
+        sections: dict[int, bytes | memoryview | None] = dict.fromkeys(js)
         failed: list[int] = []
+        if not (device_path and self.store.reads_now):  # else each is read in the worker thread
 
-        async def fetch(j: int) -> None:
-            (a, b) = codec.layer_ranges(self.headers[j], [layer])[0]
-            try:
-                sections[j] = await self._get(self.chunks[j].key, a, b)
-            except LOAD_FAULTS as exc:
-                await self._fault(j, exc, f" layer {layer}")
-                failed.append(j)
+            async def fetch(j: int) -> None:
+                a, b = codec.layer_ranges(self.headers[j], [layer])[0]
+                try:
+                    sections[j] = await self._get(self.chunks[j].key, a, b)
+                except LOAD_FAULTS as exc:
+                    await self._fault(j, exc, f" layer {layer}")
+                    failed.append(j)
+                    del sections[j]
 
-        await _each(fetch, [j for j in self.headers if j not in self.dropped])
-        bad = await anyio.to_thread.run_sync(self._place_all, layer, sections, kv, abandon_on_cancel=False)
+            await each(fetch, js)
+        work = self._upload_layer if device_path else self._place_all
+        bad = await anyio.to_thread.run_sync(work, layer, sections, kv, abandon_on_cancel=False)
         for j, exc in bad:
             await self._fault(j, exc, f" layer {layer}")
             failed.append(j)
-        total = sum(len(data) for j, data in sections.items() if j not in failed)
+        total = sum(self._section_size(layer, j) for j in sections if j not in failed)
         self.bytes_read += total
         if failed:
             raise ChunkLoadFailed(sorted(failed), self.errors[-1])
         return total
 
-    def place(self, layer: int, j: int, data: bytes, kv: KVCache) -> None:
+    def place(self, layer: int, j: int, data: bytes | memoryview, kv: KVCache) -> None:
         """Verify one section and copy it to chunk j's token range of layer `layer` in a CPU cache
         (blocking)."""
         codec.decode_layers(self.headers[j], {layer: data}, self.spec, [layer], out=self._dest(layer, j, kv))
@@ -164,34 +140,6 @@ class LayerReader:
     def _dest(self, layer: int, j: int, kv: KVCache) -> torch.Tensor:
         chunk = self.chunks[j]
         return kv.data[layer : layer + 1, :, :, chunk.offset : chunk.offset + chunk.n_tokens]
-
-    async def _read_layer_cuda(self, layer: int, kv: KVCache) -> int:
-        """`read_layer` into a CUDA cache: the sections are fetched concurrently (a store that `reads_now`
-        is read in the worker thread instead), then uploaded, checked and placed in one thread hop."""
-        js = [j for j in self.headers if j not in self.dropped]
-        sections: dict[int, bytes | memoryview | None] = dict.fromkeys(js)
-        failed: list[int] = []
-        if not self.store.reads_now:
-
-            async def fetch(j: int) -> None:
-                a, b = codec.layer_ranges(self.headers[j], [layer])[0]
-                try:
-                    sections[j] = await self._get(self.chunks[j].key, a, b)
-                except LOAD_FAULTS as exc:
-                    await self._fault(j, exc, f" layer {layer}")
-                    failed.append(j)
-                    del sections[j]
-
-            await _each(fetch, js)
-        bad = await anyio.to_thread.run_sync(self._upload_layer, layer, sections, kv, abandon_on_cancel=False)
-        for j, exc in bad:
-            await self._fault(j, exc, f" layer {layer}")
-            failed.append(j)
-        total = sum(self._section_size(layer, j) for j in sections if j not in failed)
-        self.bytes_read += total
-        if failed:
-            raise ChunkLoadFailed(sorted(failed), self.errors[-1])
-        return total
 
     def _section_size(self, layer: int, j: int) -> int:
         a, b = codec.layer_ranges(self.headers[j], [layer])[0]
@@ -208,6 +156,9 @@ class LayerReader:
         bad: list[tuple[int, BaseException]] = []
         ups: list[tuple[int, torch.Tensor, Staging | None]] = []
         decoded: list[tuple[int, torch.Tensor]] = []  # compressed, or rows not whole words: host-checked
+        checks = self._deferred(kv)
+        if checks is not None:
+            checks.throttle(self.ahead)  # bounds the staging buffers and uploads in flight
         try:
             for j, data in sections.items():
                 try:
@@ -225,16 +176,58 @@ class LayerReader:
                     self.pool.release(staging)
             raise
         with on_stream(self.stream):
-            placed = self._place_uploads(layer, ups, kv, bad)
+            if checks is not None:
+                checks.start(layer)
+            placed = self._place_uploads(layer, ups, kv, bad, checks)
             for j, host in decoded:
                 self._dest(layer, j, kv).copy_(host)
                 placed.append(j)
             self.after_layer(layer, placed, kv)
+            if checks is not None:
+                checks.placed(layer)
+                return bad
             done = self.pool.event()
             done.record()
         done.synchronize()
         self.pool.give_event(done)
         return bad
+
+    def _deferred(self, kv: KVCache) -> DeferredChecks | None:
+        """This reader's deferred checks for `kv` (made on first use), or None if it checks each layer."""
+        cuda = kv.data.device.type == "cuda"
+        if not (self.defer_checks or (self.defer_checks is None and cuda)):
+            return None
+        if self.checks is None or self.checks.device != kv.data.device:
+            with on_stream(self.stream):
+                self.checks = DeferredChecks(
+                    self.headers, len(self.chunks), self.spec.num_layers, kv.data.device
+                )
+        if cuda and self.stream is not None:  # written on the load stream: not reused before that is done
+            kv.data.record_stream(self.stream)
+        return self.checks
+
+    def wait_placed(self, layer: int) -> None:
+        """Make the current stream wait (on the device) for `layer`, read with deferred checks."""
+        if self.checks is not None:
+            self.checks.wait(layer)
+
+    def placed_seconds(self, layer: int) -> float | None:
+        """The device time of placing `layer` (waiting for it), if it was read with deferred checks."""
+        return None if self.checks is None else self.checks.seconds(layer)
+
+    async def verify(self) -> None:
+        """Wait for every layer read with deferred checks and read their flags: a chunk with a damaged
+        section is faulted (noted, deleted from the store) and `ChunkLoadFailed` names those chunks."""
+        checks = self.checks
+        if checks is None:
+            return
+        found = await anyio.to_thread.run_sync(checks.failures, self.stream, abandon_on_cancel=False)
+        failed = [j for j in sorted(found) if j not in self.dropped]
+        for j in failed:
+            error = CorruptChunkError(f"layer {found[j]}: device checksum mismatch")
+            await self._fault(j, error, f" layer {found[j]}")
+        if failed:
+            raise ChunkLoadFailed(failed, self.errors[-1])
 
     def _section_bytes(
         self, layer: int, j: int, data: bytes | memoryview | None
@@ -278,30 +271,41 @@ class LayerReader:
         ups: list[tuple[int, torch.Tensor, Staging | None]],
         kv: KVCache,
         bad: list[tuple[int, BaseException]],
+        checks: DeferredChecks | None = None,
     ) -> list[int]:
         """On the current (upload) stream: the sections up to one device buffer, their checksums, then
-        each good one to its rows. Notes the damaged ones in `bad`; returns the chunks placed."""
+        each good one to its rows. Notes the damaged ones in `bad`; returns the chunks placed. With
+        `checks`, every section is placed and the sums are compared on the device (`DeferredChecks`)."""
         if not ups:
             return []
         sizes = [host.numel() for _, host, _ in ups]
-        uploaded = None
+        cuda = kv.data.device.type == "cuda"
+        uploaded, queued = None, False
         try:
             device_buf = torch.empty(sum(sizes), dtype=torch.uint8, device=kv.data.device)
             at = 0
             for (_, host, _), n in zip(ups, sizes, strict=True):
                 device_buf[at : at + n].copy_(host, non_blocking=True)
                 at += n
-            uploaded = self.pool.event()
-            uploaded.record()
+            if cuda:  # off CUDA (the device path in tests) the copies are done already
+                uploaded = self.pool.event()
+                uploaded.record()
+            queued = True
         finally:
-            if uploaded is None:  # a copy may have been queued: let it finish before reusing its buffer
+            if cuda and not queued:  # a copy may have been queued: let it finish before reusing its buffer
                 torch.cuda.current_stream().synchronize()
             for _, _, staging in ups:
                 if staging is not None:
                     self.pool.release(staging, busy_until=uploaded)
-        sums = segment_checksums(device_buf.view(torch.int64), [n // 8 for n in sizes]).to(
-            "cpu", non_blocking=True
-        )
+        sums = segment_checksums(device_buf.view(torch.int64), [n // 8 for n in sizes])
+        if checks is not None:
+            checks.note(layer, [j for j, _, _ in ups], sums)
+            at = 0
+            for (j, _, _), n in zip(ups, sizes, strict=True):
+                self._place(layer, j, kv, device_buf[at : at + n])
+                at += n
+            return [j for j, _, _ in ups]
+        sums = sums.to("cpu", non_blocking=True)
         synced = self.pool.event()
         synced.record()
         synced.synchronize()
@@ -312,11 +316,15 @@ class LayerReader:
             if got != self.headers[j].layers[layer].device_sum:
                 bad.append((j, CorruptChunkError(f"layer {layer}: device checksum mismatch")))
             else:
-                dest = self._dest(layer, j, kv)
-                dest.copy_(device_buf[at : at + n].view(dest.dtype).view(dest.shape))
+                self._place(layer, j, kv, device_buf[at : at + n])
                 placed.append(j)
             at += n
         return placed
+
+    def _place(self, layer: int, j: int, kv: KVCache, section: torch.Tensor) -> None:
+        """Copy chunk j's uploaded section (uint8, laid out as its rows) to its rows of `layer`."""
+        dest = self._dest(layer, j, kv)
+        dest.copy_(section.view(dest.dtype).view(dest.shape))
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -336,10 +344,13 @@ class LayerReader:
         self.headers[j] = header
 
     def _place_all(
-        self, layer: int, sections: dict[int, bytes], kv: KVCache
-    ) -> list[tuple[int, ChunkDecodeError]]:
-        bad, placed = [], []
+        self, layer: int, sections: dict[int, bytes | memoryview | None], kv: KVCache
+    ) -> list[tuple[int, BaseException]]:
+        """`read_layer` into a CPU cache: verify and place the fetched sections (blocking)."""
+        bad: list[tuple[int, BaseException]] = []
+        placed = []
         for j, data in sections.items():
+            assert data is not None  # fetched: only the device path reads in the worker thread
             try:
                 self.place(layer, j, data, kv)
                 placed.append(j)

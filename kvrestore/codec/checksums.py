@@ -19,6 +19,7 @@ agree; `tests/test_checksums.py` checks the torch computation against numpy's un
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 
@@ -31,7 +32,7 @@ _MUL = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: consecutive weight
 _ADD = np.uint64(0x632BE59BD9B4E019)
 
 _lock = threading.Lock()
-_weights: dict[tuple[str, int | tuple[int, ...]], torch.Tensor] = {}
+_weights: dict[tuple[str, int], torch.Tensor] = {}
 
 
 def host_checksum(data: bytes | bytearray | memoryview) -> int:
@@ -83,19 +84,23 @@ def device_checksums(sections: torch.Tensor) -> torch.Tensor:
     return (words * w).reshape(n, -1).sum(dim=1)
 
 
+@functools.lru_cache(maxsize=16)
+def _segment_tables(device: str, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights and segment ends of `segment_checksums` for one layout, made once: building the ends
+    on a GPU copies pageable host memory, which waits for the stream (a layer's check would stop the
+    host behind its own uploads)."""
+    w = torch.cat([weights(n, torch.device(device)) for n in lengths])
+    ends = torch.from_numpy(np.cumsum(lengths) - 1).to(device)
+    return w, ends
+
+
 def segment_checksums(words: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """int64 [n] `device_checksums` of n sections laid back to back in `words` (int64 [sum(lengths)]),
     section i being `lengths[i]` words: one product, one running sum and one difference for all of
     them, so a layer of many chunks is checked with a handful of kernels (the sums wrap modulo 2**64,
     so differences of the running sum are exact)."""
-    key = (str(words.device), tuple(lengths))
-    w = _weights.get(key)
-    if w is None:
-        w = torch.cat([weights(n, words.device) for n in lengths])
-        with _lock:
-            _weights[key] = w
+    w, ends = _segment_tables(str(words.device), tuple(lengths))
     running = (words * w).cumsum(0)
-    ends = torch.tensor(np.cumsum(lengths) - 1, device=words.device)
     at_end = running[ends]
     return at_end - torch.cat([at_end.new_zeros(1), at_end[:-1]])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 
@@ -10,3 +11,42 @@ import torch
 def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
     """`torch.cuda.stream(stream)`, or nothing to do off CUDA."""
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def load_stream(device: torch.device | str | int | None = None) -> torch.cuda.Stream:
+    """A new stream for uploads, at high priority: its small kernels (checks, placement, re-rotation)
+    are scheduled ahead of the compute stream's queued blocks, so a load the compute is about to wait
+    for is not held up behind that compute."""
+    return torch.cuda.Stream(device=device, priority=-1)
+
+
+class HostEvent:
+    """A stand-in for a CUDA event off CUDA (the device data path run on a CPU cache, in tests):
+    complete as soon as it is recorded."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+
+    def record(self, stream: object = None) -> None:
+        self.at = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        """Milliseconds from this event to `end`, like `torch.cuda.Event.elapsed_time`."""
+        return (end.at - self.at) * 1e3
+
+
+def timing_event(device: torch.device) -> torch.cuda.Event | HostEvent:
+    """An event that can time device work on `device` (a `HostEvent` off CUDA)."""
+    return torch.cuda.Event(enable_timing=True) if device.type == "cuda" else HostEvent()
+
+
+def wait_on_device(event: torch.cuda.Event | HostEvent) -> None:
+    """Make the current stream wait for `event` without blocking the host (nothing to do off CUDA)."""
+    if isinstance(event, torch.cuda.Event):
+        torch.cuda.current_stream().wait_event(event)

@@ -38,6 +38,7 @@ from anyio.abc import TaskGroup
 
 from kvrestore.core.cancel import run_unit
 from kvrestore.core.errors import LOAD_FAULTS, check_int
+from kvrestore.core.streams import load_stream
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.policies.base import Decision, Policy, Progress
 from kvrestore.runtime.driver import PolicyStalledError, drive  # noqa: F401 - re-exported
@@ -125,7 +126,8 @@ class Engine:
         """The CUDA stream of a lane ("compute" or "load") on `device`, None off CUDA.
 
         Each lane queues its kernels and copies on its own stream, so a load's host-to-device copy
-        overlaps the compute lane's kernels instead of waiting behind them on the default stream.
+        overlaps the compute lane's kernels instead of waiting behind them on the default stream. The
+        load stream runs at high priority (`core.streams.load_stream`).
         """
         device = torch.device(device)
         if device.type != "cuda":
@@ -133,7 +135,8 @@ class Engine:
         key = (lane, device.index if device.index is not None else torch.cuda.current_device())
         stream = self._streams.get(key)
         if stream is None:
-            stream = self._streams[key] = torch.cuda.Stream(device=key[1])
+            make = load_stream if lane == "load" else torch.cuda.Stream
+            stream = self._streams[key] = make(device=key[1])
         return stream
 
     def _lanes(self) -> tuple[CapacityLimiter, CapacityLimiter]:

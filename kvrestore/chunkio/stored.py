@@ -1,0 +1,48 @@
+"""What a layer-wise read names: the stored chunks it reads (`StoredChunk`) and the chunks it could not
+(`ChunkLoadFailed`), and how it runs one read per chunk concurrently (`each`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from kvrestore.core.errors import ChunkDecodeError
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
+
+
+class ChunkLoadFailed(ChunkDecodeError):
+    """A layer of some chunks could not be read after their headers were: those chunks are misses."""
+
+    def __init__(self, indices: Sequence[int], error: str) -> None:
+        super().__init__(f"chunks {list(indices)}: {error}")
+        self.indices = list(indices)
+        self.error = error
+
+
+async def each(fn: Callable[[int], Coroutine[Any, Any, None]], indices: Sequence[int]) -> None:
+    """fn(j) for every j concurrently; an unexpected error is raised as itself, not as a group."""
+    try:
+        async with anyio.create_task_group() as tg:
+            for j in indices:
+                tg.start_soon(fn, j)
+    except BaseExceptionGroup as group:
+        exc: BaseException = group
+        while isinstance(exc, BaseExceptionGroup):
+            exc = exc.exceptions[0]
+        raise exc from None
+
+
+@dataclass(frozen=True)
+class StoredChunk:
+    """Where a stored chunk comes from (`key`, saved at position `stored_at`) and goes (`offset`)."""
+
+    key: str
+    stored_at: int
+    offset: int
+    n_tokens: int

@@ -2,8 +2,8 @@
 
 On a GPU a selective layer of a few thousand tokens is bound by launches as much as by arithmetic, so
 the number of kernel-launching ops each layer queues is a figure worth tracking on any machine. This
-runs `restore_blend` at 15% on a seeded tiny Llama (4 x 200 tokens + 16, 8 layers; the op count does not
-depend on the model's size) with the attention in 4 groups, and counts, under a `TorchDispatchMode` in the
+runs `restore_blend` at 15% on the seeded tiny Llama of `gpu_restore.py` (4 x 200 tokens + 16, 8 layers;
+the op count does not depend on the model's size) with the attention in 4 groups, and counts, under a `TorchDispatchMode` in the
 compute lane, every op between a selective layer's start and end:
 
 * **launching**: ops that produce new data (views and no-op casts excluded) -- one kernel each on CUDA;
@@ -29,11 +29,11 @@ import anyio
 import torch
 from _common import machine_info, print_table, write_json
 from _provenance import code_version
+from gpu_restore import build_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvrestore.blend.fuse as fuse
 from kvrestore import Blend, Restorer
-from kvrestore.backends.hf import HFBackend
 from kvrestore.stores import MemoryStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,26 +58,8 @@ class OpTally(TorchDispatchMode):
         return out
 
 
-def tiny_backend(layers: int) -> HFBackend:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return HFBackend(transformers.LlamaForCausalLM(config).eval(), name="tiny-llama")
-
-
 def count(args: argparse.Namespace) -> list[OpTally]:
-    backend = tiny_backend(args.layers)
+    _, backend, _ = build_model(tiny=True, device=torch.device("cpu"), seed=0, layers=args.layers)
     backend.blend_attention_groups, backend.blend_group_rows = args.groups, 16
     g = torch.Generator().manual_seed(0)
     chunks = [torch.randint(0, 256, (args.chunk_tokens,), generator=g) for _ in range(args.chunks)]

@@ -124,10 +124,15 @@ def free_memory(device: torch.device) -> None:
 # -- model -----------------------------------------------------------------------------------------
 
 
-def build_model(tiny: bool, device: torch.device, seed: int) -> tuple[Any, HFBackend, str]:
+def build_model(
+    tiny: bool, device: torch.device, seed: int, layers: int | None = None
+) -> tuple[Any, HFBackend, str]:
+    """The random-weight Llama (`TINY` or `LLAMA_8B`; `layers` overrides its depth) and its backend."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = TINY if tiny else LLAMA_8B
+    if layers is not None:
+        shape = {**shape, "num_hidden_layers": layers}
     dtype = torch.float32 if tiny else torch.bfloat16
     cfg = LlamaConfig(**shape)
     cfg._attn_implementation = "sdpa"
@@ -141,10 +146,11 @@ def build_model(tiny: bool, device: torch.device, seed: int) -> tuple[Any, HFBac
         torch.set_default_dtype(previous)
     name = "tiny-llama" if tiny else "llama-3.1-8b-shape"
     backend = HFBackend(model, name=name, fingerprint=f"bench-{name}-seed{seed}")
+    n_layers = shape["num_hidden_layers"]
     desc = (
-        "tiny random-weight Llama (3 layers, hidden 256, fp32)"
+        f"tiny random-weight Llama ({n_layers} layers, hidden 256, fp32)"
         if tiny
-        else "random-weight Llama-3.1-8B shape (32 layers, 8 KV heads, bf16)"
+        else f"random-weight Llama-3.1-8B shape ({n_layers} layers, 8 KV heads, bf16)"
     )
     return model, backend, desc
 

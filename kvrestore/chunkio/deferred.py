@@ -42,6 +42,7 @@ class DeferredChecks:
         self.bad = torch.zeros((n_layers, n_chunks), dtype=torch.bool, device=device)
         self.events: dict[int, tuple[torch.cuda.Event | HostEvent, torch.cuda.Event | HostEvent]] = {}
         self._in_flight: deque[torch.cuda.Event | HostEvent] = deque()
+        self._begin: torch.cuda.Event | HostEvent = HostEvent()  # where the layer being queued began
         self._index: dict[tuple[int, ...], torch.Tensor] = {}
 
     def throttle(self, ahead: int) -> None:
@@ -51,9 +52,8 @@ class DeferredChecks:
 
     def start(self, layer: int) -> None:
         """Mark where `layer`'s uploads begin on the current stream."""
-        begin = timing_event(self.device)
-        begin.record()
-        self.events[layer] = (begin, begin)
+        self._begin = timing_event(self.device)
+        self._begin.record()
 
     def note(self, layer: int, chunks: Sequence[int], sums: torch.Tensor) -> None:
         """Flag, on the device, the sections of `chunks` (in order) whose checksum in `sums` is wrong."""
@@ -67,7 +67,7 @@ class DeferredChecks:
         """Mark that everything of `layer` is queued on the current stream."""
         end = timing_event(self.device)
         end.record()
-        self.events[layer] = (self.events[layer][0], end)
+        self.events[layer] = (self._begin, end)
         self._in_flight.append(end)
 
     def wait(self, layer: int) -> None:

@@ -83,7 +83,7 @@ async def _blend(backend, store, saved, chunks, suffix, policy):
 
 
 def run_blend(backend, chunks, suffix, policy=None, store=None, saved=None):
-    store = store or MemoryStore()
+    store = MemoryStore() if store is None else store  # an empty store is falsy (it has a length)
     saved = chunks if saved is None else saved
     return anyio.run(_blend, backend, store, saved, chunks, suffix, policy)
 
@@ -440,6 +440,44 @@ def test_corrupt_layer_restarts_without_the_chunk(llama_backend, tmp_path: Path,
     torch.testing.assert_close(res.kv.data, full, atol=ATOL, rtol=0)
     if deferred:  # found by the device checksum of the last layer, once the whole blend was queued
         assert any(f"layer {b.spec.num_layers - 1}: device checksum mismatch" in e for e in res.stats.errors)
+
+
+class DropsOutStore(MemoryStore):
+    """A store whose server drops out part-way through a blend: after `ok_reads` range reads of chunk
+    `key`'s layer sections, every read of it fails with a connection error (a fault only a wrapper
+    around a real store can time this precisely)."""
+
+    reads_now = False  # type: ignore[assignment]  # read by async get_range, as a remote store is
+
+    def __init__(self, ok_reads: int) -> None:
+        super().__init__()
+        self.key = ""
+        self.ok_reads = ok_reads
+
+    async def get_range(self, key, start, end):
+        if key == self.key and start > 4096:  # a layer section, not the header probe
+            if self.ok_reads <= 0:
+                raise ConnectionResetError("server dropped the connection")
+            self.ok_reads -= 1
+        return await super().get_range(key, start, end)
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["checked-per-layer", "deferred-checks"])
+def test_a_store_that_drops_out_mid_blend_degrades_to_recompute(llama_backend, deferred, monkeypatch):
+    """Chunk 1's reads fail from its third layer on: the blend restarts with that chunk's tokens
+    recomputed (never a half-loaded chunk), and the fault is logged in the stats."""
+    if deferred:
+        _defer_checks(monkeypatch)
+    b = llama_backend
+    chunks = _chunks([300, 300], seed=56)  # sections past the header probe
+    suffix = random_tokens(3, 256, seed=57)
+    store = DropsOutStore(ok_reads=1)
+    store.key = chunk_key(b, chunks[1])
+    res = run_blend(b, chunks, suffix, Blend(recompute_ratio=0.0), store=store)
+    assert res.stats.missing_chunks == [1] and res.stats.restarts == 1 and res.stats.loaded_chunks == 1
+    assert any("ConnectionResetError" in e for e in res.stats.errors)
+    full = b.prefill_chunk(res.tokens, None, 0).data
+    torch.testing.assert_close(res.kv.data, full, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind", ["memory", "file", "async-store"])

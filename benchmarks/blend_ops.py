@@ -9,6 +9,11 @@ compute lane, every op between a selective layer's start and end:
 * **launching**: ops that produce new data (views and no-op casts excluded) -- one kernel each on CUDA;
 * **syncing**: ops that read a device result back to the host (`.item()`, `nonzero`, ...): must be 0.
 
+And the loader's side: the ops its device path (deferred checks, here on a CPU cache) launches per
+loaded layer, and how many reads (one worker-thread hop each) it makes, reading one layer per read
+against four (`LayerReader.read_plan`, the default on CUDA). The loader shares the host with the compute
+lane, whose selective layers are bound by their launches on a GPU.
+
 Prints the per-op tally of one selective layer and writes benchmarks/results/blend_ops.json.
 
     python benchmarks/blend_ops.py
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import kvrestore.blend.fuse as fuse
 from kvrestore import Blend, Restorer
+from kvrestore.blend.chunks import StoreChunkSource
 from kvrestore.stores import MemoryStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,6 +63,50 @@ class OpTally(TorchDispatchMode):
         no_op = not name.endswith("_") and isinstance(out, torch.Tensor) and any(out is a for a in args)
         (self.other if func.is_view or no_op else self.launching)[name] += 1
         return out
+
+
+def count_loader(args: argparse.Namespace, layers_per_read: int) -> dict[str, Any]:
+    """The loader's ops on the device path (deferred checks, run here on a CPU cache: the same ops as
+    on CUDA, without streams and events), reading `layers_per_read` layers per read: how many reads
+    (one worker-thread hop each) and how many launching ops, in all and per loaded layer."""
+    _, backend, _ = build_model(tiny=True, device=torch.device("cpu"), seed=0, layers=args.layers)
+    g = torch.Generator().manual_seed(1)
+    chunks = [torch.randint(0, 256, (args.chunk_tokens,), generator=g) for _ in range(args.chunks)]
+    suffix = torch.randint(0, 256, (16,), generator=g)
+    reads: list[OpTally] = []
+
+    class CountingSource(StoreChunkSource):
+        def _upload_layers(self, layers, sections, kv):  # type: ignore[no-untyped-def]
+            with OpTally() as tally:
+                bad = super()._upload_layers(layers, sections, kv)
+            reads.append(tally)
+            return bad
+
+    source = functools.partial(CountingSource, defer_checks=True, layers_per_read=layers_per_read)
+
+    async def main() -> None:
+        async with Restorer(backend, MemoryStore()) as r:
+            for c in chunks:
+                await r.save_chunk(c)
+            original, fuse.StoreChunkSource = fuse.StoreChunkSource, source  # type: ignore[assignment]
+            try:
+                await r.restore_blend(chunks, suffix, Blend(recompute_ratio=0.15))  # warm-up
+                reads.clear()
+                await r.restore_blend(chunks, suffix, Blend(recompute_ratio=0.15))
+            finally:
+                fuse.StoreChunkSource = original  # type: ignore[misc]
+
+    anyio.run(main)
+    launching = sum(sum(t.launching.values()) for t in reads)
+    loaded = args.layers - 1
+    return {
+        "layers_per_read": layers_per_read,
+        "reads": len(reads),
+        "launching": launching,
+        "launching_per_layer": launching / loaded,
+        "reads_per_layer": len(reads) / loaded,
+        "by_op": dict(sum((t.launching for t in reads), collections.Counter())),
+    }
 
 
 def count(args: argparse.Namespace) -> list[OpTally]:
@@ -113,6 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         title=f"kernel-launching ops of selective layer 1 ({launching[0]} in all)",
     )
     print(f"launching ops per selective layer: {launching}; syncing ops: {syncing}")
+    loader = [count_loader(args, n) for n in (1, 4)]
+    print_table(
+        ["layers per read", "reads", "launching ops", "per loaded layer", "reads per layer"],
+        [
+            [x["layers_per_read"], x["reads"], x["launching"], f"{x['launching_per_layer']:.1f}", f"{x['reads_per_layer']:.2f}"]
+            for x in loader
+        ],
+        title=f"the blend loader's device path ({args.layers - 1} loaded layers of {args.chunks} chunks)",
+    )
     result: dict[str, Any] = {
         "benchmark": "blend_ops",
         "config": vars(args) | {"out": str(args.out), "ratio": 0.15, "dtype": "float32"},
@@ -122,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         "syncing_per_layer": syncing,
         "layer1_launching": dict(first.launching),
         "layer1_views_and_no_ops": dict(first.other),
+        "loader": loader,
     }
     write_json(args.out, result)
     return 0 if not any(syncing) else 1

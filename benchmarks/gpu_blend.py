@@ -12,7 +12,9 @@ the device, nothing downloaded). For each layout (default 4 chunks x 2,048 and 4
   and at 15% with the selected rows' attention in one masked call over all keys
   (`backend.blend_attention_groups = 1`, "one-call"), against the default groups over key prefixes;
   and at 15% with the loader checking each layer's device checksums on the host before placing it
-  ("checked-per-layer", a device round trip per layer), against the default deferred checks;
+  ("checked-per-layer", a device round trip per layer), against the default deferred checks; and with
+  the loader reading one layer per read ("one-layer-per-read", at most 4 layers ahead), against the
+  default 4 layers per read (after layer 1 alone), at most 8 ahead;
 * **prefix restore** of the same tokens saved as a prefix (`LoadOnly`), the best a blend could do if the
   chunks had been seen together in this order;
 * **exactness**: `restore_blend` at 100% recompute against the stock prefill's KV (the same tolerance
@@ -98,12 +100,12 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
     async def hf() -> Sample:
         return timed_stock_prefill(model, ids_dev)
 
-    def blend_case(r: float, groups: int | None = None, per_layer_checks: bool = False):
+    def blend_case(r: float, groups: int | None = None, loader: dict | None = None):
         async def case() -> Sample:
             default = backend.blend_attention_groups
             backend.blend_attention_groups = default if groups is None else groups
-            if per_layer_checks:  # the loader as before deferred checks: a host round trip per layer
-                fuse.StoreChunkSource = functools.partial(StoreChunkSource, defer_checks=False)  # type: ignore[misc]
+            if loader:  # the loader as it was before a change (its StoreChunkSource arguments)
+                fuse.StoreChunkSource = functools.partial(StoreChunkSource, **loader)  # type: ignore[misc]
             try:
                 sync(device)
                 t = time.perf_counter()
@@ -144,7 +146,9 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
         cases[f"blend@{r:g}"] = blend_case(r)
     if 0.15 in args.ratios:  # the selected rows' attention in one masked call, as before the grouping
         cases["blend@0.15 one-call"] = blend_case(0.15, groups=1)
-        cases["blend@0.15 checked-per-layer"] = blend_case(0.15, per_layer_checks=True)
+        # the loader before deferred checks (a host round trip per layer), and before reads of 4 layers
+        cases["blend@0.15 checked-per-layer"] = blend_case(0.15, loader={"defer_checks": False})
+        cases["blend@0.15 one-layer-per-read"] = blend_case(0.15, loader={"layers_per_read": 1, "ahead": 4})
         for g in args.groups:  # more group counts to compare with the default (`--groups`)
             cases[f"blend@0.15 groups={g}"] = blend_case(0.15, groups=g)
     cases["prefix-load-only"] = prefix_restore

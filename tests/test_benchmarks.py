@@ -93,11 +93,12 @@ def test_gpu_blend_tiny(tmp_path: Path) -> None:
         "blend@0.3",
         "blend@0.15 one-call",
         "blend@0.15 checked-per-layer",
+        "blend@0.15 one-layer-per-read",
         "prefix-load-only",
     }
     for name, case in layout["cases"].items():
         assert case["median_s"] > 0, name
-    for name in ("blend@0.15", "blend@0.15 one-call", "blend@0.15 checked-per-layer"):
+    for name in ("blend@0.15", "blend@0.15 one-call", "blend@0.15 checked-per-layer", "blend@0.15 one-layer-per-read"):
         assert layout["cases"][name]["loaded_chunks"] == 4
         layers = data["config"]["shape"]["num_hidden_layers"]
         assert len(layout["cases"][name]["layer_ms"]) == layers and min(layout["cases"][name]["layer_ms"]) > 0
@@ -112,6 +113,9 @@ def test_blend_ops_tiny(tmp_path: Path) -> None:
     assert len(data["launching_per_layer"]) == data["config"]["layers"] - 1
     assert min(data["launching_per_layer"]) > 0 and not any(data["syncing_per_layer"])
     assert data["layer1_launching"]["scaled_dot_product_attention"] >= 1
+    one, four = data["loader"]  # the loader reading 1 layer per read, then 4 (after layer 1 alone)
+    assert one["reads"] == data["config"]["layers"] - 1 and four["reads"] < one["reads"]
+    assert 0 < four["launching_per_layer"] < one["launching_per_layer"]
 
 
 @pytest.mark.slow

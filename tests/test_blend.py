@@ -526,13 +526,16 @@ def test_a_deferred_check_reports_damage_only_at_verify(llama_backend):
 
 
 def test_deferred_checks_keep_at_most_ahead_layers_in_flight(llama_backend):
-    checks = DeferredChecks({}, 2, 6, torch.device("cpu"))
-    for layer in range(5):
-        checks.throttle(3)
-        checks.start(layer)
-        checks.placed(layer)
-        assert len(checks._in_flight) <= 3
-    assert checks.seconds(4) == 0.0 and checks.seconds(5) is None  # placed by the loader's own thread
+    checks = DeferredChecks({}, 2, 12, torch.device("cpu"))
+    for layers in [range(1, 2), range(2, 5), range(5, 8), range(8, 11)]:
+        checks.throttle(5, len(layers))
+        checks.start()
+        checks.placed(layers)
+        assert checks.in_flight <= 5
+    assert checks.in_flight == 3  # the read of 3 layers waited for the two before it
+    checks.throttle(2, 3)  # a read larger than `ahead` waits for everything, then goes alone
+    assert checks.in_flight == 0
+    assert checks.seconds(10) == 0.0 and checks.seconds(11) is None  # placed by the loader's own thread
 
 
 CUDA_STORES = ["memory", "pinned-memory", "file", "async-store"]

@@ -93,9 +93,20 @@ class StoreChunkSource(LayerReader):
         stream: torch.cuda.Stream | None = None,
         pool: StagingPool | None = None,
         defer_checks: bool | None = None,
+        ahead: int = 8,
+        layers_per_read: int = 4,
     ) -> None:
         chunks = [StoredChunk(k, stored_at, o, n) for k, o, n in zip(keys, offsets, lengths, strict=True)]
-        super().__init__(backend.spec, store, chunks, stream=stream, pool=pool, defer_checks=defer_checks)
+        super().__init__(
+            backend.spec,
+            store,
+            chunks,
+            stream=stream,
+            pool=pool,
+            defer_checks=defer_checks,
+            ahead=ahead,
+            layers_per_read=layers_per_read,
+        )
         self.backend = backend
         self._rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -107,30 +118,36 @@ class StoreChunkSource(LayerReader):
         """Place layer `layer` of every open chunk into `kv` (keys re-rotated); returns bytes read."""
         return await self.read_layer(layer, kv)
 
-    def after_layer(self, layer: int, placed: Sequence[int], kv: KVCache) -> None:
-        """Re-rotate the keys of the chunks `placed` on `layer` from where they were saved to where they
-        sit (in place). On CUDA one rotation covers the whole layer (the identity, exactly, on rows of
-        chunks that did not move; other rows are recomputed after this anyway): a few kernels per layer
-        instead of a few per chunk. The angles are the same for every layer: made once."""
+    async def load_layers(self, layers: range, kv: KVCache) -> int:
+        """`load_layer` for consecutive `layers` at once (the fusor follows `read_plan`)."""
+        return await self.read_layers(layers, kv)
+
+    def after_layers(self, layers: range, placed: Sequence[int], kv: KVCache) -> None:
+        """Re-rotate the keys of the chunks `placed` on `layers` from where they were saved to where they
+        sit (in place). On the device path (CUDA) one rotation covers the layers whole (the identity, exactly, on rows of
+        chunks that did not move; other rows are recomputed after this anyway): a few kernels per read
+        instead of a few per chunk and layer. The angles are the same for every layer: made once."""
         moved = [j for j in placed if self.chunks[j].offset != self.chunks[j].stored_at]
         if not moved:
             return
-        keys = kv.data[layer, 0]
-        if keys.is_cuda:
+        keys = kv.data[layers.start : layers.stop, 0]  # [n, H, N, D]
+        if self._defers(kv):  # the device path (on a CPU cache in tests: the same ops)
             rotation = self._rotations.get(-1)
-            if rotation is None or rotation[0].device != keys.device or rotation[0].shape[0] != keys.shape[1]:
-                old = torch.arange(keys.shape[1], dtype=torch.int64)
+            if rotation is None or rotation[0].device != keys.device or rotation[0].shape[0] != keys.shape[2]:
+                old = torch.arange(keys.shape[2], dtype=torch.int64)
                 new = old.clone()
                 for c in self.chunks:
                     old[c.offset : c.offset + c.n_tokens] = torch.arange(
                         c.stored_at, c.stored_at + c.n_tokens
                     )
+                if keys.is_cuda:  # up without a blocking copy (from pageable memory it waits for the stream)
+                    old, new = (t.pin_memory().to(keys.device, non_blocking=True) for t in (old, new))
                 rotation = self._rotations[-1] = self.backend.rerotation(keys, old, new)
             keys.copy_(self.backend.rerotate_keys(keys, 0, 0, rotation))
             return
         for j in moved:
             chunk = self.chunks[j]
-            k = keys[:, chunk.offset : chunk.offset + chunk.n_tokens]
+            k = keys[:, :, chunk.offset : chunk.offset + chunk.n_tokens]
             rotation = self._rotations.get(j)
             if rotation is None:
                 rotation = self._rotations[j] = self.backend.rerotation(k, chunk.stored_at, chunk.offset)

@@ -3,9 +3,10 @@
 One blend of chunks c_0..c_{m-1} plus a new suffix lays them out at positions 0..N-1 (chunk j at offset
 o_j) and builds the KV of all N tokens:
 
-* a loader task fetches layer 1, 2, ... of every chunk from the store (each layer one range read per
-  chunk), re-rotates the keys to their new positions and signals the layer as ready; it runs ahead of
-  the compute, so loading layer i+1 overlaps the recompute of layer i;
+* a loader task fetches layer 1, 2, ... of every chunk from the store (one range read per chunk for
+  each layer, or on CUDA for a few consecutive layers at a time: `LayerReader.read_plan`), re-rotates
+  the keys to their new positions and signals the layers as ready; it runs ahead of the compute, so
+  loading layer i+1 overlaps the recompute of layer i;
 * the compute lane (one worker-thread call for the whole blend, which waits for each layer's load on a
   thread event: no turn of the event loop between layers) recomputes layer 0 fully -- its KV needs no
   cross-attention and every token gets a hidden state -- then, on each layer i >= 1 once it is loaded,
@@ -186,11 +187,12 @@ async def _fuse(
 
     async def loader() -> None:
         try:
-            for i in range(1, n_layers):
+            for layers in source.read_plan(1, n_layers, kv):  # layer 1 alone, then a few at a time
                 t = time.perf_counter()
-                await source.load_layer(i, kv)
-                load_s[i] = time.perf_counter() - t
-                ready[i].set()
+                await source.load_layers(layers, kv)
+                for i in layers:
+                    load_s[i] = (time.perf_counter() - t) / len(layers)
+                    ready[i].set()
         except ChunkLoadFailed as exc:
             failure.append(exc)
         finally:

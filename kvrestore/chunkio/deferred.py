@@ -8,9 +8,9 @@ once, compare the sums with the headers' on the device into one flag per (layer,
 flags once, at the end: a damaged section then costs a restart with that chunk recomputed -- what a
 damaged section costs anyway -- and still never reaches a result.
 
-`DeferredChecks` holds those flags and each layer's upload events: `placed` (when a layer's sections,
-checks and placement are all queued), so the compute stream waits for a layer on the device, and the
-loader runs at most `ahead` layers in front of the device.
+`DeferredChecks` holds those flags and each read's upload events: `placed` (when the sections, checks
+and placement of a read's layers are all queued), so the compute stream waits for a layer on the
+device, and the loader runs at most `ahead` layers in front of the device.
 """
 
 from __future__ import annotations
@@ -40,35 +40,46 @@ class DeferredChecks:
         self.device = device
         self.expected = torch.tensor(table, dtype=torch.int64).to(device)
         self.bad = torch.zeros((n_layers, n_chunks), dtype=torch.bool, device=device)
-        self.events: dict[int, tuple[torch.cuda.Event | HostEvent, torch.cuda.Event | HostEvent]] = {}
-        self._in_flight: deque[torch.cuda.Event | HostEvent] = deque()
-        self._begin: torch.cuda.Event | HostEvent = HostEvent()  # where the layer being queued began
+        # layer -> (where its read began, where it ended, how many layers that read placed)
+        self.events: dict[int, tuple[torch.cuda.Event | HostEvent, torch.cuda.Event | HostEvent, int]] = {}
+        self._in_flight: deque[tuple[torch.cuda.Event | HostEvent, int]] = deque()  # reads' ends, layers
+        self._begin: torch.cuda.Event | HostEvent = HostEvent()  # where the read being queued began
         self._index: dict[tuple[int, ...], torch.Tensor] = {}
 
-    def throttle(self, ahead: int) -> None:
-        """Block (this loader thread only) until fewer than `ahead` queued layers are still on the device."""
-        while len(self._in_flight) >= max(ahead, 1):
-            self._in_flight.popleft().synchronize()
+    @property
+    def in_flight(self) -> int:
+        """Layers queued on the device and not known to be placed yet."""
+        return sum(n for _, n in self._in_flight)
 
-    def start(self, layer: int) -> None:
-        """Mark where `layer`'s uploads begin on the current stream."""
+    def throttle(self, ahead: int, adding: int = 1) -> None:
+        """Block (this loader thread only) until `adding` more layers keep at most `ahead` queued on the
+        device (one read at a time if it alone is more)."""
+        while self._in_flight and self.in_flight + adding > max(ahead, 1):
+            self._in_flight.popleft()[0].synchronize()
+
+    def start(self) -> None:
+        """Mark where the next read's uploads begin on the current stream."""
         self._begin = timing_event(self.device)
         self._begin.record()
 
-    def note(self, layer: int, chunks: Sequence[int], sums: torch.Tensor) -> None:
-        """Flag, on the device, the sections of `chunks` (in order) whose checksum in `sums` is wrong."""
+    def note(self, layers: range, chunks: Sequence[int], sums: torch.Tensor) -> None:
+        """Flag, on the device, the sections of `layers` of `chunks` whose checksum in `sums` is wrong
+        (chunk by chunk, each chunk's layers in order)."""
         key = tuple(chunks)
         index = self._index.get(key)
         if index is None:
             index = self._index[key] = torch.tensor(key, dtype=torch.int64).to(self.device)
-        self.bad[layer].index_copy_(0, index, sums != self.expected[layer].index_select(0, index))
+        a, b = layers.start, layers.stop
+        wrong = self.expected[a:b].index_select(1, index) != sums.view(len(chunks), b - a).T
+        self.bad[a:b].index_copy_(1, index, wrong)
 
-    def placed(self, layer: int) -> None:
-        """Mark that everything of `layer` is queued on the current stream."""
+    def placed(self, layers: range) -> None:
+        """Mark that everything of `layers` (the read begun at `start`) is queued on the current stream."""
         end = timing_event(self.device)
         end.record()
-        self.events[layer] = (self._begin, end)
-        self._in_flight.append(end)
+        for layer in layers:
+            self.events[layer] = (self._begin, end, len(layers))
+        self._in_flight.append((end, len(layers)))
 
     def wait(self, layer: int) -> None:
         """Make the current stream wait for `layer` to be in place (the host does not wait)."""
@@ -76,14 +87,15 @@ class DeferredChecks:
             wait_on_device(self.events[layer][1])
 
     def seconds(self, layer: int) -> float | None:
-        """How long the device took to place `layer` (waits for it); None if it was not read this way."""
+        """How long the device took to place `layer` (waits for it; a read of n layers counts 1/n of its
+        time for each); None if it was not read this way."""
         if layer not in self.events:
             return None
-        begin, end = self.events[layer]
+        begin, end, n = self.events[layer]
         if isinstance(end, HostEvent):  # placed by the loader itself, within its own time
             return 0.0
         end.synchronize()
-        return begin.elapsed_time(end) / 1e3  # type: ignore[arg-type]
+        return begin.elapsed_time(end) / 1e3 / n  # type: ignore[arg-type]
 
     def failures(self, stream: torch.cuda.Stream | None) -> dict[int, int]:
         """Wait for every queued layer, then {chunk: its first damaged layer}; clears the flags."""

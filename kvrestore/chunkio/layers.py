@@ -4,6 +4,9 @@ The chunk wire format (`codec`) keeps each layer's K and V in one section, so a 
 (CacheFlow's layer-wise two-pointer, CacheBlend's pipelined loading) reads layer l of chunk 0, 1, ... with
 one `get_range` each, concurrently, and places every section at its chunk's token range of the cache.
 Each section carries its own checksum, so a layer is verified on its own, without the rest of the object.
+Consecutive layers lie back to back, so `read_layers` reads a few of them with one `get_range` per
+chunk; the fusor does so on CUDA (`read_plan`), where the loader's host calls per layer compete with a
+compute lane bound by its kernel launches. How a read goes up to a device: `chunkio.uploads`.
 
 `open` fetches and checks every chunk's header first (one concurrent round of small reads) and says
 which chunks can be read; `read_layer` raises `ChunkLoadFailed` naming the chunks whose section could
@@ -23,16 +26,14 @@ import torch
 
 from kvrestore import codec
 from kvrestore.chunkio.deferred import DeferredChecks
-from kvrestore.chunkio.load import pinned_host
-from kvrestore.chunkio.pool import Staging, StagingPool
+from kvrestore.chunkio.pool import StagingPool
 from kvrestore.chunkio.stored import ChunkLoadFailed, StoredChunk, each
-from kvrestore.codec.checksums import device_checkable, segment_checksums
+from kvrestore.chunkio.uploads import LayerUploads
 from kvrestore.core.errors import (
     LOAD_FAULTS,
     ChunkDecodeError,
     CorruptChunkError,
     MissingChunkError,
-    TruncatedChunkError,
 )
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
@@ -40,7 +41,7 @@ from kvrestore.core.streams import on_stream
 from kvrestore.stores.base import ChunkStore
 
 
-class LayerReader:
+class LayerReader(LayerUploads):
     """Reads one layer of many stored chunks at a time into a KVCache.
 
     Subclasses may override `place` to transform a section once it is verified (CacheBlend re-rotates
@@ -55,7 +56,8 @@ class LayerReader:
         stream: torch.cuda.Stream | None = None,
         pool: StagingPool | None = None,
         defer_checks: bool | None = False,
-        ahead: int = 4,
+        ahead: int = 8,
+        layers_per_read: int = 4,
     ) -> None:
         self.spec = spec
         self.store = store
@@ -69,9 +71,10 @@ class LayerReader:
         self.bytes_read = 0
         # Deferred checks (`chunkio.deferred`): None means on a CUDA cache only; True runs the device
         # path on a CPU cache too (tests of the same code, without streams). At most `ahead` layers
-        # are queued on the device at once.
+        # are queued on the device at once, read `layers_per_read` at a time (`read_plan`).
         self.defer_checks = defer_checks
         self.ahead = ahead
+        self.layers_per_read = max(1, layers_per_read)
         self.checks: DeferredChecks | None = None
 
     async def open(self) -> list[bool]:
@@ -101,101 +104,83 @@ class LayerReader:
         missing or damaged (the others are placed). With deferred checks the layer is only queued on
         the device when this returns (`wait_placed`) and damage shows in `verify`.
         """
+        return await self.read_layers(range(layer, layer + 1), kv)
+
+    async def read_layers(self, layers: range, kv: KVCache) -> int:
+        """`read_layer` for consecutive `layers` at once: one range read per chunk covers all of them
+        (their sections lie back to back), and on the device path one upload per chunk, one checksum
+        call, one placement per chunk and one `after_layers` serve them all. A chunk with any section
+        missing or damaged is named in `ChunkLoadFailed`; its rows of `layers` are then not to be used
+        (they may hold part of what was read)."""
         device_path = kv.data.device.type == "cuda" or bool(self.defer_checks)
         js = [j for j in self.headers if j not in self.dropped]
         sections: dict[int, bytes | memoryview | None] = dict.fromkeys(js)
         failed: list[int] = []
+        where = f" layer {layers[0]}" if len(layers) == 1 else f" layers {layers[0]}-{layers[-1]}"
         if not (device_path and self.store.reads_now):  # else each is read in the worker thread
 
             async def fetch(j: int) -> None:
-                a, b = codec.layer_ranges(self.headers[j], [layer])[0]
                 try:
-                    sections[j] = await self._get(self.chunks[j].key, a, b)
+                    sections[j] = await self._get(
+                        self.chunks[j].key, *codec.layer_span(self.headers[j], layers)
+                    )
                 except LOAD_FAULTS as exc:
-                    await self._fault(j, exc, f" layer {layer}")
+                    await self._fault(j, exc, where)
                     failed.append(j)
                     del sections[j]
 
             await each(fetch, js)
-        work = self._upload_layer if device_path else self._place_all
-        bad = await anyio.to_thread.run_sync(work, layer, sections, kv, abandon_on_cancel=False)
+        work = self._upload_layers if device_path else self._place_all
+        bad = await anyio.to_thread.run_sync(work, layers, sections, kv, abandon_on_cancel=False)
         for j, exc in bad:
-            await self._fault(j, exc, f" layer {layer}")
+            await self._fault(j, exc, where)
             failed.append(j)
-        total = sum(self._section_size(layer, j) for j in sections if j not in failed)
+        total = sum(
+            b - a for a, b in (codec.layer_span(self.headers[j], layers) for j in sections if j not in failed)
+        )
         self.bytes_read += total
         if failed:
             raise ChunkLoadFailed(sorted(failed), self.errors[-1])
         return total
 
-    def place(self, layer: int, j: int, data: bytes | memoryview, kv: KVCache) -> None:
-        """Verify one section and copy it to chunk j's token range of layer `layer` in a CPU cache
-        (blocking)."""
-        codec.decode_layers(self.headers[j], {layer: data}, self.spec, [layer], out=self._dest(layer, j, kv))
+    def read_plan(self, first: int, stop: int, kv: KVCache) -> list[range]:
+        """The `read_layers` calls that cover layers [first, stop) into `kv`: the first layer alone (what
+        a restore waits for first, and what the loading controller times), then `layers_per_read` at a
+        time where the checks are deferred (fewer host calls, thread hops and kernels per layer: the
+        loader shares the host with a compute lane that is bound by its launches), else one by one."""
+        step = self.layers_per_read if self._defers(kv) else 1
+        plan = [range(first, min(first + 1, stop))] if first < stop else []
+        plan += [range(a, min(a + step, stop)) for a in range(first + 1, stop, step)]
+        return plan
 
-    def after_layer(self, layer: int, placed: Sequence[int], kv: KVCache) -> None:
-        """A hook run once the sections of chunks `placed` of `layer` are verified and in place (on the
+    def place(self, layers: range, j: int, data: bytes | memoryview, kv: KVCache) -> None:
+        """Verify chunk j's sections of `layers` (`data`: their byte span, `codec.layer_span`) and copy them to its
+        token range of a CPU cache (blocking)."""
+        out = self._dest(layers, j, kv)
+        codec.decode_layers(
+            self.headers[j],
+            codec.span_sections(self.headers[j], layers, data),
+            self.spec,
+            list(layers),
+            out=out,
+        )
+
+    def after_layers(self, layers: range, placed: Sequence[int], kv: KVCache) -> None:
+        """A hook run once the sections of chunks `placed` of `layers` are verified and in place (on the
         upload stream for a CUDA cache); CacheBlend re-rotates the keys there."""
 
-    def _dest(self, layer: int, j: int, kv: KVCache) -> torch.Tensor:
+    def _dest(self, layers: range, j: int, kv: KVCache) -> torch.Tensor:
         chunk = self.chunks[j]
-        return kv.data[layer : layer + 1, :, :, chunk.offset : chunk.offset + chunk.n_tokens]
+        return kv.data[layers.start : layers.stop, :, :, chunk.offset : chunk.offset + chunk.n_tokens]
 
-    def _section_size(self, layer: int, j: int) -> int:
-        a, b = codec.layer_ranges(self.headers[j], [layer])[0]
-        return b - a
-
-    def _upload_layer(
-        self, layer: int, sections: dict[int, bytes | memoryview | None], kv: KVCache
-    ) -> list[tuple[int, BaseException]]:
-        """Layer `layer` of chunks `sections` (their fetched bytes, or None to read them here from a store
-        that `reads_now`) into a CUDA cache, blocking, in a worker thread. Each section goes up to one
-        device buffer on `stream` (a pinned `MemoryStore`'s object as it lies, other bytes through pinned
-        staging); one `segment_checksums` checks them all there, then each is copied to its chunk's rows
-        and `after_layer` runs, on the same stream. Returns the chunks whose section was unusable."""
-        bad: list[tuple[int, BaseException]] = []
-        ups: list[tuple[int, torch.Tensor, Staging | None]] = []
-        decoded: list[tuple[int, torch.Tensor]] = []  # compressed, or rows not whole words: host-checked
-        checks = self._deferred(kv)
-        if checks is not None:
-            checks.throttle(self.ahead)  # bounds the staging buffers and uploads in flight
-        try:
-            for j, data in sections.items():
-                try:
-                    got = self._section_bytes(layer, j, data)
-                except LOAD_FAULTS as exc:
-                    bad.append((j, exc))
-                    continue
-                if isinstance(got, tuple):
-                    ups.append((j, *got))
-                else:
-                    decoded.append((j, got))
-        except BaseException:
-            for _, _, staging in ups:
-                if staging is not None:
-                    self.pool.release(staging)
-            raise
-        with on_stream(self.stream):
-            if checks is not None:
-                checks.start(layer)
-            placed = self._place_uploads(layer, ups, kv, bad, checks)
-            for j, host in decoded:
-                self._dest(layer, j, kv).copy_(host)
-                placed.append(j)
-            self.after_layer(layer, placed, kv)
-            if checks is not None:
-                checks.placed(layer)
-                return bad
-            done = self.pool.event()
-            done.record()
-        done.synchronize()
-        self.pool.give_event(done)
-        return bad
+    def _defers(self, kv: KVCache) -> bool:
+        """Whether reads into `kv` defer their checks (`defer_checks`: None means on a CUDA cache)."""
+        return bool(self.defer_checks or (self.defer_checks is None and kv.data.device.type == "cuda"))
 
     def _deferred(self, kv: KVCache) -> DeferredChecks | None:
         """This reader's deferred checks for `kv` (made on first use), or None if it checks each layer."""
         cuda = kv.data.device.type == "cuda"
-        if not (self.defer_checks or (self.defer_checks is None and cuda)):
+        if not self._defers(kv):
             return None
         if self.checks is None or self.checks.device != kv.data.device:
             with on_stream(self.stream):
@@ -229,103 +214,6 @@ class LayerReader:
         if failed:
             raise ChunkLoadFailed(failed, self.errors[-1])
 
-    def _section_bytes(
-        self, layer: int, j: int, data: bytes | memoryview | None
-    ) -> tuple[torch.Tensor, Staging | None] | torch.Tensor:
-        """Chunk j's section of `layer` in page-locked memory, as (uint8 tensor, its staging buffer or
-        None); for a section that must be checked on the host (compressed, rows not whole int64 words),
-        its verified and decoded KV instead."""
-        chunk, header = self.chunks[j], self.headers[j]
-        a, b = codec.layer_ranges(header, [layer])[0]
-        staging = None
-        if data is None and self.store.reads_in_memory:
-            whole = self.store.get_now(chunk.key)
-            data = None if whole is None else memoryview(whole)[a:b]
-        elif data is None:  # a local file: the section alone, into pinned staging
-            staging = self.pool.acquire(b - a)
-            n = self.store.scatter_into_now(chunk.key, a, [staging.view[: b - a]])
-            data = None if n is None else staging.view[:n]
-        handed_on = False
-        try:
-            if data is None:
-                raise MissingChunkError(f"chunk {chunk.key[:12]} disappeared from the store")
-            if len(data) != b - a:
-                raise TruncatedChunkError(f"layer {layer}: section is {len(data)} bytes, header says {b - a}")
-            if header.compression != "none" or not device_checkable(
-                self.spec.head_dim * self.spec.dtype.itemsize
-            ):
-                return codec.decode_layers(header, {layer: data}, self.spec, [layer])  # verified on the host
-            if staging is None:
-                host, staging = pinned_host(memoryview(data), self.pool)
-            else:
-                host = staging.tensor
-            handed_on = True
-            return host[: b - a], staging
-        finally:
-            if staging is not None and not handed_on:
-                self.pool.release(staging)
-
-    def _place_uploads(
-        self,
-        layer: int,
-        ups: list[tuple[int, torch.Tensor, Staging | None]],
-        kv: KVCache,
-        bad: list[tuple[int, BaseException]],
-        checks: DeferredChecks | None = None,
-    ) -> list[int]:
-        """On the current (upload) stream: the sections up to one device buffer, their checksums, then
-        each good one to its rows. Notes the damaged ones in `bad`; returns the chunks placed. With
-        `checks`, every section is placed and the sums are compared on the device (`DeferredChecks`)."""
-        if not ups:
-            return []
-        sizes = [host.numel() for _, host, _ in ups]
-        cuda = kv.data.device.type == "cuda"
-        uploaded, queued = None, False
-        try:
-            device_buf = torch.empty(sum(sizes), dtype=torch.uint8, device=kv.data.device)
-            at = 0
-            for (_, host, _), n in zip(ups, sizes, strict=True):
-                device_buf[at : at + n].copy_(host, non_blocking=True)
-                at += n
-            if cuda:  # off CUDA (the device path in tests) the copies are done already
-                uploaded = self.pool.event()
-                uploaded.record()
-            queued = True
-        finally:
-            if cuda and not queued:  # a copy may have been queued: let it finish before reusing its buffer
-                torch.cuda.current_stream().synchronize()
-            for _, _, staging in ups:
-                if staging is not None:
-                    self.pool.release(staging, busy_until=uploaded)
-        sums = segment_checksums(device_buf.view(torch.int64), [n // 8 for n in sizes])
-        if checks is not None:
-            checks.note(layer, [j for j, _, _ in ups], sums)
-            at = 0
-            for (j, _, _), n in zip(ups, sizes, strict=True):
-                self._place(layer, j, kv, device_buf[at : at + n])
-                at += n
-            return [j for j, _, _ in ups]
-        sums = sums.to("cpu", non_blocking=True)
-        synced = self.pool.event()
-        synced.record()
-        synced.synchronize()
-        self.pool.give_event(synced)
-        placed = []
-        at = 0
-        for (j, _, _), n, got in zip(ups, sizes, sums.tolist(), strict=True):
-            if got != self.headers[j].layers[layer].device_sum:
-                bad.append((j, CorruptChunkError(f"layer {layer}: device checksum mismatch")))
-            else:
-                self._place(layer, j, kv, device_buf[at : at + n])
-                placed.append(j)
-            at += n
-        return placed
-
-    def _place(self, layer: int, j: int, kv: KVCache, section: torch.Tensor) -> None:
-        """Copy chunk j's uploaded section (uint8, laid out as its rows) to its rows of `layer`."""
-        dest = self._dest(layer, j, kv)
-        dest.copy_(section.view(dest.dtype).view(dest.shape))
-
     # -- internals -------------------------------------------------------------------------------
 
     async def _open_one(self, j: int) -> None:
@@ -344,19 +232,19 @@ class LayerReader:
         self.headers[j] = header
 
     def _place_all(
-        self, layer: int, sections: dict[int, bytes | memoryview | None], kv: KVCache
+        self, layers: range, sections: dict[int, bytes | memoryview | None], kv: KVCache
     ) -> list[tuple[int, BaseException]]:
-        """`read_layer` into a CPU cache: verify and place the fetched sections (blocking)."""
+        """`read_layers` into a CPU cache: verify and place the fetched spans (blocking)."""
         bad: list[tuple[int, BaseException]] = []
         placed = []
         for j, data in sections.items():
             assert data is not None  # fetched: only the device path reads in the worker thread
             try:
-                self.place(layer, j, data, kv)
+                self.place(layers, j, data, kv)
                 placed.append(j)
             except ChunkDecodeError as exc:
                 bad.append((j, exc))
-        self.after_layer(layer, placed, kv)
+        self.after_layers(layers, placed, kv)
         return bad
 
     async def _get(self, key: str, start: int, end: int) -> bytes:

@@ -54,11 +54,14 @@ from kvrestore.codec.header import (
     LayerSection,
     _check_spec,
     _require_little_endian,
+    back_to_back,
     body_start_after,
     check_header,
     header_length,
     layer_ranges,
+    layer_span,
     read_header,
+    span_sections,
 )
 from kvrestore.core.errors import CorruptChunkError, InvalidInputError, TruncatedChunkError
 from kvrestore.core.kv import KVChunk
@@ -279,7 +282,10 @@ __all__ = [
     "decode_layers",
     "encode_chunk",
     "header_length",
+    "back_to_back",
     "layer_ranges",
+    "layer_span",
+    "span_sections",
     "read_header",
     "verify_scattered",
     "verify_sections",

@@ -181,3 +181,23 @@ def layer_ranges(header: ChunkHeader, layers: Sequence[int] | None = None) -> li
     """Byte ranges [start, end) of the given layers' sections (all layers by default), for get_ranges."""
     idx = range(header.num_layers) if layers is None else layers
     return [(header.layers[i].offset, header.layers[i].offset + header.layers[i].length) for i in idx]
+
+
+def layer_span(header: ChunkHeader, layers: range) -> tuple[int, int]:
+    """The bytes [start, end) that hold the sections of consecutive `layers`: one range read for all."""
+    first, last = header.layers[layers[0]], header.layers[layers[-1]]
+    return first.offset, last.offset + last.length
+
+
+def span_sections(header: ChunkHeader, layers: range, span: Buffer) -> dict[int, memoryview]:
+    """Each layer's section within `span`, the bytes `layer_span(header, layers)` read."""
+    sections, mv = header.layers, memoryview(span)
+    a = sections[layers[0]].offset
+    return {i: mv[sections[i].offset - a : sections[i].offset - a + sections[i].length] for i in layers}
+
+
+def back_to_back(header: ChunkHeader, layers: range) -> bool:
+    """Whether the sections of `layers` follow one another with nothing between (as `encode_chunk`
+    writes them): their span is then the layers' rows, one after another."""
+    s = header.layers
+    return all(s[i].offset + s[i].length == s[i + 1].offset for i in layers[:-1])

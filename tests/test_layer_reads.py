@@ -1,0 +1,153 @@
+"""Reads of several consecutive layers at once (`LayerReader.read_layers`, `read_plan`): what the blend's
+loader does on CUDA, run here on a CPU cache through the same device path (deferred checks)."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from kvrestore import codec, open_store
+from kvrestore.backends.hf import HFBackend
+from kvrestore.blend import Blend, fuse
+from kvrestore.blend.chunks import StoreChunkSource, save_chunk
+from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader
+from kvrestore.chunkio.stored import StoredChunk
+from kvrestore.core.kv import KVCache
+from kvrestore.stores.memory import MemoryStore
+from kvrestore.stores.throttled import ThrottledStore
+
+from .conftest import random_tokens, tiny_model
+from .test_blend import ATOL, run_blend
+
+LAYERS = 9
+
+
+@pytest.fixture(scope="module")
+def deep() -> HFBackend:
+    return HFBackend(tiny_model("llama", layers=LAYERS), name="tiny-llama-9")
+
+
+def _chunks(lengths: list[int], seed: int) -> list[torch.Tensor]:
+    return [random_tokens(n, 256, seed=seed + i) for i, n in enumerate(lengths)]
+
+
+def _cache(backend: HFBackend, n: int) -> KVCache:
+    s = backend.spec
+    return KVCache(s, torch.zeros((s.num_layers, 2, s.num_kv_heads, n, s.head_dim), dtype=s.dtype))
+
+
+def _store(kind: str, tmp_path: Path):
+    if kind == "file":
+        return open_store(f"file://{tmp_path}")
+    if kind == "async-store":  # read by async get_range in the event loop, not in the worker thread
+        return ThrottledStore(MemoryStore(), 1e10)
+    return MemoryStore()
+
+
+def _grouped(monkeypatch, **kwargs) -> None:
+    """The fusor's loader on the device path (deferred checks), reading layers as `kwargs` say."""
+    part = functools.partial(StoreChunkSource, defer_checks=True, **kwargs)
+    monkeypatch.setattr(fuse, "StoreChunkSource", part)
+
+
+def test_read_plan_takes_the_first_layer_alone_then_a_few_at_a_time(deep):
+    spec = deep.spec
+    deferred = LayerReader(spec, MemoryStore(), [], defer_checks=True, layers_per_read=4)
+    kv = _cache(deep, 4)
+    assert deferred.read_plan(1, LAYERS, kv) == [range(1, 2), range(2, 6), range(6, 9)]
+    assert deferred.read_plan(1, 2, kv) == [range(1, 2)] and deferred.read_plan(3, 3, kv) == []
+    checked = LayerReader(spec, MemoryStore(), [], defer_checks=False, layers_per_read=4)
+    assert checked.read_plan(1, 4, kv) == [range(1, 2), range(2, 3), range(3, 4)]  # host checks: one by one
+
+
+@pytest.mark.parametrize("kind", ["memory", "file", "async-store"])
+@pytest.mark.parametrize("per_read,ahead", [(4, 8), (3, 2)], ids=["4-per-read", "3-per-read-2-ahead"])
+def test_grouped_reads_give_the_same_blend(deep, kind, per_read, ahead, tmp_path: Path, monkeypatch):
+    """Layers read a few at a time (one span per chunk, one checksum call, one placement per chunk,
+    one re-rotation) give the KV, logits and selections of the per-layer host-checked reads; with
+    `ahead` below a read's size each read waits for the one before it, and the result is the same."""
+    chunks = _chunks([40, 17, 64], seed=60)
+    suffix = random_tokens(6, 256, seed=63)
+    order = [chunks[2], chunks[0], chunks[1]]
+    want = run_blend(deep, order, suffix, Blend(recompute_ratio=0.3), saved=chunks)
+    _grouped(monkeypatch, layers_per_read=per_read, ahead=ahead)
+    got = run_blend(deep, order, suffix, Blend(recompute_ratio=0.3), store=_store(kind, tmp_path), saved=chunks)
+    assert got.stats.loaded_chunks == 3 and not got.stats.errors and got.stats.restarts == 0
+    torch.testing.assert_close(got.kv.data, want.kv.data, atol=ATOL, rtol=0)
+    torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=0)
+    assert got.stats.recomputed == want.stats.recomputed
+    assert got.stats.bytes_loaded == want.stats.bytes_loaded  # the same sections, fewer reads
+    assert all(s >= 0 for s in got.stats.load_seconds) and got.stats.load_seconds[0] == 0.0
+
+
+def _damage_layer(blob: bytes, layer: int) -> bytes:
+    header, _ = codec.read_header(blob)
+    section = header.layers[layer]
+    out = bytearray(blob)
+    out[section.offset + section.length // 2] ^= 0xFF
+    return bytes(out)
+
+
+@pytest.mark.parametrize("layer", [1, 4, 8], ids=["alone", "inside-a-read", "last-read"])
+def test_a_damaged_layer_inside_a_read_restarts_without_the_chunk(deep, layer, monkeypatch):
+    """A damaged section in any layer of a multi-layer read is found by the deferred device checks: the
+    blend restarts with that chunk recomputed, the object is deleted, the KV equals a full prefill."""
+    chunks = _chunks([30, 26], seed=70)
+    suffix = random_tokens(4, 256, seed=72)
+    store = MemoryStore()
+
+    async def damage() -> str:
+        key = (await save_chunk(deep, store, chunks[1]))[0]
+        await save_chunk(deep, store, chunks[0])
+        await store.put(key, _damage_layer(await store.get(key), layer))
+        return key
+
+    key = anyio.run(damage)
+    _grouped(monkeypatch)
+    res = run_blend(deep, chunks, suffix, Blend(recompute_ratio=0.0), store=store, saved=[])
+    assert res.stats.missing_chunks == [1] and res.stats.restarts == 1
+    assert any(f"layer {layer}: device checksum mismatch" in e for e in res.stats.errors)
+    assert anyio.run(store.contains, [key]) == [False]
+    full = deep.prefill_chunk(res.tokens, None, 0).data
+    torch.testing.assert_close(res.kv.data, full, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["host-checked", "device-path"])
+def test_read_layers_places_what_read_layer_places(deep, defer):
+    """`read_layers` over a span of layers, on the host-checked path (each section decoded from the
+    span) and on the device path, places the same KV as one `read_layer` call per layer; a damaged
+    section in the span names its layer, and the other chunk's layers are placed."""
+    store = MemoryStore()
+    chunks = _chunks([12, 20], seed=80)
+
+    async def go() -> tuple[KVCache, KVCache, ChunkLoadFailed, KVCache]:
+        keys = [(await save_chunk(deep, store, c))[0] for c in chunks]
+        stored = [StoredChunk(k, 0, o, len(c)) for k, o, c in zip(keys, [0, 12], chunks, strict=True)]
+        one, many = _cache(deep, 32), _cache(deep, 32)
+        a = LayerReader(deep.spec, store, stored, defer_checks=defer)
+        b = LayerReader(deep.spec, store, stored, defer_checks=defer)
+        await a.open()
+        await b.open()
+        for layer in range(2, 7):
+            await a.read_layer(layer, one)
+        opened = b.bytes_read
+        assert await b.read_layers(range(2, 7), many) == a.bytes_read - opened and b.bytes_read == a.bytes_read
+        await store.put(keys[1], _damage_layer(await store.get(keys[1]), 5))
+        c = LayerReader(deep.spec, store, stored, defer_checks=defer)
+        await c.open()
+        damaged = _cache(deep, 32)
+        with pytest.raises(ChunkLoadFailed) as caught:
+            await c.read_layers(range(3, 7), damaged)
+            await c.verify()
+        return one, many, caught.value, damaged
+
+    one, many, failed, damaged = anyio.run(go)
+    torch.testing.assert_close(many.data, one.data, atol=0, rtol=0)
+    assert many.data[2:7].abs().sum() > 0 and many.data[7:].abs().sum() == 0 and many.data[:2].abs().sum() == 0
+    assert failed.indices == [1] and "layer 5" in failed.error
+    torch.testing.assert_close(damaged.data[3:7, :, :, :12], one.data[3:7, :, :, :12], atol=0, rtol=0)
+

@@ -11,6 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from kvrestore import InvalidInputError, Restorer, UnsupportedModelError, open_store
 from kvrestore.backends.attention import row_groups
 from kvrestore.backends.hf import HFBackend
+from kvrestore.backends.hf_blend import MASK_ALIGNMENT, selected_rows_mask
 from kvrestore.blend import (
     Blend,
     StoreCandidate,
@@ -177,6 +179,27 @@ def test_grouped_attention_equals_one_masked_call(picks, groups, rows, slack):
     grouped = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=upper)
     for x, y in zip(grouped, one, strict=True):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(picks=st.lists(st.booleans(), min_size=1, max_size=70), extra=st.integers(0, 20), cut=st.integers(0, 70))
+def test_the_additive_mask_is_the_boolean_one_in_aligned_rows(picks, extra, cut):
+    """CUDA's additive mask of the selected rows sees exactly what the boolean one sees, gives the
+    same attention, and every slice of it the groups take keeps an aligned row stride (so SDPA's
+    memory-efficient kernel takes it without a padded copy)."""
+    index = torch.tensor([i for i, p in enumerate(picks) if p] or [len(picks) - 1])
+    n_keys = len(picks) + extra
+    seen = selected_rows_mask(index, n_keys, torch.float32, additive=False)
+    bias = selected_rows_mask(index, n_keys, torch.float32, additive=True)
+    assert bias.shape == seen.shape == (index.numel(), n_keys)
+    assert torch.equal(bias == 0, seen) and torch.equal(bias == float("-inf"), ~seen)
+    kl = max(int(index[-1]) + 1, min(cut, n_keys))  # a group's key prefix: its rows see no key past it
+    part = bias[index.numel() // 2 :, :kl]
+    assert part.stride(0) % MASK_ALIGNMENT == 0 and part.stride(1) == 1
+    g = torch.Generator().manual_seed(len(picks))
+    q, k, v = (torch.randn(1, 4, n, 8, generator=g) for n in (index.numel(), n_keys, n_keys))
+    with_bias = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    torch.testing.assert_close(with_bias, F.scaled_dot_product_attention(q, k, v, attn_mask=seen), atol=1e-6, rtol=0)
 
 
 @settings(max_examples=40, deadline=None)

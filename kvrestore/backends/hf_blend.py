@@ -20,6 +20,26 @@ from kvrestore.core.errors import UnsupportedModelError
 # RoPE variants whose frequencies do not depend on the sequence: cached keys can be moved exactly
 REROTATABLE_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
 
+# the memory-efficient kernel takes an additive mask as it is when its row stride is a multiple of this
+# many elements; else SDPA copies it into a padded one, on every call
+MASK_ALIGNMENT = 16
+
+
+def selected_rows_mask(index: torch.Tensor, n_keys: int, dtype: torch.dtype, additive: bool) -> torch.Tensor:
+    """The causal mask [S, n_keys] of rows at sorted positions `index` [S]: row r sees keys 0..index[r].
+
+    Boolean, or with `additive` (CUDA) the additive bias SDPA would make of it (0 where seen, -inf
+    elsewhere) in `dtype`, allocated `MASK_ALIGNMENT`-wide and sliced to `n_keys`: each group's slice
+    (`row_groups`) then goes to the memory-efficient kernel as it lies. Given a boolean mask, SDPA
+    converts it (two kernels) and pads it (two more) on every call: per group, per layer.
+    """
+    if not additive:
+        return torch.arange(n_keys, device=index.device)[None, :] <= index[:, None]
+    width = -(-n_keys // MASK_ALIGNMENT) * MASK_ALIGNMENT
+    unseen = torch.arange(width, device=index.device)[None, :] > index[:, None]
+    bias = torch.zeros((index.numel(), width), dtype=dtype, device=index.device)
+    return bias.masked_fill_(unseen, float("-inf"))[:, :n_keys]
+
 
 class HFBlendMixin:
     """CacheBlend's view of a decoder: keys moved between positions, layers run for selected tokens."""
@@ -208,7 +228,7 @@ class HFBlendMixin:
         if q.device.type == "cuda" and self._n_heads != self._n_kv:
             rep = self._n_heads // self._n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        mask = torch.arange(last, device=q.device)[None, :] <= index[:, None]  # one mask, sliced per group
+        mask = selected_rows_mask(index, last, q.dtype, additive=q.device.type == "cuda")  # sliced per group
         outs = [
             self._attention_masked(q[:, :, a:b], k[:, :, :kl], v[:, :, :kl], mask[a:b, :kl])
             for a, b, kl in groups
@@ -218,10 +238,10 @@ class HFBlendMixin:
     def _attention_masked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """Attention under an arbitrary boolean mask (CacheBlend's scattered rows). On CUDA it runs on
-        the memory-efficient kernel over K/V heads already expanded to the query heads: cuDNN's
-        attention would build a new execution plan (tens of milliseconds) for every new number of
-        selected rows, and the selection shrinks layer by layer."""
+        """Attention under an arbitrary mask (CacheBlend's scattered rows; see `selected_rows_mask`). On
+        CUDA it runs on the memory-efficient kernel over K/V heads already expanded to the query heads:
+        cuDNN's attention would build a new execution plan (tens of milliseconds) for every new number
+        of selected rows, and the selection shrinks layer by layer."""
         if q.device.type != "cuda":
             return self._sdpa(q, k, v, attn_mask=mask)
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):

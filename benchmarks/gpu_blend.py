@@ -21,8 +21,10 @@ the device, nothing downloaded). For each layout (default 4 chunks x 2,048 and 4
   as `gpu_restore.py`: bf16 rounds differently where kernel shapes differ) and last-token argmax.
   Quality with random weights means nothing: `blend_quality.py` (SmolLM2, CPU) is the quality reference.
 
-Cases are warmed up and interleaved round by round; medians, and the spread (max - min) / median of the
-rounds after warm-up.
+Garbage is collected before each run, and what is alive once the model is built is frozen out of later
+collections (`gc.freeze`, as vLLM does after start-up). Cases are warmed up and interleaved round by
+round; medians, and the spread (max - min) / median of the rounds after warm-up. The spread target
+applies to the blend as shipped at each ratio (`targets`).
 
     python benchmarks/gpu_blend.py                          # CUDA: 4x2048+64 and 4x4096+64, 5 rounds
     python benchmarks/gpu_blend.py --tiny --out /tmp/b.json # CPU smoke test: tiny Llama
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import sys
 import time
 from pathlib import Path
@@ -153,7 +156,7 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
             cases[f"blend@0.15 groups={g}"] = blend_case(0.15, groups=g)
     cases["prefix-load-only"] = prefix_restore
     wrapped = {name: Failing(name, fn, device) for name, fn in cases.items()}
-    raw = await interleave(wrapped, args.rounds, warmup=args.warmup, log=lambda s: log("  " + s))
+    raw = await interleave(wrapped, args.rounds, warmup=args.warmup, log=lambda s: log("  " + s), collect=True)
     out["errors"] = {name: w.error for name, w in wrapped.items() if w.error}
 
     hf_s = median([s.seconds for s in raw["hf-prefill"]])
@@ -231,14 +234,20 @@ async def profile_blend(restorer: Restorer, chunks: list, question: torch.Tensor
 
 
 def targets(layouts: list[dict[str, Any]], apply: bool) -> dict[str, Any]:
+    """Issue 16's targets per layout. The spread target is `restore_blend`'s (the issue's round times
+    were the blend's): the worst over the blend at each ratio as shipped (`blend@r`, not the variants
+    kept for comparison); the worst over every case, the stock prefill's and the prefix restore's
+    included, is recorded beside it."""
     by: dict[str, Any] = {}
     for lay in layouts:
         b15 = lay["cases"].get("blend@0.15", {})
         speed = b15.get("speedup_over_hf", float("nan"))
-        spr = max(e["spread"] for e in lay["cases"].values())
+        shipped = [e["spread"] for name, e in lay["cases"].items() if name.startswith("blend@") and " " not in name]
+        spr = max(shipped, default=float("nan"))
         by[f"{lay['chunks']}x{lay['chunk_tokens']}+{lay['question']}"] = {
             "blend15_speedup": speed,
             "worst_spread": spr,
+            "worst_spread_all_cases": max(e["spread"] for e in lay["cases"].values()),
             "full_recompute_exact": lay["exactness_full_recompute"]["passed"],
             "meets": {"speedup": speed >= TARGETS["blend15_speedup_min"], "spread": spr < TARGETS["spread_max"]},
         }
@@ -249,6 +258,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     t0 = time.perf_counter()
     model, backend, desc = build_model(args.tiny, device, args.seed)
+    gc.collect()  # what a serving process does once its model is up (vLLM does this too): the objects
+    gc.freeze()  # alive now are never scanned again, so a collection during a round stays short
     result: dict[str, Any] = {
         "benchmark": "gpu_blend",
         "config": {

@@ -13,6 +13,7 @@ Scripts in `benchmarks/` import it as `_common` (a re-export); `kvrestore bench`
 
 from __future__ import annotations
 
+import gc
 import importlib.metadata
 import inspect
 import json
@@ -94,16 +95,21 @@ async def interleave(
     *,
     warmup: int = 1,
     log: Callable[[str], None] | None = None,
+    collect: bool = False,
 ) -> dict[str, list[Sample]]:
     """Run every case `warmup` times (discarded), then `rounds` rounds of A B C ... in the given order.
 
     Each case is a callable returning a Sample, a float (seconds), or an awaitable of either. Returns
-    the kept samples per case, in round order. `log` (e.g. print) gets one line per run.
+    the kept samples per case, in round order. `log` (e.g. print) gets one line per run. With
+    `collect`, Python's garbage is collected before each run, so no run pays for the objects the runs
+    before it left (a full collection in a large process takes tens of milliseconds).
     """
     out: dict[str, list[Sample]] = {name: [] for name in cases}
     for r in range(-warmup, rounds):
         tag = "warm-up" if r < 0 else f"round {r + 1}/{rounds}"
         for name, fn in cases.items():
+            if collect:
+                gc.collect()
             s = await _call(fn)
             if r >= 0:
                 out[name].append(s)

@@ -37,7 +37,7 @@ from kvrestore.blend import (
     selection_sizes,
 )
 from kvrestore.blend.chunks import StoreChunkSource, save_chunk
-from kvrestore.blend.select import SelectionBounds
+from kvrestore.blend.select import SelectionBounds, kv_deviation, stacked_kv_deviation
 from kvrestore.chunkio.deferred import DeferredChecks
 from kvrestore.chunkio.layers import ChunkLoadFailed
 from kvrestore.core.kv import KVCache
@@ -874,6 +874,20 @@ def test_select_hkvd_keeps_forced_and_the_highest_deviation(dev, forced_bits, si
     dropped = [i for i in range(len(dev)) if i not in kept]
     if free_kept and dropped:
         assert max(d[dropped].tolist()) <= min(d[free_kept].tolist())
+
+
+@pytest.mark.parametrize("kind", ["kv", "k", "v"])
+def test_stacked_deviation_is_the_squared_distance_of_the_parts(kind):
+    g = torch.Generator().manual_seed(3)
+    new, old = (torch.randn(2, 3, 11, 8, generator=g, dtype=torch.float64).to(torch.bfloat16) for _ in range(2))
+    diff = (new - old).double().square().sum(dim=(1, 3))  # [2, T]: K's, then V's (differenced in bf16)
+    want = {"kv": diff[0] + diff[1], "k": diff[0], "v": diff[1]}[kind]
+    got = stacked_kv_deviation(new, old, kind)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv_deviation(new[0], new[1], old[0], old[1], kind), got, rtol=0, atol=0)
+    with pytest.raises(InvalidInputError, match="deviation kind"):
+        stacked_kv_deviation(new, old, "q")
 
 
 def test_select_hkvd_never_lets_an_infinite_or_nan_deviation_displace_a_forced_token():

@@ -36,7 +36,7 @@ import torch
 
 from kvrestore.blend.chunks import StoreChunkSource, chunk_key
 from kvrestore.blend.controller import choose_ratio
-from kvrestore.blend.select import SelectionBounds, kv_deviation, select_hkvd, selection_sizes
+from kvrestore.blend.select import SelectionBounds, select_hkvd, selection_sizes, stacked_kv_deviation
 from kvrestore.chunkio.layers import ChunkLoadFailed
 from kvrestore.chunkio.pool import StagingPool
 from kvrestore.core.errors import InvalidInputError
@@ -241,16 +241,16 @@ async def _fuse(
         k_layer, v_layer = kv.data[i, 0], kv.data[i, 1]
         rope_cand = rope.index_select(2, cand)  # cos and sin of the candidates: one gather
         x, k_new, v_new = backend.project_candidates(i, hidden, (rope_cand[0], rope_cand[1]))
+        fresh = torch.stack((k_new, v_new))  # [2, H, T, D], as the cache holds them: one op each below
         loaded = kv.data[i].index_select(2, cand)  # their loaded K and V: one gather
-        dev = kv_deviation(k_new, v_new, loaded[0], loaded[1], policy.deviation)
+        dev = stacked_kv_deviation(fresh, loaded, policy.deviation)
         keep = select_hkvd(dev, forced[cand], size, n_forced=n_forced)
         sel = cand[keep]
         rope_sel = rope_cand.index_select(2, keep)
         upper = bounds.upper(sel)  # where the kept rows can sit, for the attention's key prefixes
         bounds.record(sel)
         if policy.update_candidates:  # every candidate's fresh K/V replaces its loaded K/V (no compute)
-            k_layer.index_copy_(1, cand, k_new)
-            v_layer.index_copy_(1, cand, v_new)
+            kv.data[i].index_copy_(2, cand, fresh)
         hidden, _, _ = backend.run_layer_selective(  # the kept rows' K, V and normed inputs, not again
             i,
             hidden[:, keep],
@@ -258,7 +258,7 @@ async def _fuse(
             k_layer,
             v_layer,
             rope=(rope_sel[0], rope_sel[1]),
-            projected=(x[:, keep], k_new[:, keep], v_new[:, keep]),
+            projected=(x[:, keep], *fresh.index_select(2, keep)),
             upper=upper,
         )
         timer.stop(i, mark)

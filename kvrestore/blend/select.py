@@ -20,16 +20,23 @@ from kvrestore.core.errors import InvalidInputError
 def kv_deviation(
     k_new: torch.Tensor, v_new: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor, kind: str = "kv"
 ) -> torch.Tensor:
-    """Per-token squared L2 distance [T] between fresh and loaded K/V ([H, T, D] each), in float32.
+    """Per-token squared L2 distance [T] between fresh and loaded K/V ([H, T, D] each), in float32."""
+    return stacked_kv_deviation(torch.stack((k_new, v_new)), torch.stack((k_old, v_old)), kind)
 
-    A few device ops (a difference, a cast, a reduction per tensor): it runs on every selective layer.
+
+_HALVES = {"kv": slice(0, 2), "k": slice(0, 1), "v": slice(1, 2)}
+
+
+def stacked_kv_deviation(new: torch.Tensor, old: torch.Tensor, kind: str = "kv") -> torch.Tensor:
+    """`kv_deviation` of K and V stacked, [2, H, T, D] each (as a layer's KV lies in a cache).
+
+    Four device ops (a difference, a cast, a square, one reduction over K and V at once): it runs on
+    every selective layer, where launches count.
     """
-    parts = []
-    if kind in ("kv", "k"):
-        parts.append((k_new - k_old).float().square().sum(dim=(0, 2)))
-    if kind in ("kv", "v"):
-        parts.append((v_new - v_old).float().square().sum(dim=(0, 2)))
-    return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    if kind not in _HALVES:
+        raise InvalidInputError(f"deviation kind must be one of {sorted(_HALVES)}, got {kind!r}")
+    part = _HALVES[kind]
+    return (new[part] - old[part]).float().square().sum(dim=(0, 1, 3))
 
 
 def select_hkvd(

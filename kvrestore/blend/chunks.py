@@ -26,6 +26,7 @@ from kvrestore.chunkio.layers import LayerReader, StoredChunk
 from kvrestore.chunkio.pool import StagingPool
 from kvrestore.core.keys import content_key
 from kvrestore.core.kv import KVCache
+from kvrestore.core.streams import upload
 from kvrestore.stores.base import ChunkStore
 
 if TYPE_CHECKING:
@@ -140,8 +141,7 @@ class StoreChunkSource(LayerReader):
                     old[c.offset : c.offset + c.n_tokens] = torch.arange(
                         c.stored_at, c.stored_at + c.n_tokens
                     )
-                if keys.is_cuda:  # up without a blocking copy (from pageable memory it waits for the stream)
-                    old, new = (t.pin_memory().to(keys.device, non_blocking=True) for t in (old, new))
+                old, new = upload(old, keys.device), upload(new, keys.device)
                 rotation = self._rotations[-1] = self.backend.rerotation(keys, old, new)
             keys.copy_(self.backend.rerotate_keys(keys, 0, 0, rotation))
             return

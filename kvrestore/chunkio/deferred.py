@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from kvrestore import codec
-from kvrestore.core.streams import HostEvent, on_stream, timing_event, wait_on_device
+from kvrestore.core.streams import HostEvent, on_stream, timing_event, upload, wait_on_device
 
 
 class DeferredChecks:
@@ -38,7 +38,7 @@ class DeferredChecks:
             for layer, section in enumerate(header.layers):
                 table[layer][j] = section.device_sum or 0
         self.device = device
-        self.expected = torch.tensor(table, dtype=torch.int64).to(device)
+        self.expected = upload(torch.tensor(table, dtype=torch.int64), device)
         self.bad = torch.zeros((n_layers, n_chunks), dtype=torch.bool, device=device)
         # layer -> (where its read began, where it ended, how many layers that read placed)
         self.events: dict[int, tuple[torch.cuda.Event | HostEvent, torch.cuda.Event | HostEvent, int]] = {}
@@ -68,7 +68,7 @@ class DeferredChecks:
         key = tuple(chunks)
         index = self._index.get(key)
         if index is None:
-            index = self._index[key] = torch.tensor(key, dtype=torch.int64).to(self.device)
+            index = self._index[key] = upload(torch.tensor(key, dtype=torch.int64), self.device)
         a, b = layers.start, layers.stop
         wrong = self.expected[a:b].index_select(1, index) != sums.view(len(chunks), b - a).T
         self.bad[a:b].index_copy_(1, index, wrong)

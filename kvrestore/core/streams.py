@@ -50,3 +50,11 @@ def wait_on_device(event: torch.cuda.Event | HostEvent) -> None:
     """Make the current stream wait for `event` without blocking the host (nothing to do off CUDA)."""
     if isinstance(event, torch.cuda.Event):
         torch.cuda.current_stream().wait_event(event)
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor (a table, an index) on `device`, queued on the current stream: through pinned
+    memory on CUDA, since a copy from pageable memory makes the host wait for the stream to drain."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -429,10 +429,12 @@ def test_missing_chunk_is_recomputed(backend):
     torch.testing.assert_close(res.kv.data, full, atol=ATOL, rtol=0)
 
 
-def _defer_checks(monkeypatch) -> None:
+def _defer_checks(monkeypatch, **options) -> None:
     """Blend with the loader's device path, as on CUDA: sections checked by device checksums compared
-    on the device, every layer placed at once, the flags read back once at the end (`verify`)."""
-    monkeypatch.setattr(fuse, "StoreChunkSource", functools.partial(StoreChunkSource, defer_checks=True))
+    on the device, every layer placed at once, the flags read back once at the end (`verify`).
+    `options`: the reader's others (`ahead`, `layers_per_read`)."""
+    part = functools.partial(StoreChunkSource, defer_checks=True, **options)
+    monkeypatch.setattr(fuse, "StoreChunkSource", part)
 
 
 @pytest.mark.parametrize("deferred", [False, True], ids=["checked-per-layer", "deferred-checks"])

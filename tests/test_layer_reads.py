@@ -3,25 +3,23 @@ loader does on CUDA, run here on a CPU cache through the same device path (defer
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import anyio
 import pytest
 import torch
 
-from kvrestore import codec, open_store
+from kvrestore import codec
 from kvrestore.backends.hf import HFBackend
-from kvrestore.blend import Blend, fuse
-from kvrestore.blend.chunks import StoreChunkSource, save_chunk
+from kvrestore.blend import Blend
+from kvrestore.blend.chunks import save_chunk
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader
 from kvrestore.chunkio.stored import StoredChunk
 from kvrestore.core.kv import KVCache
 from kvrestore.stores.memory import MemoryStore
-from kvrestore.stores.throttled import ThrottledStore
 
 from .conftest import random_tokens, tiny_model
-from .test_blend import ATOL, run_blend
+from .test_blend import ATOL, _chunks, _cuda_store, _defer_checks, run_blend
 
 LAYERS = 9
 
@@ -31,27 +29,9 @@ def deep() -> HFBackend:
     return HFBackend(tiny_model("llama", layers=LAYERS), name="tiny-llama-9")
 
 
-def _chunks(lengths: list[int], seed: int) -> list[torch.Tensor]:
-    return [random_tokens(n, 256, seed=seed + i) for i, n in enumerate(lengths)]
-
-
 def _cache(backend: HFBackend, n: int) -> KVCache:
     s = backend.spec
     return KVCache(s, torch.zeros((s.num_layers, 2, s.num_kv_heads, n, s.head_dim), dtype=s.dtype))
-
-
-def _store(kind: str, tmp_path: Path):
-    if kind == "file":
-        return open_store(f"file://{tmp_path}")
-    if kind == "async-store":  # read by async get_range in the event loop, not in the worker thread
-        return ThrottledStore(MemoryStore(), 1e10)
-    return MemoryStore()
-
-
-def _grouped(monkeypatch, **kwargs) -> None:
-    """The fusor's loader on the device path (deferred checks), reading layers as `kwargs` say."""
-    part = functools.partial(StoreChunkSource, defer_checks=True, **kwargs)
-    monkeypatch.setattr(fuse, "StoreChunkSource", part)
 
 
 def test_read_plan_takes_the_first_layer_alone_then_a_few_at_a_time(deep):
@@ -74,8 +54,8 @@ def test_grouped_reads_give_the_same_blend(deep, kind, per_read, ahead, tmp_path
     suffix = random_tokens(6, 256, seed=63)
     order = [chunks[2], chunks[0], chunks[1]]
     want = run_blend(deep, order, suffix, Blend(recompute_ratio=0.3), saved=chunks)
-    _grouped(monkeypatch, layers_per_read=per_read, ahead=ahead)
-    got = run_blend(deep, order, suffix, Blend(recompute_ratio=0.3), store=_store(kind, tmp_path), saved=chunks)
+    _defer_checks(monkeypatch, layers_per_read=per_read, ahead=ahead)
+    got = run_blend(deep, order, suffix, Blend(recompute_ratio=0.3), store=_cuda_store(kind, tmp_path), saved=chunks)
     assert got.stats.loaded_chunks == 3 and not got.stats.errors and got.stats.restarts == 0
     torch.testing.assert_close(got.kv.data, want.kv.data, atol=ATOL, rtol=0)
     torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=0)
@@ -107,7 +87,7 @@ def test_a_damaged_layer_inside_a_read_restarts_without_the_chunk(deep, layer, m
         return key
 
     key = anyio.run(damage)
-    _grouped(monkeypatch)
+    _defer_checks(monkeypatch)
     res = run_blend(deep, chunks, suffix, Blend(recompute_ratio=0.0), store=store, saved=[])
     assert res.stats.missing_chunks == [1] and res.stats.restarts == 1
     assert any(f"layer {layer}: device checksum mismatch" in e for e in res.stats.errors)

@@ -15,7 +15,7 @@ used: `open` reports it unavailable (and deletes a damaged object), or `load_lay
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -94,19 +94,12 @@ class StoreChunkSource(LayerReader):
         stream: torch.cuda.Stream | None = None,
         pool: StagingPool | None = None,
         defer_checks: bool | None = None,
-        ahead: int = 8,
-        layers_per_read: int = 4,
+        **options: Any,
     ) -> None:
+        """`options`: the rest of `LayerReader`'s (`ahead`, `layers_per_read`), passed on as they are."""
         chunks = [StoredChunk(k, stored_at, o, n) for k, o, n in zip(keys, offsets, lengths, strict=True)]
         super().__init__(
-            backend.spec,
-            store,
-            chunks,
-            stream=stream,
-            pool=pool,
-            defer_checks=defer_checks,
-            ahead=ahead,
-            layers_per_read=layers_per_read,
+            backend.spec, store, chunks, stream=stream, pool=pool, defer_checks=defer_checks, **options
         )
         self.backend = backend
         self._rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -119,15 +112,12 @@ class StoreChunkSource(LayerReader):
         """Place layer `layer` of every open chunk into `kv` (keys re-rotated); returns bytes read."""
         return await self.read_layer(layer, kv)
 
-    async def load_layers(self, layers: range, kv: KVCache) -> int:
-        """`load_layer` for consecutive `layers` at once (the fusor follows `read_plan`)."""
-        return await self.read_layers(layers, kv)
-
     def after_layers(self, layers: range, placed: Sequence[int], kv: KVCache) -> None:
         """Re-rotate the keys of the chunks `placed` on `layers` from where they were saved to where they
-        sit (in place). On the device path (CUDA) one rotation covers the layers whole (the identity, exactly, on rows of
-        chunks that did not move; other rows are recomputed after this anyway): a few kernels per read
-        instead of a few per chunk and layer. The angles are the same for every layer: made once."""
+        sit (in place). On the device path (CUDA) one rotation covers the layers whole (the identity,
+        exactly, on rows of chunks that did not move; other rows are recomputed after this anyway): a
+        few kernels per read instead of a few per chunk and layer. The angles are the same for every
+        layer: made once."""
         moved = [j for j in placed if self.chunks[j].offset != self.chunks[j].stored_at]
         if not moved:
             return

@@ -189,7 +189,7 @@ async def _fuse(
         try:
             for layers in source.read_plan(1, n_layers, kv):  # layer 1 alone, then a few at a time
                 t = time.perf_counter()
-                await source.load_layers(layers, kv)
+                await source.read_layers(layers, kv)
                 share = (time.perf_counter() - t) / len(layers)  # each layer's part of the read
                 for i in layers:
                     load_s[i] = share

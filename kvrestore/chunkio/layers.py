@@ -27,7 +27,7 @@ import torch
 from kvrestore import codec
 from kvrestore.chunkio.deferred import DeferredChecks
 from kvrestore.chunkio.pool import StagingPool
-from kvrestore.chunkio.stored import ChunkLoadFailed, StoredChunk, each
+from kvrestore.chunkio.stored import ChunkLoadFailed, StoredChunk, each, layers_name
 from kvrestore.chunkio.uploads import LayerUploads
 from kvrestore.core.errors import (
     LOAD_FAULTS,
@@ -44,8 +44,8 @@ from kvrestore.stores.base import ChunkStore
 class LayerReader(LayerUploads):
     """Reads one layer of many stored chunks at a time into a KVCache.
 
-    Subclasses may override `place` to transform a section once it is verified (CacheBlend re-rotates
-    the keys of a chunk placed somewhere other than where it was saved).
+    Subclasses may override `after_layers` to transform the sections once they are in place
+    (CacheBlend re-rotates the keys of a chunk placed somewhere other than where it was saved).
     """
 
     def __init__(
@@ -116,7 +116,7 @@ class LayerReader(LayerUploads):
         js = [j for j in self.headers if j not in self.dropped]
         sections: dict[int, bytes | memoryview | None] = dict.fromkeys(js)
         failed: list[int] = []
-        where = f" layer {layers[0]}" if len(layers) == 1 else f" layers {layers[0]}-{layers[-1]}"
+        where = f" {layers_name(layers)}"
         if not (device_path and self.store.reads_now):  # else each is read in the worker thread
 
             async def fetch(j: int) -> None:
@@ -154,15 +154,11 @@ class LayerReader(LayerUploads):
         return plan
 
     def place(self, layers: range, j: int, data: bytes | memoryview, kv: KVCache) -> None:
-        """Verify chunk j's sections of `layers` (`data`: their byte span, `codec.layer_span`) and copy them to its
-        token range of a CPU cache (blocking)."""
-        out = self._dest(layers, j, kv)
+        """Verify chunk j's sections of `layers` (`data`: their byte span, `codec.layer_span`) and copy
+        them to its token range of a CPU cache (blocking)."""
+        header, out = self.headers[j], self._dest(layers, j, kv)
         codec.decode_layers(
-            self.headers[j],
-            codec.span_sections(self.headers[j], layers, data),
-            self.spec,
-            list(layers),
-            out=out,
+            header, codec.span_sections(header, layers, data), self.spec, list(layers), out=out
         )
 
     def after_layers(self, layers: range, placed: Sequence[int], kv: KVCache) -> None:

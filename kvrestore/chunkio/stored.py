@@ -46,3 +46,8 @@ class StoredChunk:
     stored_at: int
     offset: int
     n_tokens: int
+
+
+def layers_name(layers: range) -> str:
+    """How errors name the layers of a read: "layer 3", "layers 3-6"."""
+    return f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}-{layers[-1]}"

@@ -21,7 +21,7 @@ from kvrestore import codec
 from kvrestore.chunkio.deferred import DeferredChecks
 from kvrestore.chunkio.load import pinned_host
 from kvrestore.chunkio.pool import Staging, StagingPool
-from kvrestore.chunkio.stored import StoredChunk
+from kvrestore.chunkio.stored import StoredChunk, layers_name
 from kvrestore.codec.checksums import device_checkable, segment_checksums
 from kvrestore.core.errors import LOAD_FAULTS, CorruptChunkError, MissingChunkError, TruncatedChunkError
 from kvrestore.core.kv import KVCache
@@ -101,7 +101,7 @@ class LayerUploads:
         buffer or None); for sections that must be checked on the host (compressed, rows not whole int64
         words, not back to back), their verified and decoded KV [n, 2, H, T, D] instead."""
         chunk, header = self.chunks[j], self.headers[j]
-        a, b = codec.layer_span(self.headers[j], layers)
+        a, b = codec.layer_span(header, layers)
         staging = None
         if data is None and self.store.reads_in_memory:
             whole = self.store.get_now(chunk.key)
@@ -115,9 +115,7 @@ class LayerUploads:
             if data is None:
                 raise MissingChunkError(f"chunk {chunk.key[:12]} disappeared from the store")
             if len(data) != b - a:
-                raise TruncatedChunkError(
-                    f"layers {layers[0]}-{layers[-1]}: {len(data)} bytes, header says {b - a}"
-                )
+                raise TruncatedChunkError(f"{layers_name(layers)}: {len(data)} bytes, header says {b - a}")
             word = self.spec.head_dim * self.spec.dtype.itemsize
             if (
                 header.compression != "none"
@@ -125,7 +123,7 @@ class LayerUploads:
                 or not codec.back_to_back(header, layers)
             ):
                 return codec.decode_layers(
-                    header, codec.span_sections(self.headers[j], layers, data), self.spec, list(layers)
+                    header, codec.span_sections(header, layers, data), self.spec, list(layers)
                 )
             if staging is None:
                 host, staging = pinned_host(memoryview(data), self.pool)

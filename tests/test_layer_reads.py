@@ -11,7 +11,7 @@ import torch
 
 from kvrestore import codec
 from kvrestore.backends.hf import HFBackend
-from kvrestore.blend import Blend
+from kvrestore.blend import Blend, chunk_key
 from kvrestore.blend.chunks import save_chunk
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader
 from kvrestore.chunkio.stored import StoredChunk
@@ -19,7 +19,7 @@ from kvrestore.core.kv import KVCache
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens, tiny_model
-from .test_blend import ATOL, _chunks, _cuda_store, _defer_checks, run_blend
+from .test_blend import ATOL, DropsOutStore, _chunks, _cuda_store, _defer_checks, run_blend
 
 LAYERS = 9
 
@@ -131,3 +131,43 @@ def test_read_layers_places_what_read_layer_places(deep, defer):
     assert failed.indices == [1] and "layer 5" in failed.error
     torch.testing.assert_close(damaged.data[3:7, :, :, :12], one.data[3:7, :, :, :12], atol=0, rtol=0)
 
+
+
+def test_a_store_that_drops_out_inside_a_read_degrades_to_recompute(deep, monkeypatch):
+    """Chunk 1's reads fail from its second read on (layers 2-5): the blend restarts with that chunk's
+    tokens recomputed and the KV equals a full prefill; the error names the read's layers."""
+    chunks = _chunks([300, 300], seed=90)
+    suffix = random_tokens(3, 256, seed=92)
+    store = DropsOutStore(ok_reads=1)
+    store.key = chunk_key(deep, chunks[1])
+    _defer_checks(monkeypatch)
+    res = run_blend(deep, chunks, suffix, Blend(recompute_ratio=0.0), store=store)
+    assert res.stats.missing_chunks == [1] and res.stats.restarts == 1 and res.stats.loaded_chunks == 1
+    assert any("layers 2-5" in e and "ConnectionResetError" in e for e in res.stats.errors)
+    full = deep.prefill_chunk(res.tokens, None, 0).data
+    torch.testing.assert_close(res.kv.data, full, atol=ATOL, rtol=0)
+
+
+def test_a_truncated_object_inside_a_read_degrades_to_recompute(deep, monkeypatch):
+    """An object cut short in layer 4's section: the read of layers 2-5 finds the span short, the chunk
+    is recomputed, the object deleted, and the KV equals a full prefill."""
+    chunks = _chunks([30, 26], seed=94)
+    suffix = random_tokens(4, 256, seed=96)
+    store = MemoryStore()
+
+    async def cut() -> str:
+        key = (await save_chunk(deep, store, chunks[1]))[0]
+        await save_chunk(deep, store, chunks[0])
+        blob = await store.get(key)
+        section = codec.read_header(blob)[0].layers[4]
+        await store.put(key, blob[: section.offset + section.length // 2])
+        return key
+
+    key = anyio.run(cut)
+    _defer_checks(monkeypatch)
+    res = run_blend(deep, chunks, suffix, Blend(recompute_ratio=0.0), store=store, saved=[])
+    assert res.stats.missing_chunks == [1] and res.stats.restarts == 1
+    assert any("layers 2-5" in e and "TruncatedChunkError" in e for e in res.stats.errors)
+    assert anyio.run(store.contains, [key]) == [False]
+    full = deep.prefill_chunk(res.tokens, None, 0).data
+    torch.testing.assert_close(res.kv.data, full, atol=ATOL, rtol=0)

@@ -40,10 +40,12 @@ import functools
 import gc
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from _common import Sample, interleave, machine_info, median, print_table, ratio, write_json
 from _provenance import code_version
 from gpu_restore import (
@@ -59,8 +61,10 @@ from gpu_restore import (
     sync,
     timed_stock_prefill,
 )
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvrestore import Blend, KVCache, LoadOnly, Restorer
+from kvrestore.backends.hf_blend import selected_rows_mask
 from kvrestore.blend import StoreChunkSource, fuse
 from kvrestore.stores import MemoryStore
 
@@ -254,12 +258,39 @@ def targets(layouts: list[dict[str, Any]], apply: bool) -> dict[str, Any]:
     return {**TARGETS, "apply": apply, "by_layout": by}
 
 
+def masked_attention_kernel(backend: Any, device: torch.device) -> str:
+    """Which SDPA kernel CacheBlend's masked attention gets here: "efficient", or "math: <why the
+    memory-efficient kernel declined>". The library lets SDPA fall back to MATH silently, and MATH
+    would make every selective layer several times slower: a result taken on it says so."""
+    if device.type != "cuda":
+        return "cpu"
+    dtype, d = backend.spec.dtype, backend.spec.head_dim
+    rows, n_keys = 40, 100  # a group of scattered rows over a key prefix, as `_attention_selected` makes
+    q = torch.zeros(1, backend._n_heads, rows, d, dtype=dtype, device=device)
+    k = v = torch.zeros(1, backend._n_heads, n_keys, d, dtype=dtype, device=device)
+    index = torch.arange(n_keys - rows, n_keys, device=device)
+    mask = selected_rows_mask(index, n_keys, dtype, additive=True)[:, :n_keys]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):  # alone: a refusal raises, with reasons warned
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=backend._scaling)
+            torch.cuda.synchronize(device)
+            return "efficient"
+        except RuntimeError as exc:
+            return "math: " + ("; ".join(str(w.message) for w in caught) or str(exc))
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     t0 = time.perf_counter()
     model, backend, desc = build_model(args.tiny, device, args.seed)
     gc.collect()  # what a serving process does once its model is up (vLLM does this too): the objects
     gc.freeze()  # alive now are never scanned again, so a collection during a round stays short
+    kernel = masked_attention_kernel(backend, device)
+    log(f"masked attention kernel: {kernel}")
+    if kernel.startswith("math"):
+        log("WARNING: the selective layers fall back to SDPA's MATH kernel; blend times are not representative")
     result: dict[str, Any] = {
         "benchmark": "gpu_blend",
         "config": {
@@ -276,6 +307,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "seed": args.seed,
             "tiny": args.tiny,
             "switch_interval_s": sys.getswitchinterval(),
+            "masked_attention_kernel": kernel,
         },
         "machine": machine_info(),
         "code": code_version(),

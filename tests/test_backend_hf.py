@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable
+
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvrestore import KVCache
+from kvrestore.backends.attention import SharedSdpaRestriction
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.errors import InvalidInputError, UnsupportedModelError
 
@@ -202,3 +208,54 @@ def test_lower_right_bias_path_computes_the_same_kv(tiny_backend, monkeypatch, e
         warnings.simplefilter("ignore")  # CausalBias warns that no fused kernel runs on CPU
         cache, _ = _prefill_into_chunks(b, tokens, [13, 20, 27])
     torch.testing.assert_close(cache, ref.data, atol=ATOL, rtol=0)
+
+
+def _sdpa_flags() -> tuple[bool, bool, bool, bool]:
+    b = torch.backends.cuda
+    return (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(), b.cudnn_sdp_enabled())
+
+
+def _overlapping(enter: Callable[[], contextlib.AbstractContextManager]) -> tuple[bool, bool, bool, bool]:
+    """Two threads hold `enter()` in the order A in, B in, A out, B out; the flags after both left."""
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def thread_a() -> None:
+        with enter():
+            a_in.set()
+            b_in.wait(5)
+        a_out.set()
+
+    def thread_b() -> None:
+        a_in.wait(5)
+        with enter():
+            b_in.set()
+            a_out.wait(5)
+
+    threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return _sdpa_flags()
+
+
+def test_shared_sdpa_restriction_restores_flags_when_threads_overlap():
+    before = _sdpa_flags()
+    assert before[0], "flash attention is enabled by default"
+    restriction = SharedSdpaRestriction([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    with restriction():
+        with restriction():  # nested in one thread too
+            assert _sdpa_flags() == (False, True, True, False)
+        assert _sdpa_flags() == (False, True, True, False)  # still held
+    assert _sdpa_flags() == before
+    assert _overlapping(restriction) == before
+    # what it guards against: plain sdpa_kernel blocks overlapping across threads leave flash off for good
+    try:
+        leaked = _overlapping(lambda: sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]))
+        assert leaked != before
+    finally:
+        torch.backends.cuda.enable_flash_sdp(before[0])
+        torch.backends.cuda.enable_mem_efficient_sdp(before[1])
+        torch.backends.cuda.enable_math_sdp(before[2])
+        torch.backends.cuda.enable_cudnn_sdp(before[3])
+    assert _sdpa_flags() == before

@@ -580,19 +580,35 @@ def _cuda_store(kind: str, tmp_path: Path):
 def test_blend_on_cuda_equals_the_cpu_blend(kind, ratio, tmp_path: Path):
     """On CUDA the layers go up through pinned staging on the load stream, are checked there and
     re-rotated: the same KV as the CPU blend (full reuse) and as a full prefill (full recompute)."""
+    cpu, got = _gpu_blend_checked("cuda", _cuda_store(kind, tmp_path), ratio)
+    if ratio == 1.0:
+        full = cpu.prefill_chunk(got.tokens, None, 0).data
+        torch.testing.assert_close(got.kv.data.cpu(), full, atol=ATOL, rtol=0)
+
+
+def _gpu_blend_checked(device: str, store, ratio: float):
+    """A blend on `device` from `store`, checked against the same blend on the CPU: (CPU backend, result)."""
     cpu = HFBackend(tiny_model("llama", layers=4), name="tiny-llama-cuda")
-    gpu = HFBackend(tiny_model("llama", layers=4).to("cuda"), name="tiny-llama-cuda")
+    gpu = HFBackend(tiny_model("llama", layers=4).to(device), name="tiny-llama-cuda")
     chunks = _chunks([40, 17, 64], seed=50)
     suffix = random_tokens(6, 256, seed=51)
     order = [chunks[2], chunks[0], chunks[1]]
     want = run_blend(cpu, order, suffix, Blend(recompute_ratio=ratio), saved=chunks)
-    got = run_blend(gpu, order, suffix, Blend(recompute_ratio=ratio), store=_cuda_store(kind, tmp_path), saved=chunks)
-    assert got.kv.data.is_cuda and got.stats.loaded_chunks == 3 and not got.stats.errors
+    got = run_blend(gpu, order, suffix, Blend(recompute_ratio=ratio), store=store, saved=chunks)
+    assert got.kv.data.device == torch.empty(0, device=device).device  # "cuda" is cuda:0 here
+    assert got.stats.loaded_chunks == 3 and not got.stats.errors
     torch.testing.assert_close(got.kv.data.cpu(), want.kv.data, atol=ATOL, rtol=0)
     assert got.stats.recomputed == want.stats.recomputed
-    if ratio == 1.0:
-        full = cpu.prefill_chunk(got.tokens, None, 0).data
-        torch.testing.assert_close(got.kv.data.cpu(), full, atol=ATOL, rtol=0)
+    return cpu, got
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("ratio", [0.15, 1.0])
+def test_blend_on_a_second_gpu_equals_the_cpu_blend(ratio, tmp_path: Path):
+    """A model on cuda:1 while the calling thread's current device is cuda:0: the compute lane's events
+    and waits must order cuda:1's streams (a worker thread starts on device 0)."""
+    torch.cuda.set_device(0)
+    _gpu_blend_checked("cuda:1", _cuda_store("file", tmp_path), ratio)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

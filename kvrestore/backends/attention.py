@@ -3,11 +3,14 @@ after a past gets (`attention_plan`), kept apart from the layer loop so the choi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 _SDPA_GQA = "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")  # torch >= 2.5
@@ -108,3 +111,43 @@ def row_groups(
         return [(0, s, n_keys)] if s else []
     cuts = [round(s * i / g) for i in range(g + 1)]
     return [(a, b, min(n_keys, upper[b - 1] + 1)) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+class SharedSdpaRestriction:
+    """`sdpa_kernel(backends)` that threads can hold at once without corrupting the process's flags.
+
+    `sdpa_kernel` sets process-wide flags and, on exit, puts back what it found on entry. Two threads
+    whose blocks overlap (A in, B in, A out, B out) would end with B putting back A's restriction: flash
+    and cuDNN attention off for the rest of the process. Here the first holder enters `sdpa_kernel`,
+    later holders only count, and the last one out restores the flags. Attention in other threads
+    meanwhile runs under the same restriction (slower, never wrong: every backend computes the same
+    attention).
+    """
+
+    def __init__(self, backends: list[SDPBackend]) -> None:
+        self.backends = backends
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._held: contextlib.ExitStack | None = None
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if self._holders == 0:
+                held = contextlib.ExitStack()
+                held.enter_context(sdpa_kernel(self.backends))
+                self._held = held
+            self._holders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holders -= 1
+                if self._holders == 0 and self._held is not None:
+                    self._held.close()
+                    self._held = None
+
+
+# CacheBlend's masked attention on CUDA: the memory-efficient kernel (MATH only where it cannot run);
+# cuDNN's would build a new execution plan for every new number of selected rows
+efficient_attention_only = SharedSdpaRestriction([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

@@ -7,14 +7,20 @@ projection helpers (`_layers`, `_rotary`, `rotary`, `_project`, `_project_normed
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from kvrestore.backends.attention import _SDPA_GQA, _rotate_half, apply_rope, row_groups
+from kvrestore.backends.attention import (
+    _SDPA_GQA,
+    _rotate_half,
+    apply_rope,
+    efficient_attention_only,
+    row_groups,
+)
 from kvrestore.core.errors import UnsupportedModelError
 
 # RoPE variants whose frequencies do not depend on the sequence: cached keys can be moved exactly
@@ -228,24 +234,26 @@ class HFBlendMixin:
         if q.device.type == "cuda" and self._n_heads != self._n_kv:
             rep = self._n_heads // self._n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        mask = selected_rows_mask(index, last, q.dtype, additive=q.device.type == "cuda")  # sliced per group
-        outs = [
-            self._attention_masked(q[:, :, a:b], k[:, :, :kl], v[:, :, :kl], mask[a:b, :kl])
-            for a, b, kl in groups
-        ]
+        cuda = q.device.type == "cuda"
+        mask = selected_rows_mask(index, last, q.dtype, additive=cuda)  # sliced per group
+        with efficient_attention_only() if cuda else contextlib.nullcontext():
+            outs = [
+                self._attention_masked(q[:, :, a:b], k[:, :, :kl], v[:, :, :kl], mask[a:b, :kl])
+                for a, b, kl in groups
+            ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
     def _attention_masked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """Attention under an arbitrary mask (CacheBlend's scattered rows; see `selected_rows_mask`). On
-        CUDA it runs on the memory-efficient kernel over K/V heads already expanded to the query heads:
-        cuDNN's attention would build a new execution plan (tens of milliseconds) for every new number
-        of selected rows, and the selection shrinks layer by layer."""
+        CUDA the caller holds `efficient_attention_only`, and K/V heads are already expanded to the
+        query heads (that kernel has no grouped-query support): cuDNN's attention would build a new
+        execution plan (tens of milliseconds) for every new number of selected rows, and the selection
+        shrinks layer by layer."""
         if q.device.type != "cuda":
             return self._sdpa(q, k, v, attn_mask=mask)
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self._scaling)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self._scaling)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         """Scaled dot-product attention with the model's scale, grouped-query heads expanded if needed."""

@@ -42,6 +42,7 @@ from kvrestore.chunkio.pool import StagingPool
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.kv import KVCache
 from kvrestore.core.streams import load_stream as new_load_stream
+from kvrestore.core.streams import on_device
 from kvrestore.policies.blend import Blend
 from kvrestore.stores.base import ChunkStore
 
@@ -293,9 +294,13 @@ async def _fuse(
         timer.finish()
         return logits, ratio, schedule
 
+    def compute_lane_on_device() -> tuple[torch.Tensor, float, list[float]] | None:
+        with on_device(torch.device(device)):  # its events and waits act on the model's device's stream
+            return compute_lane()
+
     async with anyio.create_task_group() as tg:
         tg.start_soon(loader)
-        outcome = await anyio.to_thread.run_sync(compute_lane)
+        outcome = await anyio.to_thread.run_sync(compute_lane_on_device)
     if failure:
         raise failure[0]
     if outcome is None:  # the loader was cancelled: raise that cancellation here

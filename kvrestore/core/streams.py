@@ -13,6 +13,13 @@ def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextMan
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """`torch.cuda.device(device)`, or nothing to do off CUDA. The current CUDA device is per thread and
+    a new thread starts on device 0: a worker thread that records events or waits on `current_stream()`
+    for a model on `cuda:1` enters this first, or it orders and times device 0's stream instead."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def load_stream(device: torch.device | str | int | None = None) -> torch.cuda.Stream:
     """A new stream for uploads, at high priority: its small kernels (checks, placement, re-rotation)
     are scheduled ahead of the compute stream's queued blocks, so a load the compute is about to wait

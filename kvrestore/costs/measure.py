@@ -32,14 +32,15 @@ from kvrestore.costs.profile import Profile, machine_id
 from kvrestore.stores.base import ChunkStore
 
 
-def _timed(fn: Callable[[], Any], repeats: int) -> float:
-    """The median wall time of `repeats` calls (on CUDA, to the end of the queued kernels)."""
+def _timed(fn: Callable[[], Any], repeats: int, device: torch.device | str) -> float:
+    """The median wall time of `repeats` calls (on CUDA, to the end of the kernels queued on `device`)."""
+    device = torch.device(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -70,9 +71,10 @@ def measure_chunks(backend: Any, max_tokens: int, chunk_size: int, repeats: int 
                 else:
                     backend.prefill_chunk(tokens[start:end], past, start)
 
-            samples.append([end - start, start, _timed(unit, repeats)])
+            samples.append([end - start, start, _timed(unit, repeats, backend.device)])
     for n in _doublings(chunk_size // 2, max_tokens // 2):
-        samples.append([n, 0, _timed(functools.partial(backend.prefill_chunk, tokens[:n], None, 0), repeats)])
+        prefill = functools.partial(backend.prefill_chunk, tokens[:n], None, 0)
+        samples.append([n, 0, _timed(prefill, repeats, backend.device)])
     return samples
 
 
@@ -94,7 +96,7 @@ def measure_layers(backend: Any, lengths: Sequence[int], repeats: int = 2) -> li
 
         if i == 0:
             stack()  # warm-up
-        samples.append([n, _timed(stack, repeats) / num_layers])
+        samples.append([n, _timed(stack, repeats, backend.device) / num_layers])
     return samples
 
 

@@ -84,6 +84,7 @@ def test_gpu_blend_tiny(tmp_path: Path) -> None:
     data = run_script("gpu_blend.py", tmp_path / "gpu_blend-tiny.json", "--profile")
     for key in ("config", "machine", "layouts", "targets"):
         assert key in data, key
+    assert data["config"]["masked_attention_kernel"] == "cpu"  # "efficient" or "math: why" on CUDA
     (layout,) = data["layouts"]
     assert not layout["errors"], layout["errors"]
     assert set(layout["cases"]) == {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -139,7 +140,11 @@ def second(model_dir, store, first, saved_by_restorer) -> Served:
 
 
 def test_a_new_process_loads_what_vllm_and_a_restorer_saved(second, reference):
-    assert second.count(f"loaded {LOADABLE} tokens") == 2, second.log[-3000:]
+    # the first request has no measured cost of the link yet and loads every stored token; the second
+    # may plan a split, loading fewer whole chunks and computing the rest (timing-dependent: either way)
+    loaded = [int(n) for n in re.findall(r"loaded (\d+) tokens", second.log)]
+    assert len(loaded) == 2 and loaded[0] == LOADABLE, second.log[-3000:]
+    assert CHUNK <= loaded[1] <= LOADABLE and (loaded[1] == LOADABLE or loaded[1] % CHUNK == 0), loaded
     assert second.count("did not load") == 0
     for offset in OFFSETS:
         assert_same_generation(second.results[offset], reference.results[offset])

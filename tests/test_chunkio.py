@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvrestore import codec
 from kvrestore.chunkio import ChunkLoader, StagingPool
+from kvrestore.chunkio.pool import GRANULE
 from kvrestore.codec.checksums import device_checksums, segment_checksums, weights
 from kvrestore.core.errors import ChunkDecodeError, CorruptChunkError, ForeignChunkError, MissingChunkError
 from kvrestore.core.kv import KVCache
@@ -86,6 +87,35 @@ def test_staging_pool_reuses_buffers():
     assert b is a and pool.allocated == 1
     c = pool.acquire(5 << 20)  # larger than any free buffer: a new one
     assert c is not a and c.nbytes >= 5 << 20 and pool.allocated == 2
+    pool.release(b)
+    with pytest.raises(RuntimeError, match="twice"):  # two readers would share it
+        pool.release(a)
+    bigger = pool.regrow(c, 10 << 20)
+    assert bigger.nbytes >= 10 << 20 and [x for x in pool._free if x is c] == [c]
+
+
+@pytest.mark.parametrize("where", ["file", "throttled-file"])  # read in a lane thread, and by the loop
+def test_a_failed_regrow_hands_the_buffer_back_once(tmp_path, where, monkeypatch):
+    """An object longer than the staging buffer, and no memory for a larger one: the error is the
+    allocation's, and the first buffer is free once (not twice, to be given to two lanes). A compressed
+    chunk: on a CPU cache an uncompressed one is read into the cache's rows, not into staging."""
+    spec = make_spec()
+    _, blob = chunk_blob(spec, compression="zstd")
+    acquire = StagingPool.acquire
+    pools: list[StagingPool] = []
+
+    def small_only(self, nbytes):
+        pools.append(self)
+        if nbytes > GRANULE:  # more than the first buffer (a granule) holds
+            raise MemoryError("no pinned memory left")
+        return acquire(self, nbytes)
+
+    monkeypatch.setattr(StagingPool, "acquire", small_only)
+    store = stores(tmp_path)[where]()
+    with pytest.raises(MemoryError):
+        load_into(spec, store, blob + bytes(GRANULE))
+    for pool in set(pools):
+        assert len({id(b) for b in pool._free}) == len(pool._free)
 
 
 # -- ChunkLoader -----------------------------------------------------------------------------------

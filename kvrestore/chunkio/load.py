@@ -111,8 +111,7 @@ class ChunkLoader:
         try:
             size = await self.store.read_into(key, staging.view)
             if size is not None and size > staging.nbytes:  # a longer object than a chunk: read it all
-                pool.release(staging)
-                staging = pool.acquire(size)
+                staging = pool.regrow(staging, size)
                 size = await self.store.read_into(key, staging.view)
         except BaseException:
             pool.release(staging)
@@ -135,8 +134,7 @@ class ChunkLoader:
         try:
             size = self.store.read_into_now(key, staging.view)
             if size is not None and size > staging.nbytes:
-                pool.release(staging)
-                staging = pool.acquire(size)
+                staging = pool.regrow(staging, size)
                 size = self.store.read_into_now(key, staging.view)
         except BaseException:
             pool.release(staging)
@@ -231,8 +229,8 @@ class ChunkLoader:
                     if staging is not None:
                         self.pool(False).release(staging)
                     host, staging = pinned_host(data, self.pool(pinned=True))
-                self._upload_verify(header, host, dest, staging)
-                staging = None  # _upload_verify handed it back
+                owned, staging = staging, None  # handed back by `upload_checked`, also when it raises
+                self._upload_verify(header, host, dest, owned)
         finally:
             if staging is not None:
                 self.pool(staging.pinned).release(staging)

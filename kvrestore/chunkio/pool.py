@@ -64,10 +64,21 @@ class StagingPool:
         view = memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type,unused-ignore]
         return Staging(tensor, view, self.pinned)
 
+    def regrow(self, buf: Staging, nbytes: int) -> Staging:
+        """A buffer of at least `nbytes` in place of `buf`, which is handed back (only once the new one
+        is held: if taking it fails, `buf` is still the caller's to release)."""
+        bigger = self.acquire(nbytes)
+        self.release(buf)
+        return bigger
+
     def release(self, buf: Staging, busy_until: torch.cuda.Event | None = None) -> None:
-        """Hand `buf` back; with `busy_until`, it is reused only after that event has completed."""
-        buf.busy_until = busy_until
+        """Hand `buf` back; with `busy_until`, it is reused only after that event has completed.
+        Raises RuntimeError if it is free already: a buffer handed back twice would be given to two
+        readers at once."""
         with self._lock:
+            if any(b is buf for b in self._free):
+                raise RuntimeError("a staging buffer was handed back twice")
+            buf.busy_until = busy_until
             if len(self._free) < self.max_idle:
                 self._free.append(buf)
             else:

@@ -68,7 +68,9 @@ class LayerCompute:
         self, backend: ComputeBackend, tokens: torch.Tensor, kv: KVCache, stream: torch.cuda.Stream | None
     ) -> None:
         self.backend, self.tokens, self.kv, self.stream = backend, tokens, kv, stream
-        self.positions = torch.arange(len(tokens))
+        # on the cache's device: host positions would be copied from pageable memory on every layer,
+        # which makes the host wait for the compute stream to drain each time
+        self.positions = torch.arange(len(tokens), device=kv.data.device)
         self.hidden: torch.Tensor | None = None
         self.layer = 0
 

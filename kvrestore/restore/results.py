@@ -68,7 +68,11 @@ class Parts:
     load_timeout_s: float | None
 
     def buffer(self, out: KVCache | None, n_tokens: int) -> KVCache:
-        """A new KV buffer, or the head of `out` (checked by `Restorer.restore`)."""
+        """A new KV buffer, or the head of `out` (checked by `Restorer.restore`), that the lanes' CUDA
+        streams write only after what the caller's stream has queued (`Engine.lanes_after_current`)."""
         if out is None:
-            return KVCache.empty(self.backend.spec, n_tokens, device=self.backend.device)
-        return out.head(n_tokens)
+            kv = KVCache.empty(self.backend.spec, n_tokens, device=self.backend.device)
+        else:
+            kv = out.head(n_tokens)
+        self.engine.lanes_after_current(kv.data.device)
+        return kv

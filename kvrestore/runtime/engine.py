@@ -139,6 +139,20 @@ class Engine:
             stream = self._streams[key] = make(device=key[1])
         return stream
 
+    def lanes_after_current(self, device: torch.device | str) -> None:
+        """Make the lanes' streams on `device` wait for what is queued on the caller's current stream
+        (nothing to do off CUDA). A buffer the lanes are about to write was allocated on that stream,
+        whose memory may have held tensors its queued kernels still use, or is the caller's own (`out`),
+        with reads of it still queued there."""
+        device = torch.device(device)
+        if device.type != "cuda":
+            return
+        current = torch.cuda.current_stream(device)
+        for lane in ("compute", "load"):
+            stream = self.cuda_stream(lane, device)
+            assert stream is not None
+            stream.wait_stream(current)
+
     def _lanes(self) -> tuple[CapacityLimiter, CapacityLimiter]:
         """(compute, load) limiters, created in (and bound to) the running event loop."""
         token = anyio.lowlevel.current_token()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import anyio
@@ -561,6 +563,23 @@ def test_deferred_checks_keep_at_most_ahead_layers_in_flight(llama_backend):
     checks.throttle(2, 3)  # a read larger than `ahead` waits for everything, then goes alone
     assert checks.in_flight == 0
     assert checks.seconds(10) == 0.0 and checks.seconds(11) is None  # placed by the loader's own thread
+
+
+def test_deferred_checks_hold_a_read_s_unowned_host_memory_until_it_is_placed():
+    """A pinned store's object is uploaded from as it lies, and the host does not wait for the copy:
+    the checks keep it alive until the read is known to be placed (the store may drop it meanwhile)."""
+    checks = DeferredChecks({}, 1, 4, torch.device("cpu"))
+    host = torch.zeros(64, dtype=torch.uint8)
+    alive = weakref.ref(host)
+    checks.start()
+    checks.hold(host)
+    checks.placed(range(1, 3))
+    del host
+    gc.collect()
+    assert alive() is not None  # the read is in flight
+    checks.throttle(1)  # waits for it
+    gc.collect()
+    assert alive() is None
 
 
 CUDA_STORES = ["memory", "pinned-memory", "file", "async-store"]

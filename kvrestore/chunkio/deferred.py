@@ -42,20 +42,28 @@ class DeferredChecks:
         self.bad = torch.zeros((n_layers, n_chunks), dtype=torch.bool, device=device)
         # layer -> (where its read began, where it ended, how many layers that read placed)
         self.events: dict[int, tuple[torch.cuda.Event | HostEvent, torch.cuda.Event | HostEvent, int]] = {}
-        self._in_flight: deque[tuple[torch.cuda.Event | HostEvent, int]] = deque()  # reads' ends, layers
+        # reads' ends, their layers, and the host memory they upload from that no staging buffer owns
+        self._in_flight: deque[tuple[torch.cuda.Event | HostEvent, int, list[torch.Tensor]]] = deque()
+        self._held: list[torch.Tensor] = []  # that memory, of the read being queued
         self._begin: torch.cuda.Event | HostEvent = HostEvent()  # where the read being queued began
         self._index: dict[tuple[int, ...], torch.Tensor] = {}
 
     @property
     def in_flight(self) -> int:
         """Layers queued on the device and not known to be placed yet."""
-        return sum(n for _, n in self._in_flight)
+        return sum(n for _, n, _ in self._in_flight)
 
     def throttle(self, ahead: int, adding: int = 1) -> None:
         """Block (this loader thread only) until `adding` more layers keep at most `ahead` queued on the
         device (one read at a time if it alone is more)."""
         while self._in_flight and self.in_flight + adding > max(ahead, 1):
             self._in_flight.popleft()[0].synchronize()
+
+    def hold(self, host: torch.Tensor) -> None:
+        """Keep `host` (an upload's source no staging buffer owns: a pinned store's object) alive until
+        the read being queued is known to be placed: the host does not wait for the upload, and the
+        store may drop the object meanwhile, handing its page-locked memory to another tensor."""
+        self._held.append(host)
 
     def start(self) -> None:
         """Mark where the next read's uploads begin on the current stream."""
@@ -79,7 +87,8 @@ class DeferredChecks:
         end.record()
         for layer in layers:
             self.events[layer] = (self._begin, end, len(layers))
-        self._in_flight.append((end, len(layers)))
+        self._in_flight.append((end, len(layers), self._held))
+        self._held = []
 
     def wait(self, layer: int) -> None:
         """Make the current stream wait for `layer` to be in place (the host does not wait)."""
@@ -101,7 +110,9 @@ class DeferredChecks:
         """Wait for every queued layer, then {chunk: its first damaged layer}; clears the flags."""
         if stream is not None:
             stream.synchronize()
-        with on_stream(stream):  # cleared on the stream that sets them: in order with the next layers
+        elif self.device.type == "cuda":  # queued on the device's current stream
+            torch.cuda.current_stream(self.device).synchronize()
+        with on_stream(stream, self.device):  # cleared on the stream that sets them: in order with the next layers
             bad = self.bad.to("cpu", copy=True)  # a copy: the flags are cleared next
             self.bad.zero_()
         self._in_flight.clear()

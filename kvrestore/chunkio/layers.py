@@ -179,7 +179,7 @@ class LayerReader(LayerUploads):
         if not self._defers(kv):
             return None
         if self.checks is None or self.checks.device != kv.data.device:
-            with on_stream(self.stream):
+            with on_stream(self.stream, kv.data.device):
                 self.checks = DeferredChecks(
                     self.headers, len(self.chunks), self.spec.num_layers, kv.data.device
                 )

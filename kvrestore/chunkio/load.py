@@ -267,7 +267,7 @@ class ChunkLoader:
             pool.release(staging)
             raise
         stream = self.stream_for(dest.device)
-        with on_stream(stream):
+        with on_stream(stream, dest.device):
             dest.copy_(host, non_blocking=True)
             done = pool.event()
             done.record()
@@ -301,7 +301,7 @@ def upload_checked(
     the copy has finished, then compare each of the n layers' device checksum with `expected` (None:
     the bytes were verified on the host). Blocks until the stream has done all of it (the GIL is
     released meanwhile); raises CorruptChunkError on a mismatch, naming the layer."""
-    with on_stream(stream):
+    with on_stream(stream, dest.device):
         dest.copy_(host.view(dest.dtype).view(dest.shape), non_blocking=True)
         if staging is not None:
             uploaded = pool.event()

@@ -77,7 +77,7 @@ class LayerUploads:
                 if staging is not None:
                     self.pool.release(staging)
             raise
-        with on_stream(self.stream):
+        with on_stream(self.stream, kv.data.device):
             if checks is not None:
                 checks.start()
             placed = self._place_uploads(layers, ups, kv, bad, checks)
@@ -155,16 +155,18 @@ class LayerUploads:
         try:
             device_buf = torch.empty(sum(sizes), dtype=torch.uint8, device=kv.data.device)
             at = 0
-            for (_, host, _), n in zip(ups, sizes, strict=True):
+            for (_, host, staging), n in zip(ups, sizes, strict=True):
                 device_buf[at : at + n].copy_(host, non_blocking=True)
                 at += n
+                if checks is not None and staging is None:
+                    checks.hold(host)
             if cuda:  # off CUDA (the device path in tests) the copies are done already
                 uploaded = self.pool.event()
                 uploaded.record()
             queued = True
         finally:
             if cuda and not queued:  # a copy may have been queued: let it finish before reusing its buffer
-                torch.cuda.current_stream().synchronize()
+                torch.cuda.current_stream(kv.data.device).synchronize()
             for _, _, staging in ups:
                 if staging is not None:
                     self.pool.release(staging, busy_until=uploaded)

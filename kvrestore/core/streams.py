@@ -8,9 +8,15 @@ import time
 import torch
 
 
-def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
-    """`torch.cuda.stream(stream)`, or nothing to do off CUDA."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+def on_stream(
+    stream: torch.cuda.Stream | None, device: torch.device | None = None
+) -> contextlib.AbstractContextManager:
+    """`torch.cuda.stream(stream)`. With no stream, on a CUDA `device`, that device's current stream:
+    the device is entered (`on_device`), so the events recorded and the streams waited on without
+    naming one are its, not device 0's. Nothing to do off CUDA."""
+    if stream is not None:
+        return torch.cuda.stream(stream)
+    return on_device(device) if device is not None else contextlib.nullcontext()
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:

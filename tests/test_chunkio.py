@@ -39,6 +39,17 @@ def reference_sums(t: torch.Tensor) -> list[int]:
     return [int(x) for x in sums.view(np.int64)]
 
 
+def test_weights_are_heads_of_one_cached_tensor():
+    """Any length is the head of the longest made so far: one tensor per device, not one per length."""
+    with np.errstate(over="ignore"):
+        idx = np.arange(1000, dtype=np.uint64)
+        want = ((idx * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x632BE59BD9B4E019)) | np.uint64(1)).view(np.int64)
+    short = weights(5)
+    long = weights(1000)
+    assert np.array_equal(short.numpy(), want[:5]) and np.array_equal(long.numpy(), want)
+    assert weights(7).data_ptr() == long.data_ptr() and weights(7).numel() == 7  # the head of the longer
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     layers=st.integers(1, 3),

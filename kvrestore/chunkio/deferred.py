@@ -112,7 +112,8 @@ class DeferredChecks:
             stream.synchronize()
         elif self.device.type == "cuda":  # queued on the device's current stream
             torch.cuda.current_stream(self.device).synchronize()
-        with on_stream(stream, self.device):  # cleared on the stream that sets them: in order with the next layers
+        # cleared on the stream that sets them: in order with the next layers
+        with on_stream(stream, self.device):
             bad = self.bad.to("cpu", copy=True)  # a copy: the flags are cleared next
             self.bad.zero_()
         self._in_flight.clear()

@@ -27,12 +27,14 @@ import numpy as np
 import torch
 import xxhash
 
+from kvrestore.core.streams import upload
+
 WORD = 8  # bytes per int64 word of the device checksum
 _MUL = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio: consecutive weights spread over all bits
 _ADD = np.uint64(0x632BE59BD9B4E019)
 
 _lock = threading.Lock()
-_weights: dict[tuple[str, int], torch.Tensor] = {}
+_weights: dict[str, torch.Tensor] = {}  # per device: the longest asked for so far (shorter are its heads)
 
 
 def host_checksum(data: bytes | bytearray | memoryview) -> int:
@@ -56,18 +58,24 @@ def device_checkable(row_bytes: int) -> bool:
 
 
 def weights(n_words: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The first `n_words` weights as int64 on `device` (cached: a restore asks for the same length)."""
+    """The first `n_words` weights as int64 on `device`: the head of one cached tensor per device, grown
+    to the next power of two when a longer one is asked for (a few times per process). On CUDA a
+    growth waits for the copy, so any stream may read the weights from then on."""
     device = torch.device(device)
-    key = (str(device), n_words)
+    key = str(device)
     w = _weights.get(key)
-    if w is None:
+    if w is None or w.numel() < n_words:
+        size = 1 << max(n_words - 1, 1).bit_length()
         with np.errstate(over="ignore"):
-            idx = np.arange(n_words, dtype=np.uint64)
+            idx = np.arange(size, dtype=np.uint64)
             host = (idx * _MUL + _ADD) | np.uint64(1)  # unsigned: wraps modulo 2**64 by definition
         w = torch.from_numpy(host.view(np.int64)).to(device)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
         with _lock:
-            _weights[key] = w
-    return w
+            if key not in _weights or _weights[key].numel() < size:
+                _weights[key] = w
+    return w[:n_words]
 
 
 def device_checksums(sections: torch.Tensor) -> torch.Tensor:
@@ -85,12 +93,13 @@ def device_checksums(sections: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=16)
-def _segment_tables(device: str, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weights and segment ends of `segment_checksums` for one layout, made once: building the ends
-    on a GPU copies pageable host memory, which waits for the stream (a layer's check would stop the
-    host behind its own uploads)."""
+def _segment_tables(device: str, stream: int, lengths: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weights and segment ends of `segment_checksums` for one layout on one CUDA stream (0 off
+    CUDA), made once: they are written on that stream, so only work queued behind it may read them.
+    The ends go up through pinned memory: from pageable memory the host would wait for the stream (a
+    layer's check would stop the host behind its own uploads)."""
     w = torch.cat([weights(n, torch.device(device)) for n in lengths])
-    ends = torch.from_numpy(np.cumsum(lengths) - 1).to(device)
+    ends = upload(torch.from_numpy(np.cumsum(lengths) - 1), torch.device(device))
     return w, ends
 
 
@@ -99,7 +108,8 @@ def segment_checksums(words: torch.Tensor, lengths: Sequence[int]) -> torch.Tens
     section i being `lengths[i]` words: one product, one running sum and one difference for all of
     them, so a layer of many chunks is checked with a handful of kernels (the sums wrap modulo 2**64,
     so differences of the running sum are exact)."""
-    w, ends = _segment_tables(str(words.device), tuple(lengths))
+    stream = torch.cuda.current_stream(words.device).stream_id if words.is_cuda else 0
+    w, ends = _segment_tables(str(words.device), stream, tuple(lengths))
     running = (words * w).cumsum(0)
     at_end = running[ends]
     return at_end - torch.cat([at_end.new_zeros(1), at_end[:-1]])

@@ -42,7 +42,7 @@ from kvrestore.chunkio.pool import StagingPool
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.kv import KVCache
 from kvrestore.core.streams import load_stream as new_load_stream
-from kvrestore.core.streams import on_device
+from kvrestore.core.streams import on_device, upload
 from kvrestore.policies.blend import Blend
 from kvrestore.stores.base import ChunkStore
 
@@ -166,8 +166,6 @@ async def _fuse(
         spec,
         torch.zeros((n_layers, 2, spec.num_kv_heads, n, spec.head_dim), dtype=spec.dtype, device=device),
     )
-    if kv.data.is_cuda:  # the zeros are written before the load stream writes the layers
-        torch.cuda.current_stream(kv.data.device).synchronize()
     forced_host = torch.zeros(n, dtype=torch.bool)  # built on the host: its count needs no device sync
     forced_host[n - len(layout.suffix) :] = True
     forced_host[: len(layout.prefix)] = True
@@ -176,7 +174,12 @@ async def _fuse(
         forced_host[layout.offsets[j] : layout.offsets[j] + len(layout.chunks[j])] = True
     n_forced = int(forced_host.sum())
     n_reused = n - n_forced
-    forced = forced_host.to(device)
+    forced = upload(forced_host, torch.device(device))
+    # the zeros and the flags are queued on the caller's stream: the load stream and the compute lane
+    # start behind them (on the device: the host does not wait for whatever else that stream holds)
+    caller = torch.cuda.current_stream(kv.data.device) if kv.data.is_cuda else None
+    if caller is not None and source.stream is not None:
+        source.stream.wait_stream(caller)
 
     # The loader (a task on the event loop) sets ready[i] once layer i is in place; the compute lane (one
     # worker-thread call for the whole blend) waits for it there, so a layer's compute never waits for a
@@ -296,6 +299,8 @@ async def _fuse(
 
     def compute_lane_on_device() -> tuple[torch.Tensor, float, list[float]] | None:
         with on_device(torch.device(device)):  # its events and waits act on the model's device's stream
+            if caller is not None:
+                torch.cuda.current_stream(kv.data.device).wait_stream(caller)
             return compute_lane()
 
     async with anyio.create_task_group() as tg:

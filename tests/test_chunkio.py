@@ -105,6 +105,31 @@ def test_staging_pool_reuses_buffers():
     assert bigger.nbytes >= 10 << 20 and [x for x in pool._free if x is c] == [c]
 
 
+class _Event:
+    """A CUDA event's completion, set by hand."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_an_upload_event_is_reused_only_once_it_guards_no_free_buffer():
+    pool = StagingPool(max_idle=2)
+    a, b, c = pool.acquire(10), pool.acquire(10), pool.acquire(10)
+    shared = _Event(done=True)  # one upload read both a and b
+    pool.release(a, busy_until=shared)
+    pool.release(b, busy_until=shared)
+    assert pool.acquire(10) is a and pool._events == []  # b still waits on it
+    assert pool.acquire(10) is b and pool._events == [shared]  # now it guards nothing
+    pending = _Event(done=False)
+    pool.release(a)
+    pool.release(b)
+    pool.release(c, busy_until=pending)  # the pool is full: c is dropped
+    assert pool._events == [shared]  # a pending event is not handed out to be recorded again
+
+
 @pytest.mark.parametrize("where", ["file", "throttled-file"])  # read in a lane thread, and by the loop
 def test_a_failed_regrow_hands_the_buffer_back_once(tmp_path, where, monkeypatch):
     """An object longer than the staging buffer, and no memory for a larger one: the error is the

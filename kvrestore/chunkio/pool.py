@@ -97,6 +97,11 @@ class StagingPool:
             self._events.append(event)
 
     def _recycle_event(self, buf: Staging) -> None:
-        if buf.busy_until is not None:
-            self._events.append(buf.busy_until)
-            buf.busy_until = None
+        """Take `buf`'s event off it, and keep it for reuse only if it has completed and guards no other
+        free buffer (one upload's event guards every buffer it read): an event recorded again elsewhere,
+        perhaps on another stream, would no longer say when those buffers' copies are done."""
+        event, buf.busy_until = buf.busy_until, None
+        if event is None or not event.query():
+            return
+        if not any(b.busy_until is event for b in self._free if b is not buf):
+            self._events.append(event)

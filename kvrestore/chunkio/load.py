@@ -226,9 +226,10 @@ class ChunkLoader:
                 if staging is not None and staging.pinned:
                     host = staging.tensor
                 else:  # a pinned store's object as it is, or one GIL-free copy into pinned staging
-                    if staging is not None:
-                        self.pool(False).release(staging)
+                    pageable = staging  # `data` lies in it: handed back only once copied out
                     host, staging = pinned_host(data, self.pool(pinned=True))
+                    if pageable is not None:
+                        self.pool(False).release(pageable)
                 owned, staging = staging, None  # handed back by `upload_checked`, also when it raises
                 self._upload_verify(header, host, dest, owned)
         finally:

@@ -194,23 +194,33 @@ class WorkerSide:
         elapsed = time.perf_counter() - self._bound_at if self._bound_at is not None else None
         if meta.loads and elapsed is not None:
             log.info("kvrestore: a step that loaded %d requests took %.3f s", len(meta.loads), elapsed)
-        failed = any(load.failed for _, load in self._loads)
-        self._finish_loads()
+        failed = self._finish_loads()
         if elapsed is not None and len(meta.steps) == 1 and meta.steps[0][1] > 0 and not failed:
             # a step that loaded computed while it did not wait for a layer: a sample with a past, which
             # steps from scratch never give (the split's suffix is computed after a loaded prefix)
             _, n_new, past = meta.steps[0]
             self.costs.add_compute(n_new, past, elapsed - self._waited_s)
         for spec in meta.saves:
+            if spec.req_id in failed:  # computed this step over KV that did not load: wrong, not saved
+                log.info(
+                    "kvrestore: request %s: %d chunks not saved (computed over a failed load; saved once recomputed)",
+                    spec.req_id,
+                    len(spec.chunks),
+                )
+                continue
             self._save(spec)
 
-    def _finish_loads(self) -> None:
+    def _finish_loads(self) -> set[str]:
+        """Settle the step's loads (a load still running is cancelled): note the blocks and chunks that
+        did not load, learn the link's cost from those that did. Returns the requests whose load failed."""
+        failed: set[str] = set()
         for spec, load in self._loads:
             load.cancel("the step ended")  # a no-op for a load that finished
             bad = [
                 b for a, e in load.failed_ranges() for b in blocks_of(spec.block_ids, a, e, self.block_size)
             ]
             if bad:
+                failed.add(spec.req_id)
                 with self._errors_lock:
                     self._load_errors.update(bad)
                 self._failed_chunks.setdefault(spec.req_id, set()).update(load.failed)
@@ -232,6 +242,7 @@ class WorkerSide:
                     load.seconds,
                 )
         self._loads.clear()
+        return failed
 
     def _save(self, spec: SaveSpec) -> None:
         H, D = self.spec.num_kv_heads, self.spec.head_dim

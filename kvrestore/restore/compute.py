@@ -68,17 +68,19 @@ class LayerCompute:
         self, backend: ComputeBackend, tokens: torch.Tensor, kv: KVCache, stream: torch.cuda.Stream | None
     ) -> None:
         self.backend, self.tokens, self.kv, self.stream = backend, tokens, kv, stream
-        # on the cache's device: host positions would be copied from pageable memory on every layer,
-        # which makes the host wait for the compute stream to drain each time
-        self.positions = torch.arange(len(tokens), device=kv.data.device)
+        self.positions: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None
         self.layer = 0
 
     def __call__(self, a: int, b: int) -> None:
         n = len(self.tokens)
         with on_stream(self.stream):
-            if self.hidden is None:
+            if self.hidden is None or self.positions is None:
                 self.hidden = self.backend.embed(self.tokens)
+                # made on the cache's device, on this stream (so in order with the layers that read them):
+                # host positions would be copied from pageable memory on every layer, which makes the
+                # host wait for the compute stream to drain each time
+                self.positions = torch.arange(n, device=self.kv.data.device)
             for layer in range(self.layer, b):
                 self.hidden, k, v = self.backend.run_layer(layer, self.hidden, None, None, self.positions)
                 self.kv.data[layer, 0, :, :n].copy_(k)

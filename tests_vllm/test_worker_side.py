@@ -50,6 +50,7 @@ class Worker(WorkerSide):
         self._caches = [torch.zeros(2, N_BLOCKS, BLOCK, H, D) for _ in range(L)]
         self._layer_of = {f"model.layers.{i}.self_attn.attn": i for i in range(L)}
         self._layout = "flash_attn"
+        self._load_stream, self._layer_placed = None, {}
         self._loads, self._load_errors, self._failed_chunks = [], set(), {}
         self._errors_lock, self._bound_at, self._waited_s = threading.Lock(), time.perf_counter(), 0.0
         self.meta: KVRestoreConnectorMetadata | None = None
@@ -97,3 +98,11 @@ def test_chunks_computed_over_a_failed_load_are_not_saved():
         assert worker.saver.submitted == [16]
     finally:
         worker.io.close()
+
+
+def test_loading_asks_vllm_for_piecewise_cuda_graphs():
+    """A full graph's replay would skip the per-layer waits for loads."""
+    from kvrestore.integrations.vllm import KVRestoreConnector
+
+    assert KVRestoreConnector.requires_piecewise_for_cudagraph({"store_url": "/kv"}) is True
+    assert KVRestoreConnector.requires_piecewise_for_cudagraph({"store_url": "/kv", "load": False}) is False

@@ -141,6 +141,8 @@ class KVRestoreConnector(WorkerSide, KVConnectorBase_V1):
         self._errors_lock = threading.Lock()
         self._bound_at: float | None = None
         self._waited_s = 0.0  # this step's time in wait_for_layer_load: the step minus it is compute
+        self._load_stream: torch.cuda.Stream | None = None  # set with the caches, on CUDA
+        self._layer_placed: dict[int, torch.cuda.Event] = {}
         self.saver = ChunkSaver(
             self.spec,
             self.store,
@@ -160,6 +162,12 @@ class KVRestoreConnector(WorkerSide, KVConnectorBase_V1):
             self.spec.name,
             fp[:12],
         )
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Yes where it loads: its loads are waited for layer by layer (`wait_for_layer_load`), which the
+        replay of a full CUDA graph skips; piecewise graphs run the waits between the pieces."""
+        return ConnectorConfig.from_extra(extra_config).load
 
     def _open_store(self) -> ChunkStore:
         store = open_store(self.config.store_url, **dict(self.config.store_options))

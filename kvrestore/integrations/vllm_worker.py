@@ -94,6 +94,8 @@ class WorkerSide:
     _errors_lock: threading.Lock
     _bound_at: float | None
     _waited_s: float
+    _load_stream: torch.cuda.Stream | None
+    _layer_placed: dict[int, torch.cuda.Event]
     _get_connector_metadata: Any
     has_connector_metadata: Any
 
@@ -126,6 +128,10 @@ class WorkerSide:
                 "set kv_connector_extra_config['layout']"
             )
         kv_views(first, self._layout, H, D)  # checks the shape
+        # on CUDA the pages are written on a stream of the connector's own, ordered on the device against
+        # vLLM's (which need not be the default stream, and does not sync with it)
+        self._load_stream = torch.cuda.Stream(first.device) if first.is_cuda else None
+        self._layer_placed = {}
         if self._layout == "cpu":
             self._check_cpu_kernels(int(first.shape[2]))
         log.info("kvrestore: %d KV layers, layout %s %s", len(ordered), self._layout, tuple(first.shape))
@@ -152,6 +158,9 @@ class WorkerSide:
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVRestoreConnectorMetadata)
+        if meta.loads and self._load_stream is not None:  # the pages are written after what vLLM queued
+            self._layer_placed = {}
+            self._load_stream.wait_stream(torch.cuda.current_stream(self._caches[0].device))
         for spec in meta.loads:
             load = LayerLoad(self.spec, self.store, spec.chunks, spec.k, self._placer(spec.block_ids))
             load.start(self.io, self.config.load_timeout_s)
@@ -161,7 +170,16 @@ class WorkerSide:
         H, D = self.spec.num_kv_heads, self.spec.head_dim
 
         def place(layer: int, data: torch.Tensor) -> None:
-            scatter_tokens(self._caches[layer], self._layout, block_ids, 0, data, H, D)
+            stream = self._load_stream
+            if stream is None:
+                scatter_tokens(self._caches[layer], self._layout, block_ids, 0, data, H, D)
+                return
+            with torch.cuda.stream(stream):
+                scatter_tokens(self._caches[layer], self._layout, block_ids, 0, data, H, D)
+                placed = torch.cuda.Event()
+                placed.record(stream)
+            # the newest for the layer: every load's copies of it were queued before it, on this stream
+            self._layer_placed[layer] = placed
 
         return place
 
@@ -179,6 +197,9 @@ class WorkerSide:
                     self.config.load_timeout_s,
                     spec.k,
                 )
+        placed = self._layer_placed.get(layer)
+        if placed is not None:  # vLLM's stream runs the layer once its pages are written
+            torch.cuda.current_stream(self._caches[layer].device).wait_event(placed)
         self._waited_s += time.perf_counter() - t
 
     def save_kv_layer(
@@ -241,6 +262,10 @@ class WorkerSide:
                     load.bytes_read,
                     load.seconds,
                 )
+        if self._loads and self._load_stream is not None:  # every load is settled: no page write it queued
+            torch.cuda.current_stream(self._caches[0].device).wait_stream(
+                self._load_stream
+            )  # outlives the step
         self._loads.clear()
         return failed
 

@@ -264,6 +264,10 @@ class SyncRestorer:
     stores that hold connections bound to a loop (s3fs) keep working across calls. Each public async
     method of `Restorer` has a blocking face here of the same name, signature and docstring, generated
     (`kvrestore.core.sync.mirror_sync_methods`); only `close`, which also stops the loop, is written out.
+
+    On CUDA a restore orders its streams behind the current stream of the thread it runs on, and here
+    that is the portal's (the default stream), not the caller's: a caller that queues work on a stream
+    of its own, and passes `out=` a cache that work still reads, synchronizes that stream first.
     """
 
     restorer: Restorer

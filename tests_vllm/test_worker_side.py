@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 
 import torch
 
@@ -29,8 +30,11 @@ class Saver:
 
 
 class Costs:
-    def add_compute(self, *args: object) -> None:
-        pass
+    def __init__(self) -> None:
+        self.compute: list[tuple[int, int, float]] = []
+
+    def add_compute(self, n_new: int, past: int, seconds: float) -> None:
+        self.compute.append((n_new, past, seconds))
 
     def add_load(self, *args: object) -> None:
         pass
@@ -51,6 +55,7 @@ class Worker(WorkerSide):
         self._layer_of = {f"model.layers.{i}.self_attn.attn": i for i in range(L)}
         self._layout = "flash_attn"
         self._load_stream, self._layer_placed = None, {}
+        self._step_start, self._timed_steps = None, deque()
         self._loads, self._load_errors, self._failed_chunks = [], set(), {}
         self._errors_lock, self._bound_at, self._waited_s = threading.Lock(), time.perf_counter(), 0.0
         self.meta: KVRestoreConnectorMetadata | None = None
@@ -88,7 +93,7 @@ def test_chunks_computed_over_a_failed_load_are_not_saved():
     try:
         worker.step(step("a"))
         assert worker.get_block_ids_with_load_errors() == {0, 1}
-        assert worker.saver.submitted == []
+        assert worker.saver.submitted == [] and worker.costs.compute == []  # nor learned from
         assert worker.build_connector_worker_meta().failed == {"a": {0}}  # type: ignore[union-attr]
         # the same step with the chunk in the store: loaded, and the computed chunk saved
         blob = codec.encode_chunk(KVChunk(0, torch.randn(L, 2, H, 16, D)), SPEC, refs[0].key)
@@ -96,6 +101,8 @@ def test_chunks_computed_over_a_failed_load_are_not_saved():
         worker.step(step("b"))
         assert worker.get_block_ids_with_load_errors() == set()
         assert worker.saver.submitted == [16]
+        ((n_new, past, seconds),) = worker.costs.compute  # the step's compute, timed on the host here
+        assert (n_new, past) == (16, 16) and seconds >= 0
     finally:
         worker.io.close()
 

@@ -36,6 +36,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -143,6 +144,8 @@ class KVRestoreConnector(WorkerSide, KVConnectorBase_V1):
         self._waited_s = 0.0  # this step's time in wait_for_layer_load: the step minus it is compute
         self._load_stream: torch.cuda.Stream | None = None  # set with the caches, on CUDA
         self._layer_placed: dict[int, torch.cuda.Event] = {}
+        self._step_start: torch.cuda.Event | None = None  # where the step began on vLLM's stream (CUDA)
+        self._timed_steps: deque = deque(maxlen=16)  # compute samples whose device time is not read yet
         self.saver = ChunkSaver(
             self.spec,
             self.store,

@@ -12,6 +12,7 @@ import logging
 import re
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +97,8 @@ class WorkerSide:
     _waited_s: float
     _load_stream: torch.cuda.Stream | None
     _layer_placed: dict[int, torch.cuda.Event]
+    _step_start: torch.cuda.Event | None
+    _timed_steps: deque[tuple[int, int, torch.cuda.Event, torch.cuda.Event, float]]
     _get_connector_metadata: Any
     has_connector_metadata: Any
 
@@ -154,6 +157,15 @@ class WorkerSide:
         super().bind_connector_metadata(connector_metadata)  # type: ignore[misc]  # vLLM's base, next in the MRO
         self._bound_at = time.perf_counter()
         self._waited_s = 0.0
+        self._step_start = self._mark_device()
+
+    def _mark_device(self) -> torch.cuda.Event | None:
+        """An event on vLLM's current stream, now (None off CUDA, or before the caches are known)."""
+        if not self._caches or not self._caches[0].is_cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self._caches[0].device))
+        return event
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -220,7 +232,12 @@ class WorkerSide:
             # a step that loaded computed while it did not wait for a layer: a sample with a past, which
             # steps from scratch never give (the split's suffix is computed after a loaded prefix)
             _, n_new, past = meta.steps[0]
-            self.costs.add_compute(n_new, past, elapsed - self._waited_s)
+            end = self._mark_device()
+            if end is None or self._step_start is None:
+                self.costs.add_compute(n_new, past, elapsed - self._waited_s)
+            else:  # on CUDA the host only launched the step: its time is the device's, read later
+                self._timed_steps.append((n_new, past, self._step_start, end, self._waited_s))
+        self._add_timed_steps()
         for spec in meta.saves:
             if spec.req_id in failed:  # computed this step over KV that did not load: wrong, not saved
                 log.info(
@@ -230,6 +247,12 @@ class WorkerSide:
                 )
                 continue
             self._save(spec)
+
+    def _add_timed_steps(self) -> None:
+        """Learn from the steps timed on the device that have completed (never waits for one)."""
+        while self._timed_steps and self._timed_steps[0][3].query():
+            n_new, past, start, end, waited = self._timed_steps.popleft()
+            self.costs.add_compute(n_new, past, max(0.0, start.elapsed_time(end) / 1e3 - waited))
 
     def _finish_loads(self) -> set[str]:
         """Settle the step's loads (a load still running is cancelled): note the blocks and chunks that

@@ -366,6 +366,14 @@ def test_the_save_queue_is_bounded_and_counts_drops(io):
     gate.set()
     assert saver.flush(timeout=10)
     assert saver.written == 1 and io.call(store.contains, [r.key for r in refs]) == [True, False, False]
+    # room is taken before a chunk is copied out, and given back if the copy fails
+    one = SPEC.kv_bytes_per_token * 16
+    assert saver.reserve(refs[1].key, one) and not saver.reserve(refs[2].key, one)
+    assert saver.dropped == 3 and saver.pending_bytes == one
+    saver.unreserve(one)
+    assert saver.pending_bytes == 0 and saver.reserve(refs[2].key, one)
+    saver.submit_reserved(refs[2].key, KVChunk(refs[2].start, torch.zeros(3, 2, H, 16, D)))
+    assert saver.flush(timeout=10) and saver.written == 2 and saver.pending_bytes == 0
 
 
 def test_chunks_saved_the_connector_way_are_a_restorers_and_back(io):

@@ -24,9 +24,11 @@ class Saver:
     def __init__(self) -> None:
         self.submitted: list[int] = []
 
-    def submit(self, key: str, chunk: KVChunk) -> bool:
-        self.submitted.append(chunk.start)
+    def reserve(self, key: str, nbytes: int) -> bool:
         return True
+
+    def submit_reserved(self, key: str, chunk: KVChunk, ready: object = None) -> None:
+        self.submitted.append(chunk.start)
 
 
 class Costs:

@@ -98,7 +98,15 @@ class ChunkSaver:
 
     def submit(self, key: str, chunk: KVChunk) -> bool:
         """Queue `chunk` (its own memory: the caller must not reuse it) for writing under `key`."""
-        nbytes = chunk.nbytes
+        if not self.reserve(key, chunk.nbytes):
+            return False
+        self.submit_reserved(key, chunk)
+        return True
+
+    def reserve(self, key: str, nbytes: int) -> bool:
+        """Room in the queue for a chunk of `nbytes` to be written under `key`, taken before the chunk is
+        copied out (a chunk that would be dropped is not copied at all); False, counted and warned, if
+        there is none. Then `submit_reserved` the chunk, or `unreserve` the room."""
         with self._lock:
             if self.pending_bytes + nbytes > self.max_bytes:
                 self.dropped += 1
@@ -115,24 +123,38 @@ class ChunkSaver:
                 dropped,
             )
             return False
-        fut = self.io.submit(self._write, key, chunk, nbytes)
+        return True
+
+    def unreserve(self, nbytes: int) -> None:
+        with self._lock:
+            self.pending_bytes -= nbytes
+
+    def submit_reserved(self, key: str, chunk: KVChunk, ready: torch.cuda.Event | None = None) -> None:
+        """Queue `chunk`, whose room was reserved; with `ready`, its bytes (pinned host memory a copy from
+        the GPU is still filling) are read once that event has completed, in the writer's thread."""
+        fut = self.io.submit(self._write, key, chunk, chunk.nbytes, ready)
         with self._lock:
             self._futures.add(fut)
         fut.add_done_callback(self._done)
-        return True
 
     def _done(self, fut: concurrent.futures.Future[None]) -> None:
         with self._lock:
             self._futures.discard(fut)
 
-    async def _write(self, key: str, chunk: KVChunk, nbytes: int) -> None:
+    async def _write(
+        self, key: str, chunk: KVChunk, nbytes: int, ready: torch.cuda.Event | None = None
+    ) -> None:
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self._lanes)
+
+        def encode() -> bytes:
+            if ready is not None:
+                ready.synchronize()
+            return codec.encode_chunk(chunk, self.spec, key, compression=self.compression)
+
         try:
             async with self._limiter:
-                blob = await anyio.to_thread.run_sync(
-                    lambda: codec.encode_chunk(chunk, self.spec, key, compression=self.compression)
-                )
+                blob = await anyio.to_thread.run_sync(encode)
                 await self.store.put(key, blob)
             with self._lock:
                 self.written += 1

@@ -293,15 +293,32 @@ class WorkerSide:
         return failed
 
     def _save(self, spec: SaveSpec) -> None:
+        """Copy each chunk out of the pages, behind the step's kernels on vLLM's stream (so before vLLM
+        can reuse the pages), and hand it to the saver. On CUDA the copy goes to pinned memory and the
+        host does not wait for it: the saver's thread does, before it encodes."""
         H, D = self.spec.num_kv_heads, self.spec.head_dim
         for c in spec.chunks:
-            data = torch.stack(
-                [
-                    gather_tokens(cache, self._layout, spec.block_ids, c.start, c.end, H, D)
-                    for cache in self._caches
-                ]
-            ).to("cpu")
-            self.saver.submit(c.key, KVChunk(c.start, data))
+            nbytes = self.spec.kv_bytes_per_token * (c.end - c.start)
+            if not self.saver.reserve(c.key, nbytes):  # dropped: not even copied out
+                continue
+            try:
+                data = torch.stack(
+                    [
+                        gather_tokens(cache, self._layout, spec.block_ids, c.start, c.end, H, D)
+                        for cache in self._caches
+                    ]
+                )
+                ready = None
+                if data.is_cuda:
+                    host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+                    host.copy_(data, non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record(torch.cuda.current_stream(data.device))
+                    data = host
+            except BaseException:
+                self.saver.unreserve(nbytes)
+                raise
+            self.saver.submit_reserved(c.key, KVChunk(c.start, data), ready)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._failed_chunks:

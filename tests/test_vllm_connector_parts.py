@@ -24,6 +24,7 @@ from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, Load
 from kvrestore.integrations.vllm_layout import (
     LAYOUTS,
     blocks_of,
+    gather_chunk,
     gather_tokens,
     kv_views,
     scatter_tokens,
@@ -95,6 +96,34 @@ def test_scatter_puts_each_token_where_the_backend_reads_it_and_gather_reads_it_
     assert written == n
     assert torch.equal(gather_tokens(cache, layout, blocks, start, start + n, H, D), data)
     assert torch.equal(gather_tokens(cache, layout, blocks, 8, 16, H, D), data[:, :, 5:13])
+    # every layer at once: each layer's tokens, whatever pages and offsets the range starts and ends in
+    other = _paged(layout)
+    scatter_tokens(other, layout, blocks, start, -data, H, D)
+    for a, b in [(3, 20), (8, 16), (9, 9), (0, 24), (16, 24)]:
+        both = gather_chunk([cache, other], layout, blocks, a, b, H, D)
+        assert torch.equal(both[0], gather_tokens(cache, layout, blocks, a, b, H, D))
+        assert torch.equal(both[1], gather_tokens(other, layout, blocks, a, b, H, D))
+        lo, hi = max(a, start), min(b, start + n)
+        if lo < hi:
+            assert torch.equal(both[1][:, :, lo - a : hi - a], -data[:, :, lo - start : hi - start])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("start, n", [(0, 24), (8, 16), (0, 8)])
+def test_whole_pages_are_scattered_where_the_backend_reads_them(layout, start, n):
+    """A range on page boundaries goes in one indexed copy per K and V: the same slots, nothing else."""
+    cache = _paged(layout)
+    blocks = [7, 2, 5]
+    data = torch.randn(2, H, n, D)
+    scatter_tokens(cache, layout, blocks, start, data, H, D)
+    for t in range(n):
+        pos = start + t
+        for kv in (0, 1):
+            for h in range(H):
+                assert torch.equal(_slot(cache, layout, kv, blocks[pos // BS], h, pos % BS), data[kv, h, t])
+    written = sum(int((_slot(cache, layout, 1, b, 0, o) != 0).any()) for b in range(NB) for o in range(BS))
+    assert written == n
+    assert torch.equal(gather_tokens(cache, layout, blocks, start, start + n, H, D), data)
 
 
 def test_layout_errors_are_clear():

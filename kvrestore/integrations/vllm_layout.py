@@ -19,7 +19,8 @@ at offset ``t % block_size``. The layouts handled:
 * ``"flashinfer_hnd"``: older FlashInfer with the HND layout, ``[num_blocks, 2, H, block_size, D]``.
 
 Every layout is first viewed (never copied) as a K and a V tensor, each ``[num_blocks, H, block_size, D]``
-(`kv_views`); `gather_tokens` and `scatter_tokens` then copy a page at a time through those views.
+(`kv_views`); `gather_chunk` gathers a chunk's pages through those views, `scatter_tokens` writes
+whole pages at once through them (a page at a time where the range does not fall on page boundaries).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.streams import upload
 
 LAYOUTS = ("cpu", "cuda", "flash_attn", "flashinfer_nhd", "flashinfer_hnd")
 
@@ -104,13 +106,36 @@ def gather_tokens(
     head_dim: int,
 ) -> torch.Tensor:
     """Tokens [start, end) of one layer of a paged cache as a new ``[2, H, T, D]`` tensor (kvrestore's
-    section layout), on the cache's device. One copy per page."""
-    k, v = kv_views(cache, layout, num_kv_heads, head_dim)
-    out = torch.empty((2, num_kv_heads, end - start, head_dim), dtype=k.dtype, device=k.device)
-    for block, a, b, at in _pages(block_ids, start, end, int(k.shape[2])):
-        out[0, :, at : at + b - a].copy_(k[block, :, a:b])
-        out[1, :, at : at + b - a].copy_(v[block, :, a:b])
-    return out
+    section layout), on the cache's device (`gather_chunk` of one layer)."""
+    return gather_chunk([cache], layout, block_ids, start, end, num_kv_heads, head_dim)[0]
+
+
+def gather_chunk(
+    caches: Sequence[torch.Tensor],
+    layout: str,
+    block_ids: Sequence[int] | torch.Tensor,
+    start: int,
+    end: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """Tokens [start, end) of every layer in `caches` as one ``[L, 2, H, T, D]`` tensor on their device
+    (the last dimension contiguous; the rest may be a view of a padded buffer). Per layer one gather of
+    the pages that hold them for K and one for V, then one copy for all layers: a copy per page and
+    layer would be thousands of kernel launches per chunk on a GPU with 16-token pages."""
+    H, D = num_kv_heads, head_dim
+    k0, _ = kv_views(caches[0], layout, H, D)
+    bs = int(k0.shape[2])
+    pages = [block for block, _, _, _ in _pages(block_ids, start, end, bs)]
+    ids = upload(torch.tensor(pages, dtype=torch.int64), k0.device)
+    by_page = torch.empty((len(caches), 2, len(pages), H, bs, D), dtype=k0.dtype, device=k0.device)
+    for i, cache in enumerate(caches):
+        for j, view in enumerate(kv_views(cache, layout, H, D)):
+            torch.index_select(view, 0, ids, out=by_page[i, j])
+    by_head = torch.empty((len(caches), 2, H, len(pages), bs, D), dtype=k0.dtype, device=k0.device)
+    by_head.copy_(by_page.permute(0, 1, 3, 2, 4, 5))
+    first = (start // bs) * bs
+    return by_head.view(len(caches), 2, H, len(pages) * bs, D)[:, :, :, start - first : end - first]
 
 
 def scatter_tokens(
@@ -123,12 +148,24 @@ def scatter_tokens(
     head_dim: int,
 ) -> None:
     """Write `data` (``[2, H, T, D]``) as tokens [start, start + T) of one layer of a paged cache, in
-    place. One copy per page."""
+    place, on the current stream. Whole pages (a range on page boundaries, as a load's usually is) go in
+    one indexed copy for K and one for V; otherwise one copy per page. Host data goes up through pinned
+    memory (from pageable memory the host would wait for the stream)."""
     k, v = kv_views(cache, layout, num_kv_heads, head_dim)
     if data.dim() != 4 or data.shape[0] != 2 or data.shape[1] != num_kv_heads or data.shape[3] != head_dim:
         raise InvalidInputError(f"data must be [2, {num_kv_heads}, T, {head_dim}], got {_shape(data)}")
-    data = data.to(device=k.device, dtype=k.dtype)
-    for block, a, b, at in _pages(block_ids, start, start + int(data.shape[2]), int(k.shape[2])):
+    data = data.to(dtype=k.dtype)
+    if data.device != k.device:
+        data = upload(data.contiguous(), k.device)
+    n, bs = int(data.shape[2]), int(k.shape[2])
+    pages = list(_pages(block_ids, start, start + n, bs))
+    if n and start % bs == 0 and n % bs == 0:
+        ids = upload(torch.tensor([block for block, _, _, _ in pages], dtype=torch.int64), k.device)
+        by_page = data.reshape(2, num_kv_heads, len(pages), bs, head_dim).transpose(1, 2)  # [2, P, H, bs, D]
+        k.index_copy_(0, ids, by_page[0])
+        v.index_copy_(0, ids, by_page[1])
+        return
+    for block, a, b, at in pages:
         k[block, :, a:b].copy_(data[0, :, at : at + b - a])
         v[block, :, a:b].copy_(data[1, :, at : at + b - a])
 

@@ -23,7 +23,7 @@ from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, LoadChunk
-from kvrestore.integrations.vllm_layout import blocks_of, gather_tokens, kv_views, scatter_tokens
+from kvrestore.integrations.vllm_layout import blocks_of, gather_chunk, kv_views, scatter_tokens
 from kvrestore.integrations.vllm_plan import ConnectorConfig, CostBook
 from kvrestore.stores.base import ChunkStore
 
@@ -302,19 +302,16 @@ class WorkerSide:
             if not self.saver.reserve(c.key, nbytes):  # dropped: not even copied out
                 continue
             try:
-                data = torch.stack(
-                    [
-                        gather_tokens(cache, self._layout, spec.block_ids, c.start, c.end, H, D)
-                        for cache in self._caches
-                    ]
-                )
+                data = gather_chunk(self._caches, self._layout, spec.block_ids, c.start, c.end, H, D)
                 ready = None
                 if data.is_cuda:
                     host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-                    host.copy_(data, non_blocking=True)
+                    host.copy_(data, non_blocking=True)  # padded pages cut on the device first
                     ready = torch.cuda.Event()
                     ready.record(torch.cuda.current_stream(data.device))
                     data = host
+                else:
+                    data = data.contiguous()  # its own memory, as the saver wants it
             except BaseException:
                 self.saver.unreserve(nbytes)
                 raise

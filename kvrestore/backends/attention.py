@@ -120,8 +120,7 @@ class SharedSdpaRestriction:
     whose blocks overlap (A in, B in, A out, B out) would end with B putting back A's restriction: flash
     and cuDNN attention off for the rest of the process. Here the first holder enters `sdpa_kernel`,
     later holders only count, and the last one out restores the flags. Attention in other threads
-    meanwhile runs under the same restriction (slower, never wrong: every backend computes the same
-    attention).
+    meanwhile runs under the same restriction (every backend computes the same attention).
     """
 
     def __init__(self, backends: list[SDPBackend]) -> None:
@@ -148,6 +147,10 @@ class SharedSdpaRestriction:
                     self._held = None
 
 
-# CacheBlend's masked attention on CUDA: the memory-efficient kernel (MATH only where it cannot run);
-# cuDNN's would build a new execution plan for every new number of selected rows
-efficient_attention_only = SharedSdpaRestriction([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+# CacheBlend's masked attention on CUDA: every backend but cuDNN's, which would build a new execution
+# plan for every new number of selected rows. Flash attention takes no mask, so the masked call gets the
+# memory-efficient kernel (MATH only where that cannot run); attention in other threads meanwhile keeps
+# flash (without it, a long grouped-query prefill would fall to MATH and its full score matrix).
+without_cudnn_attention = SharedSdpaRestriction(
+    [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+)

@@ -18,8 +18,8 @@ from kvrestore.backends.attention import (
     _SDPA_GQA,
     _rotate_half,
     apply_rope,
-    efficient_attention_only,
     row_groups,
+    without_cudnn_attention,
 )
 from kvrestore.core.errors import UnsupportedModelError
 
@@ -236,7 +236,7 @@ class HFBlendMixin:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         cuda = q.device.type == "cuda"
         mask = selected_rows_mask(index, last, q.dtype, additive=cuda)  # sliced per group
-        with efficient_attention_only() if cuda else contextlib.nullcontext():
+        with without_cudnn_attention() if cuda else contextlib.nullcontext():
             outs = [
                 self._attention_masked(q[:, :, a:b], k[:, :, :kl], v[:, :, :kl], mask[a:b, :kl])
                 for a, b, kl in groups
@@ -247,10 +247,10 @@ class HFBlendMixin:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """Attention under an arbitrary mask (CacheBlend's scattered rows; see `selected_rows_mask`). On
-        CUDA the caller holds `efficient_attention_only`, and K/V heads are already expanded to the
-        query heads (that kernel has no grouped-query support): cuDNN's attention would build a new
-        execution plan (tens of milliseconds) for every new number of selected rows, and the selection
-        shrinks layer by layer."""
+        CUDA the caller holds `without_cudnn_attention`, so it runs on the memory-efficient kernel (flash
+        takes no mask), over K/V heads already expanded to the query heads (that kernel has no grouped-
+        query support): cuDNN's attention would build a new execution plan (tens of milliseconds) for
+        every new number of selected rows, and the selection shrinks layer by layer."""
         if q.device.type != "cuda":
             return self._sdpa(q, k, v, attn_mask=mask)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self._scaling)

@@ -50,19 +50,28 @@ def test_two_pointer_restore_equals_full_prefill(tiny_backend, seconds_per_chunk
 
 
 def test_faster_link_loads_more(llama_backend):
+    """Timed on the real clock: on a busy machine a restore's first load can start after the compute
+    lane has done every chunk, so each link gets up to three tries (a split that ignored the link would
+    fail every one)."""
     tokens = random_tokens(320, llama_backend.spec.vocab_size)
 
     async def main():
         inner = MemoryStore()
         await Restorer(llama_backend, inner, chunk_size=16).save(tokens)
-        loaded = []
-        for rate in (2e5, 2e7):
-            r = Restorer(llama_backend, ThrottledStore(inner, rate), chunk_size=16)
-            loaded.append((await r.restore(tokens, TokenTwoPointer())).stats.loaded_chunks)
-        return loaded
+        tries = []
+        for _ in range(3):
+            loaded = []
+            for rate in (2e5, 2e7):
+                r = Restorer(llama_backend, ThrottledStore(inner, rate), chunk_size=16)
+                loaded.append((await r.restore(tokens, TokenTwoPointer())).stats.loaded_chunks)
+            tries.append(loaded)
+            if loaded[0] < loaded[1]:
+                break
+        return tries
 
-    slow, fast = anyio.run(main)
-    assert slow < fast
+    tries = anyio.run(main)
+    slow, fast = tries[-1]
+    assert slow < fast, tries
 
 
 class Fake:

@@ -78,12 +78,11 @@ def _slot(cache: torch.Tensor, layout: str, kv: int, block: int, head: int, off:
     return cache[block, kv, head, off]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_scatter_puts_each_token_where_the_backend_reads_it_and_gather_reads_it_back(layout):
+def _scattered(layout: str, blocks: list[int], start: int, data: torch.Tensor) -> torch.Tensor:
+    """A zeroed paged layer with `data` scattered as tokens [start, ...), checked slot by slot the way
+    the backend reads it, and checked to hold nothing else."""
     cache = _paged(layout)
-    blocks = [7, 2, 5]  # a request's pages, out of order
-    start, n = 3, 17  # tokens [3, 20): spans all three pages
-    data = torch.randn(2, H, n, D)
+    n = data.shape[2]
     scatter_tokens(cache, layout, blocks, start, data, H, D)
     for t in range(n):
         pos = start + t
@@ -91,10 +90,19 @@ def test_scatter_puts_each_token_where_the_backend_reads_it_and_gather_reads_it_
             for h in range(H):
                 got = _slot(cache, layout, kv, blocks[pos // BS], h, pos % BS)
                 assert torch.equal(got, data[kv, h, t])
-    # nothing else was written: every other slot is still zero
-    written = sum(int((_slot(cache, layout, 0, b, 0, o) != 0).any()) for b in range(NB) for o in range(BS))
-    assert written == n
+    for kv in (0, 1):  # nothing else was written: every other slot is still zero
+        written = sum(int((_slot(cache, layout, kv, b, 0, o) != 0).any()) for b in range(NB) for o in range(BS))
+        assert written == n
     assert torch.equal(gather_tokens(cache, layout, blocks, start, start + n, H, D), data)
+    return cache
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_scatter_puts_each_token_where_the_backend_reads_it_and_gather_reads_it_back(layout):
+    blocks = [7, 2, 5]  # a request's pages, out of order
+    start, n = 3, 17  # tokens [3, 20): spans all three pages
+    data = torch.randn(2, H, n, D)
+    cache = _scattered(layout, blocks, start, data)
     assert torch.equal(gather_tokens(cache, layout, blocks, 8, 16, H, D), data[:, :, 5:13])
     # every layer at once: each layer's tokens, whatever pages and offsets the range starts and ends in
     other = _paged(layout)
@@ -112,18 +120,7 @@ def test_scatter_puts_each_token_where_the_backend_reads_it_and_gather_reads_it_
 @pytest.mark.parametrize("start, n", [(0, 24), (8, 16), (0, 8)])
 def test_whole_pages_are_scattered_where_the_backend_reads_them(layout, start, n):
     """A range on page boundaries goes in one indexed copy per K and V: the same slots, nothing else."""
-    cache = _paged(layout)
-    blocks = [7, 2, 5]
-    data = torch.randn(2, H, n, D)
-    scatter_tokens(cache, layout, blocks, start, data, H, D)
-    for t in range(n):
-        pos = start + t
-        for kv in (0, 1):
-            for h in range(H):
-                assert torch.equal(_slot(cache, layout, kv, blocks[pos // BS], h, pos % BS), data[kv, h, t])
-    written = sum(int((_slot(cache, layout, 1, b, 0, o) != 0).any()) for b in range(NB) for o in range(BS))
-    assert written == n
-    assert torch.equal(gather_tokens(cache, layout, blocks, start, start + n, H, D), data)
+    _scattered(layout, [7, 2, 5], start, torch.randn(2, H, n, D))
 
 
 def test_layout_errors_are_clear():

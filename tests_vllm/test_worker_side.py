@@ -12,6 +12,7 @@ from kvrestore import codec
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
+from kvrestore.core.streams import HostEvent
 from kvrestore.integrations.vllm_io import IOThread, LoadChunk
 from kvrestore.integrations.vllm_worker import KVRestoreConnectorMetadata, LoadSpec, SaveSpec, WorkerSide
 from kvrestore.stores import MemoryStore
@@ -57,7 +58,7 @@ class Worker(WorkerSide):
         self._layer_of = {f"model.layers.{i}.self_attn.attn": i for i in range(L)}
         self._layout = "flash_attn"
         self._load_stream, self._layer_placed = None, {}
-        self._step_start, self._timed_steps = None, deque()
+        self._step_start, self._timed_steps = HostEvent(), deque()
         self._loads, self._load_errors, self._failed_chunks = [], set(), {}
         self._errors_lock, self._bound_at, self._waited_s = threading.Lock(), time.perf_counter(), 0.0
         self.meta: KVRestoreConnectorMetadata | None = None

@@ -108,12 +108,11 @@ class DeferredChecks:
 
     def failures(self, stream: torch.cuda.Stream | None) -> dict[int, int]:
         """Wait for every queued layer, then {chunk: its first damaged layer}; clears the flags."""
-        if stream is not None:
-            stream.synchronize()
-        elif self.device.type == "cuda":  # queued on the device's current stream
-            torch.cuda.current_stream(self.device).synchronize()
-        # cleared on the stream that sets them: in order with the next layers
+        # cleared on the stream that sets them (`stream`, else the device's current one): in order with
+        # the next layers
         with on_stream(stream, self.device):
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()
             bad = self.bad.to("cpu", copy=True)  # a copy: the flags are cleared next
             self.bad.zero_()
         self._in_flight.clear()

@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.keys import ChunkRef, chunk_keys
+from kvrestore.core.streams import HostEvent
 from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, LoadChunk
 from kvrestore.integrations.vllm_layout import blocks_of
 from kvrestore.integrations.vllm_plan import (
@@ -144,7 +145,7 @@ class KVRestoreConnector(WorkerSide, KVConnectorBase_V1):
         self._waited_s = 0.0  # this step's time in wait_for_layer_load: the step minus it is compute
         self._load_stream: torch.cuda.Stream | None = None  # set with the caches, on CUDA
         self._layer_placed: dict[int, torch.cuda.Event] = {}
-        self._step_start: torch.cuda.Event | None = None  # where the step began on vLLM's stream (CUDA)
+        self._step_start: torch.cuda.Event | HostEvent = HostEvent()  # where the step began, on vLLM's stream
         self._timed_steps: deque = deque(maxlen=16)  # compute samples whose device time is not read yet
         self.saver = ChunkSaver(
             self.spec,

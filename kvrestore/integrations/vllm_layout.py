@@ -96,6 +96,11 @@ def _pages(block_ids: Sequence[int] | torch.Tensor, start: int, end: int, block_
         yield int(block_ids[p]), lo - p * block_size, hi - p * block_size, lo - start
 
 
+def _page_index(pages: list[tuple[int, int, int, int]], device: torch.device) -> torch.Tensor:
+    """The block ids of `_pages`' pages as an index on `device` (through pinned memory: no host wait)."""
+    return upload(torch.tensor([block for block, _, _, _ in pages], dtype=torch.int64), device)
+
+
 def gather_tokens(
     cache: torch.Tensor,
     layout: str,
@@ -126,8 +131,8 @@ def gather_chunk(
     H, D = num_kv_heads, head_dim
     k0, _ = kv_views(caches[0], layout, H, D)
     bs = int(k0.shape[2])
-    pages = [block for block, _, _, _ in _pages(block_ids, start, end, bs)]
-    ids = upload(torch.tensor(pages, dtype=torch.int64), k0.device)
+    pages = list(_pages(block_ids, start, end, bs))
+    ids = _page_index(pages, k0.device)
     by_page = torch.empty((len(caches), 2, len(pages), H, bs, D), dtype=k0.dtype, device=k0.device)
     for i, cache in enumerate(caches):
         for j, view in enumerate(kv_views(cache, layout, H, D)):
@@ -160,7 +165,7 @@ def scatter_tokens(
     n, bs = int(data.shape[2]), int(k.shape[2])
     pages = list(_pages(block_ids, start, start + n, bs))
     if n and start % bs == 0 and n % bs == 0:
-        ids = upload(torch.tensor([block for block, _, _, _ in pages], dtype=torch.int64), k.device)
+        ids = _page_index(pages, k.device)
         by_page = data.reshape(2, num_kv_heads, len(pages), bs, head_dim).transpose(1, 2)  # [2, P, H, bs, D]
         k.index_copy_(0, ids, by_page[0])
         v.index_copy_(0, ids, by_page[1])

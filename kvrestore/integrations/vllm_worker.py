@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
+from kvrestore.core.streams import HostEvent, on_stream, timing_event
 from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, LoadChunk
 from kvrestore.integrations.vllm_layout import blocks_of, gather_chunk, kv_views, scatter_tokens
 from kvrestore.integrations.vllm_plan import ConnectorConfig, CostBook
@@ -97,8 +98,8 @@ class WorkerSide:
     _waited_s: float
     _load_stream: torch.cuda.Stream | None
     _layer_placed: dict[int, torch.cuda.Event]
-    _step_start: torch.cuda.Event | None
-    _timed_steps: deque[tuple[int, int, torch.cuda.Event, torch.cuda.Event, float]]
+    _step_start: torch.cuda.Event | HostEvent
+    _timed_steps: deque[tuple[int, int, torch.cuda.Event | HostEvent, torch.cuda.Event | HostEvent, float]]
     _get_connector_metadata: Any
     has_connector_metadata: Any
 
@@ -134,7 +135,6 @@ class WorkerSide:
         # on CUDA the pages are written on a stream of the connector's own, ordered on the device against
         # vLLM's (which need not be the default stream, and does not sync with it)
         self._load_stream = torch.cuda.Stream(first.device) if first.is_cuda else None
-        self._layer_placed = {}
         if self._layout == "cpu":
             self._check_cpu_kernels(int(first.shape[2]))
         log.info("kvrestore: %d KV layers, layout %s %s", len(ordered), self._layout, tuple(first.shape))
@@ -157,21 +157,20 @@ class WorkerSide:
         super().bind_connector_metadata(connector_metadata)  # type: ignore[misc]  # vLLM's base, next in the MRO
         self._bound_at = time.perf_counter()
         self._waited_s = 0.0
-        self._step_start = self._mark_device()
+        self._step_start = self._mark()
 
-    def _mark_device(self) -> torch.cuda.Event | None:
-        """An event on vLLM's current stream, now (None off CUDA, or before the caches are known)."""
-        if not self._caches or not self._caches[0].is_cuda:
-            return None
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self._caches[0].device))
+    def _mark(self) -> torch.cuda.Event | HostEvent:
+        """Now, on vLLM's current stream: on CUDA the host only launches a step's kernels, so its compute
+        is timed by the device (the host's clock off CUDA, or before the caches are known)."""
+        device = self._caches[0].device if self._caches else torch.device("cpu")
+        event = timing_event(device)
+        event.record(torch.cuda.current_stream(device) if device.type == "cuda" else None)
         return event
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVRestoreConnectorMetadata)
         if meta.loads and self._load_stream is not None:  # the pages are written after what vLLM queued
-            self._layer_placed = {}
             self._load_stream.wait_stream(torch.cuda.current_stream(self._caches[0].device))
         for spec in meta.loads:
             load = LayerLoad(self.spec, self.store, spec.chunks, spec.k, self._placer(spec.block_ids))
@@ -183,15 +182,12 @@ class WorkerSide:
 
         def place(layer: int, data: torch.Tensor) -> None:
             stream = self._load_stream
-            if stream is None:
+            with on_stream(stream):
                 scatter_tokens(self._caches[layer], self._layout, block_ids, 0, data, H, D)
-                return
-            with torch.cuda.stream(stream):
-                scatter_tokens(self._caches[layer], self._layout, block_ids, 0, data, H, D)
-                placed = torch.cuda.Event()
-                placed.record(stream)
-            # the newest for the layer: every load's copies of it were queued before it, on this stream
-            self._layer_placed[layer] = placed
+                if stream is not None:  # the newest for the layer covers every load's copies of it
+                    placed = torch.cuda.Event()
+                    placed.record(stream)
+                    self._layer_placed[layer] = placed
 
         return place
 
@@ -232,11 +228,7 @@ class WorkerSide:
             # a step that loaded computed while it did not wait for a layer: a sample with a past, which
             # steps from scratch never give (the split's suffix is computed after a loaded prefix)
             _, n_new, past = meta.steps[0]
-            end = self._mark_device()
-            if end is None or self._step_start is None:
-                self.costs.add_compute(n_new, past, elapsed - self._waited_s)
-            else:  # on CUDA the host only launched the step: its time is the device's, read later
-                self._timed_steps.append((n_new, past, self._step_start, end, self._waited_s))
+            self._timed_steps.append((n_new, past, self._step_start, self._mark(), self._waited_s))
         self._add_timed_steps()
         for spec in meta.saves:
             if spec.req_id in failed:  # computed this step over KV that did not load: wrong, not saved
@@ -249,10 +241,10 @@ class WorkerSide:
             self._save(spec)
 
     def _add_timed_steps(self) -> None:
-        """Learn from the steps timed on the device that have completed (never waits for one)."""
+        """Learn from the timed steps that have completed on the device (never waits for one)."""
         while self._timed_steps and self._timed_steps[0][3].query():
             n_new, past, start, end, waited = self._timed_steps.popleft()
-            self.costs.add_compute(n_new, past, max(0.0, start.elapsed_time(end) / 1e3 - waited))
+            self.costs.add_compute(n_new, past, max(0.0, start.elapsed_time(end) / 1e3 - waited))  # type: ignore[arg-type]
 
     def _finish_loads(self) -> set[str]:
         """Settle the step's loads (a load still running is cancelled): note the blocks and chunks that
@@ -285,10 +277,10 @@ class WorkerSide:
                     load.bytes_read,
                     load.seconds,
                 )
-        if self._loads and self._load_stream is not None:  # every load is settled: no page write it queued
-            torch.cuda.current_stream(self._caches[0].device).wait_stream(
-                self._load_stream
-            )  # outlives the step
+        if self._loads and self._load_stream is not None:  # every load is settled: vLLM's stream goes on
+            vllm_stream = torch.cuda.current_stream(self._caches[0].device)  # after every page they wrote
+            vllm_stream.wait_stream(self._load_stream)
+        self._layer_placed.clear()
         self._loads.clear()
         return failed
 

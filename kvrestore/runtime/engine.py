@@ -52,6 +52,8 @@ ComputeFn = Callable[[int, int], None]
 ComputeApartFn = Callable[[int, int], Callable[[], None]]
 LoadFn = Callable[[int], Awaitable[int]]
 LoadNowFn = Callable[[int], int]
+#: fetches chunk i into a buffer of its own; returns the stored bytes read and what writes it in place
+LoadAsideFn = Callable[[int], Awaitable[tuple[int, Callable[[], None]]]]
 
 
 def _single(exc: BaseException) -> BaseException:
@@ -71,6 +73,22 @@ async def timed_load(load: LoadFn, i: int, timeout_s: float | None, now: Callabl
     except LOAD_FAULTS as exc:
         return TraceEvent("load-failed", i, i, start, now(), error=f"{type(exc).__name__}: {exc}")
     return TraceEvent("load", i, i, start, now(), nbytes)
+
+
+class _Unit:
+    """A compute unit running in place, and the fetches aside that may overtake it (`Decision.overtake`):
+    `scope` stops it (at its next layer boundary) once every chunk of it has `landed` aside."""
+
+    __slots__ = ("a", "b", "fetching", "landed", "scope")
+
+    def __init__(self, a: int, b: int) -> None:
+        self.a, self.b = a, b
+        self.scope = anyio.CancelScope()
+        self.fetching: dict[int, anyio.CancelScope] = {}
+        self.landed: dict[int, tuple[int, Callable[[], None]]] = {}
+
+    def overtaken(self) -> bool:
+        return len(self.landed) == self.b - self.a
 
 
 class _Stoppable(Protocol):
@@ -177,14 +195,17 @@ class Engine:
         load_timeout_s: float | None = None,
         load_now: LoadNowFn | None = None,
         compute_apart: ComputeApartFn | None = None,
+        load_aside: LoadAsideFn | None = None,
     ) -> Trace:
         """Drive one restore to the end; returns its trace. A unit's own error propagates as itself.
         With `load_now`, loads run on the lane threads (on asyncio; elsewhere `load` is used). With
-        `compute_apart`, a policy may race a compute unit against a fetch (`Decision.race`)."""
+        `compute_apart`, a policy may race a compute unit against a fetch (`Decision.race`); with
+        `load_aside`, fetches may overtake a compute unit running in place (`Decision.overtake`)."""
         if load_now is not None and not _on_asyncio():
             load_now = None
         progress.can_race = compute_apart is not None
-        lanes = _RealLanes(self, progress, compute, load, load_timeout_s, load_now, compute_apart)
+        progress.can_overtake = load_aside is not None
+        lanes = _RealLanes(self, progress, compute, load, load_timeout_s, load_now, compute_apart, load_aside)
         try:
             async with anyio.create_task_group() as tg:
                 lanes.tg = tg
@@ -213,8 +234,11 @@ class _RealLanes:
         load_timeout_s: float | None,
         load_now: LoadNowFn | None = None,
         compute_apart: ComputeApartFn | None = None,
+        load_aside: LoadAsideFn | None = None,
     ) -> None:
         self.engine = engine
+        self.load_aside = load_aside
+        self.unit: _Unit | None = None  # the compute unit running in place, while it may be overtaken
         self.load_lanes = engine.load_lanes
         self.compute_apart = compute_apart
         self.race_scope: anyio.CancelScope | None = None  # the racing compute unit's, while it races
@@ -234,13 +258,55 @@ class _RealLanes:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    async def _compute(self, a: int, b: int, dropped: list[anyio.Event]) -> None:
-        for stopped in dropped:  # a dropped load may be writing these rows until it stops
-            await stopped.wait()
-        async with self.compute_lane:
-            start = self.now()
-            await run_unit(self.compute_fn, a, b)  # cancelled: stops at the next layer, then returns
-            self.send.send_nowait(TraceEvent("compute", a, b - 1, start, self.now()))
+    async def _compute(self, unit: _Unit, dropped: list[anyio.Event]) -> None:
+        a, b = unit.a, unit.b
+        start = self.now()
+        try:
+            with unit.scope:  # cancelled once fetches aside have landed every chunk of the unit
+                for stopped in dropped:  # a dropped load may be writing these rows until it stops
+                    await stopped.wait()
+                async with self.compute_lane:
+                    start = self.now()
+                    await run_unit(self.compute_fn, a, b)  # cancelled: stops at the next layer, then returns
+        finally:
+            if self.unit is unit:
+                self.unit = None
+            for scope in unit.fetching.values():  # the unit has ended: what is still in flight is moot
+                scope.cancel()
+        if unit.scope.cancelled_caught:  # overtaken: write what the fetches aside brought instead
+            nbytes = 0
+            for n, commit in unit.landed.values():
+                await run_unit(commit)
+                nbytes += n
+            self.send.send_nowait(TraceEvent("compute-overtaken", a, b - 1, start, self.now(), nbytes))
+            return
+        self.send.send_nowait(TraceEvent("compute", a, b - 1, start, self.now()))
+
+    async def _aside(self, i: int, unit: _Unit, scope: anyio.CancelScope) -> None:
+        """Fetch chunk `i` of the running `unit` into a buffer of its own; once every chunk of the unit
+        has landed so, stop the unit."""
+        assert self.load_aside is not None
+        start = self.now()
+        event: TraceEvent | None = None
+        try:
+            with scope:
+                async with self.load_lane:
+                    start = self.now()
+                    try:
+                        with anyio.fail_after(self.load_timeout_s):
+                            nbytes, commit = await self.load_aside(i)
+                    except LOAD_FAULTS as exc:
+                        event = TraceEvent(
+                            "aside-failed", i, i, start, self.now(), error=f"{type(exc).__name__}: {exc}"
+                        )
+                    else:
+                        unit.landed[i] = (nbytes, commit)
+                        event = TraceEvent("aside", i, i, start, self.now(), nbytes)
+        finally:
+            unit.fetching.pop(i, None)
+        self.send.send_nowait(event or TraceEvent("aside-dropped", i, i, start, self.now()))
+        if unit.overtaken():
+            unit.scope.cancel()
 
     async def _race(self, a: int, scope: anyio.CancelScope) -> None:
         """Compute chunk `a` apart while its fetch runs (`Decision.race`). Whichever ends first wins;
@@ -345,9 +411,14 @@ class _RealLanes:
             self.race_scope = anyio.CancelScope()
             self.tg.start_soon(self._race, decision.compute[0], self.race_scope)  # type: ignore[index]
         elif decision.compute is not None:
-            self.tg.start_soon(self._compute, *decision.compute, self.dropped)
+            self.unit = _Unit(*decision.compute)
+            self.tg.start_soon(self._compute, self.unit, self.dropped)
         if decision.compute is not None:
             self.dropped = []
+        for i in decision.overtake:
+            assert self.unit is not None  # bookkeeping checked that a unit runs in place
+            scope = self.unit.fetching[i] = anyio.CancelScope()
+            self.tg.start_soon(self._aside, i, self.unit, scope)
 
     def _take(self, item: TraceEvent | BaseException) -> TraceEvent | BaseException:
         if isinstance(item, BaseException):

@@ -149,30 +149,43 @@ def _compute_estimate(p: Progress, a: int) -> float | None:
 
 
 def _link(p: Progress) -> tuple[float, float] | None:
-    """(seconds per token delivered, latency): what this restore's loads show, else the cost model's."""
+    """(seconds per token delivered, latency): what this restore's loads show, else the cost model's;
+    at least as slow as the wait for the fetch due next says (a link that has delivered nothing for a
+    while is not the link it was)."""
     per_token = _load_seconds_per_token(p)
     if per_token is not None:
-        return per_token, 0.0
-    return p.prior_link
+        link = (per_token, 0.0)
+    elif p.prior_link is not None:
+        link = p.prior_link
+    else:
+        return None
+    flying = [
+        j for j in range(p.n_chunks) if p.status[j] is ChunkStatus.LOADING and p.load_started[j] is not None
+    ]
+    if not flying:
+        return link
+    due = min(flying, key=lambda j: p.load_started[j])  # type: ignore[arg-type,return-value]
+    landed = _landed(p)
+    since = max(landed[-1][0], p.load_started[due]) if landed else p.load_started[due]  # type: ignore[type-var]
+    return max(link[0], (p.now - since) / p.chunk_tokens[due]), link[1]  # type: ignore[operator]
 
 
 def _loads_first(p: Progress, a: int) -> float | None:
     """With chunk a next to compute and stored: when the loads would have landed every stored chunk left
-    (a included), if that comes before computing chunk a would end, else None. Then the compute lane
-    waits until that time: computing would only take CPU, GIL or link time from the loads. Decided from
-    the cost model's predictions alone, so only before the restore has observed its own loads."""
-    link = p.prior_link
+    (a included), if that comes before computing chunk a would end, else None. The compute lane then
+    waits until that time instead of taking CPU, GIL or link time from the loads, and is asked again."""
+    link = _link(p)
     compute_s = _compute_estimate(p, a)
-    if link is None or compute_s is None or not p.stored[a] or any(s is not None for s in p.load_seconds):
+    if link is None or compute_s is None or not p.stored[a]:
         return None
+    if any(not p.stored[j] and not p.status[j].done for j in range(p.n_chunks)):
+        return None  # chunks only computing can restore: the lane has work regardless
     per_token, latency = link
     left = sum(
         n
         for j, n in enumerate(p.chunk_tokens)
         if p.stored[j] and p.status[j] in (ChunkStatus.PENDING, ChunkStatus.LOADING)
     )
-    if any(not p.stored[j] and not p.status[j].done for j in range(p.n_chunks)):
-        return None  # chunks only computing can restore: the lane has work regardless
     done = p.now + latency + left * per_token
     return done + GRACE * compute_s if done < p.now + compute_s else None
 

@@ -113,11 +113,12 @@ async def measure_length(args: argparse.Namespace, backend: HFBackend, tokens: t
                     continue
                 if case == "load-only" and multiplier is not None and multiplier < 0.5:
                     continue
-                if case == "auto-first":
-                    restorer, policy = Restorer(backend, store, args.chunk, learn=False, profile=False), Auto()
-                elif case == "auto-fourth":
-                    restorer, policy = Restorer(backend, store, args.chunk, learn=False, profile=False), Auto()
-                    for _ in range(3):
+                if case.startswith("auto"):  # a fresh restorer: no profile, nothing learned
+                    restorer, policy = (
+                        Restorer(backend, store, args.chunk, learn=False, profile=False),
+                        Auto(),
+                    )
+                    for _ in range(3 if case == "auto-fourth" else 0):
                         _reset(store)
                         await restorer.restore(tokens, policy)
                 else:
@@ -184,7 +185,9 @@ def targets(lengths: list[dict]) -> dict[str, Any]:
         for case in TARGETS
     }
     at_one = {
-        case: max(p["vs_better_single"][case] for length in lengths for p in length["grid"] if p["point"] == "1x")
+        case: max(
+            p["vs_better_single"][case] for length in lengths for p in length["grid"] if p["point"] == "1x"
+        )
         for case in ("token-wise", "layer-wise")
         if any(p["point"] == "1x" for length in lengths for p in length["grid"])
     }

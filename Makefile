@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install demo test typecheck test-slow test-all test-vllm lint bench clean
+.PHONY: install demo test typecheck test-slow test-all test-vllm lint bench bench-gpu clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -61,6 +61,15 @@ test-all: test test-slow test-vllm
 bench: install
 	$(PY) benchmarks/baselines.py
 	$(PY) benchmarks/two_pointer.py
+
+# Every GPU benchmark in one run (benchmarks/gpu_suite.py), for the GPU host: no virtualenv there, its own
+# python3; the small wheels it lacks (.whl/, see ../shared/GPU.md) are installed first where present.
+# Results go to $OUT/gpu_suite where the host sets OUT, else benchmarks/results/gpu_suite.
+bench-gpu:
+	if [ -d .whl ] && ! $(PYTHON) -c 'import msgspec, zstandard, platformdirs' 2>/dev/null; then \
+	  $(PYTHON) -m pip install -q --no-index --no-deps --target /tmp/kvrestore-site .whl/*.whl; fi; \
+	PYTHONPATH=/tmp/kvrestore-site:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} PYTHONUNBUFFERED=1 \
+	  $(PYTHON) benchmarks/gpu_suite.py --out "$${OUT:-benchmarks/results}/gpu_suite" $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .hypothesis

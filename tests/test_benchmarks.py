@@ -128,3 +128,73 @@ def test_cancel_tiny(tmp_path: Path) -> None:
     }
     for case in data["cases"].values():
         assert len(case["overruns_s"]) == 2 and case["max_overrun_s"] >= case["median_overrun_s"]
+
+
+@pytest.mark.slow
+def test_gpu_suite_tiny(tmp_path: Path) -> None:
+    """The suite in its CPU smoke mode: every benchmark it knows runs (or is recorded missing or
+    skipped), and one folder holds the summary, every benchmark's JSON and the logs."""
+    out = tmp_path / "suite"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "gpu_suite.py"), "--tiny", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, f"gpu_suite failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert sorted(p.name for p in out.iterdir()) == ["logs.txt", "results.json", "summary.json", "summary.md"]
+    summary = json.loads((out / "summary.json").read_text())
+    status = {name: b["status"] for name, b in summary["benchmarks"].items()}
+    assert set(status) == {"cuda-tests", "gpu_restore", "gpu_blend", "never_slower", "data_path", "kv_encoding",
+                           "vllm_gpu"}
+    for name in ("cuda-tests", "gpu_restore", "gpu_blend", "data_path"):
+        assert status[name] == "ok", (name, summary["benchmarks"][name])
+    expected_never_slower = "ok" if (BENCH / "never_slower.py").exists() else "missing"
+    assert status["never_slower"] == expected_never_slower
+    assert status["kv_encoding"] == status["vllm_gpu"] == "skipped"  # no smoke run of theirs in --tiny
+    results = json.loads((out / "results.json").read_text())
+    assert results["gpu_restore"]["benchmark"] == "gpu_restore" and results["gpu_blend"]["benchmark"] == "gpu_blend"
+    assert results["cuda-tests"]["failures"] == results["cuda-tests"]["errors"] == 0
+    rows = summary["rows"]
+    blend = [r for r in rows if r["source"] == "gpu_blend"]
+    assert any("100% recompute" in r["target"] and r["met"] is True for r in blend)
+    assert any("restore_blend@15%" in r["target"] and r["figure"] > 0 for r in blend)
+    assert (out / "summary.md").read_text().count("| gpu_restore |") >= 1
+
+
+def test_gpu_suite_records_failures_and_timeouts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A benchmark that fails, one that outlives its limit and one whose script is missing are each
+    recorded as such, and the suite goes on to the next."""
+    sys.path.insert(0, str(BENCH))
+    import gpu_suite
+
+    scripts = tmp_path / "bench"
+    scripts.mkdir()
+    (scripts / "fails.py").write_text("import sys; print('boom'); sys.exit(3)\n")
+    (scripts / "sleeps.py").write_text("import time; time.sleep(60)\n")
+    (scripts / "writes.py").write_text(
+        "import json, sys; json.dump({'targets': {'x': {'value': 2.0, 'meets': {'value': True}}}},"
+        " open(sys.argv[sys.argv.index('--out') + 1], 'w'))\n"
+    )
+    monkeypatch.setattr(gpu_suite, "BENCH", scripts)
+    suite = [
+        gpu_suite.Entry("fails", "fails.py", [], 30),
+        gpu_suite.Entry("sleeps", "sleeps.py", [], 1),
+        gpu_suite.Entry("absent", "absent.py", [], 30, optional=True),
+        gpu_suite.Entry("writes", "writes.py", [], 30),
+    ]
+    monkeypatch.setattr(gpu_suite, "entries", lambda tiny: suite)
+    out = tmp_path / "out"
+    rows, outcomes = gpu_suite.run_suite(gpu_suite.parse_args(["--out", str(out), "--budget", "200"]))
+    assert {n: o.status for n, o in outcomes.items()} == {
+        "fails": "failed",
+        "sleeps": "timeout",
+        "absent": "missing",
+        "writes": "ok",
+    }
+    assert outcomes["fails"].rc == 3 and "boom" in outcomes["fails"].log
+    assert outcomes["sleeps"].rc is None
+    written = [r for r in rows if r.source == "writes"]
+    assert [(r.target, r.figure, r.met) for r in written] == [("x/value", 2.0, True)]
+    assert json.loads((out / "results.json").read_text()) == {"writes": {"targets": {"x": {"value": 2.0, "meets": {"value": True}}}}}

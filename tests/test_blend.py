@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvrestore import InvalidInputError, Restorer, UnsupportedModelError, open_store
-from kvrestore.backends.attention import row_groups
+from kvrestore.backends.attention import attention_lse, merge_attention, row_groups, without_cudnn_attention
 from kvrestore.backends.hf import HFBackend
 from kvrestore.backends.hf_blend import MASK_ALIGNMENT, selected_rows_mask
 from kvrestore.blend import (
@@ -791,11 +791,14 @@ class _OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_selective_layers_never_wait_for_the_device(backend, monkeypatch):
+@pytest.mark.parametrize("split_min_keys", [512, 16], ids=["groups", "block-causal-split"])
+def test_selective_layers_never_wait_for_the_device(backend, monkeypatch, split_min_keys):
     """Every op of the selective layers, run as on CUDA (bounds from earlier selections, grouped
-    attention), is one the host can queue without reading a result back: nothing like `.item()`,
-    `int(t)`, `nonzero` or boolean-mask indexing between layer 1 and the logits."""
+    attention, split block-causally where enough keys allow), is one the host can queue without reading
+    a result back: nothing like `.item()`, `int(t)`, `nonzero` or boolean-mask indexing between layer 1
+    and the logits."""
     logs: list[_OpLog] = []
+    monkeypatch.setattr(backend, "blend_split_min_keys", split_min_keys)
 
     class SpyTimer(fuse.LayerTimer):
         def start(self):
@@ -816,6 +819,8 @@ def test_selective_layers_never_wait_for_the_device(backend, monkeypatch):
         assert "sdpa" in " ".join(log.ops) or "scaled_dot_product" in " ".join(log.ops)
         assert not _SYNCING_OPS & set(log.ops), f"layer {i} waits for the device: {_SYNCING_OPS & set(log.ops)}"
         assert log.bool_indexing == 0, f"layer {i} indexes with a boolean mask"
+    merged = any("lerp" in log.ops for log in logs[1:])  # merge_attention: a split group ran
+    assert merged == (split_min_keys == 16)
 
 
 class _PlainBackend:
@@ -1056,3 +1061,148 @@ def test_smollm2_ratio_one_equals_full_prefill(smollm2):
     assert smollm2.generate(res.tokens, res.kv, 8) == smollm2.generate(res.tokens, None, 8)
     partial = run_blend(smollm2, chunks, suffix, Blend(recompute_ratio=0.15))
     assert partial.stats.loaded_chunks == 3 and partial.stats.hkvd[0] > partial.stats.hkvd[-1] > 0
+
+
+# -- block-causal split of the selected rows' attention ------------------------------------------------
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    picks=st.lists(st.booleans(), min_size=80, max_size=80),
+    groups=st.integers(1, 6),
+    slack=st.integers(0, 20),
+)
+def test_block_causal_split_equals_one_masked_call(picks, groups, slack):
+    """Each group of selected rows split into the keys all its rows see (no mask) and the rest (masked),
+    joined by their log-sum-exps, computes the layer of one masked call over all keys, with the exact
+    positions or any looser bounds of them; and with bounds that allow it, groups do split."""
+    b = HFBackend(tiny_model("llama", layers=1), name="tiny-llama")
+    n = len(picks)
+    tokens = random_tokens(n, 256, seed=9)
+    hidden = b.embed(tokens)
+    _, k, v = b.run_layer(0, hidden, None, None, torch.arange(n))
+    index = torch.tensor([i for i, p in enumerate(picks) if p] or [n - 1])
+    upper = [min(n - 1, p + slack) for p in index.tolist()]
+    lower = [max(0, p - slack) for p in index.tolist()]
+    one = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone())
+    b.blend_attention_groups, b.blend_group_rows, b.blend_split_min_keys = groups, 2, 1
+    splits = []
+    real = b._attention_split
+    b._attention_split = lambda *a: splits.append(a[-1]) or real(*a)  # type: ignore[method-assign]
+    got = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=upper, lower=lower)
+    for x, y in zip(got, one, strict=True):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+    assert all(c > 0 and c % MASK_ALIGNMENT == 0 for c in splits)
+    if lower[0] >= MASK_ALIGNMENT:  # the first group's rows all see a whole aligned block: it splits
+        assert splits and splits[0] == lower[0] // MASK_ALIGNMENT * MASK_ALIGNMENT
+
+
+def test_split_without_lower_bounds_or_below_the_minimum_is_the_grouped_call():
+    """No lower bounds, the split turned off, or fewer unmasked keys than `blend_split_min_keys`: every
+    group takes the masked call, bit for bit the grouped attention as it was."""
+    b = HFBackend(tiny_model("llama", layers=1), name="tiny-llama")
+    n = 96
+    hidden = b.embed(random_tokens(n, 256, seed=10))
+    _, k, v = b.run_layer(0, hidden, None, None, torch.arange(n))
+    index = torch.arange(40, n, 3)
+    pos = index.tolist()
+    b.blend_attention_groups, b.blend_group_rows = 2, 2
+    called = []
+    b._attention_split = lambda *a: called.append(a) or pytest.fail("split")  # type: ignore[method-assign]
+    grouped = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos)
+    b.blend_split_min_keys = 64  # the groups' unmasked keys: 32 and 64 (aligned down from 40 and 67)
+    b.blend_attention_split = False
+    off = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos, lower=pos)
+    b.blend_attention_split = True
+    b.blend_split_min_keys = 65
+    below = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos, lower=pos)
+    assert not called
+    for x, y, z in zip(grouped, off, below, strict=True):
+        assert torch.equal(x, y) and torch.equal(x, z)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_split_attention_in_the_pipeline_is_exact(backend, monkeypatch, exact):
+    """The fusor with the block-causal split (lower bounds from the exact positions on a CPU, or from
+    earlier layers' selections as on CUDA) gives the blend of the unsplit grouped attention, and at
+    100% recompute the full prefill's KV and logits."""
+    chunks = _chunks([48, 40, 56], seed=40)
+    suffix = random_tokens(9, 256, seed=41)
+    monkeypatch.setattr(backend, "blend_attention_groups", 4)
+    monkeypatch.setattr(backend, "blend_group_rows", 4)
+    monkeypatch.setattr(fuse, "SelectionBounds", functools.partial(SelectionBounds, exact=exact))
+    monkeypatch.setattr(backend, "blend_attention_split", False)
+    unsplit = {r: run_blend(backend, chunks, suffix, Blend(recompute_ratio=r)) for r in (1.0, 0.3)}
+    monkeypatch.setattr(backend, "blend_attention_split", True)
+    monkeypatch.setattr(backend, "blend_split_min_keys", 16)
+    splits = []
+    real = backend._attention_split
+    monkeypatch.setattr(backend, "_attention_split", lambda *a: splits.append(a[-1]) or real(*a))
+    for ratio in (1.0, 0.3):
+        res = run_blend(backend, chunks, suffix, Blend(recompute_ratio=ratio))
+        torch.testing.assert_close(res.kv.data, unsplit[ratio].kv.data, atol=1e-5, rtol=0)
+        torch.testing.assert_close(res.logits, unsplit[ratio].logits, atol=1e-5, rtol=0)
+    assert splits and all(c > 0 and c % MASK_ALIGNMENT == 0 for c in splits)
+    full, logits = backend.forward(res.tokens, None, 0, logits=True)
+    whole = run_blend(backend, chunks, suffix, Blend(recompute_ratio=1.0))
+    torch.testing.assert_close(whole.kv.data, full.data, atol=ATOL, rtol=0)
+    torch.testing.assert_close(whole.logits, logits, atol=ATOL, rtol=0)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(2, 60), seed=st.integers(0, 1000), layers=st.integers(1, 5), exact=st.booleans())
+def test_selection_lower_bounds_hold_for_nested_selections(n, seed, layers, exact):
+    """The host-side lower bounds from earlier (superset) selections are never above a selected
+    position, and never decrease."""
+    gen = torch.Generator().manual_seed(seed)
+    bounds = SelectionBounds(n, torch.device("cpu"), exact=exact)
+    current = torch.arange(n)
+    for _ in range(layers):
+        keep = torch.rand(current.numel(), generator=gen) < 0.7
+        keep[-1] = True
+        current = current[keep]
+        bounds.upper(current)
+        lower = bounds.lower(current)
+        bounds.record(current)
+        assert len(lower) == current.numel()
+        assert all(lo <= p for p, lo in zip(current.tolist(), lower, strict=True))
+        assert list(lower) == sorted(lower)
+        if exact:
+            assert list(lower) == current.tolist()
+
+
+def test_merge_attention_joins_two_key_sets():
+    """Attention over keys [0, c) and [c, n) with their log-sum-exps merges into attention over all n,
+    an additive mask on the second part included."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, m, 8, generator=gen) for m in (5, 20, 20))
+    seen = torch.rand(5, 20, generator=gen) < 0.6
+    seen[:, 12] = True
+    bias = torch.zeros(5, 20).masked_fill_(~seen, float("-inf"))
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, scale=0.3)
+    out_a, lse_a = attention_lse(q, k[:, :, :12], v[:, :, :12], bias[:, :12], 0.3)
+    out_b, lse_b = attention_lse(q, k[:, :, 12:], v[:, :, 12:], bias[:, 12:], 0.3)
+    ref_lse = (q @ k[:, :, :12].transpose(-1, -2) * 0.3 + bias[:, :12]).logsumexp(-1)
+    torch.testing.assert_close(lse_a, ref_lse, atol=1e-5, rtol=0)
+    torch.testing.assert_close(merge_attention(out_a, lse_a, out_b, lse_b), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_attention_on_cuda_equals_the_masked_call(dtype):
+    """On CUDA the split's kernels (flash without a mask, the memory-efficient one with it, SDPA's
+    internal ops) pass the backend's own check and give the masked call's attention on a group of
+    Llama-sized heads."""
+    b = HFBackend(tiny_model("llama", layers=1), name="tiny-llama")
+    b._n_heads, b._n_kv, b._head_dim, b._scaling = 8, 8, 128, 128**-0.5
+    device = torch.device("cuda")
+    assert b._split_attention_works(device, dtype)
+    gen = torch.Generator().manual_seed(5)
+    n = 2000
+    index = torch.cat([torch.tensor([700]), 701 + torch.randperm(n - 701, generator=gen)[:300].sort().values])
+    q, k, v = (torch.randn(1, 8, m, 128, generator=gen).to(device, dtype) for m in (index.numel(), n, n))
+    mask = selected_rows_mask(index.to(device), n, dtype, additive=True)
+    with without_cudnn_attention():
+        want = b._attention_masked(q, k, v, mask)
+        got = b._attention_split(q, k, v, mask, 688)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)

@@ -113,6 +113,42 @@ def row_groups(
     return [(a, b, min(n_keys, upper[b - 1] + 1)) for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
+def attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [1, heads, S, D] over k, v [1, heads, K, D] (K/V heads already expanded to the
+    query heads) under an optional additive bias [S, K] in q's dtype, with each row's log-sum-exp of
+    its scaled, biased scores [1, heads, S] in float32: what `merge_attention` needs to join the
+    attention over two disjoint key sets.
+
+    SDPA's public call returns no log-sum-exp; its kernels do. On CUDA: flash attention without a bias
+    in half precision, else the memory-efficient kernel (the bias broadcast over the batch and heads,
+    as SDPA itself passes it); on a CPU the CPU flash kernel. Every row must see at least one key.
+    """
+    if q.device.type == "cuda":
+        if bias is None and q.dtype in _FLASH_DTYPES:
+            res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+        else:
+            full = None if bias is None else bias.expand(q.shape[0], q.shape[1], *bias.shape)
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, full, True, 0.0, False, scale=scale)
+    else:
+        res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=bias, scale=scale
+        )
+    return res[0], res[1][..., : q.shape[2]].float()  # the memory-efficient kernel pads rows of its LSE
+
+
+def merge_attention(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> torch.Tensor:
+    """The attention over the union of two disjoint key sets, from each set's attention [1, heads, S, D]
+    and log-sum-exp [1, heads, S] (`attention_lse`): each part weighs by its share of the softmax
+    denominator, exp(lse_a) / (exp(lse_a) + exp(lse_b)) = sigmoid(lse_a - lse_b). In float32, then back
+    to the outputs' dtype: four device ops (casts of float32 outputs are none)."""
+    w = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
+    return torch.lerp(out_b.float(), out_a.float(), w).to(out_a.dtype)
+
+
 class SharedSdpaRestriction:
     """`sdpa_kernel(backends)` that threads can hold at once without corrupting the process's flags.
 

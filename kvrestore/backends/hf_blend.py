@@ -8,6 +8,7 @@ projection helpers (`_layers`, `_rotary`, `rotary`, `_project`, `_project_normed
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,10 +19,14 @@ from kvrestore.backends.attention import (
     _SDPA_GQA,
     _rotate_half,
     apply_rope,
+    attention_lse,
+    merge_attention,
     row_groups,
     without_cudnn_attention,
 )
 from kvrestore.core.errors import UnsupportedModelError
+
+log = logging.getLogger("kvrestore.blend")
 
 # RoPE variants whose frequencies do not depend on the sequence: cached keys can be moved exactly
 REROTATABLE_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
@@ -64,6 +69,15 @@ class HFBlendMixin:
     # host (`run_layer_selective(upper=)`); 1 runs one masked call over all keys.
     blend_attention_groups: int = 4
     blend_group_rows: int = 64
+    # Block-causal split of each group (`_attention_split`), where the caller also knows lower bounds of
+    # the rows' positions (`run_layer_selective(lower=)`): the keys every row of the group sees go to an
+    # unmasked call, only the rest to the masked one. A group splits when at least `blend_split_min_keys`
+    # keys are unmasked (below that the extra call and the merge cost more than they save).
+    blend_attention_split: bool = True
+    blend_split_min_keys: int = 512
+    # whether the split's kernels (`attention_lse`) agree with the masked call, per (device, dtype):
+    # checked once on CUDA (per head shape too), where they are SDPA's internal ops (`_split_attention_works`)
+    _split_checked: dict[tuple[str, torch.dtype, int, int], bool] = {}
 
     if TYPE_CHECKING:  # what HFBackend, the class this is mixed into, provides (see there)
         rotary: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -161,6 +175,7 @@ class HFBlendMixin:
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         upper: Sequence[int] | None = None,
+        lower: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decoder layer for a subset of tokens of a sequence whose KV for this layer is `k`, `v`.
 
@@ -173,7 +188,9 @@ class HFBlendMixin:
         `project_candidates`) only their queries are projected here. With `upper` (for each row, a
         host-side upper bound of its position, non-decreasing: `index` itself, or bounds that need no
         device sync) the attention runs in groups of rows over key prefixes (`row_groups`): the same
-        result, for about half the attention work.
+        result, for about half the attention work. With `lower` too (host-side lower bounds of the
+        positions, non-decreasing) each group is split block-causally (`_attention_split`): the keys all
+        its rows see attend without a mask, only the rest under it.
         """
         index = index.to(self.device)
         cos, sin = rope if rope is not None else self.rotary(hidden, index)
@@ -188,7 +205,7 @@ class HFBlendMixin:
             kr, vr = k_rows[None], v_rows[None]
         k.index_copy_(1, index, kr[0])
         v.index_copy_(1, index, vr[0])
-        out = self._attention_selected(q, k.unsqueeze(0), v.unsqueeze(0), index, upper)
+        out = self._attention_selected(q, k.unsqueeze(0), v.unsqueeze(0), index, upper, lower)
         return self._mix(mod, hidden, out), kr[0], vr[0]
 
     @torch.inference_mode()
@@ -219,11 +236,13 @@ class HFBlendMixin:
         v: torch.Tensor,
         index: torch.Tensor,
         upper: Sequence[int] | None = None,
+        lower: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Attention of scattered rows q [1, heads, S, D] at sorted positions `index` [S] over k, v
         [1, H, N, D], each row causal at its position; in groups over key prefixes when `upper` bounds
-        the positions on the host (see `run_layer_selective`). On CUDA grouped-query heads are expanded
-        once (see `_attention_masked`) and each group's keys are a view of them."""
+        the positions on the host, each group split block-causally when `lower` bounds them too (see
+        `run_layer_selective`). Grouped-query heads are expanded once on CUDA, and on a CPU where a group
+        splits (see `_attention_masked`, `attention_lse`); each group's keys are a view of them."""
         n = k.shape[2]
         if upper is None:
             groups = [(0, q.shape[2], n)]
@@ -231,17 +250,78 @@ class HFBlendMixin:
             groups = row_groups(upper, n, self.blend_attention_groups, self.blend_group_rows)
         last = groups[-1][2]  # the key counts do not decrease
         k, v = k[:, :, :last], v[:, :, :last]
-        if q.device.type == "cuda" and self._n_heads != self._n_kv:
+        cuda = q.device.type == "cuda"
+        starts = self._unmasked_keys(groups, lower, q.device, q.dtype)
+        split = any(starts)
+        if (cuda or split) and self._n_heads != self._n_kv:
             rep = self._n_heads // self._n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        cuda = q.device.type == "cuda"
-        mask = selected_rows_mask(index, last, q.dtype, additive=cuda)  # sliced per group
+        mask = selected_rows_mask(index, last, q.dtype, additive=cuda or split)  # sliced per group
+        outs = []
         with without_cudnn_attention() if cuda else contextlib.nullcontext():
-            outs = [
-                self._attention_masked(q[:, :, a:b], k[:, :, :kl], v[:, :, :kl], mask[a:b, :kl])
-                for a, b, kl in groups
-            ]
+            for (a, b, kl), c in zip(groups, starts, strict=True):
+                part = (q[:, :, a:b], k[:, :, :kl], v[:, :, :kl], mask[a:b, :kl])
+                outs.append(self._attention_split(*part, c) if c else self._attention_masked(*part))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _unmasked_keys(
+        self,
+        groups: list[tuple[int, int, int]],
+        lower: Sequence[int] | None,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> list[int]:
+        """For each group (a, b, n_keys): how many leading keys every one of its rows sees, so they need
+        no mask -- the lower bound of its first row's position, rounded down to `MASK_ALIGNMENT` (the
+        masked part's slice of the additive mask then starts aligned) -- or 0 where the group does not
+        split (no `lower`, fewer than `blend_split_min_keys` such keys, or the split unavailable)."""
+        if lower is None or not self.blend_attention_split:
+            return [0] * len(groups)
+        starts = [min(lower[a], kl - 1) // MASK_ALIGNMENT * MASK_ALIGNMENT for a, _, kl in groups]
+        starts = [c if c >= max(1, self.blend_split_min_keys) else 0 for c in starts]
+        if any(starts) and not self._split_attention_works(device, dtype):
+            return [0] * len(groups)
+        return starts
+
+    def _attention_split(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, c: int
+    ) -> torch.Tensor:
+        """`_attention_masked` of one group whose rows all see keys [0, c): those keys in one call
+        without a mask (flash attention on CUDA in half precision), keys [c, n) under the mask's slice,
+        joined by their log-sum-exps (`merge_attention`). Every row sees its own key, which is at c or
+        past it, so neither part has a row with no key. K/V heads are expanded; `mask` is additive."""
+        out_a, lse_a = attention_lse(q, k[:, :, :c], v[:, :, :c], None, self._scaling)
+        out_b, lse_b = attention_lse(q, k[:, :, c:], v[:, :, c:], mask[:, c:], self._scaling)
+        return merge_attention(out_a, lse_a, out_b, lse_b)
+
+    def _split_attention_works(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether `_attention_split` gives `_attention_masked`'s result here, checked once per device,
+        dtype and head shape on a small random group (on CUDA its kernels are SDPA's internal ops, whose signatures
+        a torch release may change); False, with a warning, sends every group to the masked call."""
+        if device.type != "cuda":
+            return True
+        key = (str(device), dtype, self._n_heads, self._head_dim)
+        if key not in self._split_checked:
+            self._split_checked[key] = self._check_split_attention(device, dtype)
+        return self._split_checked[key]
+
+    def _check_split_attention(self, device: torch.device, dtype: torch.dtype) -> bool:
+        gen = torch.Generator().manual_seed(0)
+        h, d, n, c = self._n_heads, self._head_dim, 3 * MASK_ALIGNMENT + 5, MASK_ALIGNMENT
+        index = torch.cat([torch.tensor([c]), c + 1 + torch.randperm(n - c - 1, generator=gen)[:20].sort().values])
+        q, k, v = (torch.randn(1, h, m, d, generator=gen).to(device, dtype) for m in (index.numel(), n, n))
+        mask = selected_rows_mask(index.to(device), n, dtype, additive=True)
+        try:
+            with without_cudnn_attention():
+                want = self._attention_masked(q, k, v, mask)
+                got = self._attention_split(q, k, v, mask, c)
+            ok = torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+            why = "its result differs from the masked call's"
+        except RuntimeError as exc:
+            ok, why = False, f"{type(exc).__name__}: {exc}"
+        if not ok:
+            log.warning("block-causal split attention unavailable on %s %s (%s): masked calls only", device, dtype, why)
+        return ok
 
     def _attention_masked(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor

@@ -253,6 +253,7 @@ async def _fuse(
         sel = cand[keep]
         rope_sel = rope_cand.index_select(2, keep)
         upper = bounds.upper(sel)  # where the kept rows can sit, for the attention's key prefixes
+        lower = bounds.lower(sel)  # and the keys all rows of a group see, attended without a mask
         bounds.record(sel)
         if policy.update_candidates:  # every candidate's fresh K/V replaces its loaded K/V (no compute)
             kv.data[i].index_copy_(2, cand, fresh)
@@ -265,6 +266,7 @@ async def _fuse(
             rope=(rope_sel[0], rope_sel[1]),
             projected=(x[:, keep], *fresh.index_select(2, keep)),
             upper=upper,
+            lower=lower,
         )
         timer.stop(i, mark)
         chosen = min(size, cand.numel() - n_forced)

@@ -101,6 +101,15 @@ class SelectionBounds:
             return [self._n_tokens - 1] * s
         return self._superset[m - s :]
 
+    def lower(self, selection: torch.Tensor) -> Sequence[int]:
+        """Non-decreasing lower bounds of the sorted positions in `selection`, from the set the last
+        `upper` used (call it first): the r-th smallest of a subset is at least the r-th smallest of
+        its superset."""
+        if self.exact:
+            return selection.tolist()
+        s = selection.numel()
+        return self._superset[:s] if s <= len(self._superset) else [0] * s
+
     def record(self, selection: torch.Tensor) -> None:
         """Start copying a layer's selection to the host, for the bounds of the layers after it."""
         if self.exact:

@@ -11,6 +11,8 @@ the device, nothing downloaded). For each layout (default 4 chunks x 2,048 and 4
   layer 0's compute, the other layers' compute, the time the compute lane waited for a layer to load;
   and at 15% with the selected rows' attention in one masked call over all keys
   (`backend.blend_attention_groups = 1`, "one-call"), against the default groups over key prefixes;
+  and at 15% with those groups each in one masked call ("unsplit", `blend_attention_split = False`),
+  against the default block-causal split on CUDA (the keys all of a group's rows see without a mask);
   and at 15% with the loader checking each layer's device checksums on the host before placing it
   ("checked-per-layer", a device round trip per layer), against the default deferred checks; and with
   the loader reading one layer per read ("one-layer-per-read", at most 4 layers ahead), against the
@@ -22,9 +24,11 @@ the device, nothing downloaded). For each layout (default 4 chunks x 2,048 and 4
   Quality with random weights means nothing: `blend_quality.py` (SmolLM2, CPU) is the quality reference.
 
 Garbage is collected before each run, and what is alive once the model is built is frozen out of later
-collections (`gc.freeze`, as vLLM does after start-up). Cases are warmed up and interleaved round by
-round; medians, and the spread (max - min) / median of the rounds after warm-up. The spread target
-applies to the blend as shipped at each ratio (`targets`).
+collections (`gc.freeze`, as vLLM does after start-up). The split attention's one-time kernel check runs
+before any case. Cases are warmed up and interleaved round by round; medians, and the spread (max - min)
+/ median of the rounds after warm-up. The spread target applies to the blend as shipped at each ratio
+(`targets`). On CUDA each case also records the device memory segments the caching allocator had to
+create during its timed rounds (`new_segments_timed`: 0 means no cudaMalloc inside a timed round).
 
     python benchmarks/gpu_blend.py                          # CUDA: 4x2048+64 and 4x4096+64, 5 rounds
     python benchmarks/gpu_blend.py --tiny --out /tmp/b.json # CPU smoke test: tiny Llama
@@ -107,10 +111,24 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
     async def hf() -> Sample:
         return timed_stock_prefill(model, ids_dev)
 
-    def blend_case(r: float, groups: int | None = None, loader: dict | None = None):
+    def segments() -> int:
+        """cudaMalloc calls the caching allocator has made so far (0 off CUDA)."""
+        return torch.cuda.memory_stats(device).get("segment.all.allocated", 0) if device.type == "cuda" else 0
+
+    def counting(fn):  # a case's Sample with the segments allocated while it ran
+        async def case() -> Sample:
+            before = segments()
+            sample = await fn()
+            sample.extra["new_segments"] = segments() - before
+            return sample
+
+        return case
+
+    def blend_case(r: float, groups: int | None = None, loader: dict | None = None, split: bool | None = None):
         async def case() -> Sample:
             default = backend.blend_attention_groups
             backend.blend_attention_groups = default if groups is None else groups
+            backend.blend_attention_split = split
             if loader:  # the loader as it was before a change (its StoreChunkSource arguments)
                 fuse.StoreChunkSource = functools.partial(StoreChunkSource, **loader)  # type: ignore[misc]
             try:
@@ -121,6 +139,7 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
                 s = time.perf_counter() - t
             finally:
                 backend.blend_attention_groups = default
+                backend.blend_attention_split = None
                 fuse.StoreChunkSource = StoreChunkSource  # type: ignore[misc]
             st = res.stats
             return Sample(
@@ -153,13 +172,14 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
         cases[f"blend@{r:g}"] = blend_case(r)
     if 0.15 in args.ratios:  # the selected rows' attention in one masked call, as before the grouping
         cases["blend@0.15 one-call"] = blend_case(0.15, groups=1)
+        cases["blend@0.15 unsplit"] = blend_case(0.15, split=False)  # groups, each one masked call
         # the loader before deferred checks (a host round trip per layer), and before reads of 4 layers
         cases["blend@0.15 checked-per-layer"] = blend_case(0.15, loader={"defer_checks": False})
         cases["blend@0.15 one-layer-per-read"] = blend_case(0.15, loader={"layers_per_read": 1, "ahead": 4})
         for g in args.groups:  # more group counts to compare with the default (`--groups`)
             cases[f"blend@0.15 groups={g}"] = blend_case(0.15, groups=g)
     cases["prefix-load-only"] = prefix_restore
-    wrapped = {name: Failing(name, fn, device) for name, fn in cases.items()}
+    wrapped = {name: Failing(name, counting(fn), device) for name, fn in cases.items()}
     raw = await interleave(wrapped, args.rounds, warmup=args.warmup, log=lambda s: log("  " + s), collect=True)
     out["errors"] = {name: w.error for name, w in wrapped.items() if w.error}
 
@@ -169,6 +189,7 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
         secs = [s.seconds for s in samples]
         med_s = median(secs)
         entry: dict[str, Any] = {"median_s": med_s, "seconds": secs, "spread": spread(secs)}
+        entry["new_segments_timed"] = sum(s.extra.get("new_segments", 0) for s in samples)
         if name != "hf-prefill":
             entry["speedup_over_hf"] = ratio(hf_s, med_s)
         if name.startswith("blend@"):
@@ -289,6 +310,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     gc.freeze()  # alive now are never scanned again, so a collection during a round stays short
     kernel = masked_attention_kernel(backend, device)
     log(f"masked attention kernel: {kernel}")
+    split = backend._split_attention_works(device, backend.spec.dtype)  # its one-time check, untimed
+    log(f"block-causal split attention: {'on' if split else 'unavailable (masked calls only)'}")
     if kernel.startswith("math"):
         log("WARNING: the selective layers fall back to SDPA's MATH kernel; blend times are not representative")
     result: dict[str, Any] = {
@@ -308,6 +331,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "tiny": args.tiny,
             "switch_interval_s": sys.getswitchinterval(),
             "masked_attention_kernel": kernel,
+            "split_attention": split,
         },
         "machine": machine_info(),
         "code": code_version(),

@@ -280,8 +280,25 @@ def _restore_rows(data: Any) -> list[Row]:
 
 
 def _blend_rows(data: Any) -> list[Row]:
-    """gpu_blend: issue 36's targets per layout."""
+    """gpu_blend: issue 36's targets per layout; then, per layout, what the blend as shipped is compared
+    with (no target: the figure only) and whether a timed round allocated device memory."""
     rows: list[Row] = []
+    for lay in _get(data, "layouts") or []:
+        name = f"{lay.get('chunks')}x{lay.get('chunk_tokens')}+{lay.get('question')}"
+        cases = lay.get("cases", {})
+        for case in ("blend@0.15 unsplit", "blend@0.15 one-call"):
+            sp = _get(cases, case, "speedup_over_hf")
+            rows.append(Row("36", f"{name}: {case} x stock prefill (for comparison)", sp, None, "gpu_blend"))
+        seg = _get(cases, "blend@0.15", "new_segments_timed")
+        rows.append(
+            Row(
+                "36",
+                f"{name}: blend@15% allocates no device memory in timed rounds",
+                seg,
+                None if seg is None else seg == 0,
+                "gpu_blend",
+            )
+        )
     for name, t in (_get(data, "targets", "by_layout") or {}).items():
         sp = t.get("blend15_speedup")
         rows.append(

@@ -93,12 +93,15 @@ def test_gpu_blend_tiny(tmp_path: Path) -> None:
         "blend@0.15",
         "blend@0.3",
         "blend@0.15 one-call",
+        "blend@0.15 unsplit",
         "blend@0.15 checked-per-layer",
         "blend@0.15 one-layer-per-read",
         "prefix-load-only",
     }
     for name, case in layout["cases"].items():
         assert case["median_s"] > 0, name
+        assert case["new_segments_timed"] == 0, name  # no CUDA here: no device segments at all
+    assert data["config"]["split_attention"] is True
     for name in ("blend@0.15", "blend@0.15 one-call", "blend@0.15 checked-per-layer", "blend@0.15 one-layer-per-read"):
         assert layout["cases"][name]["loaded_chunks"] == 4
         layers = data["config"]["shape"]["num_hidden_layers"]

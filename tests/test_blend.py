@@ -799,6 +799,7 @@ def test_selective_layers_never_wait_for_the_device(backend, monkeypatch, split_
     and the logits."""
     logs: list[_OpLog] = []
     monkeypatch.setattr(backend, "blend_split_min_keys", split_min_keys)
+    monkeypatch.setattr(backend, "blend_attention_split", True)
 
     class SpyTimer(fuse.LayerTimer):
         def start(self):
@@ -1086,6 +1087,7 @@ def test_block_causal_split_equals_one_masked_call(picks, groups, slack):
     lower = [max(0, p - slack) for p in index.tolist()]
     one = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone())
     b.blend_attention_groups, b.blend_group_rows, b.blend_split_min_keys = groups, 2, 1
+    b.blend_attention_split = True  # on a CPU too (by default it splits on CUDA only)
     splits = []
     real = b._attention_split
     b._attention_split = lambda *a: splits.append(a[-1]) or real(*a)  # type: ignore[method-assign]
@@ -1098,8 +1100,9 @@ def test_block_causal_split_equals_one_masked_call(picks, groups, slack):
 
 
 def test_split_without_lower_bounds_or_below_the_minimum_is_the_grouped_call():
-    """No lower bounds, the split turned off, or fewer unmasked keys than `blend_split_min_keys`: every
-    group takes the masked call, bit for bit the grouped attention as it was."""
+    """No lower bounds, the split turned off (or left to its default on a CPU), or fewer unmasked keys
+    than `blend_split_min_keys`: every group takes the masked call, bit for bit the grouped attention
+    as it was."""
     b = HFBackend(tiny_model("llama", layers=1), name="tiny-llama")
     n = 96
     hidden = b.embed(random_tokens(n, 256, seed=10))
@@ -1109,7 +1112,10 @@ def test_split_without_lower_bounds_or_below_the_minimum_is_the_grouped_call():
     b.blend_attention_groups, b.blend_group_rows = 2, 2
     called = []
     b._attention_split = lambda *a: called.append(a) or pytest.fail("split")  # type: ignore[method-assign]
+    b.blend_attention_split = True
     grouped = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos)
+    b.blend_attention_split = None  # the default: CUDA only
+    default = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos, lower=pos)
     b.blend_split_min_keys = 64  # the groups' unmasked keys: 32 and 64 (aligned down from 40 and 67)
     b.blend_attention_split = False
     off = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos, lower=pos)
@@ -1117,8 +1123,8 @@ def test_split_without_lower_bounds_or_below_the_minimum_is_the_grouped_call():
     b.blend_split_min_keys = 65
     below = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos, lower=pos)
     assert not called
-    for x, y, z in zip(grouped, off, below, strict=True):
-        assert torch.equal(x, y) and torch.equal(x, z)
+    for x, y, z, w in zip(grouped, off, below, default, strict=True):
+        assert torch.equal(x, y) and torch.equal(x, z) and torch.equal(x, w)
 
 
 @pytest.mark.parametrize("exact", [True, False])

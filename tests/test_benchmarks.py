@@ -167,8 +167,9 @@ def test_gpu_suite_tiny(tmp_path: Path) -> None:
 
 
 def test_gpu_suite_records_failures_and_timeouts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A benchmark that fails, one that outlives its limit and one whose script is missing are each
-    recorded as such, and the suite goes on to the next."""
+    """A benchmark that fails, one that outlives its limit and one whose script is missing (expected
+    for another issue's, a failure for one the suite needs) are each recorded as such, and the suite
+    goes on to the next."""
     sys.path.insert(0, str(BENCH))
     import gpu_suite
 
@@ -185,6 +186,7 @@ def test_gpu_suite_records_failures_and_timeouts(tmp_path: Path, monkeypatch: py
         gpu_suite.Entry("fails", "fails.py", [], 30),
         gpu_suite.Entry("sleeps", "sleeps.py", [], 1),
         gpu_suite.Entry("absent", "absent.py", [], 30, optional=True),
+        gpu_suite.Entry("lost", "lost.py", [], 30),
         gpu_suite.Entry("writes", "writes.py", [], 30),
     ]
     monkeypatch.setattr(gpu_suite, "entries", lambda tiny: suite)
@@ -194,6 +196,7 @@ def test_gpu_suite_records_failures_and_timeouts(tmp_path: Path, monkeypatch: py
         "fails": "failed",
         "sleeps": "timeout",
         "absent": "missing",
+        "lost": "failed",
         "writes": "ok",
     }
     assert outcomes["fails"].rc == 3 and "boom" in outcomes["fails"].log

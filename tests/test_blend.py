@@ -1212,3 +1212,24 @@ def test_split_attention_on_cuda_equals_the_masked_call(dtype):
         want = b._attention_masked(q, k, v, mask)
         got = b._attention_split(q, k, v, mask, 688)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_blend_on_cuda_equals_the_unsplit_one(dtype):
+    """The fusor on CUDA with the block-causal split on every group that allows it (bounds from earlier
+    layers' selections, as CUDA has them) gives the blend of one masked call per group: at full
+    recompute, and in float32 at partial recompute too (in bf16 a rounding may pick another token)."""
+    b = HFBackend(tiny_model("llama", layers=4).to("cuda", dtype), name="tiny-llama-cuda")
+    b.blend_attention_groups, b.blend_group_rows = 4, 4
+    chunks = _chunks([48, 40, 56], seed=60)
+    suffix = random_tokens(9, 256, seed=61)
+    ratios = (1.0, 0.3) if dtype == torch.float32 else (1.0,)
+    got = {}
+    for split in (False, True):
+        b.blend_attention_split, b.blend_split_min_keys = split, 16
+        got[split] = {r: run_blend(b, chunks, suffix, Blend(recompute_ratio=r)) for r in ratios}
+    atol = ATOL if dtype == torch.float32 else 5e-2
+    for r in ratios:
+        torch.testing.assert_close(got[True][r].kv.data.float(), got[False][r].kv.data.float(), atol=atol, rtol=0)
+        assert got[True][r].stats.recomputed == got[False][r].stats.recomputed

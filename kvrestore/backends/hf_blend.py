@@ -321,7 +321,7 @@ class HFBlendMixin:
                 got = self._attention_split(q, k, v, mask, c)
             ok = torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2)
             why = "its result differs from the masked call's"
-        except RuntimeError as exc:
+        except Exception as exc:  # an internal op missing or changed in this torch: no split, not a failure
             ok, why = False, f"{type(exc).__name__}: {exc}"
         if not ok:
             log.warning("block-causal split attention unavailable on %s %s (%s): masked calls only", device, dtype, why)

@@ -1222,6 +1222,7 @@ def test_split_blend_on_cuda_equals_the_unsplit_one(dtype):
     recompute, and in float32 at partial recompute too (in bf16 a rounding may pick another token)."""
     b = HFBackend(tiny_model("llama", layers=4).to("cuda", dtype), name="tiny-llama-cuda")
     b.blend_attention_groups, b.blend_group_rows = 4, 4
+    assert b._split_attention_works(torch.device("cuda"), dtype)  # else every group takes the masked call
     chunks = _chunks([48, 40, 56], seed=60)
     suffix = random_tokens(9, 256, seed=61)
     ratios = (1.0, 0.3) if dtype == torch.float32 else (1.0,)

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _common import write_json
 from _provenance import code_version
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -536,7 +537,7 @@ def write_outputs(
     summary = {
         "benchmark": "gpu_suite",
         **header,
-        "rows": [r.__dict__ for r in rows],
+        "rows": rows,
         "benchmarks": {
             o.name: {
                 "status": o.status,
@@ -550,30 +551,13 @@ def write_outputs(
         },
     }
     (args.out / "summary.md").write_text(markdown(rows, outcomes, header))
-    dump(args.out / "summary.json", summary)
-    dump(args.out / "results.json", {o.name: o.data for o in outcomes.values() if o.data is not None})
+    write_json(args.out / "summary.json", summary)
+    write_json(args.out / "results.json", {o.name: o.data for o in outcomes.values() if o.data is not None})
     logs = [
         f"===== {o.name}: {o.status} {o.reason}\n$ {' '.join(o.command)}\n{o.log}" for o in outcomes.values()
     ]
     (args.out / "logs.txt").write_text("\n".join(logs))
     return rows
-
-
-def dump(path: Path, data: Any) -> None:
-    """JSON with NaN and infinities as null (a benchmark's missing figure), written whole or not at all."""
-
-    def clean(x: Any) -> Any:
-        if isinstance(x, float) and not math.isfinite(x):
-            return None
-        if isinstance(x, dict):
-            return {str(k): clean(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return [clean(v) for v in x]
-        return x
-
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(clean(data), indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def unbundle(results: Path, machine: str, dest: Path) -> list[Path]:
@@ -584,7 +568,7 @@ def unbundle(results: Path, machine: str, dest: Path) -> list[Path]:
         if name == "cuda-tests":
             continue
         path = dest / f"{name}-{machine}.json"
-        dump(path, data)
+        write_json(path, data)
         written.append(path)
     return written
 

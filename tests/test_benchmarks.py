@@ -163,6 +163,9 @@ def test_gpu_suite_tiny(tmp_path: Path) -> None:
     blend = [r for r in rows if r["source"] == "gpu_blend"]
     assert any("100% recompute" in r["target"] and r["met"] is True for r in blend)
     assert any("restore_blend@15%" in r["target"] and r["figure"] > 0 for r in blend)
+    if status["never_slower"] == "ok":  # its rows: every case's worst ratio, a figure each
+        never = [r for r in rows if r["source"] == "never_slower"]
+        assert len(never) == 7 and all(r["figure"] is not None and r["met"] is not None for r in never)
     assert (out / "summary.md").read_text().count("| gpu_restore |") >= 1
 
 

@@ -791,14 +791,14 @@ class _OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("split_min_keys", [512, 16], ids=["groups", "block-causal-split"])
-def test_selective_layers_never_wait_for_the_device(backend, monkeypatch, split_min_keys):
+@pytest.mark.parametrize("split_min_work", [1 << 21, 1], ids=["groups", "block-causal-split"])
+def test_selective_layers_never_wait_for_the_device(backend, monkeypatch, split_min_work):
     """Every op of the selective layers, run as on CUDA (bounds from earlier selections, grouped
     attention, split block-causally where enough keys allow), is one the host can queue without reading
     a result back: nothing like `.item()`, `int(t)`, `nonzero` or boolean-mask indexing between layer 1
     and the logits."""
     logs: list[_OpLog] = []
-    monkeypatch.setattr(backend, "blend_split_min_keys", split_min_keys)
+    monkeypatch.setattr(backend, "blend_split_min_work", split_min_work)
     monkeypatch.setattr(backend, "blend_attention_split", True)
 
     class SpyTimer(fuse.LayerTimer):
@@ -821,7 +821,7 @@ def test_selective_layers_never_wait_for_the_device(backend, monkeypatch, split_
         assert not _SYNCING_OPS & set(log.ops), f"layer {i} waits for the device: {_SYNCING_OPS & set(log.ops)}"
         assert log.bool_indexing == 0, f"layer {i} indexes with a boolean mask"
     merged = any("lerp" in log.ops for log in logs[1:])  # merge_attention: a split group ran
-    assert merged == (split_min_keys == 16)
+    assert merged == (split_min_work == 1)
 
 
 class _PlainBackend:
@@ -1086,7 +1086,7 @@ def test_block_causal_split_equals_one_masked_call(picks, groups, slack):
     upper = [min(n - 1, p + slack) for p in index.tolist()]
     lower = [max(0, p - slack) for p in index.tolist()]
     one = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone())
-    b.blend_attention_groups, b.blend_group_rows, b.blend_split_min_keys = groups, 2, 1
+    b.blend_attention_groups, b.blend_group_rows, b.blend_split_min_work = groups, 2, 1
     b.blend_attention_split = True  # on a CPU too (by default it splits on CUDA only)
     splits = []
     real = b._attention_split
@@ -1100,9 +1100,9 @@ def test_block_causal_split_equals_one_masked_call(picks, groups, slack):
 
 
 def test_split_without_lower_bounds_or_below_the_minimum_is_the_grouped_call():
-    """No lower bounds, the split turned off (or left to its default on a CPU), or fewer unmasked keys
-    than `blend_split_min_keys`: every group takes the masked call, bit for bit the grouped attention
-    as it was."""
+    """No lower bounds, the split turned off (or left to its default on a CPU), or fewer unmasked
+    (row, key) pairs than `blend_split_min_work`: every group takes the masked call, bit for bit the
+    grouped attention as it was; at the minimum exactly, the group that reaches it splits."""
     b = HFBackend(tiny_model("llama", layers=1), name="tiny-llama")
     n = 96
     hidden = b.embed(random_tokens(n, 256, seed=10))
@@ -1111,20 +1111,24 @@ def test_split_without_lower_bounds_or_below_the_minimum_is_the_grouped_call():
     pos = index.tolist()
     b.blend_attention_groups, b.blend_group_rows = 2, 2
     called = []
-    b._attention_split = lambda *a: called.append(a) or pytest.fail("split")  # type: ignore[method-assign]
+    real = b._attention_split
+    b._attention_split = lambda *a: called.append(a[-1]) or real(*a)  # type: ignore[method-assign]
     b.blend_attention_split = True
     grouped = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos)
     b.blend_attention_split = None  # the default: CUDA only
     default = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos, lower=pos)
-    b.blend_split_min_keys = 64  # the groups' unmasked keys: 32 and 64 (aligned down from 40 and 67)
+    b.blend_split_min_work = 1  # the groups' unmasked parts: 10 rows x 32 keys, 9 rows x 64 keys
     b.blend_attention_split = False
     off = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos, lower=pos)
     b.blend_attention_split = True
-    b.blend_split_min_keys = 65
+    b.blend_split_min_work = 577
     below = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos, lower=pos)
     assert not called
     for x, y, z, w in zip(grouped, off, below, default, strict=True):
         assert torch.equal(x, y) and torch.equal(x, z) and torch.equal(x, w)
+    b.blend_split_min_work = 576
+    b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos, lower=pos)
+    assert called == [64]  # the second group only
 
 
 @pytest.mark.parametrize("exact", [True, False])
@@ -1140,7 +1144,7 @@ def test_split_attention_in_the_pipeline_is_exact(backend, monkeypatch, exact):
     monkeypatch.setattr(backend, "blend_attention_split", False)
     unsplit = {r: run_blend(backend, chunks, suffix, Blend(recompute_ratio=r)) for r in (1.0, 0.3)}
     monkeypatch.setattr(backend, "blend_attention_split", True)
-    monkeypatch.setattr(backend, "blend_split_min_keys", 16)
+    monkeypatch.setattr(backend, "blend_split_min_work", 1)
     splits = []
     real = backend._attention_split
     monkeypatch.setattr(backend, "_attention_split", lambda *a: splits.append(a[-1]) or real(*a))
@@ -1228,7 +1232,7 @@ def test_split_blend_on_cuda_equals_the_unsplit_one(dtype):
     ratios = (1.0, 0.3) if dtype == torch.float32 else (1.0,)
     got = {}
     for split in (False, True):
-        b.blend_attention_split, b.blend_split_min_keys = split, 16
+        b.blend_attention_split, b.blend_split_min_work = split, 1
         got[split] = {r: run_blend(b, chunks, suffix, Blend(recompute_ratio=r)) for r in ratios}
     atol = ATOL if dtype == torch.float32 else 5e-2
     for r in ratios:

@@ -71,12 +71,14 @@ class HFBlendMixin:
     blend_group_rows: int = 64
     # Block-causal split of each group (`_attention_split`), where the caller also knows lower bounds of
     # the rows' positions (`run_layer_selective(lower=)`): the keys every row of the group sees go to an
-    # unmasked call, only the rest to the masked one. A group splits when at least `blend_split_min_keys`
-    # keys are unmasked (below that the extra call and the merge cost more than they save). None splits on
-    # CUDA only: there the unmasked part runs on flash attention and the mask is read over the group's own
-    # span only; a CPU kernel gains nothing from a missing mask (measured: slower, for the extra call).
+    # unmasked call, only the rest to the masked one. A group splits when its unmasked part holds at
+    # least `blend_split_min_work` (row, key) pairs: the split costs about five more launches (a second
+    # call and the merge), which pays on CUDA only when it moves some millions of pairs off the masked
+    # kernel onto flash attention (so 4 x 2k-token blends at 15% split no group, 4 x 4k most). None
+    # splits on CUDA only: a CPU kernel gains nothing from a missing mask (measured: slower, for the
+    # extra call).
     blend_attention_split: bool | None = None
-    blend_split_min_keys: int = 512
+    blend_split_min_work: int = 1 << 21
     # whether the split's kernels (`attention_lse`) agree with the masked call, per (device, dtype):
     # checked once on CUDA (per head shape too), where they are SDPA's internal ops (`_split_attention_works`)
     _split_checked: dict[tuple[str, torch.dtype, int, int], bool] = {}
@@ -276,13 +278,14 @@ class HFBlendMixin:
         """For each group (a, b, n_keys): how many leading keys every one of its rows sees, so they need
         no mask -- the lower bound of its first row's position, rounded down to `MASK_ALIGNMENT` (the
         masked part's slice of the additive mask then starts aligned) -- or 0 where the group does not
-        split (no `lower`, the split off here, fewer than `blend_split_min_keys` such keys, or the split
-        unavailable)."""
+        split (no `lower`, the split off here, fewer than `blend_split_min_work` (row, key) pairs in the
+        unmasked part, or the split unavailable)."""
         split = device.type == "cuda" if self.blend_attention_split is None else self.blend_attention_split
         if lower is None or not split:
             return [0] * len(groups)
         starts = [min(lower[a], kl - 1) // MASK_ALIGNMENT * MASK_ALIGNMENT for a, _, kl in groups]
-        starts = [c if c >= max(1, self.blend_split_min_keys) else 0 for c in starts]
+        work = max(1, self.blend_split_min_work)
+        starts = [c if c * (b - a) >= work else 0 for c, (a, b, _) in zip(starts, groups, strict=True)]
         if any(starts) and not self._split_attention_works(device, dtype):
             return [0] * len(groups)
         return starts

@@ -130,7 +130,9 @@ def attention_lse(
             res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
         else:
             full = None if bias is None else bias.expand(q.shape[0], q.shape[1], *bias.shape)
-            res = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, full, True, 0.0, False, scale=scale)
+            res = torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, full, True, 0.0, False, scale=scale
+            )
     else:
         res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, False, attn_mask=bias, scale=scale

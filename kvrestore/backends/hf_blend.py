@@ -79,8 +79,8 @@ class HFBlendMixin:
     # extra call).
     blend_attention_split: bool | None = None
     blend_split_min_work: int = 1 << 21
-    # whether the split's kernels (`attention_lse`) agree with the masked call, per (device, dtype):
-    # checked once on CUDA (per head shape too), where they are SDPA's internal ops (`_split_attention_works`)
+    # whether the split's kernels (`attention_lse`) agree with the masked call, per device, dtype and
+    # head shape: checked once on CUDA, where they are SDPA's internal ops (`_split_attention_works`)
     _split_checked: dict[tuple[str, torch.dtype, int, int], bool] = {}
 
     if TYPE_CHECKING:  # what HFBackend, the class this is mixed into, provides (see there)
@@ -303,8 +303,9 @@ class HFBlendMixin:
 
     def _split_attention_works(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether `_attention_split` gives `_attention_masked`'s result here, checked once per device,
-        dtype and head shape on a small random group (on CUDA its kernels are SDPA's internal ops, whose signatures
-        a torch release may change); False, with a warning, sends every group to the masked call."""
+        dtype and head shape on a small random group (on CUDA its kernels are SDPA's internal ops, whose
+        signatures a torch release may change); False, with a warning, sends every group to the masked
+        call."""
         if device.type != "cuda":
             return True
         key = (str(device), dtype, self._n_heads, self._head_dim)
@@ -315,7 +316,8 @@ class HFBlendMixin:
     def _check_split_attention(self, device: torch.device, dtype: torch.dtype) -> bool:
         gen = torch.Generator().manual_seed(0)
         h, d, n, c = self._n_heads, self._head_dim, 3 * MASK_ALIGNMENT + 5, MASK_ALIGNMENT
-        index = torch.cat([torch.tensor([c]), c + 1 + torch.randperm(n - c - 1, generator=gen)[:20].sort().values])
+        later = c + 1 + torch.randperm(n - c - 1, generator=gen)[:20].sort().values
+        index = torch.cat([torch.tensor([c]), later])  # rows at c and after: each sees a key past c
         q, k, v = (torch.randn(1, h, m, d, generator=gen).to(device, dtype) for m in (index.numel(), n, n))
         mask = selected_rows_mask(index.to(device), n, dtype, additive=True)
         try:
@@ -327,7 +329,8 @@ class HFBlendMixin:
         except Exception as exc:  # an internal op missing or changed in this torch: no split, not a failure
             ok, why = False, f"{type(exc).__name__}: {exc}"
         if not ok:
-            log.warning("block-causal split attention unavailable on %s %s (%s): masked calls only", device, dtype, why)
+            log.warning("block-causal split attention unavailable on %s %s (%s): masked calls only", device,
+                        dtype, why)
         return ok
 
     def _attention_masked(

@@ -408,8 +408,8 @@ def _tests_rows(data: Any) -> list[Row]:
 
 def generic_rows(issue: str, source: str, data: Any, limit: int = 40) -> list[Row]:
     """Rows of a benchmark whose JSON this suite does not know field by field (written for another
-    issue): every boolean under its "targets" whose key says met/meets/passed, with the path as the
-    target; numbers beside them in the same dict as figures."""
+    issue): every boolean under its "targets" (a target met or not), with its path as the target; in a
+    "meets" dict, the number of the same name beside it as the figure."""
     rows: list[Row] = []
 
     def walk(node: Any, path: list[str]) -> None:
@@ -417,7 +417,7 @@ def generic_rows(issue: str, source: str, data: Any, limit: int = 40) -> list[Ro
             return
         for key, val in node.items():
             here = [*path, str(key)]
-            if isinstance(val, bool) and any(w in key.lower() for w in ("meet", "met", "pass", "ok")):
+            if isinstance(val, bool) and key != "apply":  # "apply": whether targets apply on this device
                 rows.append(Row(issue, "/".join(here), val, val, source))
             elif isinstance(val, dict) and key.lower() in ("meets", "met", "passed"):
                 for k, v in val.items():

@@ -181,7 +181,7 @@ def test_gpu_suite_records_failures_and_timeouts(tmp_path: Path, monkeypatch: py
     (scripts / "fails.py").write_text("import sys; print('boom'); sys.exit(3)\n")
     (scripts / "sleeps.py").write_text("import time; time.sleep(60)\n")
     (scripts / "writes.py").write_text(
-        "import json, sys; json.dump({'targets': {'x': {'value': 2.0, 'meets': {'value': True}}}},"
+        "import json, sys; json.dump({'targets': {'x': {'value': 2.0, 'meets': {'value': True}}, 'y <= 1': False}},"
         " open(sys.argv[sys.argv.index('--out') + 1], 'w'))\n"
     )
     monkeypatch.setattr(gpu_suite, "BENCH", scripts)
@@ -205,5 +205,6 @@ def test_gpu_suite_records_failures_and_timeouts(tmp_path: Path, monkeypatch: py
     assert outcomes["fails"].rc == 3 and "boom" in outcomes["fails"].log
     assert outcomes["sleeps"].rc is None
     written = [r for r in rows if r.source == "writes"]
-    assert [(r.target, r.figure, r.met) for r in written] == [("x/value", 2.0, True)]
-    assert json.loads((out / "results.json").read_text()) == {"writes": {"targets": {"x": {"value": 2.0, "meets": {"value": True}}}}}
+    assert [(r.target, r.figure, r.met) for r in written] == [("x/value", 2.0, True), ("y <= 1", False, False)]
+    results = json.loads((out / "results.json").read_text())
+    assert results == {"writes": {"targets": {"x": {"value": 2.0, "meets": {"value": True}}, "y <= 1": False}}}

@@ -240,22 +240,20 @@ class _RealLanes:
         """Fetch chunk `i` of the running `unit` into a buffer of its own; once every chunk of the unit
         has landed so, stop the unit."""
         assert self.load_aside is not None
+        load_aside = self.load_aside
+
+        async def fetch(i: int) -> int:
+            nbytes, commit = await load_aside(i)
+            unit.landed[i] = (nbytes, commit)
+            return nbytes
+
         start = self.now()
         event: TraceEvent | None = None
         try:
             with scope:
                 async with self.load_lane:
                     start = self.now()
-                    try:
-                        with anyio.fail_after(self.load_timeout_s):
-                            nbytes, commit = await self.load_aside(i)
-                    except LOAD_FAULTS as exc:
-                        event = TraceEvent(
-                            "aside-failed", i, i, start, self.now(), error=f"{type(exc).__name__}: {exc}"
-                        )
-                    else:
-                        unit.landed[i] = (nbytes, commit)
-                        event = TraceEvent("aside", i, i, start, self.now(), nbytes)
+                    event = await timed_load(fetch, i, self.load_timeout_s, self.now, kind="aside")
         finally:
             unit.fetching.pop(i, None)
         self.send.send_nowait(event or TraceEvent("aside-dropped", i, i, start, self.now()))

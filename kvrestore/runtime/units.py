@@ -51,14 +51,18 @@ class ThreadLoad:
 
 
 async def timed_load(
-    load: Callable[[int], Awaitable[int]], i: int, timeout_s: float | None, now: Callable[[], float]
+    load: Callable[[int], Awaitable[int]],
+    i: int,
+    timeout_s: float | None,
+    now: Callable[[], float],
+    kind: str = "load",
 ) -> TraceEvent:
-    """Run one load; its event on the `now` clock: "load", or "load-failed" for a fault that makes the
-    chunk a miss (cancellation passes through)."""
+    """Run one load; its event on the `now` clock: `kind` ("load", or "aside" for a fetch aside), or
+    `kind`-failed for a fault that makes the chunk a miss (cancellation passes through)."""
     start = now()
     try:
         with anyio.fail_after(timeout_s):
             nbytes = await load(i)
     except LOAD_FAULTS as exc:
-        return TraceEvent("load-failed", i, i, start, now(), error=f"{type(exc).__name__}: {exc}")
-    return TraceEvent("load", i, i, start, now(), nbytes)
+        return TraceEvent(f"{kind}-failed", i, i, start, now(), error=f"{type(exc).__name__}: {exc}")
+    return TraceEvent(kind, i, i, start, now(), nbytes)

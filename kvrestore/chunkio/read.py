@@ -40,7 +40,8 @@ async def load_chunk_aside(
     chunk's rows); returns the stored bytes read and what copies the chunk into `kv` (on `stream`, the
     load lane's), to call once nothing else writes those rows."""
     rows = kv.chunk(ref.start, ref.end).data
-    aside = torch.empty_like(rows)
+    with on_stream(stream, rows.device):  # from the load stream's memory: only it writes the buffer
+        aside = torch.empty_like(rows)
     try:
         nbytes = await loader.load(ref.key, ref.start, aside)
     except ChunkDecodeError:

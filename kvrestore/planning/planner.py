@@ -143,6 +143,8 @@ class Planner:
         link as (seconds per token delivered, latency)."""
         model, link = self.cost_model, self.link.current
         compute: list[float | None] = [None] * len(refs)
+        if not self.engine.times_restores_alone:  # a batch engine shares the lanes: no such costs apply
+            return compute, None
         if model is not None:
             compute = [model.chunk.seconds(r.n_tokens, r.start) for r in refs]
         if link is None:
@@ -153,6 +155,8 @@ class Planner:
         """`priors` of a layer-axis restore over a prefix of `n_tokens`: seconds to compute each layer,
         and the link per token of one layer."""
         model, link, spec = self.cost_model, self.link.current, self.backend.spec
+        if not self.engine.times_restores_alone:  # a batch engine shares the lanes: no such costs apply
+            model = link = None
         compute: list[float | None] = [
             model.layer.seconds(n_tokens) if model is not None else None
         ] * spec.num_layers

@@ -16,8 +16,8 @@ offset, stored length, raw length and xxh3-64 checksum, so
   exactly where the last section ends. A damaged chunk is always reported, never decoded wrongly.
 
 Format 4 added the encodings (the header names one, `ChunkHeader.encoding`; both checksums cover the
-encoded bytes as stored), format 3 the device checksum. A chunk of an older format is foreign to this reader: a clean miss,
-recomputed and written again in the current format.
+encoded bytes as stored), format 3 the device checksum. A chunk of an older format is foreign to this
+reader: a clean miss, recomputed and written again in the current format.
 
 The framing (prefix, header, reading and checking it) is `codec.header`; boundary activations
 (`codec.boundary`) use the same framing under their own magic.

@@ -74,10 +74,8 @@ class Restorer:
     """Saves a prompt's KV cache chunk by chunk and restores it with a policy.
 
     `chunk_size` tokens per stored chunk (default 256); `load_lanes` concurrent fetches;
-    `compression` "none" or "zstd" for written chunks. `kv_encoding` is how chunks hold the KV: "native"
-    (the model's dtype), "int8" or "fp8" (per token and head scales: about 1/4 of fp32's bytes, 1/2 of
-    bf16's), or "int4" (KIVI-style, about 0.31x of bf16's); a restorer reads only chunks of its own
-    encoding, which is part of their keys (`docs/tutorial-stores.md`). Restorers may share an `Engine`.
+    `compression` "none" or "zstd" for written chunks; `kv_encoding` "native", "int8", "fp8" or "int4"
+    (`codec.quant`): what it writes and the only encoding it reads. Restorers may share an `Engine`.
     `profile` is the cost model the `Auto` planner predicts with: a `Profile`, a path to one, or None
     for the one `kvrestore profile` saved for this machine and model (if any), or False for none even
     if one is saved. Without one, the
@@ -106,13 +104,11 @@ class Restorer:
         self.chunk_size = check_int("chunk_size", chunk_size)
         self.engine = engine or Engine(load_lanes)
         check_int("load_lanes", load_lanes)  # also where a given engine makes it unused
-        self.loader = ChunkLoader(
-            self.spec, store, lambda device: self.engine.cuda_stream("load", device), kv_encoding
-        )
+        self.loader = ChunkLoader(self.spec, store, lambda d: self.engine.cuda_stream("load", d), kv_encoding)
         self.load_timeout_s = check_seconds("load_timeout_s", load_timeout_s)
-        stored = self.kv_encoding.bytes_per_token(self.chunk_size, self.spec.num_layers)
+        stored = round(self.kv_encoding.bytes_per_token(self.chunk_size, self.spec.num_layers))
         self.planner = Planner(
-            backend, self.engine, self.chunk_size, store_name(store), profile, learn, round(stored)
+            backend, self.engine, self.chunk_size, store_name(store), profile, learn, stored
         )
 
     @property

@@ -21,6 +21,7 @@ from kvrestore.backends.base import ComputeBackend
 from kvrestore.blend.entry import blend_prompt, save_prompt_chunk
 from kvrestore.chunkio import ChunkLoader
 from kvrestore.chunkio.save import WRITE_FAULTS, SaveStats
+from kvrestore.codec.quant import Encoding, key_space
 from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
 from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from kvrestore.core.kv import KVCache
@@ -73,7 +74,8 @@ class Restorer:
     """Saves a prompt's KV cache chunk by chunk and restores it with a policy.
 
     `chunk_size` tokens per stored chunk (default 256); `load_lanes` concurrent fetches;
-    `compression` "none" or "zstd" for written chunks. Restorers may share an `Engine` (its lanes).
+    `compression` "none" or "zstd" for written chunks; `kv_encoding` "native", "int8", "fp8" or "int4"
+    (`codec.quant`): what it writes and the only encoding it reads. Restorers may share an `Engine`.
     `profile` is the cost model the `Auto` planner predicts with: a `Profile`, a path to one, or None
     for the one `kvrestore profile` saved for this machine and model (if any), or False for none even
     if one is saved. Without one, the
@@ -91,6 +93,7 @@ class Restorer:
         *,
         load_lanes: int = 4,
         compression: str = "none",
+        kv_encoding: str = "native",
         engine: Engine | None = None,
         load_timeout_s: float | None = 30.0,
         profile: Profile | str | os.PathLike | Literal[False] | None = None,
@@ -101,9 +104,12 @@ class Restorer:
         self.chunk_size = check_int("chunk_size", chunk_size)
         self.engine = engine or Engine(load_lanes)
         check_int("load_lanes", load_lanes)  # also where a given engine makes it unused
-        self.loader = ChunkLoader(self.spec, store, lambda device: self.engine.cuda_stream("load", device))
+        self.loader = ChunkLoader(self.spec, store, lambda d: self.engine.cuda_stream("load", d), kv_encoding)
         self.load_timeout_s = check_seconds("load_timeout_s", load_timeout_s)
-        self.planner = Planner(backend, self.engine, self.chunk_size, store_name(store), profile, learn)
+        stored = round(self.kv_encoding.bytes_per_token(self.chunk_size, self.spec.num_layers))
+        self.planner = Planner(
+            backend, self.engine, self.chunk_size, store_name(store), profile, learn, stored
+        )
 
     @property
     def profile(self) -> Profile | None:
@@ -136,6 +142,11 @@ class Restorer:
         return self.backend.spec
 
     @property
+    def kv_encoding(self) -> Encoding:
+        """How this restorer's chunks hold the KV (`codec.quant`): what it writes, and all it reads."""
+        return self.loader.encoding
+
+    @property
     def _parts(self) -> Parts:
         """What runs this restorer's restores (read afresh: a caller may change `load_timeout_s`)."""
         return Parts(self.backend, self.store, self.engine, self.loader, self.planner, self.load_timeout_s)
@@ -152,7 +163,9 @@ class Restorer:
         tokens = as_token_tensor(token_ids)
         check_length(self.backend, len(tokens))
         self.backend.validate_tokens(tokens)
-        return tokens, chunk_keys(tokens, self.spec.fingerprint, self.chunk_size)
+        return tokens, chunk_keys(
+            tokens, key_space(self.spec.fingerprint, self.kv_encoding.name), self.chunk_size
+        )
 
     async def lookup(self, token_ids: TokenIds) -> int:
         """Number of leading tokens covered by stored chunks (the longest stored prefix)."""

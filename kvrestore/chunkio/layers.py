@@ -58,8 +58,10 @@ class LayerReader(LayerUploads):
         defer_checks: bool | None = False,
         ahead: int = 8,
         layers_per_read: int = 4,
+        encoding: str = "native",
     ) -> None:
         self.spec = spec
+        self.encoding = codec.spec_encoding(spec, encoding)  # the one it reads: another is foreign
         self.store = store
         self.chunks = list(chunks)
         self.stream = stream  # where a CUDA cache's sections are uploaded (None: the current stream)
@@ -219,7 +221,9 @@ class LayerReader(LayerUploads):
             if len(head) >= codec.PREFIX_SIZE and codec.header_length(head) > len(head):
                 head = await self._get(chunk.key, 0, codec.header_length(head))
             header, _ = codec.read_header(head)
-            codec.check_header(header, self.spec, chunk.key, chunk.stored_at, chunk.n_tokens)
+            codec.check_header(
+                header, self.spec, chunk.key, chunk.stored_at, chunk.n_tokens, self.encoding.name
+            )
         except LOAD_FAULTS as exc:
             # a chunk gone before the restore reads it is a plain miss; anything else is worth reporting
             await self._fault(j, exc, note=not isinstance(exc, MissingChunkError))

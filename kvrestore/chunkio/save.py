@@ -37,10 +37,17 @@ class SaveStats:
 
 
 async def write_chunks(
-    store: ChunkStore, spec: ModelSpec, kv: KVCache, refs: list[ChunkRef], lanes: int, compression: str
+    store: ChunkStore,
+    spec: ModelSpec,
+    kv: KVCache,
+    refs: list[ChunkRef],
+    lanes: int,
+    compression: str,
+    encoding: str = "native",
 ) -> int:
-    """Encode and store `refs`' chunks of `kv`, `lanes` at a time; returns the bytes written. Store
-    faults (`WRITE_FAULTS`) fail their chunk only: `SaveError` once all writes have ended."""
+    """Encode (in `encoding`, `codec.quant`) and store `refs`' chunks of `kv`, `lanes` at a time; returns
+    the bytes written. Store faults (`WRITE_FAULTS`) fail their chunk only: `SaveError` once all writes
+    have ended."""
     nbytes = 0
     written: list[str] = []
     failed: dict[str, Exception] = {}
@@ -51,7 +58,7 @@ async def write_chunks(
         async with limiter:
             chunk = kv.chunk(ref.start, ref.end)
             blob = await anyio.to_thread.run_sync(
-                lambda: codec.encode_chunk(chunk, spec, ref.key, compression=compression)
+                lambda: codec.encode_chunk(chunk, spec, ref.key, compression=compression, encoding=encoding)
             )
             try:
                 await store.put(ref.key, blob)

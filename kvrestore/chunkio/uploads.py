@@ -5,8 +5,10 @@ device buffer on the reader's stream -- a pinned `MemoryStore`'s object as it li
 straight into pinned staging, anything else copied into pinned staging -- and one `segment_checksums`
 call checks every section there. Then either each good chunk's span is copied to its rows once the
 sums were read back (a host round trip per read), or, with deferred checks (`chunkio.deferred`), every
-span is placed at once and the sums are compared on the device. Sections that cannot be checked on the
-device (compressed, rows not whole int64 words, not back to back) are decoded and checked on the host.
+span is placed at once and the sums are compared on the device. Quantized sections (`codec.quant`) are
+checked as stored and decoded into their rows there, on the same stream. Sections that cannot be
+checked on the device (compressed, native rows not whole int64 words, not back to back) are decoded and
+checked on the host.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvrestore.chunkio.load import pinned_host
 from kvrestore.chunkio.pool import Staging, StagingPool
 from kvrestore.chunkio.stored import StoredChunk, layers_name
 from kvrestore.codec.checksums import device_checkable, segment_checksums
+from kvrestore.codec.quant import Encoding
 from kvrestore.core.errors import LOAD_FAULTS, CorruptChunkError, MissingChunkError, TruncatedChunkError
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
@@ -34,6 +37,7 @@ class LayerUploads:
     """The device path of `LayerReader`, which this is mixed into (see the module doc)."""
 
     spec: ModelSpec
+    encoding: Encoding
     store: ChunkStore
     chunks: list[StoredChunk]
     headers: dict[int, codec.ChunkHeader]
@@ -119,7 +123,7 @@ class LayerUploads:
             word = self.spec.head_dim * self.spec.dtype.itemsize
             if (
                 header.compression != "none"
-                or not device_checkable(word)
+                or (self.encoding.native and not device_checkable(word))
                 or not codec.back_to_back(header, layers)
             ):
                 return codec.decode_layers(
@@ -199,6 +203,10 @@ class LayerUploads:
         return placed
 
     def _place(self, layers: range, j: int, kv: KVCache, span: torch.Tensor) -> None:
-        """Copy chunk j's uploaded span (uint8, its sections of `layers` laid out as its rows) to its rows."""
+        """Copy chunk j's uploaded span (uint8, its sections of `layers` laid out as its rows) to its rows,
+        or decode it there where the sections are encoded."""
         dest = self._dest(layers, j, kv)
-        dest.copy_(span.view(dest.dtype).view(dest.shape))
+        if self.encoding.native:
+            dest.copy_(span.view(dest.dtype).view(dest.shape))
+        else:
+            self.encoding.decode(span.view(len(layers), -1), dest)

@@ -48,7 +48,7 @@ class TruncatedChunkError(ChunkDecodeError):
 
 
 class ForeignChunkError(ChunkDecodeError):
-    """The chunk belongs to another model, dtype, format version, key or position."""
+    """The chunk belongs to another model, dtype, format version, KV encoding, key or position."""
 
 
 class UnsupportedModelError(KVRestoreError):

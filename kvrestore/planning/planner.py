@@ -74,7 +74,9 @@ class Planner:
     """Plans a restorer's restores and learns their costs (see the module docstring).
 
     `store_name` names the store in the learned costs; `learn` is True (keep them under the cache
-    directory), a path, or False (in memory only), as `Restorer` takes it.
+    directory), a path, or False (in memory only), as `Restorer` takes it. `stored_bytes_per_token` is
+    what a token's KV takes in the store (its chunks' encoding; default the model's KV bytes): the
+    loads it plans and simulates move that much.
     """
 
     def __init__(
@@ -85,9 +87,11 @@ class Planner:
         store_name: str,
         profile: ProfileArg = None,
         learn: bool | str | os.PathLike = True,
+        stored_bytes_per_token: int | None = None,
     ) -> None:
         self.backend, self.engine, self.chunk_size = backend, engine, chunk_size
         spec = backend.spec
+        self.stored_bytes_per_token = stored_bytes_per_token or spec.kv_bytes_per_token
         self.profile = find_profile(backend, profile)
         self.costs = CostLearner(spec, backend.device, store_name)
         learn = check_learn(learn)
@@ -132,7 +136,7 @@ class Planner:
             tuple(r.n_tokens for r in refs),
             tuple(bool(s) for s in stored),
             spec.num_layers,
-            spec.kv_bytes_per_token,
+            self.stored_bytes_per_token,
             self.engine.load_lanes,
             self.min_unit_chunks(),
         )

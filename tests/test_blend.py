@@ -474,7 +474,7 @@ class DropsOutStore(MemoryStore):
     `key`'s layer sections, every read of it fails with a connection error (a fault only a wrapper
     around a real store can time this precisely)."""
 
-    reads_now = False  # type: ignore[assignment]  # read by async get_range, as a remote store is
+    reads_sync = False  # type: ignore[assignment]  # read by async get_range, as a remote store is
 
     def __init__(self, ok_reads: int) -> None:
         super().__init__()

@@ -72,9 +72,9 @@ class CountingStore(MemoryStore):
         super().__init__()
         self.threads: set[str] = set()
 
-    def get_now(self, key):
+    def get_sync(self, key):
         self.threads.add(threading.current_thread().name)
-        return super().get_now(key)
+        return super().get_sync(key)
 
 
 @pytest.mark.parametrize("kind", ["memory", "file"])
@@ -82,7 +82,7 @@ class CountingStore(MemoryStore):
 def test_restores_through_lane_threads_equal_a_full_prefill(llama_backend, tmp_path, kind, policy):
     tokens = random_tokens(200, llama_backend.spec.vocab_size)
     store = MemoryStore() if kind == "memory" else open_store(tmp_path.as_uri())
-    assert store.reads_now
+    assert store.reads_sync
 
     async def main():
         r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)
@@ -97,7 +97,7 @@ def test_restores_through_lane_threads_equal_a_full_prefill(llama_backend, tmp_p
 def test_loads_run_on_the_engines_lane_threads(llama_backend):
     tokens = random_tokens(160, llama_backend.spec.vocab_size)
     store = CountingStore()
-    assert store.reads_now  # get_now is its own, get / read_into are MemoryStore's: it still reads now
+    assert store.reads_sync  # get_sync is its own, get / read_into are MemoryStore's: it still reads synchronously
 
     async def main():
         r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)
@@ -115,7 +115,7 @@ def test_a_subclass_that_changes_reads_is_not_bypassed():
             await anyio.sleep(0)
             return await super().get(key)
 
-    assert MemoryStore().reads_now and not Delayed().reads_now
+    assert MemoryStore().reads_sync and not Delayed().reads_sync
 
 
 def test_a_damaged_chunk_found_on_a_lane_thread_is_recomputed_and_deleted(llama_backend):
@@ -148,12 +148,12 @@ class SlowNowStore(MemoryStore):
         self.active = 0
         self.lock = threading.Lock()
 
-    def get_now(self, key):
+    def get_sync(self, key):
         with self.lock:
             self.active += 1
         try:
             time.sleep(0.15)
-            return super().get_now(key)
+            return super().get_sync(key)
         finally:
             with self.lock:
                 self.active -= 1
@@ -162,7 +162,7 @@ class SlowNowStore(MemoryStore):
 def test_a_cancelled_restore_returns_only_once_no_lane_thread_writes_its_kv(llama_backend):
     tokens = random_tokens(256, llama_backend.spec.vocab_size)
     store = SlowNowStore()
-    assert store.reads_now
+    assert store.reads_sync
 
     async def main():
         r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)
@@ -220,7 +220,7 @@ def test_scatter_reads_fill_buffers_in_order(tmp_path, kind, sizes):
     anyio.run(store.put, key, blob)
     offset = 11
     buffers = [memoryview(bytearray(n)) for n in sizes]
-    placed = store.scatter_into_now(key, offset, buffers)
+    placed = store.scatter_into_sync(key, offset, buffers)
     assert placed == min(sum(sizes), len(blob) - offset)
     assert b"".join(bytes(b) for b in buffers)[:placed] == blob[offset : offset + placed]
-    assert store.scatter_into_now("cd" * 16, 0, buffers) is None
+    assert store.scatter_into_sync("cd" * 16, 0, buffers) is None

@@ -98,7 +98,7 @@ class LayerReader(LayerUploads):
     async def read_layer(self, layer: int, kv: KVCache) -> int:
         """Place layer `layer` of every open chunk into `kv`; returns the bytes read.
 
-        The sections are fetched concurrently (on the device path a store that `reads_now` is read in
+        The sections are fetched concurrently (on the device path a store that `reads_sync` is read in
         the worker thread instead), then verified and placed in one worker-thread call: one thread hop
         per layer, not one per chunk. Raises `ChunkLoadFailed` naming the chunks whose section was
         missing or damaged (the others are placed). With deferred checks the layer is only queued on
@@ -117,7 +117,7 @@ class LayerReader(LayerUploads):
         sections: dict[int, bytes | memoryview | None] = dict.fromkeys(js)
         failed: list[int] = []
         where = f" {layers_name(layers)}"
-        if not (device_path and self.store.reads_now):  # else each is read in the worker thread
+        if not (device_path and self.store.reads_sync):  # else each is read in the worker thread
 
             async def fetch(j: int) -> None:
                 try:

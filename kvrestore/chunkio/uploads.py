@@ -51,7 +51,7 @@ class LayerUploads:
         self, layers: range, sections: dict[int, bytes | memoryview | None], kv: KVCache
     ) -> list[tuple[int, BaseException]]:
         """`layers` of chunks `sections` (their fetched spans, or None to read them here from a store
-        that `reads_now`) into a CUDA cache, blocking, in a worker thread. Each chunk's span goes up to
+        that `reads_sync`) into a CUDA cache, blocking, in a worker thread. Each chunk's span goes up to
         one device buffer on `stream` (a pinned `MemoryStore`'s object as it lies, other bytes through
         pinned staging); one `segment_checksums` checks every section there, then each chunk's span is
         copied to its rows and `after_layers` runs, on the same stream. Returns the unusable chunks."""
@@ -104,11 +104,11 @@ class LayerUploads:
         a, b = codec.layer_span(header, layers)
         staging = None
         if data is None and self.store.reads_in_memory:
-            whole = self.store.get_now(chunk.key)
+            whole = self.store.get_sync(chunk.key)
             data = None if whole is None else memoryview(whole)[a:b]
         elif data is None:  # a local file: the span alone, into pinned staging
             staging = self.pool.acquire(b - a)
-            n = self.store.scatter_into_now(chunk.key, a, [staging.view[: b - a]])
+            n = self.store.scatter_into_sync(chunk.key, a, [staging.view[: b - a]])
             data = None if n is None else staging.view[:n]
         handed_on = False
         try:

@@ -1,6 +1,6 @@
 """Load lanes as threads: chunk loads that never touch the event loop while they run.
 
-A load from a store that can read without the event loop (`ChunkStore.reads_now`: in-process memory, a
+A load from a store that can read without the event loop (`ChunkStore.reads_sync`: in-process memory, a
 local directory) is one blocking call: read, verify, place. Run as an event-loop task, each such load
 costs the loop a task, a cancel scope, a lane limiter and a thread hop, a few hundred microseconds of
 Python holding the GIL per chunk, which is what a compute lane launching kernels starves on (issue 14:

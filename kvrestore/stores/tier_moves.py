@@ -11,12 +11,9 @@ from dataclasses import dataclass
 
 import anyio
 
-from kvrestore.core.errors import StoreError
+from kvrestore.core.errors import STORE_FAULTS
 from kvrestore.stores.background import Background
 from kvrestore.stores.base import ChunkStore
-
-#: what a tier may raise that makes it a miss for this call, not a failure of the whole read
-TIER_FAULTS = (StoreError, OSError, TimeoutError)
 
 
 @dataclass
@@ -80,7 +77,7 @@ class TierMoves:
         async def one(i: int) -> None:
             try:
                 await self.tiers[i].put(key, data)
-            except TIER_FAULTS as exc:
+            except STORE_FAULTS as exc:
                 failures[i] = self._failed(i, exc)
 
         async with anyio.create_task_group() as tg:
@@ -94,7 +91,7 @@ class TierMoves:
         async def one(i: int) -> None:
             try:
                 await self.tiers[i].delete(key)
-            except TIER_FAULTS as exc:
+            except STORE_FAULTS as exc:
                 failures[i] = self._failed(i, exc)
 
         with anyio.CancelScope(shield=True):

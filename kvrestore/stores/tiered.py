@@ -24,10 +24,10 @@ import asyncio
 import contextlib
 from collections.abc import Sequence
 
-from kvrestore.core.errors import InvalidInputError, StoreError, check_int
+from kvrestore.core.errors import STORE_FAULTS, InvalidInputError, StoreError, check_int
 from kvrestore.stores.background import Background
 from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object
-from kvrestore.stores.tier_moves import TIER_FAULTS, DirtyEntry, TierMoves, TierStats
+from kvrestore.stores.tier_moves import DirtyEntry, TierMoves, TierStats
 
 WRITE_MODES = ("back", "through")
 
@@ -85,7 +85,7 @@ class TieredStore(TierMoves, ChunkStore):
         for i, tier in enumerate(self.tiers):
             try:
                 data = await tier.get(key)
-            except TIER_FAULTS as exc:
+            except STORE_FAULTS as exc:
                 errors.append(self._failed(i, exc))
                 continue
             if data is not None:
@@ -110,7 +110,7 @@ class TieredStore(TierMoves, ChunkStore):
         for i, tier in enumerate(self.tiers):
             try:
                 data = await tier.get_range(key, start, end)
-            except TIER_FAULTS as exc:
+            except STORE_FAULTS as exc:
                 errors.append(self._failed(i, exc))
                 continue
             if data is not None:
@@ -126,7 +126,7 @@ class TieredStore(TierMoves, ChunkStore):
         for i, tier in enumerate(self.tiers):
             try:
                 got = await tier.get_ranges(key, ranges)
-            except TIER_FAULTS as exc:
+            except STORE_FAULTS as exc:
                 errors.append(self._failed(i, exc))
                 continue
             if any(g is not None for g in got):
@@ -152,7 +152,7 @@ class TieredStore(TierMoves, ChunkStore):
                     self.stats[i].hits += 1
                     return size
                 data = await tier.get(key)
-            except TIER_FAULTS as exc:
+            except STORE_FAULTS as exc:
                 errors.append(self._failed(i, exc))
                 continue
             if data is None:
@@ -205,7 +205,7 @@ class TieredStore(TierMoves, ChunkStore):
                 break
             try:
                 got = await tier.contains([keys[i] for i in todo])
-            except TIER_FAULTS as exc:
+            except STORE_FAULTS as exc:
                 self._failed(t, exc)
                 continue
             for i, ok in zip(todo, got, strict=True):

@@ -49,7 +49,7 @@ from kvrestore.backends.hf import HFBackend
 from kvrestore.core.paths import cache_root
 from kvrestore.policies import Policy, TokenTwoPointer
 from kvrestore.policies.batch import BatchAware
-from kvrestore.restorer import RestoreResult
+from kvrestore.restore.results import RestoreResult
 from kvrestore.runtime.batch_engine import BatchEngine
 from kvrestore.runtime.engine import Engine
 

@@ -5,6 +5,7 @@ from kvrestore.backends.hf import HFBackend
 from kvrestore.policies import ComputeOnly, LoadOnly
 """
 
+from kvrestore.chunkio.save import SaveStats
 from kvrestore.core.bandwidth import BandwidthTrace
 from kvrestore.core.errors import (
     ChunkDecodeError,
@@ -25,7 +26,8 @@ from kvrestore.costs.profile import Profile
 from kvrestore.planning import Auto
 from kvrestore.policies import Blend, ComputeOnly, LayerTwoPointer, LoadOnly, Policy, TokenTwoPointer
 from kvrestore.policies.batch import BatchAware, FifoLanes
-from kvrestore.restorer import Restorer, RestoreResult, RestoreStats, SaveStats, SyncRestorer
+from kvrestore.restore.results import RestoreResult, RestoreStats
+from kvrestore.restorer import Restorer, SyncRestorer
 from kvrestore.runtime.batch_engine import BatchEngine
 from kvrestore.runtime.engine import Engine
 from kvrestore.stores import ChunkStore, ThrottledStore, TieredStore, open_store

@@ -20,7 +20,7 @@ import torch
 from kvrestore.backends.base import ComputeBackend
 from kvrestore.blend.entry import blend_prompt, save_prompt_chunk
 from kvrestore.chunkio import ChunkLoader
-from kvrestore.chunkio.save import WRITE_FAULTS, SaveStats
+from kvrestore.chunkio.save import SaveStats
 from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
 from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from kvrestore.core.kv import KVCache
@@ -28,31 +28,22 @@ from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import mirror_sync_methods
 from kvrestore.core.tokens import TokenIds, as_token_tensor, check_length
 from kvrestore.core.trace import TraceEvent
+from kvrestore.costs.calibration import Calibration
 from kvrestore.costs.learned import CostLearner, store_name
-from kvrestore.costs.profile import Calibration, LinkEstimate, Profile
+from kvrestore.costs.links import LinkEstimate
+from kvrestore.costs.profile import Profile
 from kvrestore.planning.auto import Auto, Plan
-from kvrestore.planning.planner import CUDA_MIN_UNIT_TOKENS, UNTRIED_MARGIN, Planner
+from kvrestore.planning.planner import Planner
 from kvrestore.policies import Blend, Policy
 from kvrestore.restore import run
-from kvrestore.restore.results import Parts, RestoreResult, RestoreStats
+from kvrestore.restore.results import Parts, RestoreResult
 from kvrestore.runtime.engine import Engine
 from kvrestore.stores.base import ChunkStore
 
 if TYPE_CHECKING:
     from kvrestore.blend import BlendResult, StoreCandidate, StorePlacement
 
-__all__ = [
-    "CUDA_MIN_UNIT_TOKENS",
-    "UNTRIED_MARGIN",
-    "WRITE_FAULTS",
-    "Restorer",
-    "RestoreResult",
-    "RestoreStats",
-    "SaveStats",
-    "SyncRestorer",
-    "TokenIds",
-    "as_token_tensor",
-]
+__all__ = ["Restorer", "SyncRestorer"]
 
 
 def _check_parts(backend: object, store: object, engine: object, compression: str) -> None:

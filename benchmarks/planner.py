@@ -32,21 +32,13 @@ import anyio
 import torch
 from _common import format_table, machine_info, median, write_json
 
-from kvrestore import (
-    Auto,
-    ComputeOnly,
-    LayerTwoPointer,
-    LoadOnly,
-    Profile,
-    Restorer,
-    ThrottledStore,
-    TokenTwoPointer,
-)
+from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.costs.links import fit_link
 from kvrestore.costs.measure import measure_link, profile
+from kvrestore.costs.profile import Profile
 from kvrestore.planning.auto import crossover_length
-from kvrestore.stores import FsspecStore
+from kvrestore.stores import FsspecStore, ThrottledStore
 from kvrestore.tools.text import reference_tokens
 
 POLICIES = {

@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from _common import format_table, machine_info, median
 
-from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
-from kvrestore.stores import FsspecStore
+from kvrestore.stores import FsspecStore, ThrottledStore
 from kvrestore.tools.text import reference_tokens
 
 FIXED = {

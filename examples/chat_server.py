@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from kvrestore import ChunkStore, InvalidInputError, KVCache, Restorer, open_store
+from kvrestore import InvalidInputError, KVCache, Restorer, open_store
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.paths import cache_root
 from kvrestore.policies import Policy, TokenTwoPointer
@@ -52,6 +52,7 @@ from kvrestore.policies.batch import BatchAware
 from kvrestore.restore.results import RestoreResult
 from kvrestore.runtime.batch_engine import BatchEngine
 from kvrestore.runtime.engine import Engine
+from kvrestore.stores import ChunkStore
 
 log = logging.getLogger("kvrestore.chat_server")
 

@@ -98,7 +98,8 @@ def test_bench_rejects_bad_arguments(capsys):
 
 @pytest.mark.model
 def test_profile_command_saves_a_profile_restorer_can_use(smollm2, tmp_path, capsys):
-    from kvrestore import Profile, Restorer
+    from kvrestore import Restorer
+    from kvrestore.costs.profile import Profile
     from kvrestore.stores.memory import MemoryStore
 
     out = tmp_path / "p.json"

@@ -11,16 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrestore import (
-    Auto,
-    ComputeOnly,
-    LayerTwoPointer,
-    LoadOnly,
-    Policy,
-    Restorer,
-    ThrottledStore,
-    TokenTwoPointer,
-)
+from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.costs.calibration import Calibration
@@ -28,6 +19,8 @@ from kvrestore.costs.compute import ChunkCost, LayerCost
 from kvrestore.costs.links import LinkCost
 from kvrestore.costs.measure import profile
 from kvrestore.planning.auto import Workload, crossover_length, predict
+from kvrestore.policies import Policy
+from kvrestore.stores import ThrottledStore
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens, tiny_model

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrestore import Profile, Restorer
+from kvrestore import Restorer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.trace import Trace, TraceEvent
@@ -16,7 +16,7 @@ from kvrestore.costs.compute import ChunkCost, LayerCost, fit_chunk_cost, fit_la
 from kvrestore.costs.fit import fit_nonnegative
 from kvrestore.costs.links import LinkCost, LinkEstimate, _busy_seconds, fit_link
 from kvrestore.costs.measure import profile
-from kvrestore.costs.profile import machine_id
+from kvrestore.costs.profile import Profile, machine_id
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import tiny_model

@@ -203,7 +203,7 @@ def summarize(args, lengths, multipliers, times, choices, plans, points, compute
         measured = next((n for n in lengths if med(n, m, "token-wise") <= med(n, m, "layer-wise")), None)
         restorer = points[lengths[0], m][0]
         n_ref = lengths[len(lengths) // 2]
-        link = points[n_ref, m][0].link.current
+        link = points[n_ref, m][0].planner.link.current
         predicted = crossover_length(prof, link, restorer.spec.num_layers, restorer.spec.kv_bytes_per_token)
         below_ok = all(
             med(n, m, "layer-wise") < med(n, m, "token-wise")

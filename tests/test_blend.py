@@ -1020,7 +1020,7 @@ def test_restorer_choose_blend_store_times_the_model_without_a_profile(tmp_path)
 
     async def choose():
         async with Restorer(be, MemoryStore()) as r:
-            assert r.profile is None
+            assert r.planner.profile is None
             return await r.choose_blend_store([StoreCandidate("disk", disk, 0.1)], n_tokens=256)
 
     placement = anyio.run(choose)

@@ -157,9 +157,9 @@ def test_a_restorer_calibrates_from_its_own_restores(llama_backend):
         r = Restorer(llama_backend, MemoryStore(), chunk_size=32, profile=make_profile(llama_backend))
         await r.save(tokens)
         await r.restore(tokens, TokenTwoPointer())
-        first = dict(r.calibration.observations)
+        first = dict(r.planner.calibration.observations)
         res = await r.restore(tokens)  # Auto: plans with what it learned
-        return first, r.calibration.observations, res
+        return first, r.planner.calibration.observations, res
 
     first, later, res = anyio.run(main)
     assert first.get("two-pointer") == 1

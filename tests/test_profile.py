@@ -81,11 +81,11 @@ def test_profile_file_round_trip_and_clear_errors(tmp_path, llama_backend):
 
 def test_restorer_finds_the_saved_profile_and_refuses_another_models(tmp_path, monkeypatch, llama_backend):
     monkeypatch.setenv("KVRESTORE_CACHE_DIR", str(tmp_path))
-    assert Restorer(llama_backend, MemoryStore()).profile is None
+    assert Restorer(llama_backend, MemoryStore()).planner.profile is None
     p = make_profile(llama_backend)
     p = msgspec.structs.replace(p, machine=machine_id())
     p.save()
-    assert Restorer(llama_backend, MemoryStore()).profile == p
+    assert Restorer(llama_backend, MemoryStore()).planner.profile == p
     other = HFBackend(tiny_model("qwen2"), name="tiny-qwen2")
     with pytest.raises(InvalidInputError, match="profile is of"):
         Restorer(other, MemoryStore(), profile=p)

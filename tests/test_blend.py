@@ -177,7 +177,7 @@ def test_grouped_attention_equals_one_masked_call(picks, groups, rows, slack):
     index = torch.tensor([i for i, p in enumerate(picks) if p] or [39])
     upper = [min(39, p + slack) for p in index.tolist()]
     one = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone())
-    b.blend_attention_groups, b.blend_group_rows = groups, rows
+    b.blend.attention_groups, b.blend.group_rows = groups, rows
     grouped = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=upper)
     for x, y in zip(grouped, one, strict=True):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
@@ -258,7 +258,7 @@ def test_attention_probs_match_transformers_eager(llama_backend):
     kv = b.prefill_chunk(tokens, None, 0).data
     index = torch.arange(25)
     for layer in range(b.spec.num_layers):
-        probs = b.attention_probs(layer, ref.hidden_states[layer], kv[layer, 0], index)
+        probs = b.blend.attention_probs(layer, ref.hidden_states[layer], kv[layer, 0], index)
         torch.testing.assert_close(probs, ref.attentions[layer][0].float(), atol=1e-5, rtol=0)
 
 
@@ -365,11 +365,11 @@ def test_grouped_attention_in_the_pipeline_changes_nothing(backend, monkeypatch,
     chunks = _chunks([40, 33, 51], seed=30)
     suffix = random_tokens(7, 256, seed=31)
     one = {}
-    monkeypatch.setattr(backend, "blend_attention_groups", 1)
+    monkeypatch.setattr(backend.blend, "attention_groups", 1)
     for ratio in (1.0, 0.3):
         one[ratio] = run_blend(backend, chunks, suffix, Blend(recompute_ratio=ratio))
-    monkeypatch.setattr(backend, "blend_attention_groups", 6)
-    monkeypatch.setattr(backend, "blend_group_rows", 4)
+    monkeypatch.setattr(backend.blend, "attention_groups", 6)
+    monkeypatch.setattr(backend.blend, "group_rows", 4)
     monkeypatch.setattr(fuse, "SelectionBounds", functools.partial(SelectionBounds, exact=exact))
     calls = _record_groups(monkeypatch)
     for ratio in (1.0, 0.3):
@@ -809,7 +809,7 @@ def test_selective_layers_never_wait_for_the_device(backend, monkeypatch):
 
     monkeypatch.setattr(fuse, "LayerTimer", SpyTimer)
     monkeypatch.setattr(fuse, "SelectionBounds", functools.partial(SelectionBounds, exact=False))
-    monkeypatch.setattr(backend, "blend_group_rows", 4)
+    monkeypatch.setattr(backend.blend, "group_rows", 4)
     res = run_blend(backend, _chunks([40, 33, 51], seed=32), random_tokens(7, 256, seed=33), Blend())
     assert len(logs) == backend.spec.num_layers and res.stats.hkvd[0] > 0
     for i, log in enumerate(logs[1:], start=1):

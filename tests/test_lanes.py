@@ -14,6 +14,7 @@ from kvrestore.runtime.lanes import LaneThreads
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens
+from .waiting import wait_until
 
 ATOL = 1e-5
 
@@ -140,8 +141,8 @@ def test_a_damaged_chunk_found_on_a_lane_thread_is_recomputed_and_deleted(llama_
     torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
 
 
-class SlowNowStore(MemoryStore):
-    """Blocking reads that take a while, so a restore is cancelled with loads running on lane threads."""
+class SlowSyncStore(MemoryStore):
+    """Blocking reads that take a while, so the compute lane overtakes loads running on lane threads."""
 
     def __init__(self):
         super().__init__()
@@ -159,25 +160,62 @@ class SlowNowStore(MemoryStore):
                 self.active -= 1
 
 
+class HeldSyncStore(MemoryStore):
+    """Blocking reads: the first `open_reads` go through, later ones wait on lane threads until
+    `release` is set, so a restore is cancelled with loads running there."""
+
+    def __init__(self, open_reads: int) -> None:
+        super().__init__()
+        self.open_reads = open_reads
+        self.active = 0
+        self.lock = threading.Lock()
+        self.release = threading.Event()
+
+    def get_sync(self, key):
+        with self.lock:
+            self.active += 1
+            held, self.open_reads = self.open_reads <= 0, self.open_reads - 1
+        try:
+            if held:
+                self.release.wait(timeout=30)  # only a bound on a hang
+            return super().get_sync(key)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
 def test_a_cancelled_restore_returns_only_once_no_lane_thread_writes_its_kv(llama_backend):
     tokens = random_tokens(256, llama_backend.spec.vocab_size)
-    store = SlowNowStore()
+    store = HeldSyncStore(open_reads=2)
     assert store.reads_sync
 
     async def main():
         r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)
         await r.save(tokens)
-        events = []
-        with anyio.move_on_after(0.25) as scope:
-            await r.restore(tokens, LoadOnly(), on_event=events.append)
-        assert scope.cancelled_caught
-        active_after = store.active  # read at once: nothing may still be loading into that KV
-        res = await r.restore(tokens, LoadOnly())  # the engine is still usable
-        return events, active_after, res
+        events: list = []
+        returned: list[int] = []  # how many reads were running when the cancelled restore returned
+        scope = anyio.CancelScope()
 
-    events, active_after, res = anyio.run(main)
+        async def restore() -> None:
+            with scope:
+                await r.restore(tokens, LoadOnly(), on_event=events.append)
+            returned.append(store.active)  # read at once: nothing may still be loading into that KV
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(restore)
+            await wait_until(lambda: len(events) >= 2 and store.active == 2)  # both lanes held
+            scope.cancel()
+            for _ in range(20):  # a restore that did not wait for its lane threads returns meanwhile
+                await anyio.sleep(0)
+            early = list(returned)
+            store.release.set()
+        assert scope.cancelled_caught
+        res = await r.restore(tokens, LoadOnly())  # the engine is still usable
+        return events, early, returned, res
+
+    events, early, returned, res = anyio.run(main)
     assert 0 < len(events) < 8
-    assert active_after == 0
+    assert early == [] and returned == [0]
     assert res.stats.loaded_chunks == 8
     torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
 
@@ -187,7 +225,7 @@ def test_the_two_pointer_drops_loads_on_lane_threads_cleanly(llama_backend):
     them); a lost load's chunk is written by compute only after that load has stopped, and the KV is
     exact."""
     tokens = random_tokens(256, llama_backend.spec.vocab_size)
-    store = SlowNowStore()
+    store = SlowSyncStore()
 
     async def main():
         r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)

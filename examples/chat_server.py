@@ -182,7 +182,8 @@ class ChatService:
     @torch.inference_mode()
     def _decode_step(self, cache: Any, token: int) -> int:
         ids = torch.tensor([[token]], dtype=torch.long, device=self.backend.device)
-        logits = self.backend.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        kwargs = {self.backend.cache_keyword: cache}
+        logits = self.backend.model(input_ids=ids, use_cache=True, **kwargs).logits
         return int(logits[0, -1].argmax())
 
     def _eos_ids(self) -> set[int]:

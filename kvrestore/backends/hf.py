@@ -9,6 +9,7 @@ included). Sliding-window layers are refused rather than silently computed with 
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -421,6 +422,13 @@ class HFBackend:
 
     # -- generation ------------------------------------------------------------------------------
 
+    @property
+    def cache_keyword(self) -> str:
+        """The keyword the model's `forward` and `generate` take a KV cache under: `cache` in the
+        transformers versions that have it, `past_key_values` in earlier ones."""
+        params = inspect.signature(type(self.model).forward).parameters
+        return "cache" if "cache" in params else "past_key_values"
+
     @torch.inference_mode()
     def generate(self, tokens: Any, kv: Any | None = None, max_new_tokens: int = 16) -> list[int]:
         """Greedy continuation of `tokens` with `model.generate()`, reusing `kv` (a KVCache of a prefix).
@@ -431,7 +439,7 @@ class HFBackend:
         kwargs: dict[str, Any] = {}
         if kv is not None:
             n_cached = min(kv.n_tokens, ids.shape[1] - 1)
-            kwargs["past_key_values"] = kv.to_hf(self.config, n_tokens=n_cached)
+            kwargs[self.cache_keyword] = kv.to_hf(self.config, n_tokens=n_cached)
         out = self.model.generate(
             ids,
             attention_mask=torch.ones_like(ids),

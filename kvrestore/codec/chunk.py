@@ -26,10 +26,10 @@ longer than what was fetched, and `header_length` says how much to fetch instead
 
 from __future__ import annotations
 
-import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 import zstandard
 
@@ -67,9 +67,13 @@ from kvrestore.core.errors import CorruptChunkError, InvalidInputError, Truncate
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec, dtype_name
 
-# `_fill` only reads through its zero-copy view of stored bytes; torch's warning about read-only buffers
-# does not apply.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
+#: same-sized integer types, to copy any KV dtype (bfloat16 included) through numpy
+_INT_OF_SIZE = {
+    1: (torch.uint8, np.uint8),
+    2: (torch.int16, np.int16),
+    4: (torch.int32, np.int32),
+    8: (torch.int64, np.int64),
+}
 
 # -- encode --------------------------------------------------------------------------------------
 
@@ -165,9 +169,23 @@ def _fill(dst: torch.Tensor, stored: Buffer, section: LayerSection, compression:
                 f"layer {layer}: decompressed to {len(raw)} bytes, expected {section.raw_length}"
             )
         stored = raw
-    # a zero-copy tensor over the (read-only) bytes; torch's one copy runs outside the GIL
-    src = torch.frombuffer(stored, dtype=torch.uint8).view(dst.dtype).view(dst.shape)
-    dst.copy_(src)
+    copy_bytes(dst, stored)
+
+
+def copy_bytes(dst: torch.Tensor, data: Buffer) -> None:
+    """Copy raw tensor bytes (`dst`'s dtype and shape, C order) into `dst`, which may be strided.
+
+    One copy, outside the GIL, from the bytes as they are, read-only ones included (a store's `bytes`):
+    on the CPU through numpy views of both sides; elsewhere through a host tensor over the bytes, made
+    writable first when they are not (torch refuses to view read-only memory without a warning).
+    """
+    if dst.device.type == "cpu":
+        as_torch, as_numpy = _INT_OF_SIZE[dst.element_size()]
+        np.copyto(dst.view(as_torch).numpy(), np.frombuffer(data, as_numpy).reshape(dst.shape))
+        return
+    view = memoryview(data)
+    src = view if not view.readonly else bytearray(view)
+    dst.copy_(torch.frombuffer(src, dtype=torch.uint8).view(dst.dtype).view(dst.shape))
 
 
 def decode_layers(

@@ -54,7 +54,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _dead_writer(name: str) -> bool:
-    """A temp file written by a process of this host that no longer runs (so it will never be renamed)."""
+    """A temp file written by a process of this host that has exited (so it will never be renamed)."""
     m = _TMP_OWNER.match(name)
     if m is None:
         return False

@@ -10,7 +10,7 @@ the device, nothing downloaded). For each layout (default 4 chunks x 2,048 and 4
 * **`restore_blend`** at 5%, 15% and 30% recompute (`Blend(recompute_ratio=r)`), with its own breakdown:
   layer 0's compute, the other layers' compute, the time the compute lane waited for a layer to load;
   and at 15% with the selected rows' attention in one masked call over all keys
-  (`backend.blend_attention_groups = 1`, "one-call"), against the default groups over key prefixes;
+  (`backend.blend.attention_groups = 1`, "one-call"), against the default groups over key prefixes;
   and at 15% with the loader checking each layer's device checksums on the host before placing it
   ("checked-per-layer", a device round trip per layer), against the default deferred checks; and with
   the loader reading one layer per read ("one-layer-per-read", at most 4 layers ahead), against the
@@ -109,8 +109,8 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
 
     def blend_case(r: float, groups: int | None = None, loader: dict | None = None):
         async def case() -> Sample:
-            default = backend.blend_attention_groups
-            backend.blend_attention_groups = default if groups is None else groups
+            default = backend.blend.attention_groups
+            backend.blend.attention_groups = default if groups is None else groups
             if loader:  # the loader as it was before a change (its StoreChunkSource arguments)
                 fuse.StoreChunkSource = functools.partial(StoreChunkSource, **loader)  # type: ignore[misc]
             try:
@@ -120,7 +120,7 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
                 sync(device)
                 s = time.perf_counter() - t
             finally:
-                backend.blend_attention_groups = default
+                backend.blend.attention_groups = default
                 fuse.StoreChunkSource = StoreChunkSource  # type: ignore[misc]
             st = res.stats
             return Sample(
@@ -340,7 +340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         nargs="*",
         default=[],
-        help="also time blend@0.15 with these attention group counts (blend_attention_groups)",
+        help="also time blend@0.15 with these attention group counts (backend.blend.attention_groups)",
     )
     p.add_argument("--profile", action="store_true", help="profile one blend@0.15 per layout (torch.profiler)")
     p.add_argument(

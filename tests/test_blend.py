@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
-import itertools
 import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvrestore import InvalidInputError, Restorer, UnsupportedModelError, open_store
+from kvrestore import InvalidInputError, Restorer, UnsupportedModelError, codec, open_store
 from kvrestore.backends.attention import row_groups
 from kvrestore.backends.hf import HFBackend
 from kvrestore.backends.hf_blend import MASK_ALIGNMENT, selected_rows_mask
@@ -49,6 +48,7 @@ from kvrestore.stores.throttled import ThrottledStore
 from kvrestore.tools.text import reference_tokens
 
 from .conftest import random_tokens, tiny_model
+from .waiting import wait_until
 
 ATOL = 1e-4
 FAMILIES = ["llama", "qwen2"]
@@ -177,7 +177,7 @@ def test_grouped_attention_equals_one_masked_call(picks, groups, rows, slack):
     index = torch.tensor([i for i, p in enumerate(picks) if p] or [39])
     upper = [min(39, p + slack) for p in index.tolist()]
     one = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone())
-    b.blend_attention_groups, b.blend_group_rows = groups, rows
+    b.blend.attention_groups, b.blend.group_rows = groups, rows
     grouped = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=upper)
     for x, y in zip(grouped, one, strict=True):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
@@ -258,7 +258,7 @@ def test_attention_probs_match_transformers_eager(llama_backend):
     kv = b.prefill_chunk(tokens, None, 0).data
     index = torch.arange(25)
     for layer in range(b.spec.num_layers):
-        probs = b.attention_probs(layer, ref.hidden_states[layer], kv[layer, 0], index)
+        probs = b.blend.attention_probs(layer, ref.hidden_states[layer], kv[layer, 0], index)
         torch.testing.assert_close(probs, ref.attentions[layer][0].float(), atol=1e-5, rtol=0)
 
 
@@ -365,11 +365,11 @@ def test_grouped_attention_in_the_pipeline_changes_nothing(backend, monkeypatch,
     chunks = _chunks([40, 33, 51], seed=30)
     suffix = random_tokens(7, 256, seed=31)
     one = {}
-    monkeypatch.setattr(backend, "blend_attention_groups", 1)
+    monkeypatch.setattr(backend.blend, "attention_groups", 1)
     for ratio in (1.0, 0.3):
         one[ratio] = run_blend(backend, chunks, suffix, Blend(recompute_ratio=ratio))
-    monkeypatch.setattr(backend, "blend_attention_groups", 6)
-    monkeypatch.setattr(backend, "blend_group_rows", 4)
+    monkeypatch.setattr(backend.blend, "attention_groups", 6)
+    monkeypatch.setattr(backend.blend, "group_rows", 4)
     monkeypatch.setattr(fuse, "SelectionBounds", functools.partial(SelectionBounds, exact=exact))
     calls = _record_groups(monkeypatch)
     for ratio in (1.0, 0.3):
@@ -474,7 +474,7 @@ class DropsOutStore(MemoryStore):
     `key`'s layer sections, every read of it fails with a connection error (a fault only a wrapper
     around a real store can time this precisely)."""
 
-    reads_now = False  # type: ignore[assignment]  # read by async get_range, as a remote store is
+    reads_sync = False  # type: ignore[assignment]  # read by async get_range, as a remote store is
 
     def __init__(self, ok_reads: int) -> None:
         super().__init__()
@@ -671,56 +671,53 @@ def test_blend_with_recompute_is_closer_to_full_than_reuse(llama_backend):
     assert all(f < e for f, e in zip(fresh, errs, strict=False))  # the candidates' fresh K/V help
 
 
-#: the order in which things happened (reads and computes on different threads): a step number, no clock
-_STEP = itertools.count()
+class HandshakeStore(MemoryStore):
+    """Once `armed`, a read of layer L's section (L >= 2) records that it began (`loading[L]`), then
+    waits until the compute of layer L-1 has begun (`computing[L-1]`): the read and that compute are
+    then in flight together. A loader that read layer L only after layer L-1's compute would never
+    start it while that compute waits for it (see the test), which the compute's bounded wait catches."""
 
-
-class SlowStore(MemoryStore):
-    """Every range read sleeps (the slowness is the subject: loads long enough to overlap a compute);
-    each read is recorded as (step it started, step it ended, offset)."""
-
-    def __init__(self, delay: float) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.delay = delay
-        self.reads: list[tuple[int, int, int]] = []
+        self.armed = False
+        self.section_layer: dict[int, int] = {}  # a section's offset in a chunk object -> its layer
+        self.loading: collections.defaultdict[int, threading.Event] = collections.defaultdict(threading.Event)
+        self.computing: collections.defaultdict[int, threading.Event] = collections.defaultdict(threading.Event)
 
     async def get_range(self, key, start, end):
-        t = next(_STEP)
-        await anyio.sleep(self.delay)
-        out = await super().get_range(key, start, end)
-        self.reads.append((t, next(_STEP), start))
-        return out
+        layer = self.section_layer.get(start) if self.armed else None
+        if layer is not None and layer >= 2:
+            self.loading[layer].set()
+            await wait_until(self.computing[layer - 1].is_set)
+        return await super().get_range(key, start, end)
 
 
 def test_loading_next_layer_overlaps_recompute(monkeypatch):
+    """While layer i is recomputed, layer i+1 is being loaded: each compute waits (bounded) until the
+    next layer's read has begun, and that read waits until the compute has begun, so both are in
+    flight at once; no clock is involved."""
     b = HFBackend(tiny_model("llama", layers=5), name="tiny-llama-5")
     chunks = _chunks([20, 20], seed=60)
-    store = SlowStore(0.03)
-    anyio.run(_blend, b, store, chunks, chunks, torch.zeros(0, dtype=torch.int64), Blend(recompute_ratio=1.0))
-    store.reads.clear()
-    computes: list[tuple[int, int]] = []
+    store = HandshakeStore()
+    no_suffix = torch.zeros(0, dtype=torch.int64)
+    anyio.run(_blend, b, store, chunks, chunks, no_suffix, Blend(recompute_ratio=1.0))
+    blob = anyio.run(store.get, anyio.run(store.scan)[0].key)
+    header, _ = codec.read_header(blob)
+    store.section_layer = {section.offset: i for i, section in enumerate(header.layers)}
+    overlapped: list[tuple[int, bool]] = []
     original = b.run_layer_selective
 
-    def spy(*args, **kwargs):
-        t = next(_STEP)
-        time.sleep(0.01)  # make the compute long enough to overlap the 30 ms loads
-        out = original(*args, **kwargs)
-        computes.append((t, next(_STEP)))
-        return out
+    def spy(layer, *args, **kwargs):
+        store.computing[layer].set()
+        if layer + 1 < b.spec.num_layers:
+            overlapped.append((layer, store.loading[layer + 1].wait(timeout=10)))
+        return original(layer, *args, **kwargs)
 
     monkeypatch.setattr(b, "run_layer_selective", spy)
-    anyio.run(
-        _blend, b, store, [], chunks, torch.zeros(0, dtype=torch.int64), Blend(recompute_ratio=1.0)
-    )
-    layer_reads = sorted(r for r in store.reads if r[2] > 4096)  # section reads, not header probes
-    by_layer = [layer_reads[i : i + 2] for i in range(0, len(layer_reads), 2)]  # 2 chunks per layer
-    assert len(by_layer) == b.spec.num_layers - 1 and len(computes) == b.spec.num_layers - 1
-    for i in range(len(computes) - 1):  # compute of layer i+1 vs load of layer i+2 (both 0-based lists)
-        c0, c1 = computes[i]
-        l0, l1 = min(r[0] for r in by_layer[i + 1]), max(r[1] for r in by_layer[i + 1])
-        # the two intervals overlap: each started before the other ended
-        assert l0 < c1 and c0 < l1, f"layer {i + 2} load did not overlap layer {i + 1} compute"
-
+    store.armed = True
+    anyio.run(_blend, b, store, [], chunks, no_suffix, Blend(recompute_ratio=1.0))
+    assert [layer for layer, _ in overlapped] == list(range(1, b.spec.num_layers - 1))
+    assert all(ok for _, ok in overlapped), f"a layer's load did not start during the layer before: {overlapped}"
 
 
 class HangingLayers(MemoryStore):
@@ -809,7 +806,7 @@ def test_selective_layers_never_wait_for_the_device(backend, monkeypatch):
 
     monkeypatch.setattr(fuse, "LayerTimer", SpyTimer)
     monkeypatch.setattr(fuse, "SelectionBounds", functools.partial(SelectionBounds, exact=False))
-    monkeypatch.setattr(backend, "blend_group_rows", 4)
+    monkeypatch.setattr(backend.blend, "group_rows", 4)
     res = run_blend(backend, _chunks([40, 33, 51], seed=32), random_tokens(7, 256, seed=33), Blend())
     assert len(logs) == backend.spec.num_layers and res.stats.hkvd[0] > 0
     for i, log in enumerate(logs[1:], start=1):
@@ -1020,7 +1017,7 @@ def test_restorer_choose_blend_store_times_the_model_without_a_profile(tmp_path)
 
     async def choose():
         async with Restorer(be, MemoryStore()) as r:
-            assert r.profile is None
+            assert r.planner.profile is None
             return await r.choose_blend_store([StoreCandidate("disk", disk, 0.1)], n_tokens=256)
 
     placement = anyio.run(choose)

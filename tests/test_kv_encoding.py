@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kvrestore import (
-    ForeignChunkError,
     InvalidInputError,
     KVCache,
     LayerTwoPointer,
@@ -22,7 +21,7 @@ from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader
 from kvrestore.chunkio.stored import StoredChunk
 from kvrestore.codec import quant
 from kvrestore.codec.checksums import as_signed, device_checksums
-from kvrestore.core.errors import CorruptChunkError
+from kvrestore.core.errors import CorruptChunkError, ForeignChunkError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec

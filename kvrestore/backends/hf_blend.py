@@ -1,14 +1,15 @@
-"""The HF backend's CacheBlend methods: re-rotating cached keys to new positions and recomputing a
+"""CacheBlend's operations on an HF decoder: re-rotating cached keys to new positions and recomputing a
 subset of tokens of a layer over blended KV.
 
-A mixin of `HFBackend` (kvrestore.backends.hf): the methods use its layers, rotary module and
-projection helpers (`_layers`, `_rotary`, `rotary`, `_project`, `_project_normed`, `_mix`, `_sdpa`).
+`HFBlend` is a part of `HFBackend` (`backend.blend`), built by it over its model: it reads the
+backend's layers, rotary module and dimensions and uses its projection helpers (`rotary`, `_project`,
+`_project_normed`, `_mix`). The backend offers the operations CacheBlend calls as its own methods.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +23,9 @@ from kvrestore.backends.attention import (
     without_cudnn_attention,
 )
 from kvrestore.core.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from kvrestore.backends.hf import HFBackend
 
 # RoPE variants whose frequencies do not depend on the sequence: cached keys can be moved exactly
 REROTATABLE_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
@@ -47,29 +51,34 @@ def selected_rows_mask(index: torch.Tensor, n_keys: int, dtype: torch.dtype, add
     return bias.masked_fill_(unseen, float("-inf"))[:, :n_keys]
 
 
-class HFBlendMixin:
-    """CacheBlend's view of a decoder: keys moved between positions, layers run for selected tokens."""
+class HFBlend:
+    """CacheBlend's view of a decoder: keys moved between positions, layers run for selected tokens.
 
-    _layers: list[Any]
-    _rotary: Any
-    _head_dim: int
-    _n_heads: int
-    _n_kv: int
-    _qk_norm: bool
-    _scaling: float
-    device: torch.device
+    Parameters
+    ----------
+    backend: HFBackend
+        The backend whose model this runs.
 
-    # The selected rows' attention is split into up to this many groups over key prefixes (`row_groups`),
-    # of at least `blend_group_rows` rows each, when the caller knows bounds of the rows' positions on the
-    # host (`run_layer_selective(upper=)`); 1 runs one masked call over all keys.
-    blend_attention_groups: int = 4
-    blend_group_rows: int = 64
+    Attributes
+    ----------
+    attention_groups: int
+        The selected rows' attention is split into up to this many groups over key prefixes
+        (`row_groups`), of at least `group_rows` rows each, when the caller knows bounds of the rows'
+        positions on the host (`run_layer_selective(upper=)`); 1 runs one masked call over all keys.
+    group_rows: int
+        The fewest rows of a group.
+    """
 
-    if TYPE_CHECKING:  # what HFBackend, the class this is mixed into, provides (see there)
-        rotary: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-        _project: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-        _project_normed: Callable[..., tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]
-        _mix: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
+    attention_groups: int = 4
+    group_rows: int = 64
+
+    def __init__(self, backend: HFBackend) -> None:
+        self.backend = backend
+        self._layers = backend._layers
+        self._rotary = backend._rotary
+        self._head_dim, self._n_heads, self._n_kv = backend._head_dim, backend._n_heads, backend._n_kv
+        self._qk_norm, self._scaling = backend._qk_norm, backend._scaling
+        self.device = backend.device
 
     def rope_inv_freq(self) -> torch.Tensor:
         """The model's own RoPE inverse frequencies [D/2], checked to make re-rotation exact.
@@ -135,7 +144,7 @@ class HFBlendMixin:
         CacheBlend uses it to measure the KV deviation of candidate tokens before choosing which ones
         to recompute.
         """
-        cos, sin = rope if rope is not None else self.rotary(hidden, positions)
+        cos, sin = rope if rope is not None else self.backend.rotary(hidden, positions)
         return self.project_candidates(layer, hidden, (cos, sin))[1:]
 
     @torch.inference_mode()
@@ -146,7 +155,7 @@ class HFBlendMixin:
         the selected tokens' rows of all three (`projected=`) instead of projecting them again."""
         mod = self._layers[layer]
         x = mod.input_layernorm(hidden)
-        _, k, v = self._project_normed(mod, x, *rope, with_q=False)
+        _, k, v = self.backend._project_normed(mod, x, *rope, with_q=False)
         assert k is not None and v is not None
         return x, k[0], v[0]
 
@@ -176,20 +185,20 @@ class HFBlendMixin:
         result, for about half the attention work.
         """
         index = index.to(self.device)
-        cos, sin = rope if rope is not None else self.rotary(hidden, index)
+        cos, sin = rope if rope is not None else self.backend.rotary(hidden, index)
         mod = self._layers[layer]
         if projected is None:
-            q, kr, vr = self._project(mod, hidden, cos, sin)
+            q, kr, vr = self.backend._project(mod, hidden, cos, sin)
         else:
             x, k_rows, v_rows = projected
-            q_only, _, _ = self._project_normed(mod, x, cos, sin, with_kv=False)
+            q_only, _, _ = self.backend._project_normed(mod, x, cos, sin, with_kv=False)
             assert q_only is not None
             q = q_only
             kr, vr = k_rows[None], v_rows[None]
         k.index_copy_(1, index, kr[0])
         v.index_copy_(1, index, vr[0])
         out = self._attention_selected(q, k.unsqueeze(0), v.unsqueeze(0), index, upper)
-        return self._mix(mod, hidden, out), kr[0], vr[0]
+        return self.backend._mix(mod, hidden, out), kr[0], vr[0]
 
     @torch.inference_mode()
     def attention_probs(
@@ -199,7 +208,7 @@ class HFBlendMixin:
         over a layer's keys `k` [H, N, D], causal at each token's position: the forward attention matrix
         rows that CacheBlend's attention deviation compares."""
         index = index.to(self.device)
-        cos, sin = self.rotary(hidden, index)
+        cos, sin = self.backend.rotary(hidden, index)
         mod = self._layers[layer]
         attn = mod.self_attn
         s = hidden.shape[1]
@@ -228,7 +237,7 @@ class HFBlendMixin:
         if upper is None:
             groups = [(0, q.shape[2], n)]
         else:
-            groups = row_groups(upper, n, self.blend_attention_groups, self.blend_group_rows)
+            groups = row_groups(upper, n, self.attention_groups, self.group_rows)
         last = groups[-1][2]  # the key counts do not decrease
         k, v = k[:, :, :last], v[:, :, :last]
         if q.device.type == "cuda" and self._n_heads != self._n_kv:

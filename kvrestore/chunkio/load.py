@@ -16,8 +16,8 @@ The path a load lane runs for a chunk, and why each step is shaped so:
      staging buffer is recycled once the upload's event has completed. A mismatch raises before the
      chunk counts as loaded; its rows are then recomputed, so damaged bytes never survive in the cache.
 
-A store that reads without the event loop (`ChunkStore.reads_now`: memory of this process, a local
-directory) gets the whole load as one blocking call, `ChunkLoader.load_now`, which the engine runs on
+A store that reads without the event loop (`ChunkStore.reads_sync`: memory of this process, a local
+directory) gets the whole load as one blocking call, `ChunkLoader.load_sync`, which the engine runs on
 its load-lane threads (`kvrestore.runtime.lanes`): the event loop's share of a chunk is then a queue put and
 one wake-up. Other stores are read with their async methods, then checked and placed in one thread hop.
 
@@ -108,16 +108,16 @@ class ChunkLoader:
         return self._pools[pinned]
 
     @property
-    def reads_now(self) -> bool:
-        """Whether `load_now` works: the store reads without the event loop (`ChunkStore.reads_now`)."""
-        return self.store.reads_now
+    def reads_sync(self) -> bool:
+        """Whether `load_sync` works: the store reads without the event loop (`ChunkStore.reads_sync`)."""
+        return self.store.reads_sync
 
     async def load(self, key: str, start: int, dest: torch.Tensor) -> int:
         """Read chunk `key` (saved at token `start`) into `dest` ([L, 2, H, T, D], a cache's token range);
         returns the stored bytes read. Raises MissingChunkError, a ChunkDecodeError (damaged, truncated,
         foreign) or a store error; `dest` may then hold part of the chunk, which must be recomputed."""
-        if self.store.reads_now:  # the whole load in one thread hop
-            return await anyio.to_thread.run_sync(self.load_now, key, start, dest, abandon_on_cancel=False)
+        if self.store.reads_sync:  # the whole load in one thread hop
+            return await anyio.to_thread.run_sync(self.load_sync, key, start, dest, abandon_on_cancel=False)
         if self.store.reads_in_memory:
             data = await self.store.get(key)
             return await anyio.to_thread.run_sync(self._place_object, key, start, dest, data)
@@ -133,33 +133,33 @@ class ChunkLoader:
             raise
         return await anyio.to_thread.run_sync(self._place_staged, key, start, dest, staging, size)
 
-    def load_now(self, key: str, start: int, dest: torch.Tensor) -> int:
-        """`load`, blocking, from any thread (a load lane's), for a store that `reads_now`: read, check,
+    def load_sync(self, key: str, start: int, dest: torch.Tensor) -> int:
+        """`load`, blocking, from any thread (a load lane's), for a store that `reads_sync`: read, check,
         verify and place without the event loop."""
         if self.store.reads_in_memory:
-            return self._place_object(key, start, dest, self.store.get_now(key))
+            return self._place_object(key, start, dest, self.store.get_sync(key))
         if dest.device.type != "cuda" and self.encoding.native:
             rows = row_blocks(dest)
             if rows is not None:
-                placed = self._scatter_now(key, start, dest, rows)
+                placed = self._scatter_sync(key, start, dest, rows)
                 if placed is not None:
                     return placed
         pool = self.pool(pinned=dest.device.type == "cuda")
         staging = pool.acquire(self._staging_bytes(dest))
         try:
-            size = self.store.read_into_now(key, staging.view)
+            size = self.store.read_into_sync(key, staging.view)
             if size is not None and size > staging.nbytes:
                 staging = pool.regrow(staging, size)
-                size = self.store.read_into_now(key, staging.view)
+                size = self.store.read_into_sync(key, staging.view)
         except BaseException:
             pool.release(staging)
             raise
         return self._place_staged(key, start, dest, staging, size)
 
-    def _scatter_now(
+    def _scatter_sync(
         self, key: str, start: int, dest: torch.Tensor, rows: list[list[memoryview]]
     ) -> int | None:
-        """Read an uncompressed chunk straight into a CPU cache's rows (`ChunkStore.scatter_into_now`: one
+        """Read an uncompressed chunk straight into a CPU cache's rows (`ChunkStore.scatter_into_sync`: one
         `preadv` of the sections into them for a local file), then verify them there: one pass over the
         bytes fewer than reading into staging and copying. The header comes first, from a small read.
         Returns the object's size, or None where this does not apply (compressed, an outsized header):
@@ -167,7 +167,7 @@ class ChunkLoader:
         pool = self.pool(pinned=False)
         probe = pool.acquire(PROBE_BYTES + 1)
         try:
-            got = self.store.scatter_into_now(key, 0, [probe.view[:PROBE_BYTES]])
+            got = self.store.scatter_into_sync(key, 0, [probe.view[:PROBE_BYTES]])
             if got is None:
                 raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
             head = probe.view[:got]
@@ -181,7 +181,7 @@ class ChunkLoader:
             if any(head[header_end:body]):
                 raise CorruptChunkError("nonzero padding between header and sections")
             past_end = probe.view[PROBE_BYTES : PROBE_BYTES + 1]  # filled only if the object is too long
-            placed = self.store.scatter_into_now(key, body, [b for layer in rows for b in layer] + [past_end])
+            placed = self.store.scatter_into_sync(key, body, [b for layer in rows for b in layer] + [past_end])
         finally:
             pool.release(probe)
         if placed is None:

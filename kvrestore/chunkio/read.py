@@ -57,11 +57,11 @@ async def load_chunk_aside(
     return nbytes, commit
 
 
-def load_chunk_now(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: list[str]) -> int:
+def load_chunk_sync(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: list[str]) -> int:
     """`load_chunk` on a load-lane thread (stores that read without the event loop): a damaged chunk's
     key goes to `damaged`, to be forgotten on the loop (`forget`) once the restore is over."""
     try:
-        return loader.load_now(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
+        return loader.load_sync(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
     except ChunkDecodeError:
         damaged.append(ref.key)
         raise

@@ -14,7 +14,7 @@ import anyio
 import anyio.to_thread
 
 from kvrestore import codec
-from kvrestore.core.errors import SaveError, StoreError
+from kvrestore.core.errors import WRITE_FAULTS, SaveError
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
@@ -22,9 +22,6 @@ from kvrestore.stores.base import ChunkStore
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
-
-#: faults of one chunk's write that fail that chunk only (`SaveError`); any other error is a bug and propagates
-WRITE_FAULTS = (StoreError, OSError)
 
 
 @dataclass

@@ -28,10 +28,10 @@ longer than what was fetched, and `header_length` says how much to fetch instead
 
 from __future__ import annotations
 
-import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 import zstandard
 
@@ -72,9 +72,13 @@ from kvrestore.core.errors import CorruptChunkError, InvalidInputError, Truncate
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec, dtype_name
 
-# `_fill` only reads through its zero-copy view of stored bytes; torch's warning about read-only buffers
-# does not apply.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
+#: same-sized integer types, to copy any KV dtype (bfloat16 included) through numpy
+_INT_OF_SIZE = {
+    1: (torch.uint8, np.uint8),
+    2: (torch.int16, np.int16),
+    4: (torch.int32, np.int32),
+    8: (torch.int64, np.int64),
+}
 
 # -- encode --------------------------------------------------------------------------------------
 
@@ -182,12 +186,30 @@ def _fill(
                 f"layer {layer}: decompressed to {len(raw)} bytes, expected {section.raw_length}"
             )
         stored = raw
-    # a zero-copy tensor over the (read-only) bytes; torch's one copy (or decode) runs outside the GIL
-    src = torch.frombuffer(stored, dtype=torch.uint8)
     if enc.native:
-        dst.copy_(src.view(dst.dtype).view(dst.shape))
+        copy_bytes(dst, stored)
     else:
-        enc.decode(src.view(1, -1), dst.unsqueeze(0))
+        enc.decode(byte_tensor(stored).view(1, -1), dst.unsqueeze(0))
+
+
+def byte_tensor(data: Buffer) -> torch.Tensor:
+    """A host uint8 tensor over `data`: a view, or a copy where the bytes are read-only (torch refuses
+    to view read-only memory without a warning)."""
+    view = memoryview(data)
+    return torch.frombuffer(view if not view.readonly else bytearray(view), dtype=torch.uint8)
+
+
+def copy_bytes(dst: torch.Tensor, data: Buffer) -> None:
+    """Copy raw tensor bytes (`dst`'s dtype and shape, C order) into `dst`, which may be strided.
+
+    One copy, outside the GIL, from the bytes as they are, read-only ones included (a store's `bytes`):
+    on the CPU through numpy views of both sides; elsewhere through a host tensor over the bytes.
+    """
+    if dst.device.type == "cpu":
+        as_torch, as_numpy = _INT_OF_SIZE[dst.element_size()]
+        np.copyto(dst.view(as_torch).numpy(), np.frombuffer(data, as_numpy).reshape(dst.shape))
+        return
+    dst.copy_(byte_tensor(data).view(dst.dtype).view(dst.shape))
 
 
 def decode_layers(

@@ -76,7 +76,7 @@ class Engine:
     """Shared lanes for any number of concurrent restores in one event loop."""
 
     #: whether a restore's time on this engine is its own work, so a restorer may learn from it how its
-    #: predictions compare (`Restorer.calibration`); under a batch scheduler it is mostly other requests'
+    #: predictions compare (`Planner.calibration`); under a batch scheduler it is mostly other requests'
     times_restores_alone = True
     #: whether a restore given no policy is planned (`Auto` predicts each strategy as if the restore had
     #: the lanes to itself, which on a plain engine it mostly has); else it runs the token-wise two-pointer

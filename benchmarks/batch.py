@@ -38,15 +38,17 @@ import msgspec
 import torch
 from _common import format_table, machine_info, median, percentile, write_json
 
-from kvrestore import Profile, Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore import Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.kv import KVCache
 from kvrestore.costs.measure import profile
+from kvrestore.costs.profile import Profile
 from kvrestore.policies.batch import BatchAware, FifoLanes
 from kvrestore.runtime.batch_engine import BatchEngine
 from kvrestore.runtime.engine import Engine
 from kvrestore.sim.compare import CASES, balance_bytes_per_s, batch_lower_bound, compare_schedulers
 from kvrestore.sim.workload import LogNormalLengths, Request, Shapes, burst, mix, poisson
+from kvrestore.stores import ThrottledStore
 from kvrestore.stores.memory import MemoryStore
 from kvrestore.tools.text import reference_tokens
 

@@ -113,7 +113,7 @@ def count_loader(args: argparse.Namespace, layers_per_read: int) -> dict[str, An
 
 def count(args: argparse.Namespace) -> list[OpTally]:
     _, backend, _ = build_model(tiny=True, device=torch.device("cpu"), seed=0, layers=args.layers)
-    backend.blend_attention_groups, backend.blend_group_rows = args.groups, 16
+    backend.blend.attention_groups, backend.blend.group_rows = args.groups, 16
     g = torch.Generator().manual_seed(0)
     chunks = [torch.randint(0, 256, (args.chunk_tokens,), generator=g) for _ in range(args.chunks)]
     suffix = torch.randint(0, 256, (16,), generator=g)
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--chunk-tokens", type=int, default=200)
-    p.add_argument("--groups", type=int, default=4, help="blend_attention_groups (default 4)")
+    p.add_argument("--groups", type=int, default=4, help="backend.blend.attention_groups (default 4)")
     p.add_argument("--tiny", action="store_true", help="4 layers of 100-token chunks: a smoke test")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)

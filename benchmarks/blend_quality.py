@@ -228,7 +228,7 @@ def suffix_attention(
     rows = []
     for i in range(backend.spec.num_layers):
         k, v = kv.layer(i)
-        rows.append(backend.attention_probs(i, hidden, k, index))
+        rows.append(backend.blend.attention_probs(i, hidden, k, index))
         hidden, _, _ = backend.run_layer(i, hidden, k[:, : n - n_suffix], v[:, : n - n_suffix], index)
     return rows
 
@@ -249,7 +249,7 @@ def path_logits(backend: HFBackend, tokens: torch.Tensor, kv: KVCache, greedy: l
     n = len(tokens)
     ids = torch.tensor([[int(tokens[-1]), *greedy[:-1]]], device=backend.device)
     with torch.inference_mode():
-        out = backend.model(input_ids=ids, past_key_values=kv.to_hf(backend.config, n_tokens=n - 1))
+        out = backend.model(input_ids=ids, **{backend.cache_keyword: kv.to_hf(backend.config, n_tokens=n - 1)})
     return out.logits[0].float()
 
 
@@ -447,20 +447,20 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await restorer.restore_blend(chunks, suffix, Blend(recompute_ratio=0.15), prefix=prefix)
 
         async def blend15_one_call(chunks=chunks, suffix=suffix, prefix=prefix) -> None:
-            groups, backend.blend_attention_groups = backend.blend_attention_groups, 1
+            groups, backend.blend.attention_groups = backend.blend.attention_groups, 1
             try:
                 await restorer.restore_blend(chunks, suffix, Blend(recompute_ratio=0.15), prefix=prefix)
             finally:
-                backend.blend_attention_groups = groups
+                backend.blend.attention_groups = groups
 
         async def blend15_split(chunks=chunks, suffix=suffix, prefix=prefix) -> None:
             # every group split block-causally, however little it moves (CUDA splits the large ones)
-            backend.blend_attention_split, work = True, backend.blend_split_min_work
-            backend.blend_split_min_work = 1
+            backend.blend.attention_split, work = True, backend.blend.split_min_work
+            backend.blend.split_min_work = 1
             try:
                 await restorer.restore_blend(chunks, suffix, Blend(recompute_ratio=0.15), prefix=prefix)
             finally:
-                backend.blend_attention_split, backend.blend_split_min_work = None, work
+                backend.blend.attention_split, backend.blend.split_min_work = None, work
 
         cases_t = {
             "full-recompute": timed(lambda tokens=tokens: backend.forward(tokens, None, 0, logits=True)),

@@ -33,9 +33,9 @@ from _common import machine_info, median, print_table, write_json
 from _provenance import code_version
 
 import kvrestore.backends.hf as hf
-from kvrestore import ComputeOnly, Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore import ComputeOnly, Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
-from kvrestore.stores import MemoryStore
+from kvrestore.stores import MemoryStore, ThrottledStore
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "cancel.json"

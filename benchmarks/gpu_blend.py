@@ -10,8 +10,8 @@ the device, nothing downloaded). For each layout (default 4 chunks x 2,048 and 4
 * **`restore_blend`** at 5%, 15% and 30% recompute (`Blend(recompute_ratio=r)`), with its own breakdown:
   layer 0's compute, the other layers' compute, the time the compute lane waited for a layer to load;
   and at 15% with the selected rows' attention in one masked call over all keys
-  (`backend.blend_attention_groups = 1`, "one-call"), against the default groups over key prefixes;
-  and at 15% with those groups each in one masked call ("unsplit", `blend_attention_split = False`),
+  (`backend.blend.attention_groups = 1`, "one-call"), against the default groups over key prefixes;
+  and at 15% with those groups each in one masked call ("unsplit", `backend.blend.attention_split = False`),
   against the default block-causal split on CUDA (the keys all of a group's rows see without a mask);
   and at 15% with the loader checking each layer's device checksums on the host before placing it
   ("checked-per-layer", a device round trip per layer), against the default deferred checks; and with
@@ -126,9 +126,9 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
 
     def blend_case(r: float, groups: int | None = None, loader: dict | None = None, split: bool | None = None):
         async def case() -> Sample:
-            default = backend.blend_attention_groups
-            backend.blend_attention_groups = default if groups is None else groups
-            backend.blend_attention_split = split
+            default = backend.blend.attention_groups
+            backend.blend.attention_groups = default if groups is None else groups
+            backend.blend.attention_split = split
             if loader:  # the loader as it was before a change (its StoreChunkSource arguments)
                 fuse.StoreChunkSource = functools.partial(StoreChunkSource, **loader)  # type: ignore[misc]
             try:
@@ -138,8 +138,8 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
                 sync(device)
                 s = time.perf_counter() - t
             finally:
-                backend.blend_attention_groups = default
-                backend.blend_attention_split = None
+                backend.blend.attention_groups = default
+                backend.blend.attention_split = None
                 fuse.StoreChunkSource = StoreChunkSource  # type: ignore[misc]
             st = res.stats
             return Sample(
@@ -310,7 +310,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     gc.freeze()  # alive now are never scanned again, so a collection during a round stays short
     kernel = masked_attention_kernel(backend, device)
     log(f"masked attention kernel: {kernel}")
-    split = backend._split_attention_works(device, backend.spec.dtype)  # its one-time check, untimed
+    split = backend.blend._split_attention_works(device, backend.spec.dtype)  # its one-time check, untimed
     log(f"block-causal split attention: {'on' if split else 'unavailable (masked calls only)'}")
     if kernel.startswith("math"):
         log("WARNING: the selective layers fall back to SDPA's MATH kernel; blend times are not representative")
@@ -364,7 +364,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         nargs="*",
         default=[],
-        help="also time blend@0.15 with these attention group counts (blend_attention_groups)",
+        help="also time blend@0.15 with these attention group counts (backend.blend.attention_groups)",
     )
     p.add_argument("--profile", action="store_true", help="profile one blend@0.15 per layout (torch.profiler)")
     p.add_argument(

@@ -50,19 +50,10 @@ import torch
 from _common import Sample, interleave, machine_info, median, print_table, ratio, write_json
 from _provenance import code_version
 
-from kvrestore import (
-    Auto,
-    ComputeOnly,
-    KVCache,
-    LayerTwoPointer,
-    LoadOnly,
-    Restorer,
-    ThrottledStore,
-    TokenTwoPointer,
-)
+from kvrestore import Auto, ComputeOnly, KVCache, LayerTwoPointer, LoadOnly, Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.bandwidth import BandwidthTrace, oracle_split, trace_suffix_times
-from kvrestore.stores import MemoryStore
+from kvrestore.stores import MemoryStore, ThrottledStore
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "gpu_restore.json"

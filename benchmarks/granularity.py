@@ -19,9 +19,9 @@ import anyio
 import torch
 from _common import format_table, machine_info, median, write_json
 
-from kvrestore import ComputeOnly, Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore import ComputeOnly, Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
-from kvrestore.stores import FsspecStore
+from kvrestore.stores import FsspecStore, ThrottledStore
 from kvrestore.tools.text import reference_tokens
 
 COMBOS = [(128, 1), (128, 2), (128, 4), (256, 1), (256, 2), (256, 4), (512, 1)]

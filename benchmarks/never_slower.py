@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from _common import format_table, machine_info, median, write_json
 
-from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
-from kvrestore.stores import open_store
+from kvrestore.stores import ThrottledStore, open_store
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FIXED = {

@@ -32,21 +32,13 @@ import anyio
 import torch
 from _common import format_table, machine_info, median, write_json
 
-from kvrestore import (
-    Auto,
-    ComputeOnly,
-    LayerTwoPointer,
-    LoadOnly,
-    Profile,
-    Restorer,
-    ThrottledStore,
-    TokenTwoPointer,
-)
+from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.costs.links import fit_link
 from kvrestore.costs.measure import measure_link, profile
+from kvrestore.costs.profile import Profile
 from kvrestore.planning.auto import crossover_length
-from kvrestore.stores import FsspecStore
+from kvrestore.stores import FsspecStore, ThrottledStore
 from kvrestore.tools.text import reference_tokens
 
 POLICIES = {
@@ -211,7 +203,7 @@ def summarize(args, lengths, multipliers, times, choices, plans, points, compute
         measured = next((n for n in lengths if med(n, m, "token-wise") <= med(n, m, "layer-wise")), None)
         restorer = points[lengths[0], m][0]
         n_ref = lengths[len(lengths) // 2]
-        link = points[n_ref, m][0].link.current
+        link = points[n_ref, m][0].planner.link.current
         predicted = crossover_length(prof, link, restorer.spec.num_layers, restorer.spec.kv_bytes_per_token)
         below_ok = all(
             med(n, m, "layer-wise") < med(n, m, "token-wise")

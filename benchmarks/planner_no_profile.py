@@ -25,9 +25,9 @@ from pathlib import Path
 import torch
 from _common import format_table, machine_info, median
 
-from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
-from kvrestore.stores import FsspecStore
+from kvrestore.stores import FsspecStore, ThrottledStore
 from kvrestore.tools.text import reference_tokens
 
 FIXED = {
@@ -72,7 +72,7 @@ async def run(args: argparse.Namespace) -> dict:
                 store, _ = stores[n, m]
                 fixed = Restorer(backend, store, learn=False)
                 fresh = Restorer(backend, store, learn=False, profile=False)
-                assert fresh.profile is None, "a saved profile was found: this run must start from nothing"
+                assert fresh.planner.profile is None, "a saved profile was found: this run must start from nothing"
                 line = []
                 runs = [(name, fixed, cls()) for name, cls in FIXED.items()]
                 runs += [(f"auto#{k + 1}", fresh, Auto()) for k in range(AUTO_RESTORES)]

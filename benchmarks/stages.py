@@ -43,11 +43,12 @@ import torch.distributed as dist
 from _common import fmt, machine_info, median, print_table, ratio, write_json
 from _provenance import code_version
 
-from kvrestore import ComputeOnly, Restorer, ThrottledStore, TokenTwoPointer, codec, open_store
+from kvrestore import ComputeOnly, Restorer, TokenTwoPointer, codec, open_store
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.distributed import StageLayout, StageRestorer, gather_kv, save_with_boundaries, spawn
 from kvrestore.sim.simulate import simulate
+from kvrestore.stores import ThrottledStore
 
 ROOT = Path(__file__).resolve().parent.parent
 MULTIPLIERS = (0.5, 1.0, 2.0)

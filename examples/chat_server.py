@@ -44,14 +44,15 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from kvrestore import ChunkStore, InvalidInputError, KVCache, Restorer, open_store
+from kvrestore import InvalidInputError, KVCache, Restorer, open_store
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.paths import cache_root
 from kvrestore.policies import Policy, TokenTwoPointer
 from kvrestore.policies.batch import BatchAware
-from kvrestore.restorer import RestoreResult
+from kvrestore.restore.results import RestoreResult
 from kvrestore.runtime.batch_engine import BatchEngine
 from kvrestore.runtime.engine import Engine
+from kvrestore.stores import ChunkStore
 
 log = logging.getLogger("kvrestore.chat_server")
 
@@ -181,7 +182,8 @@ class ChatService:
     @torch.inference_mode()
     def _decode_step(self, cache: Any, token: int) -> int:
         ids = torch.tensor([[token]], dtype=torch.long, device=self.backend.device)
-        logits = self.backend.model(input_ids=ids, past_key_values=cache, use_cache=True).logits
+        kwargs = {self.backend.cache_keyword: cache}
+        logits = self.backend.model(input_ids=ids, use_cache=True, **kwargs).logits
         return int(logits[0, -1].argmax())
 
     def _eos_ids(self) -> set[int]:

@@ -1,74 +1,58 @@
 """kvrestore: restore an LLM prompt's KV cache by computing and loading at the same time.
 
-from kvrestore import Restorer, open_store
-from kvrestore.backends.hf import HFBackend
-from kvrestore.policies import ComputeOnly, LoadOnly
+The names here are the ones a first program needs::
+
+    from kvrestore import HFBackend, Restorer, open_store
+
+    restorer = Restorer(HFBackend(model), open_store("file:///var/cache/kv"))
+    result = await restorer.restore(token_ids)
+
+Everything else is importable from its subpackage: store wrappers from `kvrestore.stores`, cost models
+from `kvrestore.costs`, the engine and its lanes from `kvrestore.runtime`, batch schedulers from
+`kvrestore.policies.batch`, chunk keys and the KV types from `kvrestore.core`.
 """
 
-from kvrestore.core.bandwidth import BandwidthTrace
+from kvrestore.backends.hf import HFBackend
 from kvrestore.core.errors import (
-    ChunkDecodeError,
-    CorruptChunkError,
-    ForeignChunkError,
     InvalidInputError,
     KVRestoreError,
     SaveError,
     StoreError,
-    TruncatedChunkError,
     UnsupportedModelError,
     UnsupportedURLError,
 )
-from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
-from kvrestore.core.kv import KVCache, KVChunk
-from kvrestore.core.spec import ModelSpec
-from kvrestore.costs.profile import Profile
+from kvrestore.core.kv import KVCache
 from kvrestore.planning import Auto
-from kvrestore.policies import Blend, ComputeOnly, LayerTwoPointer, LoadOnly, Policy, TokenTwoPointer
-from kvrestore.policies.batch import BatchAware, FifoLanes
-from kvrestore.restorer import Restorer, RestoreResult, RestoreStats, SaveStats, SyncRestorer
+from kvrestore.policies import Blend, ComputeOnly, LayerTwoPointer, LoadOnly, TokenTwoPointer
+from kvrestore.restorer import Restorer, SyncRestorer
 from kvrestore.runtime.batch_engine import BatchEngine
-from kvrestore.runtime.engine import Engine
-from kvrestore.stores import ChunkStore, ThrottledStore, TieredStore, open_store
+from kvrestore.stores import LocalStore, MemoryStore, TieredStore, open_store
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Profile",
-    "Auto",
-    "DEFAULT_CHUNK_SIZE",
-    "BandwidthTrace",
-    "BatchAware",
-    "BatchEngine",
-    "Blend",
-    "ChunkDecodeError",
-    "ChunkRef",
-    "ChunkStore",
-    "ComputeOnly",
-    "CorruptChunkError",
-    "Engine",
-    "FifoLanes",
-    "ForeignChunkError",
-    "InvalidInputError",
-    "KVCache",
-    "KVChunk",
-    "KVRestoreError",
-    "LoadOnly",
-    "ModelSpec",
-    "Policy",
-    "RestoreResult",
-    "RestoreStats",
+    # the facade and what it is made of
     "Restorer",
-    "SaveStats",
-    "SaveError",
-    "StoreError",
     "SyncRestorer",
-    "ThrottledStore",
+    "HFBackend",
+    "open_store",
+    "MemoryStore",
+    "LocalStore",
     "TieredStore",
-    "LayerTwoPointer",
+    "KVCache",
+    # how a restore runs
+    "Auto",
+    "ComputeOnly",
+    "LoadOnly",
     "TokenTwoPointer",
-    "TruncatedChunkError",
+    "LayerTwoPointer",
+    "Blend",
+    "BatchEngine",
+    # what it raises
+    "KVRestoreError",
+    "InvalidInputError",
+    "StoreError",
+    "SaveError",
     "UnsupportedModelError",
     "UnsupportedURLError",
-    "chunk_keys",
-    "open_store",
 ]

@@ -20,7 +20,8 @@ import torch
 from kvrestore.backends.base import ComputeBackend
 from kvrestore.blend.entry import blend_prompt, save_prompt_chunk
 from kvrestore.chunkio import ChunkLoader
-from kvrestore.chunkio.save import WRITE_FAULTS, SaveStats
+from kvrestore.chunkio.save import SaveStats
+from kvrestore.codec.quant import Encoding, key_space
 from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
 from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
 from kvrestore.core.kv import KVCache
@@ -28,31 +29,20 @@ from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import mirror_sync_methods
 from kvrestore.core.tokens import TokenIds, as_token_tensor, check_length
 from kvrestore.core.trace import TraceEvent
-from kvrestore.costs.learned import CostLearner, store_name
-from kvrestore.costs.profile import Calibration, LinkEstimate, Profile
+from kvrestore.costs.learned import store_name
+from kvrestore.costs.profile import Profile
 from kvrestore.planning.auto import Auto, Plan
-from kvrestore.planning.planner import CUDA_MIN_UNIT_TOKENS, UNTRIED_MARGIN, Planner
+from kvrestore.planning.planner import Planner
 from kvrestore.policies import Blend, Policy
 from kvrestore.restore import run
-from kvrestore.restore.results import Parts, RestoreResult, RestoreStats
+from kvrestore.restore.results import Parts, RestoreResult
 from kvrestore.runtime.engine import Engine
 from kvrestore.stores.base import ChunkStore
 
 if TYPE_CHECKING:
     from kvrestore.blend import BlendResult, StoreCandidate, StorePlacement
 
-__all__ = [
-    "CUDA_MIN_UNIT_TOKENS",
-    "UNTRIED_MARGIN",
-    "WRITE_FAULTS",
-    "Restorer",
-    "RestoreResult",
-    "RestoreStats",
-    "SaveStats",
-    "SyncRestorer",
-    "TokenIds",
-    "as_token_tensor",
-]
+__all__ = ["Restorer", "SyncRestorer"]
 
 
 def _check_parts(backend: object, store: object, engine: object, compression: str) -> None:
@@ -70,17 +60,46 @@ def _check_parts(backend: object, store: object, engine: object, compression: st
 
 
 class Restorer:
-    """Saves a prompt's KV cache chunk by chunk and restores it with a policy.
+    """Saves a prompt's KV cache chunk by chunk and restores it, computing part and loading the rest.
 
-    `chunk_size` tokens per stored chunk (default 256); `load_lanes` concurrent fetches;
-    `compression` "none" or "zstd" for written chunks. Restorers may share an `Engine` (its lanes).
-    `profile` is the cost model the `Auto` planner predicts with: a `Profile`, a path to one, or None
-    for the one `kvrestore profile` saved for this machine and model (if any), or False for none even
-    if one is saved. Without one, the
-    restorer learns the cost model from its own saves and restores (`costs`, see `kvrestore.costs.learned`);
-    `learn` keeps what it learned for the next restorer of this machine, model and store: True under
-    the cache directory, a path, or False (in memory only). A profile's store link is only a starting
-    point: `link` follows the loads of every restore.
+    Parameters
+    ----------
+    backend: ComputeBackend
+        The model, e.g. `HFBackend(model)`.
+    store: ChunkStore
+        Where chunks live, e.g. `open_store("file:///var/cache/kv")`.
+    chunk_size: int
+        Tokens per stored chunk (default 256). Restorers that share a store must agree on it.
+    load_lanes: int
+        Concurrent chunk loads (default 4); unused when `engine` is given.
+    compression: "none" | "zstd"
+        How written chunks are compressed.
+    kv_encoding: "native" | "int8" | "fp8" | "int4"
+        How written chunks hold the KV (`codec.quant`), and the only encoding this restorer reads.
+    engine: Engine | BatchEngine | None
+        The lanes restores run on; restorers may share one. None makes a private `Engine`.
+    load_timeout_s: float | None
+        A load that takes longer is abandoned and its chunk computed instead.
+    profile: Profile | path | None | False
+        The measured cost model `Auto` predicts with: a `Profile`, a path to one, None for the one
+        `kvrestore profile` saved for this machine and model (if any), False for none.
+    learn: bool | path
+        Where the costs learned from this restorer's own saves and restores are kept for the next
+        restorer of this machine, model and store: True under the cache directory, a path, or False
+        (in memory only).
+
+    Attributes
+    ----------
+    planner: Planner
+        The one view of what this restorer knows about costs: `planner.profile` (measured, or None),
+        `planner.costs` (learned from its own work), `planner.link` (the store link, followed through
+        every restore's loads), `planner.calibration` (measured against predicted time per strategy)
+        and `planner.cost_model` (what `Auto` predicts with: the profile, else the learned costs).
+
+    Raises
+    ------
+    InvalidInputError
+        A backend without a `ModelSpec`, a store that is not a `ChunkStore`, or a bad number.
     """
 
     def __init__(
@@ -91,6 +110,7 @@ class Restorer:
         *,
         load_lanes: int = 4,
         compression: str = "none",
+        kv_encoding: str = "native",
         engine: Engine | None = None,
         load_timeout_s: float | None = 30.0,
         profile: Profile | str | os.PathLike | Literal[False] | None = None,
@@ -101,39 +121,21 @@ class Restorer:
         self.chunk_size = check_int("chunk_size", chunk_size)
         self.engine = engine or Engine(load_lanes)
         check_int("load_lanes", load_lanes)  # also where a given engine makes it unused
-        self.loader = ChunkLoader(self.spec, store, lambda device: self.engine.cuda_stream("load", device))
+        self.loader = ChunkLoader(self.spec, store, lambda d: self.engine.cuda_stream("load", d), kv_encoding)
         self.load_timeout_s = check_seconds("load_timeout_s", load_timeout_s)
-        self.planner = Planner(backend, self.engine, self.chunk_size, store_name(store), profile, learn)
-
-    @property
-    def profile(self) -> Profile | None:
-        """The measured cost model (`Planner.profile`), None where the costs are learned."""
-        return self.planner.profile
-
-    @property
-    def costs(self) -> CostLearner:
-        """The costs learned from this restorer's saves and restores (`Planner.costs`)."""
-        return self.planner.costs
-
-    @property
-    def link(self) -> LinkEstimate:
-        """The live estimate of the store's link, followed through every restore's loads."""
-        return self.planner.link
-
-    @property
-    def calibration(self) -> Calibration:
-        """How this restorer's restores compared with their predictions (`Planner.calibration`)."""
-        return self.planner.calibration
-
-    @property
-    def cost_model(self) -> Profile | None:
-        """What `Auto` predicts with: the measured profile, else the learned costs (None before any
-        compute unit was seen)."""
-        return self.planner.cost_model
+        stored = round(self.kv_encoding.bytes_per_token(self.chunk_size, self.spec.num_layers))
+        self.planner = Planner(
+            backend, self.engine, self.chunk_size, store_name(store), profile, learn, stored
+        )
 
     @property
     def spec(self) -> ModelSpec:
         return self.backend.spec
+
+    @property
+    def kv_encoding(self) -> Encoding:
+        """How this restorer's chunks hold the KV (`codec.quant`): what it writes, and all it reads."""
+        return self.loader.encoding
 
     @property
     def _parts(self) -> Parts:
@@ -152,7 +154,9 @@ class Restorer:
         tokens = as_token_tensor(token_ids)
         check_length(self.backend, len(tokens))
         self.backend.validate_tokens(tokens)
-        return tokens, chunk_keys(tokens, self.spec.fingerprint, self.chunk_size)
+        return tokens, chunk_keys(
+            tokens, key_space(self.spec.fingerprint, self.kv_encoding.name), self.chunk_size
+        )
 
     async def lookup(self, token_ids: TokenIds) -> int:
         """Number of leading tokens covered by stored chunks (the longest stored prefix)."""
@@ -190,12 +194,32 @@ class Restorer:
     ) -> RestoreResult:
         """The KV cache of `token_ids`, assembled by `policy` from compute and loads.
 
-        The default policy depends on the engine (`Engine.plans_by_default`): on a plain `Engine` the `Auto`
-        planner, which predicts every strategy with the restorer's profile and picks the fastest
-        (`result.plan` says what it predicted and why); on a `BatchEngine` the token-wise two-pointer,
-        whose lanes the batch scheduler shares out. `out` is a buffer to restore into (a serving process
-        reuses its KV memory instead of allocating and first-touching a new buffer per request); the
-        result's `kv` then shares it.
+        Parameters
+        ----------
+        token_ids: sequence of int or 1-D tensor
+            The prompt.
+        policy: Policy | Auto | None
+            How to split the work between computing and loading. None picks the engine's default
+            (`Engine.plans_by_default`): `Auto` on a plain `Engine`, which predicts every strategy and
+            runs the fastest; the token-wise two-pointer on a `BatchEngine`, whose scheduler shares the
+            lanes out.
+        on_event: callable, optional
+            Called with each `TraceEvent` as units start and finish.
+        out: KVCache, optional
+            A buffer to restore into, on the model's device; the result's `kv` shares it (a serving
+            process reuses its KV memory instead of allocating a new buffer per request).
+
+        Returns
+        -------
+        RestoreResult
+            `kv` (all layers, all tokens), `stats` (what was computed, loaded, failed), `trace`, and
+            `plan` where `Auto` chose (`plan.explain()` says what it predicted and why).
+
+        Raises
+        ------
+        InvalidInputError
+            Empty or out-of-vocabulary tokens, a prompt longer than the model's context, a bad `out`.
+            A missing or damaged chunk raises nothing: it is recomputed and counted in `stats`.
         """
         tokens, refs = self.chunks(token_ids)
         run.check_policy(policy)
@@ -240,7 +264,8 @@ class Restorer:
         from kvrestore.blend.entry import blend_backend
         from kvrestore.blend.placement import choose_blend_store
 
-        layer_cost = self.profile.layer if self.profile is not None else None
+        profile = self.planner.profile
+        layer_cost = profile.layer if profile is not None else None
         return await choose_blend_store(
             blend_backend(self.backend), candidates, n_tokens=n_tokens, ratio=ratio, layer_cost=layer_cost
         )

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrestore import Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore import Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.keys import chunk_keys
@@ -22,6 +22,7 @@ from kvrestore.runtime.batch_engine import BatchEngine, EngineNotRunningError
 from kvrestore.sim.batch import sim_requests, simulate_batch, simulate_independent
 from kvrestore.sim.compare import batch_lower_bound
 from kvrestore.sim.workload import Request
+from kvrestore.stores import ThrottledStore
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens, tiny_model

@@ -134,6 +134,22 @@ def test_cancel_tiny(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_kv_encoding_tiny(tmp_path: Path) -> None:
+    """The speed half's code (the one `--device cuda` runs) on a tiny random Llama: every encoding saved,
+    loaded and two-pointered at the native balance bandwidth, its loaded KV checked by the script."""
+    data = run_script("kv_encoding.py", tmp_path / "kv_encoding-tiny.json")
+    assert data["config"]["tiny"] and "quality" not in data
+    speed = data["speed"]
+    assert speed["tokens"] == 512 and speed["balance_bytes_per_s"] > 0
+    assert set(speed["encodings"]) == {"native", "int8", "fp8", "int4"}
+    for name, row in speed["encodings"].items():
+        for key in ("load_only_1x_s", "two_pointer_1x_s", "load_only_host_s", "encode_gb_s", "decode_gb_s"):
+            assert row[key] > 0, (name, key)
+    assert speed["encodings"]["int8"]["bytes_ratio"] < 0.3  # fp32 KV
+    assert data["targets"]["bytes int4 bf16 <= 0.32x"]
+
+
+@pytest.mark.slow
 def test_gpu_suite_tiny(tmp_path: Path) -> None:
     """The suite in its CPU smoke mode: every benchmark it knows runs (or is recorded missing or
     skipped), and one folder holds the summary, every benchmark's JSON and the logs."""

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
-import itertools
 import threading
-import time
 import weakref
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kvrestore import InvalidInputError, Restorer, UnsupportedModelError, open_store
+from kvrestore import InvalidInputError, Restorer, UnsupportedModelError, codec, open_store
 from kvrestore.backends.attention import attention_lse, merge_attention, row_groups, without_cudnn_attention
 from kvrestore.backends.hf import HFBackend
 from kvrestore.backends.hf_blend import MASK_ALIGNMENT, selected_rows_mask
@@ -49,6 +48,7 @@ from kvrestore.stores.throttled import ThrottledStore
 from kvrestore.tools.text import reference_tokens
 
 from .conftest import random_tokens, tiny_model
+from .waiting import wait_until
 
 ATOL = 1e-4
 FAMILIES = ["llama", "qwen2"]
@@ -177,7 +177,7 @@ def test_grouped_attention_equals_one_masked_call(picks, groups, rows, slack):
     index = torch.tensor([i for i, p in enumerate(picks) if p] or [39])
     upper = [min(39, p + slack) for p in index.tolist()]
     one = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone())
-    b.blend_attention_groups, b.blend_group_rows = groups, rows
+    b.blend.attention_groups, b.blend.group_rows = groups, rows
     grouped = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=upper)
     for x, y in zip(grouped, one, strict=True):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0)
@@ -258,7 +258,7 @@ def test_attention_probs_match_transformers_eager(llama_backend):
     kv = b.prefill_chunk(tokens, None, 0).data
     index = torch.arange(25)
     for layer in range(b.spec.num_layers):
-        probs = b.attention_probs(layer, ref.hidden_states[layer], kv[layer, 0], index)
+        probs = b.blend.attention_probs(layer, ref.hidden_states[layer], kv[layer, 0], index)
         torch.testing.assert_close(probs, ref.attentions[layer][0].float(), atol=1e-5, rtol=0)
 
 
@@ -365,11 +365,11 @@ def test_grouped_attention_in_the_pipeline_changes_nothing(backend, monkeypatch,
     chunks = _chunks([40, 33, 51], seed=30)
     suffix = random_tokens(7, 256, seed=31)
     one = {}
-    monkeypatch.setattr(backend, "blend_attention_groups", 1)
+    monkeypatch.setattr(backend.blend, "attention_groups", 1)
     for ratio in (1.0, 0.3):
         one[ratio] = run_blend(backend, chunks, suffix, Blend(recompute_ratio=ratio))
-    monkeypatch.setattr(backend, "blend_attention_groups", 6)
-    monkeypatch.setattr(backend, "blend_group_rows", 4)
+    monkeypatch.setattr(backend.blend, "attention_groups", 6)
+    monkeypatch.setattr(backend.blend, "group_rows", 4)
     monkeypatch.setattr(fuse, "SelectionBounds", functools.partial(SelectionBounds, exact=exact))
     calls = _record_groups(monkeypatch)
     for ratio in (1.0, 0.3):
@@ -474,7 +474,7 @@ class DropsOutStore(MemoryStore):
     `key`'s layer sections, every read of it fails with a connection error (a fault only a wrapper
     around a real store can time this precisely)."""
 
-    reads_now = False  # type: ignore[assignment]  # read by async get_range, as a remote store is
+    reads_sync = False  # type: ignore[assignment]  # read by async get_range, as a remote store is
 
     def __init__(self, ok_reads: int) -> None:
         super().__init__()
@@ -671,56 +671,53 @@ def test_blend_with_recompute_is_closer_to_full_than_reuse(llama_backend):
     assert all(f < e for f, e in zip(fresh, errs, strict=False))  # the candidates' fresh K/V help
 
 
-#: the order in which things happened (reads and computes on different threads): a step number, no clock
-_STEP = itertools.count()
+class HandshakeStore(MemoryStore):
+    """Once `armed`, a read of layer L's section (L >= 2) records that it began (`loading[L]`), then
+    waits until the compute of layer L-1 has begun (`computing[L-1]`): the read and that compute are
+    then in flight together. A loader that read layer L only after layer L-1's compute would never
+    start it while that compute waits for it (see the test), which the compute's bounded wait catches."""
 
-
-class SlowStore(MemoryStore):
-    """Every range read sleeps (the slowness is the subject: loads long enough to overlap a compute);
-    each read is recorded as (step it started, step it ended, offset)."""
-
-    def __init__(self, delay: float) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.delay = delay
-        self.reads: list[tuple[int, int, int]] = []
+        self.armed = False
+        self.section_layer: dict[int, int] = {}  # a section's offset in a chunk object -> its layer
+        self.loading: collections.defaultdict[int, threading.Event] = collections.defaultdict(threading.Event)
+        self.computing: collections.defaultdict[int, threading.Event] = collections.defaultdict(threading.Event)
 
     async def get_range(self, key, start, end):
-        t = next(_STEP)
-        await anyio.sleep(self.delay)
-        out = await super().get_range(key, start, end)
-        self.reads.append((t, next(_STEP), start))
-        return out
+        layer = self.section_layer.get(start) if self.armed else None
+        if layer is not None and layer >= 2:
+            self.loading[layer].set()
+            await wait_until(self.computing[layer - 1].is_set)
+        return await super().get_range(key, start, end)
 
 
 def test_loading_next_layer_overlaps_recompute(monkeypatch):
+    """While layer i is recomputed, layer i+1 is being loaded: each compute waits (bounded) until the
+    next layer's read has begun, and that read waits until the compute has begun, so both are in
+    flight at once; no clock is involved."""
     b = HFBackend(tiny_model("llama", layers=5), name="tiny-llama-5")
     chunks = _chunks([20, 20], seed=60)
-    store = SlowStore(0.03)
-    anyio.run(_blend, b, store, chunks, chunks, torch.zeros(0, dtype=torch.int64), Blend(recompute_ratio=1.0))
-    store.reads.clear()
-    computes: list[tuple[int, int]] = []
+    store = HandshakeStore()
+    no_suffix = torch.zeros(0, dtype=torch.int64)
+    anyio.run(_blend, b, store, chunks, chunks, no_suffix, Blend(recompute_ratio=1.0))
+    blob = anyio.run(store.get, anyio.run(store.scan)[0].key)
+    header, _ = codec.read_header(blob)
+    store.section_layer = {section.offset: i for i, section in enumerate(header.layers)}
+    overlapped: list[tuple[int, bool]] = []
     original = b.run_layer_selective
 
-    def spy(*args, **kwargs):
-        t = next(_STEP)
-        time.sleep(0.01)  # make the compute long enough to overlap the 30 ms loads
-        out = original(*args, **kwargs)
-        computes.append((t, next(_STEP)))
-        return out
+    def spy(layer, *args, **kwargs):
+        store.computing[layer].set()
+        if layer + 1 < b.spec.num_layers:
+            overlapped.append((layer, store.loading[layer + 1].wait(timeout=10)))
+        return original(layer, *args, **kwargs)
 
     monkeypatch.setattr(b, "run_layer_selective", spy)
-    anyio.run(
-        _blend, b, store, [], chunks, torch.zeros(0, dtype=torch.int64), Blend(recompute_ratio=1.0)
-    )
-    layer_reads = sorted(r for r in store.reads if r[2] > 4096)  # section reads, not header probes
-    by_layer = [layer_reads[i : i + 2] for i in range(0, len(layer_reads), 2)]  # 2 chunks per layer
-    assert len(by_layer) == b.spec.num_layers - 1 and len(computes) == b.spec.num_layers - 1
-    for i in range(len(computes) - 1):  # compute of layer i+1 vs load of layer i+2 (both 0-based lists)
-        c0, c1 = computes[i]
-        l0, l1 = min(r[0] for r in by_layer[i + 1]), max(r[1] for r in by_layer[i + 1])
-        # the two intervals overlap: each started before the other ended
-        assert l0 < c1 and c0 < l1, f"layer {i + 2} load did not overlap layer {i + 1} compute"
-
+    store.armed = True
+    anyio.run(_blend, b, store, [], chunks, no_suffix, Blend(recompute_ratio=1.0))
+    assert [layer for layer, _ in overlapped] == list(range(1, b.spec.num_layers - 1))
+    assert all(ok for _, ok in overlapped), f"a layer's load did not start during the layer before: {overlapped}"
 
 
 class HangingLayers(MemoryStore):
@@ -798,8 +795,8 @@ def test_selective_layers_never_wait_for_the_device(backend, monkeypatch, split_
     a result back: nothing like `.item()`, `int(t)`, `nonzero` or boolean-mask indexing between layer 1
     and the logits."""
     logs: list[_OpLog] = []
-    monkeypatch.setattr(backend, "blend_split_min_work", split_min_work)
-    monkeypatch.setattr(backend, "blend_attention_split", True)
+    monkeypatch.setattr(backend.blend, "split_min_work", split_min_work)
+    monkeypatch.setattr(backend.blend, "attention_split", True)
 
     class SpyTimer(fuse.LayerTimer):
         def start(self):
@@ -813,7 +810,7 @@ def test_selective_layers_never_wait_for_the_device(backend, monkeypatch, split_
 
     monkeypatch.setattr(fuse, "LayerTimer", SpyTimer)
     monkeypatch.setattr(fuse, "SelectionBounds", functools.partial(SelectionBounds, exact=False))
-    monkeypatch.setattr(backend, "blend_group_rows", 4)
+    monkeypatch.setattr(backend.blend, "group_rows", 4)
     res = run_blend(backend, _chunks([40, 33, 51], seed=32), random_tokens(7, 256, seed=33), Blend())
     assert len(logs) == backend.spec.num_layers and res.stats.hkvd[0] > 0
     for i, log in enumerate(logs[1:], start=1):
@@ -1026,7 +1023,7 @@ def test_restorer_choose_blend_store_times_the_model_without_a_profile(tmp_path)
 
     async def choose():
         async with Restorer(be, MemoryStore()) as r:
-            assert r.profile is None
+            assert r.planner.profile is None
             return await r.choose_blend_store([StoreCandidate("disk", disk, 0.1)], n_tokens=256)
 
     placement = anyio.run(choose)
@@ -1086,11 +1083,11 @@ def test_block_causal_split_equals_one_masked_call(picks, groups, slack):
     upper = [min(n - 1, p + slack) for p in index.tolist()]
     lower = [max(0, p - slack) for p in index.tolist()]
     one = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone())
-    b.blend_attention_groups, b.blend_group_rows, b.blend_split_min_work = groups, 2, 1
-    b.blend_attention_split = True  # on a CPU too (by default it splits on CUDA only)
+    b.blend.attention_groups, b.blend.group_rows, b.blend.split_min_work = groups, 2, 1
+    b.blend.attention_split = True  # on a CPU too (by default it splits on CUDA only)
     splits = []
-    real = b._attention_split
-    b._attention_split = lambda *a: splits.append(a[-1]) or real(*a)  # type: ignore[method-assign]
+    real = b.blend._attention_split
+    b.blend._attention_split = lambda *a: splits.append(a[-1]) or real(*a)  # type: ignore[method-assign]
     got = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=upper, lower=lower)
     for x, y in zip(got, one, strict=True):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
@@ -1101,7 +1098,7 @@ def test_block_causal_split_equals_one_masked_call(picks, groups, slack):
 
 def test_split_without_lower_bounds_or_below_the_minimum_is_the_grouped_call():
     """No lower bounds, the split turned off (or left to its default on a CPU), or fewer unmasked
-    (row, key) pairs than `blend_split_min_work`: every group takes the masked call, bit for bit the
+    (row, key) pairs than `split_min_work`: every group takes the masked call, bit for bit the
     grouped attention as it was; at the minimum exactly, the group that reaches it splits."""
     b = HFBackend(tiny_model("llama", layers=1), name="tiny-llama")
     n = 96
@@ -1109,24 +1106,24 @@ def test_split_without_lower_bounds_or_below_the_minimum_is_the_grouped_call():
     _, k, v = b.run_layer(0, hidden, None, None, torch.arange(n))
     index = torch.arange(40, n, 3)
     pos = index.tolist()
-    b.blend_attention_groups, b.blend_group_rows = 2, 2
+    b.blend.attention_groups, b.blend.group_rows = 2, 2
     called = []
-    real = b._attention_split
-    b._attention_split = lambda *a: called.append(a[-1]) or real(*a)  # type: ignore[method-assign]
-    b.blend_attention_split = True
+    real = b.blend._attention_split
+    b.blend._attention_split = lambda *a: called.append(a[-1]) or real(*a)  # type: ignore[method-assign]
+    b.blend.attention_split = True
     grouped = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos)
-    b.blend_attention_split = None  # the default: CUDA only
+    b.blend.attention_split = None  # the default: CUDA only
     default = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos, lower=pos)
-    b.blend_split_min_work = 1  # the groups' unmasked parts: 10 rows x 32 keys, 9 rows x 64 keys
-    b.blend_attention_split = False
+    b.blend.split_min_work = 1  # the groups' unmasked parts: 10 rows x 32 keys, 9 rows x 64 keys
+    b.blend.attention_split = False
     off = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos, lower=pos)
-    b.blend_attention_split = True
-    b.blend_split_min_work = 577
+    b.blend.attention_split = True
+    b.blend.split_min_work = 577
     below = b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos, lower=pos)
     assert not called
     for x, y, z, w in zip(grouped, off, below, default, strict=True):
         assert torch.equal(x, y) and torch.equal(x, z) and torch.equal(x, w)
-    b.blend_split_min_work = 576
+    b.blend.split_min_work = 576
     b.run_layer_selective(0, hidden[:, index], index, k.clone(), v.clone(), upper=pos, lower=pos)
     assert called == [64]  # the second group only
 
@@ -1138,16 +1135,16 @@ def test_split_attention_in_the_pipeline_is_exact(backend, monkeypatch, exact):
     100% recompute the full prefill's KV and logits."""
     chunks = _chunks([48, 40, 56], seed=40)
     suffix = random_tokens(9, 256, seed=41)
-    monkeypatch.setattr(backend, "blend_attention_groups", 4)
-    monkeypatch.setattr(backend, "blend_group_rows", 4)
+    monkeypatch.setattr(backend.blend, "attention_groups", 4)
+    monkeypatch.setattr(backend.blend, "group_rows", 4)
     monkeypatch.setattr(fuse, "SelectionBounds", functools.partial(SelectionBounds, exact=exact))
-    monkeypatch.setattr(backend, "blend_attention_split", False)
+    monkeypatch.setattr(backend.blend, "attention_split", False)
     unsplit = {r: run_blend(backend, chunks, suffix, Blend(recompute_ratio=r)) for r in (1.0, 0.3)}
-    monkeypatch.setattr(backend, "blend_attention_split", True)
-    monkeypatch.setattr(backend, "blend_split_min_work", 1)
+    monkeypatch.setattr(backend.blend, "attention_split", True)
+    monkeypatch.setattr(backend.blend, "split_min_work", 1)
     splits = []
-    real = backend._attention_split
-    monkeypatch.setattr(backend, "_attention_split", lambda *a: splits.append(a[-1]) or real(*a))
+    real = backend.blend._attention_split
+    monkeypatch.setattr(backend.blend, "_attention_split", lambda *a: splits.append(a[-1]) or real(*a))
     for ratio in (1.0, 0.3):
         res = run_blend(backend, chunks, suffix, Blend(recompute_ratio=ratio))
         torch.testing.assert_close(res.kv.data, unsplit[ratio].kv.data, atol=1e-5, rtol=0)
@@ -1204,17 +1201,17 @@ def test_split_attention_on_cuda_equals_the_masked_call(dtype):
     internal ops) pass the backend's own check and give the masked call's attention on a group of
     Llama-sized heads."""
     b = HFBackend(tiny_model("llama", layers=1), name="tiny-llama")
-    b._n_heads, b._n_kv, b._head_dim, b._scaling = 8, 8, 128, 128**-0.5
+    b.blend._n_heads, b.blend._n_kv, b.blend._head_dim, b.blend._scaling = 8, 8, 128, 128**-0.5
     device = torch.device("cuda")
-    assert b._split_attention_works(device, dtype)
+    assert b.blend._split_attention_works(device, dtype)
     gen = torch.Generator().manual_seed(5)
     n = 2000
     index = torch.cat([torch.tensor([700]), 701 + torch.randperm(n - 701, generator=gen)[:300].sort().values])
     q, k, v = (torch.randn(1, 8, m, 128, generator=gen).to(device, dtype) for m in (index.numel(), n, n))
     mask = selected_rows_mask(index.to(device), n, dtype, additive=True)
     with without_cudnn_attention():
-        want = b._attention_masked(q, k, v, mask)
-        got = b._attention_split(q, k, v, mask, 688)
+        want = b.blend._attention_masked(q, k, v, mask)
+        got = b.blend._attention_split(q, k, v, mask, 688)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
@@ -1225,14 +1222,14 @@ def test_split_blend_on_cuda_equals_the_unsplit_one(dtype):
     layers' selections, as CUDA has them) gives the blend of one masked call per group: at full
     recompute, and in float32 at partial recompute too (in bf16 a rounding may pick another token)."""
     b = HFBackend(tiny_model("llama", layers=4).to("cuda", dtype), name="tiny-llama-cuda")
-    b.blend_attention_groups, b.blend_group_rows = 4, 4
-    assert b._split_attention_works(torch.device("cuda"), dtype)  # else every group takes the masked call
+    b.blend.attention_groups, b.blend.group_rows = 4, 4
+    assert b.blend._split_attention_works(torch.device("cuda"), dtype)  # else every group takes the masked call
     chunks = _chunks([48, 40, 56], seed=60)
     suffix = random_tokens(9, 256, seed=61)
     ratios = (1.0, 0.3) if dtype == torch.float32 else (1.0,)
     got = {}
     for split in (False, True):
-        b.blend_attention_split, b.blend_split_min_work = split, 1
+        b.blend.attention_split, b.blend.split_min_work = split, 1
         got[split] = {r: run_blend(b, chunks, suffix, Blend(recompute_ratio=r)) for r in ratios}
     atol = ATOL if dtype == torch.float32 else 5e-2
     for r in ratios:

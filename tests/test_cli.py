@@ -98,7 +98,8 @@ def test_bench_rejects_bad_arguments(capsys):
 
 @pytest.mark.model
 def test_profile_command_saves_a_profile_restorer_can_use(smollm2, tmp_path, capsys):
-    from kvrestore import Profile, Restorer
+    from kvrestore import Restorer
+    from kvrestore.costs.profile import Profile
     from kvrestore.stores.memory import MemoryStore
 
     out = tmp_path / "p.json"
@@ -108,7 +109,7 @@ def test_profile_command_saves_a_profile_restorer_can_use(smollm2, tmp_path, cap
     assert "prefill n tokens" in text and f"saved {out}" in text
     profile = Profile.load(out)
     assert profile.link is not None and profile.chunk.seconds(256) > 0
-    assert Restorer(smollm2, MemoryStore(), profile=out).profile == profile
+    assert Restorer(smollm2, MemoryStore(), profile=out).planner.profile == profile
     with pytest.raises(SystemExit):
         main(["profile", "--max-tokens", "0"])
 

@@ -91,8 +91,8 @@ def test_a_restorer_without_a_profile_explores_then_plans_with_what_it_learned(l
     assert predicted[second.plan.choice.name] <= min(predicted.values()) * 1.15  # untried: a margin
     text = second.plan.explain()
     assert "learned from the work itself" in text and "over 1 restores" in text
-    assert r.costs.state.chunk and r.costs.state.loads >= 1
-    assert r.calibration.observations["two-pointer"] >= 1  # the exploring restore counts as run
+    assert r.planner.costs.state.chunk and r.planner.costs.state.loads >= 1
+    assert r.planner.calibration.observations["two-pointer"] >= 1  # the exploring restore counts as run
     for res in (first, second):
         assert res.stats.failed_loads == 0
 

@@ -1,4 +1,5 @@
-"""Every tutorial under docs/ runs: its python blocks are executed in order in one namespace."""
+"""The README and every tutorial under docs/ run: their python blocks are executed in order in one
+namespace per page."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
@@ -18,15 +20,29 @@ def python_blocks(path: Path) -> list[str]:
 #: tutorials that need another environment run in their own tier (tutorial-vllm.md: `make test-vllm`)
 OTHER_TIERS = {"tutorial-vllm.md"}
 #: pages that describe, with nothing to run
-NOT_TUTORIALS = {"architecture.md"}
+NOT_TUTORIALS = {"architecture.md", "benchmarks.md"}
+
+
+def run_blocks(path: Path) -> None:
+    blocks = python_blocks(path)
+    assert blocks, f"{path.name} has no python blocks"
+    namespace: dict = {"__name__": f"docs.{path.name}"}
+    for i, block in enumerate(blocks):
+        code = compile(block, f"{path.name}[block {i}]", "exec")
+        exec(code, namespace)
 
 
 @pytest.mark.model
 @pytest.mark.parametrize("doc", sorted(p.name for p in DOCS.glob("*.md") if p.name not in OTHER_TIERS | NOT_TUTORIALS))
 def test_doc_runs(doc, smollm2):
-    blocks = python_blocks(DOCS / doc)
-    assert blocks, f"{doc} has no python blocks"
-    namespace: dict = {"__name__": f"docs.{doc}"}
-    for i, block in enumerate(blocks):
-        code = compile(block, f"{doc}[block {i}]", "exec")
-        exec(code, namespace)
+    run_blocks(DOCS / doc)
+
+
+@pytest.mark.model
+def test_readme_runs(smollm2):
+    run_blocks(ROOT / "README.md")
+
+
+def test_readme_is_read_in_two_minutes():
+    """At most 150 lines; the benchmark tables live in docs/benchmarks.md, the history in CHANGELOG.md."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150

@@ -14,6 +14,7 @@ from kvrestore.runtime.lanes import LaneThreads
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens
+from .waiting import wait_until
 
 ATOL = 1e-5
 
@@ -72,9 +73,9 @@ class CountingStore(MemoryStore):
         super().__init__()
         self.threads: set[str] = set()
 
-    def get_now(self, key):
+    def get_sync(self, key):
         self.threads.add(threading.current_thread().name)
-        return super().get_now(key)
+        return super().get_sync(key)
 
 
 @pytest.mark.parametrize("kind", ["memory", "file"])
@@ -82,7 +83,7 @@ class CountingStore(MemoryStore):
 def test_restores_through_lane_threads_equal_a_full_prefill(llama_backend, tmp_path, kind, policy):
     tokens = random_tokens(200, llama_backend.spec.vocab_size)
     store = MemoryStore() if kind == "memory" else open_store(tmp_path.as_uri())
-    assert store.reads_now
+    assert store.reads_sync
 
     async def main():
         r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)
@@ -97,7 +98,7 @@ def test_restores_through_lane_threads_equal_a_full_prefill(llama_backend, tmp_p
 def test_loads_run_on_the_engines_lane_threads(llama_backend):
     tokens = random_tokens(160, llama_backend.spec.vocab_size)
     store = CountingStore()
-    assert store.reads_now  # get_now is its own, get / read_into are MemoryStore's: it still reads now
+    assert store.reads_sync  # get_sync is its own, get / read_into are MemoryStore's: it still reads synchronously
 
     async def main():
         r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)
@@ -115,7 +116,7 @@ def test_a_subclass_that_changes_reads_is_not_bypassed():
             await anyio.sleep(0)
             return await super().get(key)
 
-    assert MemoryStore().reads_now and not Delayed().reads_now
+    assert MemoryStore().reads_sync and not Delayed().reads_sync
 
 
 def test_a_damaged_chunk_found_on_a_lane_thread_is_recomputed_and_deleted(llama_backend):
@@ -140,20 +141,44 @@ def test_a_damaged_chunk_found_on_a_lane_thread_is_recomputed_and_deleted(llama_
     torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
 
 
-class SlowNowStore(MemoryStore):
-    """Blocking reads that take a while, so a restore is cancelled with loads running on lane threads."""
+class SlowSyncStore(MemoryStore):
+    """Blocking reads that take a while, so the compute lane overtakes loads running on lane threads."""
 
     def __init__(self):
         super().__init__()
         self.active = 0
         self.lock = threading.Lock()
 
-    def get_now(self, key):
+    def get_sync(self, key):
         with self.lock:
             self.active += 1
         try:
             time.sleep(0.15)
-            return super().get_now(key)
+            return super().get_sync(key)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+class HeldSyncStore(MemoryStore):
+    """Blocking reads: the first `open_reads` go through, later ones wait on lane threads until
+    `release` is set, so a restore is cancelled with loads running there."""
+
+    def __init__(self, open_reads: int) -> None:
+        super().__init__()
+        self.open_reads = open_reads
+        self.active = 0
+        self.lock = threading.Lock()
+        self.release = threading.Event()
+
+    def get_sync(self, key):
+        with self.lock:
+            self.active += 1
+            held, self.open_reads = self.open_reads <= 0, self.open_reads - 1
+        try:
+            if held:
+                self.release.wait(timeout=30)  # only a bound on a hang
+            return super().get_sync(key)
         finally:
             with self.lock:
                 self.active -= 1
@@ -161,23 +186,36 @@ class SlowNowStore(MemoryStore):
 
 def test_a_cancelled_restore_returns_only_once_no_lane_thread_writes_its_kv(llama_backend):
     tokens = random_tokens(256, llama_backend.spec.vocab_size)
-    store = SlowNowStore()
-    assert store.reads_now
+    store = HeldSyncStore(open_reads=2)
+    assert store.reads_sync
 
     async def main():
         r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)
         await r.save(tokens)
-        events = []
-        with anyio.move_on_after(0.25) as scope:
-            await r.restore(tokens, LoadOnly(), on_event=events.append)
-        assert scope.cancelled_caught
-        active_after = store.active  # read at once: nothing may still be loading into that KV
-        res = await r.restore(tokens, LoadOnly())  # the engine is still usable
-        return events, active_after, res
+        events: list = []
+        returned: list[int] = []  # how many reads were running when the cancelled restore returned
+        scope = anyio.CancelScope()
 
-    events, active_after, res = anyio.run(main)
+        async def restore() -> None:
+            with scope:
+                await r.restore(tokens, LoadOnly(), on_event=events.append)
+            returned.append(store.active)  # read at once: nothing may still be loading into that KV
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(restore)
+            await wait_until(lambda: len(events) >= 2 and store.active == 2)  # both lanes held
+            scope.cancel()
+            for _ in range(20):  # a restore that did not wait for its lane threads returns meanwhile
+                await anyio.sleep(0)
+            early = list(returned)
+            store.release.set()
+        assert scope.cancelled_caught
+        res = await r.restore(tokens, LoadOnly())  # the engine is still usable
+        return events, early, returned, res
+
+    events, early, returned, res = anyio.run(main)
     assert 0 < len(events) < 8
-    assert active_after == 0
+    assert early == [] and returned == [0]
     assert res.stats.loaded_chunks == 8
     torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
 
@@ -187,7 +225,7 @@ def test_the_two_pointer_drops_loads_on_lane_threads_cleanly(llama_backend):
     them); a lost load's chunk is written by compute only after that load has stopped, and the KV is
     exact."""
     tokens = random_tokens(256, llama_backend.spec.vocab_size)
-    store = SlowNowStore()
+    store = SlowSyncStore()
 
     async def main():
         r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)
@@ -220,7 +258,7 @@ def test_scatter_reads_fill_buffers_in_order(tmp_path, kind, sizes):
     anyio.run(store.put, key, blob)
     offset = 11
     buffers = [memoryview(bytearray(n)) for n in sizes]
-    placed = store.scatter_into_now(key, offset, buffers)
+    placed = store.scatter_into_sync(key, offset, buffers)
     assert placed == min(sum(sizes), len(blob) - offset)
     assert b"".join(bytes(b) for b in buffers)[:placed] == blob[offset : offset + placed]
-    assert store.scatter_into_now("cd" * 16, 0, buffers) is None
+    assert store.scatter_into_sync("cd" * 16, 0, buffers) is None

@@ -8,13 +8,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrestore import BatchEngine, LayerTwoPointer, Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore import BatchEngine, LayerTwoPointer, Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
 from kvrestore.core.keys import chunk_keys
 from kvrestore.planning.auto import Auto
 from kvrestore.policies.batch import BatchAware, FifoLanes
 from kvrestore.sim.simulate import simulate
+from kvrestore.stores import ThrottledStore
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens, tiny_model

@@ -11,12 +11,13 @@ import anyio
 import pytest
 import torch
 
-from kvrestore import ComputeOnly, Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore import ComputeOnly, Restorer, TokenTwoPointer
 from kvrestore.core.cancel import checkpoint
 from kvrestore.core.trace import TraceEvent
 from kvrestore.policies import ChunkStatus, Decision, Progress
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
 from kvrestore.stores.memory import MemoryStore
+from kvrestore.stores.throttled import ThrottledStore
 
 from .conftest import random_tokens
 from .test_two_pointer import ATOL, full_prefill

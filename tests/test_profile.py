@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrestore import Profile, Restorer
+from kvrestore import Restorer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.trace import Trace, TraceEvent
@@ -16,7 +16,7 @@ from kvrestore.costs.compute import ChunkCost, LayerCost, fit_chunk_cost, fit_la
 from kvrestore.costs.fit import fit_nonnegative
 from kvrestore.costs.links import LinkCost, LinkEstimate, _busy_seconds, fit_link
 from kvrestore.costs.measure import profile
-from kvrestore.costs.profile import machine_id
+from kvrestore.costs.profile import Profile, machine_id
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import tiny_model
@@ -81,11 +81,11 @@ def test_profile_file_round_trip_and_clear_errors(tmp_path, llama_backend):
 
 def test_restorer_finds_the_saved_profile_and_refuses_another_models(tmp_path, monkeypatch, llama_backend):
     monkeypatch.setenv("KVRESTORE_CACHE_DIR", str(tmp_path))
-    assert Restorer(llama_backend, MemoryStore()).profile is None
+    assert Restorer(llama_backend, MemoryStore()).planner.profile is None
     p = make_profile(llama_backend)
     p = msgspec.structs.replace(p, machine=machine_id())
     p.save()
-    assert Restorer(llama_backend, MemoryStore()).profile == p
+    assert Restorer(llama_backend, MemoryStore()).planner.profile == p
     other = HFBackend(tiny_model("qwen2"), name="tiny-qwen2")
     with pytest.raises(InvalidInputError, match="profile is of"):
         Restorer(other, MemoryStore(), profile=p)

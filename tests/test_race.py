@@ -9,12 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrestore import Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore import Restorer, TokenTwoPointer
 from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.trace import TraceEvent
 from kvrestore.policies import ComputeOnly, Decision, LoadOnly, Progress
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
 from kvrestore.sim.simulate import simulate
+from kvrestore.stores import ThrottledStore
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens

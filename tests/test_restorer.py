@@ -27,6 +27,7 @@ from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens
+from .waiting import wait_until
 
 ATOL = 1e-5
 
@@ -239,11 +240,18 @@ def test_sync_facade_runs_on_one_loop_thread(llama_backend):
         r.lookup(tokens)
 
 
-class SlowStore(MemoryStore):
-    """Delays every read, so a restore can be cancelled while loads are in flight."""
+class GatedStore(MemoryStore):
+    """Serves `open_reads` reads, then holds every later one until it is cancelled (or `open_reads` is
+    raised), so a restore can be cancelled while loads are in flight."""
+
+    def __init__(self, open_reads: int) -> None:
+        super().__init__()
+        self.open_reads = open_reads
 
     async def get(self, key):
-        await anyio.sleep(0.2)
+        while self.open_reads <= 0:
+            await anyio.sleep(0.001)
+        self.open_reads -= 1
         return await super().get(key)
 
 
@@ -252,17 +260,25 @@ def test_cancelled_restore_leaves_nothing_running(llama_backend):
     tokens = random_tokens(256, b.spec.vocab_size)
 
     async def main():
-        store = SlowStore()
+        store = GatedStore(open_reads=2)
         r = Restorer(b, store, chunk_size=32, load_lanes=2)
         await r.save(tokens)
-        events = []
+        events: list = []
+        finished = []
         threads_before = threading.active_count()
-        with anyio.move_on_after(0.3) as scope:
-            await r.restore(tokens, LoadOnly(), on_event=events.append)
-        assert scope.cancelled_caught
-        assert 0 < len(events) < 8  # cancelled part-way
+        async with anyio.create_task_group() as tg:
+
+            async def restore() -> None:
+                await r.restore(tokens, LoadOnly(), on_event=events.append)
+                finished.append(True)
+
+            tg.start_soon(restore)
+            await wait_until(lambda: len(events) >= 2)  # the open reads are done, the others held
+            tg.cancel_scope.cancel()
+        assert not finished and 0 < len(events) < 8  # cancelled part-way
         await anyio.sleep(0)
         # no task of the restore is left: a fresh restore on the same engine runs to the end
+        store.open_reads = 8
         res = await r.restore(tokens, LoadOnly())
         assert res.stats.loaded_chunks == 8
         assert threading.active_count() <= threads_before + 1

@@ -11,8 +11,9 @@ import anyio
 import pytest
 import torch
 
-from kvrestore import ComputeOnly, KVCache, LoadOnly, Restorer, ThrottledStore, TokenTwoPointer, open_store
+from kvrestore import ComputeOnly, KVCache, LoadOnly, Restorer, TokenTwoPointer, open_store
 from kvrestore.core.keys import chunk_keys
+from kvrestore.stores import ThrottledStore
 from kvrestore.tools.text import reference_tokens
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]

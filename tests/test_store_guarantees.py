@@ -165,9 +165,9 @@ def test_every_call_reaches_the_innermost_store(tmp_path, stack):
     assert {"scan", "prefetch", "flush", "close"} <= set(disk.calls)
     assert store.local_dir == disk.root  # what a BoundedStore looks for, through any wrapper
     # every wrapper here does something on a read: none may hand out the disk's blocking reads
-    assert disk.reads_now and not store.reads_now
+    assert disk.reads_sync and not store.reads_sync
     with pytest.raises(NotImplementedError):
-        store.get_now(k)
+        store.get_sync(k)
 
 
 def test_a_wrapper_that_changes_one_read_of_a_pair_must_change_both():

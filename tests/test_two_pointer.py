@@ -10,10 +10,12 @@ import anyio
 import pytest
 import torch
 
-from kvrestore import BandwidthTrace, Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore import Restorer, TokenTwoPointer
+from kvrestore.core.bandwidth import BandwidthTrace
 from kvrestore.core.keys import chunk_keys
 from kvrestore.policies import ChunkStatus, Decision, Policy, Progress
 from kvrestore.runtime.engine import Engine
+from kvrestore.stores import ThrottledStore
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens

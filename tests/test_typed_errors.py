@@ -11,12 +11,9 @@ import torch
 
 from kvrestore import (
     Auto,
-    BatchAware,
     BatchEngine,
     Blend,
     ComputeOnly,
-    Engine,
-    FifoLanes,
     InvalidInputError,
     KVCache,
     KVRestoreError,
@@ -30,6 +27,8 @@ from kvrestore import (
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.errors import SaveError
 from kvrestore.core.keys import chunk_keys
+from kvrestore.policies.batch import BatchAware, FifoLanes
+from kvrestore.runtime.engine import Engine
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens, tiny_model

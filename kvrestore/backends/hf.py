@@ -9,15 +9,16 @@ included). Sliding-window layers are refused rather than silently computed with 
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kvrestore.backends.attention import apply_rope, attend_fn, attention_plan
 from kvrestore.backends.checkpoints import SMOLLM2_GGUF, smollm2_checkpoint, smollm2_gguf_path
-from kvrestore.backends.hf_blend import REROTATABLE_ROPE_TYPES, HFBlendMixin
+from kvrestore.backends.hf_blend import REROTATABLE_ROPE_TYPES, HFBlend
 from kvrestore.core.cancel import checkpoint
 from kvrestore.core.errors import InvalidInputError, UnsupportedModelError
 from kvrestore.core.kv import KVChunk
@@ -26,8 +27,35 @@ from kvrestore.core.spec import ModelSpec
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
 
-class HFBackend(HFBlendMixin):
-    """ComputeBackend over a transformers causal LM (batch size 1)."""
+class HFBackend:
+    """ComputeBackend over a transformers causal LM (batch size 1).
+
+    Parameters
+    ----------
+    model: transformers causal LM
+        A Llama, Mistral, Qwen2 or Qwen3 model with full-attention layers.
+    dtype, device: optional
+        Move the model first (`model.to(device=device, dtype=dtype)`).
+    tokenizer: optional
+        Kept for callers (`backend.tokenizer`); the backend itself works on token ids.
+    name: str, optional
+        The model's name in its `ModelSpec` (default: the config's `_name_or_path`).
+    fingerprint: str, optional
+        The model's identity in chunk keys (default: a hash of its config, weights and dtype).
+
+    Attributes
+    ----------
+    spec: ModelSpec
+        Layers, KV heads, head dim, dtype and fingerprint.
+    blend: HFBlend
+        CacheBlend's operations on this model (re-rotation, selective recompute); the backend offers
+        the ones CacheBlend calls as its own methods (`rerotate_keys`, `run_layer_selective`, ...).
+
+    Raises
+    ------
+    UnsupportedModelError
+        Another model type, or sliding-window layers.
+    """
 
     def __init__(
         self,
@@ -83,6 +111,7 @@ class HFBackend(HFBlendMixin):
         )
         #: the most tokens a prompt may have: the config's `max_position_embeddings` (None: not known)
         self.context_length: int | None = getattr(config, "max_position_embeddings", None)
+        self.blend = HFBlend(self)
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -349,7 +378,57 @@ class HFBackend(HFBlendMixin):
     def prefill_chunk(self, tokens: torch.Tensor, past: torch.Tensor | None, start: int) -> KVChunk:
         return self.forward(tokens, past, start)[0]
 
+    # -- CacheBlend: `HFBlend`'s operations, as the blend code calls them on a backend -----------------
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """`HFBlend.rope_inv_freq`: the RoPE frequencies, checked to make re-rotation exact."""
+        return self.blend.rope_inv_freq()
+
+    def rerotation(
+        self, k: torch.Tensor, old_pos: torch.Tensor | int, new_pos: torch.Tensor | int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`HFBlend.rerotation`: the (cos, sin) that move keys like `k` from `old_pos` to `new_pos`."""
+        return self.blend.rerotation(k, old_pos, new_pos)
+
+    def rerotate_keys(
+        self,
+        k: torch.Tensor,
+        old_pos: torch.Tensor | int,
+        new_pos: torch.Tensor | int,
+        rotation: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """`HFBlend.rerotate_keys`: keys cached at `old_pos` moved to `new_pos`."""
+        return self.blend.rerotate_keys(k, old_pos, new_pos, rotation)
+
+    def project_candidates(
+        self, layer: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`HFBlend.project_candidates`: a layer's normed inputs, K and V of `hidden`, no attention."""
+        return self.blend.project_candidates(layer, hidden, rope)
+
+    def run_layer_selective(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        index: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        projected: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        upper: Sequence[int] | None = None,
+        lower: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`HFBlend.run_layer_selective`: one decoder layer for a subset of tokens over blended KV."""
+        return self.blend.run_layer_selective(layer, hidden, index, k, v, rope, projected, upper, lower)
+
     # -- generation ------------------------------------------------------------------------------
+
+    @property
+    def cache_keyword(self) -> str:
+        """The keyword the model's `forward` and `generate` take a KV cache under: `cache` in the
+        transformers versions that have it, `past_key_values` in earlier ones."""
+        params = inspect.signature(type(self.model).forward).parameters
+        return "cache" if "cache" in params else "past_key_values"
 
     @torch.inference_mode()
     def generate(self, tokens: Any, kv: Any | None = None, max_new_tokens: int = 16) -> list[int]:
@@ -361,7 +440,7 @@ class HFBackend(HFBlendMixin):
         kwargs: dict[str, Any] = {}
         if kv is not None:
             n_cached = min(kv.n_tokens, ids.shape[1] - 1)
-            kwargs["past_key_values"] = kv.to_hf(self.config, n_tokens=n_cached)
+            kwargs[self.cache_keyword] = kv.to_hf(self.config, n_tokens=n_cached)
         out = self.model.generate(
             ids,
             attention_mask=torch.ones_like(ids),

@@ -1,15 +1,16 @@
-"""The HF backend's CacheBlend methods: re-rotating cached keys to new positions and recomputing a
+"""CacheBlend's operations on an HF decoder: re-rotating cached keys to new positions and recomputing a
 subset of tokens of a layer over blended KV.
 
-A mixin of `HFBackend` (kvrestore.backends.hf): the methods use its layers, rotary module and
-projection helpers (`_layers`, `_rotary`, `rotary`, `_project`, `_project_normed`, `_mix`, `_sdpa`).
+`HFBlend` is a part of `HFBackend` (`backend.blend`), built by it over its model: it reads the
+backend's layers, rotary module and dimensions and uses its projection helpers (`rotary`, `_project`,
+`_project_normed`, `_mix`). The backend offers the operations CacheBlend calls as its own methods.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,6 +26,9 @@ from kvrestore.backends.attention import (
     without_cudnn_attention,
 )
 from kvrestore.core.errors import UnsupportedModelError
+
+if TYPE_CHECKING:
+    from kvrestore.backends.hf import HFBackend
 
 log = logging.getLogger("kvrestore.blend")
 
@@ -52,42 +56,50 @@ def selected_rows_mask(index: torch.Tensor, n_keys: int, dtype: torch.dtype, add
     return bias.masked_fill_(unseen, float("-inf"))[:, :n_keys]
 
 
-class HFBlendMixin:
-    """CacheBlend's view of a decoder: keys moved between positions, layers run for selected tokens."""
+class HFBlend:
+    """CacheBlend's view of a decoder: keys moved between positions, layers run for selected tokens.
 
-    _layers: list[Any]
-    _rotary: Any
-    _head_dim: int
-    _n_heads: int
-    _n_kv: int
-    _qk_norm: bool
-    _scaling: float
-    device: torch.device
+    Parameters
+    ----------
+    backend: HFBackend
+        The backend whose model this runs.
 
-    # The selected rows' attention is split into up to this many groups over key prefixes (`row_groups`),
-    # of at least `blend_group_rows` rows each, when the caller knows bounds of the rows' positions on the
-    # host (`run_layer_selective(upper=)`); 1 runs one masked call over all keys.
-    blend_attention_groups: int = 4
-    blend_group_rows: int = 64
-    # Block-causal split of each group (`_attention_split`), where the caller also knows lower bounds of
-    # the rows' positions (`run_layer_selective(lower=)`): the keys every row of the group sees go to an
-    # unmasked call, only the rest to the masked one. A group splits when its unmasked part holds at
-    # least `blend_split_min_work` (row, key) pairs: the split costs about five more launches (a second
-    # call and the merge), which pays on CUDA only when it moves some millions of pairs off the masked
-    # kernel onto flash attention (so 4 x 2k-token blends at 15% split no group, 4 x 4k most). None
-    # splits on CUDA only: a CPU kernel gains nothing from a missing mask (measured: slower, for the
-    # extra call).
-    blend_attention_split: bool | None = None
-    blend_split_min_work: int = 1 << 21
+    Attributes
+    ----------
+    attention_groups: int
+        The selected rows' attention is split into up to this many groups over key prefixes
+        (`row_groups`), of at least `group_rows` rows each, when the caller knows bounds of the rows'
+        positions on the host (`run_layer_selective(upper=)`); 1 runs one masked call over all keys.
+    group_rows: int
+        The fewest rows of a group.
+    attention_split: bool | None
+        Whether each group is split block-causally (`_attention_split`), where the caller also knows
+        lower bounds of the rows' positions (`run_layer_selective(lower=)`): the keys every row of the
+        group sees go to an unmasked call, only the rest to the masked one. None (the default) splits
+        on CUDA only: a CPU kernel gains nothing from a missing mask (measured: slower, for the extra
+        call).
+    split_min_work: int
+        A group splits when its unmasked part holds at least this many (row, key) pairs: the split
+        costs about five more launches (a second call and the merge), which pays on CUDA only when it
+        moves some millions of pairs off the masked kernel onto flash attention (so 4 x 2k-token blends
+        at 15% split no group, 4 x 4k most).
+    """
+
+    attention_groups: int = 4
+    group_rows: int = 64
+    attention_split: bool | None = None
+    split_min_work: int = 1 << 21
     # whether the split's kernels (`attention_lse`) agree with the masked call, per device, dtype and
     # head shape: checked once on CUDA, where they are SDPA's internal ops (`_split_attention_works`)
     _split_checked: dict[tuple[str, torch.dtype, int, int], bool] = {}
 
-    if TYPE_CHECKING:  # what HFBackend, the class this is mixed into, provides (see there)
-        rotary: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-        _project: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-        _project_normed: Callable[..., tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]
-        _mix: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
+    def __init__(self, backend: HFBackend) -> None:
+        self.backend = backend
+        self._layers = backend._layers
+        self._rotary = backend._rotary
+        self._head_dim, self._n_heads, self._n_kv = backend._head_dim, backend._n_heads, backend._n_kv
+        self._qk_norm, self._scaling = backend._qk_norm, backend._scaling
+        self.device = backend.device
 
     def rope_inv_freq(self) -> torch.Tensor:
         """The model's own RoPE inverse frequencies [D/2], checked to make re-rotation exact.
@@ -153,7 +165,7 @@ class HFBlendMixin:
         CacheBlend uses it to measure the KV deviation of candidate tokens before choosing which ones
         to recompute.
         """
-        cos, sin = rope if rope is not None else self.rotary(hidden, positions)
+        cos, sin = rope if rope is not None else self.backend.rotary(hidden, positions)
         return self.project_candidates(layer, hidden, (cos, sin))[1:]
 
     @torch.inference_mode()
@@ -164,7 +176,7 @@ class HFBlendMixin:
         the selected tokens' rows of all three (`projected=`) instead of projecting them again."""
         mod = self._layers[layer]
         x = mod.input_layernorm(hidden)
-        _, k, v = self._project_normed(mod, x, *rope, with_q=False)
+        _, k, v = self.backend._project_normed(mod, x, *rope, with_q=False)
         assert k is not None and v is not None
         return x, k[0], v[0]
 
@@ -197,20 +209,20 @@ class HFBlendMixin:
         its rows see attend without a mask, only the rest under it.
         """
         index = index.to(self.device)
-        cos, sin = rope if rope is not None else self.rotary(hidden, index)
+        cos, sin = rope if rope is not None else self.backend.rotary(hidden, index)
         mod = self._layers[layer]
         if projected is None:
-            q, kr, vr = self._project(mod, hidden, cos, sin)
+            q, kr, vr = self.backend._project(mod, hidden, cos, sin)
         else:
             x, k_rows, v_rows = projected
-            q_only, _, _ = self._project_normed(mod, x, cos, sin, with_kv=False)
+            q_only, _, _ = self.backend._project_normed(mod, x, cos, sin, with_kv=False)
             assert q_only is not None
             q = q_only
             kr, vr = k_rows[None], v_rows[None]
         k.index_copy_(1, index, kr[0])
         v.index_copy_(1, index, vr[0])
         out = self._attention_selected(q, k.unsqueeze(0), v.unsqueeze(0), index, upper, lower)
-        return self._mix(mod, hidden, out), kr[0], vr[0]
+        return self.backend._mix(mod, hidden, out), kr[0], vr[0]
 
     @torch.inference_mode()
     def attention_probs(
@@ -220,7 +232,7 @@ class HFBlendMixin:
         over a layer's keys `k` [H, N, D], causal at each token's position: the forward attention matrix
         rows that CacheBlend's attention deviation compares."""
         index = index.to(self.device)
-        cos, sin = self.rotary(hidden, index)
+        cos, sin = self.backend.rotary(hidden, index)
         mod = self._layers[layer]
         attn = mod.self_attn
         s = hidden.shape[1]
@@ -251,7 +263,7 @@ class HFBlendMixin:
         if upper is None:
             groups = [(0, q.shape[2], n)]
         else:
-            groups = row_groups(upper, n, self.blend_attention_groups, self.blend_group_rows)
+            groups = row_groups(upper, n, self.attention_groups, self.group_rows)
         last = groups[-1][2]  # the key counts do not decrease
         k, v = k[:, :, :last], v[:, :, :last]
         cuda = q.device.type == "cuda"
@@ -278,13 +290,13 @@ class HFBlendMixin:
         """For each group (a, b, n_keys): how many leading keys every one of its rows sees, so they need
         no mask -- the lower bound of its first row's position, rounded down to `MASK_ALIGNMENT` (the
         masked part's slice of the additive mask then starts aligned) -- or 0 where the group does not
-        split (no `lower`, the split off here, fewer than `blend_split_min_work` (row, key) pairs in the
+        split (no `lower`, the split off here, fewer than `split_min_work` (row, key) pairs in the
         unmasked part, or the split unavailable)."""
-        split = device.type == "cuda" if self.blend_attention_split is None else self.blend_attention_split
+        split = device.type == "cuda" if self.attention_split is None else self.attention_split
         if lower is None or not split:
             return [0] * len(groups)
         starts = [min(lower[a], kl - 1) // MASK_ALIGNMENT * MASK_ALIGNMENT for a, _, kl in groups]
-        work = max(1, self.blend_split_min_work)
+        work = max(1, self.split_min_work)
         starts = [c if c * (b - a) >= work else 0 for c, (a, b, _) in zip(starts, groups, strict=True)]
         if any(starts) and not self._split_attention_works(device, dtype):
             return [0] * len(groups)

@@ -1,12 +1,12 @@
 """The loading controller of CacheBlend (§5.1): pure functions of delay estimates, no clock, no tensor.
 
-The fusor recomputes layer i while layer i+1 loads, so recompute is free as long as it takes no longer
-than loading a layer. Two questions follow:
+The fusor recomputes layer i while layer i+1 loads, so recompute is free as long as it takes at most as
+long as loading a layer. Two questions follow:
 
 * given one store, which recompute ratio? The largest whose per-layer recompute time still hides behind
   the per-layer load time -- but never below the quality floor (`choose_ratio`);
 * given several stores and a fixed ratio, where to keep the KV? The cheapest store whose per-layer load
-  time is no longer than the recompute time, i.e. that adds no delay (`choose_store`).
+  time is at most the recompute time, i.e. that adds no delay (`choose_store`).
 
 Estimators (the paper's footnotes 5 and 6): T_recompute(r) = r x T_prefill_layer(L) and
 T_load = KV bytes per token per layer x L / bandwidth (plus one round trip: a layer of every chunk is

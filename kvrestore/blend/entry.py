@@ -8,12 +8,11 @@ bad input with `InvalidInputError` before any work, and hold a blend to the mode
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, cast
 
 import torch
 
 from kvrestore.backends.base import ComputeBackend
-from kvrestore.backends.hf_blend import HFBlendMixin
+from kvrestore.backends.hf import HFBackend
 from kvrestore.blend.chunks import save_chunk
 from kvrestore.blend.fuse import BlendResult, restore_blend
 from kvrestore.chunkio.pool import StagingPool
@@ -22,19 +21,16 @@ from kvrestore.core.tokens import TokenIds, check_length, model_tokens, optional
 from kvrestore.policies.blend import Blend
 from kvrestore.stores.base import ChunkStore
 
-if TYPE_CHECKING:
-    from kvrestore.backends.hf import HFBackend
-
 
 def blend_backend(backend: ComputeBackend) -> HFBackend:
     """`backend` as CacheBlend needs it: one that re-rotates stored keys and recomputes selected tokens
     layer by layer (`HFBackend`); anything else is refused before any work."""
-    if not isinstance(backend, HFBlendMixin):
+    if not isinstance(backend, HFBackend):
         raise InvalidInputError(
             f"CacheBlend needs a backend that re-rotates keys and recomputes selected tokens (HFBackend), "
             f"got {type(backend).__name__}"
         )
-    return cast("HFBackend", backend)
+    return backend
 
 
 async def save_prompt_chunk(

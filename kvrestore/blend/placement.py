@@ -112,7 +112,7 @@ async def choose_blend_store(
     """Measure every candidate store and one layer's prefill of `n_tokens` tokens, and pick the cheapest
     store whose per-layer load hides behind recomputing `ratio` of a layer (the fastest if none does).
 
-    `layer_cost` (e.g. `restorer.profile.layer`) saves timing the model here. Each store gets a few
+    `layer_cost` (e.g. `restorer.planner.profile.layer`) saves timing the model here. Each store gets a few
     test objects written and deleted.
     """
     if not candidates:

@@ -2,7 +2,7 @@
 
 On each layer i >= 1 the candidates are the tokens recomputed on layer i-1 (all tokens for layer 1).
 Their K/V on layer i are projected from their fresh hidden states and compared with the loaded K/V;
-the `size` reused tokens with the highest deviation, plus every forced token (the new suffix, chunks
+the `size` tokens of reused chunks with the highest deviation, plus every forced token (the new suffix, chunks
 that could not be loaded), are recomputed on layer i and become the next layer's candidates. The sets
 therefore shrink monotonically and the forced tokens are in every one of them.
 """
@@ -59,7 +59,7 @@ def select_hkvd(
 
 
 def selection_sizes(schedule: Sequence[float], n_reused: int) -> list[int]:
-    """How many reused tokens each layer 1..L-1 recomputes, non-increasing (gradual filtering)."""
+    """How many tokens of reused chunks each layer 1..L-1 recomputes, non-increasing (gradual filtering)."""
     sizes: list[int] = []
     for r in schedule:
         n = min(n_reused, max(0, round(r * n_reused)))

@@ -41,7 +41,7 @@ from kvrestore.core.streams import on_stream
 from kvrestore.stores.base import ChunkStore
 
 
-class LayerReader(LayerUploads):
+class LayerReader:
     """Reads one layer of many stored chunks at a time into a KVCache.
 
     Subclasses may override `after_layers` to transform the sections once they are in place
@@ -58,14 +58,16 @@ class LayerReader(LayerUploads):
         defer_checks: bool | None = False,
         ahead: int = 8,
         layers_per_read: int = 4,
+        encoding: str = "native",
     ) -> None:
         self.spec = spec
+        self.encoding = codec.spec_encoding(spec, encoding)  # the one it reads: another is foreign
         self.store = store
         self.chunks = list(chunks)
         self.stream = stream  # where a CUDA cache's sections are uploaded (None: the current stream)
         self.pool = pool or StagingPool(pinned=torch.cuda.is_available())
         self.headers: dict[int, codec.ChunkHeader] = {}  # of every chunk whose header checked out
-        self.dropped: set[int] = set()  # chunks no longer read (a fault, or the caller's `drop`)
+        self.dropped: set[int] = set()  # chunks not read any more (a fault, or the caller's `drop`)
         self.opened = False
         self.errors: list[str] = []
         self.bytes_read = 0
@@ -76,6 +78,7 @@ class LayerReader(LayerUploads):
         self.ahead = ahead
         self.layers_per_read = max(1, layers_per_read)
         self.checks: DeferredChecks | None = None
+        self.uploads = LayerUploads(self)  # the device path of a read
 
     async def open(self) -> list[bool]:
         """Fetch and check every chunk's header, concurrently; which chunks can be read."""
@@ -98,7 +101,7 @@ class LayerReader(LayerUploads):
     async def read_layer(self, layer: int, kv: KVCache) -> int:
         """Place layer `layer` of every open chunk into `kv`; returns the bytes read.
 
-        The sections are fetched concurrently (on the device path a store that `reads_now` is read in
+        The sections are fetched concurrently (on the device path a store that `reads_sync` is read in
         the worker thread instead), then verified and placed in one worker-thread call: one thread hop
         per layer, not one per chunk. Raises `ChunkLoadFailed` naming the chunks whose section was
         missing or damaged (the others are placed). With deferred checks the layer is only queued on
@@ -117,7 +120,7 @@ class LayerReader(LayerUploads):
         sections: dict[int, bytes | memoryview | None] = dict.fromkeys(js)
         failed: list[int] = []
         where = f" {layers_name(layers)}"
-        if not (device_path and self.store.reads_now):  # else each is read in the worker thread
+        if not (device_path and self.store.reads_sync):  # else each is read in the worker thread
 
             async def fetch(j: int) -> None:
                 try:
@@ -164,6 +167,12 @@ class LayerReader(LayerUploads):
     def after_layers(self, layers: range, placed: Sequence[int], kv: KVCache) -> None:
         """A hook run once the sections of chunks `placed` of `layers` are verified and in place (on the
         upload stream for a CUDA cache); CacheBlend re-rotates the keys there."""
+
+    def _upload_layers(
+        self, layers: range, sections: dict[int, bytes | memoryview | None], kv: KVCache
+    ) -> list[tuple[int, BaseException]]:
+        """A read of `layers` to a CUDA cache (`LayerUploads.upload`); returns the unusable chunks."""
+        return self.uploads.upload(layers, sections, kv)
 
     def _dest(self, layers: range, j: int, kv: KVCache) -> torch.Tensor:
         chunk = self.chunks[j]
@@ -219,7 +228,9 @@ class LayerReader(LayerUploads):
             if len(head) >= codec.PREFIX_SIZE and codec.header_length(head) > len(head):
                 head = await self._get(chunk.key, 0, codec.header_length(head))
             header, _ = codec.read_header(head)
-            codec.check_header(header, self.spec, chunk.key, chunk.stored_at, chunk.n_tokens)
+            codec.check_header(
+                header, self.spec, chunk.key, chunk.stored_at, chunk.n_tokens, self.encoding.name
+            )
         except LOAD_FAULTS as exc:
             # a chunk gone before the restore reads it is a plain miss; anything else is worth reporting
             await self._fault(j, exc, note=not isinstance(exc, MissingChunkError))

@@ -16,14 +16,19 @@ The path a load lane runs for a chunk, and why each step is shaped so:
      staging buffer is recycled once the upload's event has completed. A mismatch raises before the
      chunk counts as loaded; its rows are then recomputed, so damaged bytes never survive in the cache.
 
-A store that reads without the event loop (`ChunkStore.reads_now`: memory of this process, a local
-directory) gets the whole load as one blocking call, `ChunkLoader.load_now`, which the engine runs on
+A store that reads without the event loop (`ChunkStore.reads_sync`: memory of this process, a local
+directory) gets the whole load as one blocking call, `ChunkLoader.load_sync`, which the engine runs on
 its load-lane threads (`kvrestore.runtime.lanes`): the event loop's share of a chunk is then a queue put and
 one wake-up. Other stores are read with their async methods, then checked and placed in one thread hop.
 
 The host copies are numpy's, on one thread each: torch's CPU `copy_` spreads a large copy over every
 core and starves a thread that launches kernels, although it releases the GIL (`../shared/GPU.md`).
 A compressed (zstd) chunk is decompressed on the host (`codec.decode_chunk`), then placed the same way.
+
+A quantized chunk (`codec.quant`: the loader's `encoding`, which is the only one it reads) is verified
+as stored and decoded where it lands: into a CPU cache after the host check, into a CUDA cache after
+the upload of its small bytes and their device check, on the load stream. Compressed and quantized, it
+is decompressed and decoded on the host.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch
 from kvrestore import codec
 from kvrestore.chunkio.pool import Staging, StagingPool
 from kvrestore.codec.checksums import device_checkable, device_checksums
+from kvrestore.codec.quant import Encoding
 from kvrestore.core.errors import CorruptChunkError, MissingChunkError, TruncatedChunkError
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.streams import on_stream
@@ -79,12 +85,21 @@ class ChunkLoader:
     """Loads verified chunks of one model from one store into KV caches (CPU or CUDA).
 
     `stream_for(device)` gives the CUDA stream uploads go on (the engine's load lane), None off CUDA.
-    One loader serves every load lane of a restorer; its staging pools are shared by them.
+    `encoding` (`codec.quant.ENCODINGS`) is the one encoding of the chunks it reads: a chunk in another
+    is foreign (a miss). One loader serves every load lane of a restorer; its staging pools are shared
+    by them.
     """
 
-    def __init__(self, spec: ModelSpec, store: ChunkStore, stream_for: StreamFor | None = None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        store: ChunkStore,
+        stream_for: StreamFor | None = None,
+        encoding: str = "native",
+    ) -> None:
         self.spec = spec
         self.store = store
+        self.encoding = codec.spec_encoding(spec, encoding)
         self.stream_for = stream_for or (lambda device: None)
         self._pools = {False: StagingPool(pinned=False), True: StagingPool(pinned=True)}
 
@@ -93,16 +108,16 @@ class ChunkLoader:
         return self._pools[pinned]
 
     @property
-    def reads_now(self) -> bool:
-        """Whether `load_now` works: the store reads without the event loop (`ChunkStore.reads_now`)."""
-        return self.store.reads_now
+    def reads_sync(self) -> bool:
+        """Whether `load_sync` works: the store reads without the event loop (`ChunkStore.reads_sync`)."""
+        return self.store.reads_sync
 
     async def load(self, key: str, start: int, dest: torch.Tensor) -> int:
         """Read chunk `key` (saved at token `start`) into `dest` ([L, 2, H, T, D], a cache's token range);
         returns the stored bytes read. Raises MissingChunkError, a ChunkDecodeError (damaged, truncated,
         foreign) or a store error; `dest` may then hold part of the chunk, which must be recomputed."""
-        if self.store.reads_now:  # the whole load in one thread hop
-            return await anyio.to_thread.run_sync(self.load_now, key, start, dest, abandon_on_cancel=False)
+        if self.store.reads_sync:  # the whole load in one thread hop
+            return await anyio.to_thread.run_sync(self.load_sync, key, start, dest, abandon_on_cancel=False)
         if self.store.reads_in_memory:
             data = await self.store.get(key)
             return await anyio.to_thread.run_sync(self._place_object, key, start, dest, data)
@@ -118,33 +133,33 @@ class ChunkLoader:
             raise
         return await anyio.to_thread.run_sync(self._place_staged, key, start, dest, staging, size)
 
-    def load_now(self, key: str, start: int, dest: torch.Tensor) -> int:
-        """`load`, blocking, from any thread (a load lane's), for a store that `reads_now`: read, check,
+    def load_sync(self, key: str, start: int, dest: torch.Tensor) -> int:
+        """`load`, blocking, from any thread (a load lane's), for a store that `reads_sync`: read, check,
         verify and place without the event loop."""
         if self.store.reads_in_memory:
-            return self._place_object(key, start, dest, self.store.get_now(key))
-        if dest.device.type != "cuda":
+            return self._place_object(key, start, dest, self.store.get_sync(key))
+        if dest.device.type != "cuda" and self.encoding.native:
             rows = row_blocks(dest)
             if rows is not None:
-                placed = self._scatter_now(key, start, dest, rows)
+                placed = self._scatter_sync(key, start, dest, rows)
                 if placed is not None:
                     return placed
         pool = self.pool(pinned=dest.device.type == "cuda")
         staging = pool.acquire(self._staging_bytes(dest))
         try:
-            size = self.store.read_into_now(key, staging.view)
+            size = self.store.read_into_sync(key, staging.view)
             if size is not None and size > staging.nbytes:
                 staging = pool.regrow(staging, size)
-                size = self.store.read_into_now(key, staging.view)
+                size = self.store.read_into_sync(key, staging.view)
         except BaseException:
             pool.release(staging)
             raise
         return self._place_staged(key, start, dest, staging, size)
 
-    def _scatter_now(
+    def _scatter_sync(
         self, key: str, start: int, dest: torch.Tensor, rows: list[list[memoryview]]
     ) -> int | None:
-        """Read an uncompressed chunk straight into a CPU cache's rows (`ChunkStore.scatter_into_now`: one
+        """Read an uncompressed chunk straight into a CPU cache's rows (`ChunkStore.scatter_into_sync`: one
         `preadv` of the sections into them for a local file), then verify them there: one pass over the
         bytes fewer than reading into staging and copying. The header comes first, from a small read.
         Returns the object's size, or None where this does not apply (compressed, an outsized header):
@@ -152,21 +167,21 @@ class ChunkLoader:
         pool = self.pool(pinned=False)
         probe = pool.acquire(PROBE_BYTES + 1)
         try:
-            got = self.store.scatter_into_now(key, 0, [probe.view[:PROBE_BYTES]])
+            got = self.store.scatter_into_sync(key, 0, [probe.view[:PROBE_BYTES]])
             if got is None:
                 raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
             head = probe.view[:got]
             if codec.header_length(head) > got:
                 return None
             header, header_end = codec.read_header(head)
-            codec.check_header(header, self.spec, key, start, int(dest.shape[3]))
+            codec.check_header(header, self.spec, key, start, int(dest.shape[3]), self.encoding.name)
             if header.compression != "none" or not header.layers or header.layers[0].offset > got:
                 return None
             body = header.layers[0].offset
             if any(head[header_end:body]):
                 raise CorruptChunkError("nonzero padding between header and sections")
             past_end = probe.view[PROBE_BYTES : PROBE_BYTES + 1]  # filled only if the object is too long
-            placed = self.store.scatter_into_now(key, body, [b for layer in rows for b in layer] + [past_end])
+            placed = self.store.scatter_into_sync(key, body, [b for layer in rows for b in layer] + [past_end])
         finally:
             pool.release(probe)
         if placed is None:
@@ -190,7 +205,7 @@ class ChunkLoader:
         if data is None:
             raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
         view = memoryview(data)
-        header = codec.check_object(view, self.spec, key, start, int(dest.shape[3]))
+        header = codec.check_object(view, self.spec, key, start, int(dest.shape[3]), self.encoding.name)
         self._verify_place(header, view, None, dest)
         return len(view)
 
@@ -203,7 +218,7 @@ class ChunkLoader:
             if size is None:
                 raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
             data = staging.view[: min(size, staging.nbytes)]
-            header = codec.check_object(data, self.spec, key, start, int(dest.shape[3]))
+            header = codec.check_object(data, self.spec, key, start, int(dest.shape[3]), self.encoding.name)
         except BaseException:
             self.pool(staging.pinned).release(staging)
             raise
@@ -218,10 +233,13 @@ class ChunkLoader:
                 self._place_decoded(header, data, dest)
             elif dest.device.type != "cuda":
                 codec.verify_sections(header, data)
-                rows = _byte_rows(dest)
-                np.copyto(rows, np.frombuffer(codec.body(header, data), np.uint8).reshape(rows.shape))
+                if self.encoding.native:
+                    rows = _byte_rows(dest)
+                    np.copyto(rows, np.frombuffer(codec.body(header, data), np.uint8).reshape(rows.shape))
+                else:
+                    self.encoding.decode(codec.body_sections(header, data), dest)
             else:
-                if not device_checkable(self.spec.head_dim * dest.element_size()):
+                if not self._device_checkable(dest):
                     codec.verify_sections(header, data)
                 if staging is not None and staging.pinned:
                     host = staging.tensor
@@ -236,14 +254,18 @@ class ChunkLoader:
             if staging is not None:
                 self.pool(staging.pinned).release(staging)
 
+    def _device_checkable(self, dest: torch.Tensor) -> bool:
+        """Whether sections are checked on the device: encoded ones always (whole words), native ones
+        where a row is whole words."""
+        return not self.encoding.native or device_checkable(self.spec.head_dim * dest.element_size())
+
     def _upload_verify(
         self, header: codec.ChunkHeader, host: torch.Tensor, dest: torch.Tensor, staging: Staging | None
     ) -> None:
-        """Copy the body (in pinned `host`, `staging`'s tensor or a pinned store's object) to `dest` on the
-        load stream, hand `staging` back to be reused after the copy, then compare every layer's device
-        checksum."""
-        checkable = device_checkable(self.spec.head_dim * dest.element_size())
-        expected = [section.device_sum for section in header.layers] if checkable else None
+        """Copy the body (in pinned `host`, `staging`'s tensor or a pinned store's object) to the device
+        on the load stream, hand `staging` back to be reused after the copy, then compare every layer's
+        device checksum (and decode an encoded body into `dest` there)."""
+        expected = [section.device_sum for section in header.layers] if self._device_checkable(dest) else None
         upload_checked(
             host[header.layers[0].offset : header.end],
             dest,
@@ -251,19 +273,24 @@ class ChunkLoader:
             self.stream_for(dest.device),
             self.pool(pinned=True),
             staging,
+            self.encoding,
         )
 
     def _place_decoded(self, header: codec.ChunkHeader, data: memoryview, dest: torch.Tensor) -> None:
         """A compressed chunk: verified and decompressed on the host, into `dest` or via pinned staging."""
         n_tokens = int(dest.shape[3])
         if dest.device.type != "cuda":
-            codec.decode_chunk(data, self.spec, header.key, header.start, n_tokens, out=dest)
+            codec.decode_chunk(
+                data, self.spec, header.key, header.start, n_tokens, out=dest, encoding=self.encoding.name
+            )
             return
         pool = self.pool(pinned=True)
         staging = pool.acquire(dest.numel() * dest.element_size())
         host = staging.tensor[: dest.numel() * dest.element_size()].view(dest.dtype).view(dest.shape)
         try:
-            codec.decode_chunk(data, self.spec, header.key, header.start, n_tokens, out=host)
+            codec.decode_chunk(
+                data, self.spec, header.key, header.start, n_tokens, out=host, encoding=self.encoding.name
+            )
         except BaseException:
             pool.release(staging)
             raise
@@ -296,19 +323,32 @@ def upload_checked(
     stream: torch.cuda.Stream | None,
     pool: StagingPool,
     staging: Staging | None = None,
+    encoding: Encoding | None = None,
 ) -> None:
     """Copy `host` (pinned bytes laid out as `dest`, e.g. a chunk's body or one layer's section) to the
     CUDA tensor `dest` ([n, ...]: n layers) on `stream`, hand `staging` back to `pool` to be reused once
     the copy has finished, then compare each of the n layers' device checksum with `expected` (None:
-    the bytes were verified on the host). Blocks until the stream has done all of it (the GIL is
-    released meanwhile); raises CorruptChunkError on a mismatch, naming the layer."""
+    the bytes were verified on the host). With a quantized `encoding`, `host` holds the n encoded
+    sections: they go up to a device buffer, are checked there and decoded into `dest`, on `stream`.
+    Blocks until the stream has done all of it (the GIL is released meanwhile); raises
+    CorruptChunkError on a mismatch, naming the layer."""
     with on_stream(stream, dest.device):
-        dest.copy_(host.view(dest.dtype).view(dest.shape), non_blocking=True)
+        if encoding is None or encoding.native:
+            stored = dest
+            dest.copy_(host.view(dest.dtype).view(dest.shape), non_blocking=True)
+        else:  # allocated on this stream: reused only after what is queued on it
+            stored = torch.empty(
+                (dest.shape[0], host.numel() // dest.shape[0]), dtype=torch.uint8, device=dest.device
+            )
+            stored.copy_(host.view(stored.shape), non_blocking=True)
         if staging is not None:
             uploaded = pool.event()
             uploaded.record()
             pool.release(staging, busy_until=uploaded)
-        sums = device_checksums(dest).to("cpu", non_blocking=True) if expected is not None else None
+        sums = device_checksums(stored).to("cpu", non_blocking=True) if expected is not None else None
+        if stored is not dest:
+            assert encoding is not None
+            encoding.decode(stored, dest)
         done = pool.event()
         done.record()
     done.synchronize()

@@ -99,7 +99,7 @@ class StagingPool:
     def _recycle_event(self, buf: Staging) -> None:
         """Take `buf`'s event off it, and keep it for reuse only if it has completed and guards no other
         free buffer (one upload's event guards every buffer it read): an event recorded again elsewhere,
-        perhaps on another stream, would no longer say when those buffers' copies are done."""
+        perhaps on another stream, would not say when those buffers' copies are done."""
         event, buf.busy_until = buf.busy_until, None
         if event is None or not event.query():
             return

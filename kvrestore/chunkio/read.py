@@ -40,7 +40,8 @@ async def load_chunk_aside(
     chunk's rows); returns the stored bytes read and what copies the chunk into `kv` (on `stream`, the
     load lane's), to call once nothing else writes those rows."""
     rows = kv.chunk(ref.start, ref.end).data
-    aside = torch.empty_like(rows)
+    with on_stream(stream, rows.device):  # from the load stream's memory: only it writes the buffer
+        aside = torch.empty_like(rows)
     try:
         nbytes = await loader.load(ref.key, ref.start, aside)
     except ChunkDecodeError:
@@ -56,11 +57,11 @@ async def load_chunk_aside(
     return nbytes, commit
 
 
-def load_chunk_now(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: list[str]) -> int:
+def load_chunk_sync(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: list[str]) -> int:
     """`load_chunk` on a load-lane thread (stores that read without the event loop): a damaged chunk's
     key goes to `damaged`, to be forgotten on the loop (`forget`) once the restore is over."""
     try:
-        return loader.load_now(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
+        return loader.load_sync(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
     except ChunkDecodeError:
         damaged.append(ref.key)
         raise

@@ -14,7 +14,7 @@ import anyio
 import anyio.to_thread
 
 from kvrestore import codec
-from kvrestore.core.errors import SaveError, StoreError
+from kvrestore.core.errors import WRITE_FAULTS, SaveError
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
@@ -22,9 +22,6 @@ from kvrestore.stores.base import ChunkStore
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
-
-#: faults of one chunk's write that fail that chunk only (`SaveError`); any other error is a bug and propagates
-WRITE_FAULTS = (StoreError, OSError)
 
 
 @dataclass
@@ -37,10 +34,17 @@ class SaveStats:
 
 
 async def write_chunks(
-    store: ChunkStore, spec: ModelSpec, kv: KVCache, refs: list[ChunkRef], lanes: int, compression: str
+    store: ChunkStore,
+    spec: ModelSpec,
+    kv: KVCache,
+    refs: list[ChunkRef],
+    lanes: int,
+    compression: str,
+    encoding: str = "native",
 ) -> int:
-    """Encode and store `refs`' chunks of `kv`, `lanes` at a time; returns the bytes written. Store
-    faults (`WRITE_FAULTS`) fail their chunk only: `SaveError` once all writes have ended."""
+    """Encode (in `encoding`, `codec.quant`) and store `refs`' chunks of `kv`, `lanes` at a time; returns
+    the bytes written. Store faults (`WRITE_FAULTS`) fail their chunk only: `SaveError` once all writes
+    have ended."""
     nbytes = 0
     written: list[str] = []
     failed: dict[str, Exception] = {}
@@ -51,7 +55,7 @@ async def write_chunks(
         async with limiter:
             chunk = kv.chunk(ref.start, ref.end)
             blob = await anyio.to_thread.run_sync(
-                lambda: codec.encode_chunk(chunk, spec, ref.key, compression=compression)
+                lambda: codec.encode_chunk(chunk, spec, ref.key, compression=compression, encoding=encoding)
             )
             try:
                 await store.put(ref.key, blob)

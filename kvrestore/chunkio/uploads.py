@@ -5,14 +5,15 @@ device buffer on the reader's stream -- a pinned `MemoryStore`'s object as it li
 straight into pinned staging, anything else copied into pinned staging -- and one `segment_checksums`
 call checks every section there. Then either each good chunk's span is copied to its rows once the
 sums were read back (a host round trip per read), or, with deferred checks (`chunkio.deferred`), every
-span is placed at once and the sums are compared on the device. Sections that cannot be checked on the
-device (compressed, rows not whole int64 words, not back to back) are decoded and checked on the host.
+span is placed at once and the sums are compared on the device. Quantized sections (`codec.quant`) are
+checked as stored and decoded into their rows there, on the same stream. Sections that cannot be
+checked on the device (compressed, native rows not whole int64 words, not back to back) are decoded and
+checked on the host.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,47 +21,38 @@ import torch
 from kvrestore import codec
 from kvrestore.chunkio.deferred import DeferredChecks
 from kvrestore.chunkio.load import pinned_host
-from kvrestore.chunkio.pool import Staging, StagingPool
-from kvrestore.chunkio.stored import StoredChunk, layers_name
+from kvrestore.chunkio.pool import Staging
+from kvrestore.chunkio.stored import layers_name
 from kvrestore.codec.checksums import device_checkable, segment_checksums
 from kvrestore.core.errors import LOAD_FAULTS, CorruptChunkError, MissingChunkError, TruncatedChunkError
 from kvrestore.core.kv import KVCache
-from kvrestore.core.spec import ModelSpec
 from kvrestore.core.streams import on_stream
-from kvrestore.stores.base import ChunkStore
+
+if TYPE_CHECKING:
+    from kvrestore.chunkio.layers import LayerReader
 
 
 class LayerUploads:
-    """The device path of `LayerReader`, which this is mixed into (see the module doc)."""
+    """The device path of a `LayerReader` (its part `reader.uploads`; see the module doc): the reader
+    decides which layers of which chunks to read, and hands each read that goes to a CUDA cache here."""
 
-    spec: ModelSpec
-    store: ChunkStore
-    chunks: list[StoredChunk]
-    headers: dict[int, codec.ChunkHeader]
-    stream: torch.cuda.Stream | None
-    pool: StagingPool
-    ahead: int
+    def __init__(self, reader: LayerReader) -> None:
+        self.reader = reader
 
-    if TYPE_CHECKING:  # what LayerReader provides
-
-        def _deferred(self, kv: KVCache) -> DeferredChecks | None: ...
-        def _dest(self, layers: range, j: int, kv: KVCache) -> torch.Tensor: ...
-        def after_layers(self, layers: range, placed: Sequence[int], kv: KVCache) -> None: ...
-
-    def _upload_layers(
+    def upload(
         self, layers: range, sections: dict[int, bytes | memoryview | None], kv: KVCache
     ) -> list[tuple[int, BaseException]]:
         """`layers` of chunks `sections` (their fetched spans, or None to read them here from a store
-        that `reads_now`) into a CUDA cache, blocking, in a worker thread. Each chunk's span goes up to
+        that `reads_sync`) into a CUDA cache, blocking, in a worker thread. Each chunk's span goes up to
         one device buffer on `stream` (a pinned `MemoryStore`'s object as it lies, other bytes through
         pinned staging); one `segment_checksums` checks every section there, then each chunk's span is
         copied to its rows and `after_layers` runs, on the same stream. Returns the unusable chunks."""
         bad: list[tuple[int, BaseException]] = []
         ups: list[tuple[int, torch.Tensor, Staging | None]] = []
         decoded: list[tuple[int, torch.Tensor]] = []  # compressed, or rows not whole words: host-checked
-        checks = self._deferred(kv)
+        checks = self.reader._deferred(kv)
         if checks is not None:
-            checks.throttle(self.ahead, len(layers))  # bounds the staging buffers and uploads in flight
+            checks.throttle(self.reader.ahead, len(layers))  # bounds the staging buffers and uploads in flight
         try:
             for j, data in sections.items():
                 try:
@@ -75,23 +67,23 @@ class LayerUploads:
         except BaseException:
             for _, _, staging in ups:
                 if staging is not None:
-                    self.pool.release(staging)
+                    self.reader.pool.release(staging)
             raise
-        with on_stream(self.stream, kv.data.device):
+        with on_stream(self.reader.stream, kv.data.device):
             if checks is not None:
                 checks.start()
             placed = self._place_uploads(layers, ups, kv, bad, checks)
             for j, host in decoded:
-                self._dest(layers, j, kv).copy_(host)
+                self.reader._dest(layers, j, kv).copy_(host)
                 placed.append(j)
-            self.after_layers(layers, placed, kv)
+            self.reader.after_layers(layers, placed, kv)
             if checks is not None:
                 checks.placed(layers)
                 return bad
-            done = self.pool.event()
+            done = self.reader.pool.event()
             done.record()
         done.synchronize()
-        self.pool.give_event(done)
+        self.reader.pool.give_event(done)
         return bad
 
     def _section_bytes(
@@ -100,15 +92,15 @@ class LayerUploads:
         """Chunk j's span of `layers` (`codec.layer_span`) in page-locked memory, as (uint8 tensor, its staging
         buffer or None); for sections that must be checked on the host (compressed, rows not whole int64
         words, not back to back), their verified and decoded KV [n, 2, H, T, D] instead."""
-        chunk, header = self.chunks[j], self.headers[j]
+        chunk, header = self.reader.chunks[j], self.reader.headers[j]
         a, b = codec.layer_span(header, layers)
         staging = None
-        if data is None and self.store.reads_in_memory:
-            whole = self.store.get_now(chunk.key)
+        if data is None and self.reader.store.reads_in_memory:
+            whole = self.reader.store.get_sync(chunk.key)
             data = None if whole is None else memoryview(whole)[a:b]
         elif data is None:  # a local file: the span alone, into pinned staging
-            staging = self.pool.acquire(b - a)
-            n = self.store.scatter_into_now(chunk.key, a, [staging.view[: b - a]])
+            staging = self.reader.pool.acquire(b - a)
+            n = self.reader.store.scatter_into_sync(chunk.key, a, [staging.view[: b - a]])
             data = None if n is None else staging.view[:n]
         handed_on = False
         try:
@@ -116,24 +108,24 @@ class LayerUploads:
                 raise MissingChunkError(f"chunk {chunk.key[:12]} disappeared from the store")
             if len(data) != b - a:
                 raise TruncatedChunkError(f"{layers_name(layers)}: {len(data)} bytes, header says {b - a}")
-            word = self.spec.head_dim * self.spec.dtype.itemsize
+            word = self.reader.spec.head_dim * self.reader.spec.dtype.itemsize
             if (
                 header.compression != "none"
-                or not device_checkable(word)
+                or (self.reader.encoding.native and not device_checkable(word))
                 or not codec.back_to_back(header, layers)
             ):
                 return codec.decode_layers(
-                    header, codec.span_sections(header, layers, data), self.spec, list(layers)
+                    header, codec.span_sections(header, layers, data), self.reader.spec, list(layers)
                 )
             if staging is None:
-                host, staging = pinned_host(memoryview(data), self.pool)
+                host, staging = pinned_host(memoryview(data), self.reader.pool)
             else:
                 host = staging.tensor
             handed_on = True
             return host[: b - a], staging
         finally:
             if staging is not None and not handed_on:
-                self.pool.release(staging)
+                self.reader.pool.release(staging)
 
     def _place_uploads(
         self,
@@ -161,7 +153,7 @@ class LayerUploads:
                 if checks is not None and staging is None:
                     checks.hold(host)
             if cuda:  # off CUDA (the device path in tests) the copies are done already
-                uploaded = self.pool.event()
+                uploaded = self.reader.pool.event()
                 uploaded.record()
             queued = True
         finally:
@@ -169,8 +161,8 @@ class LayerUploads:
                 torch.cuda.current_stream(kv.data.device).synchronize()
             for _, _, staging in ups:
                 if staging is not None:
-                    self.pool.release(staging, busy_until=uploaded)
-        words = [self.headers[j].layers[i].length // 8 for j, _, _ in ups for i in layers]
+                    self.reader.pool.release(staging, busy_until=uploaded)
+        words = [self.reader.headers[j].layers[i].length // 8 for j, _, _ in ups for i in layers]
         sums = segment_checksums(device_buf.view(torch.int64), words)
         spans = list(zip(ups, itertools.accumulate(sizes), sizes, strict=True))
         if checks is not None:
@@ -179,17 +171,17 @@ class LayerUploads:
                 self._place(layers, j, kv, device_buf[end - n : end])
             return [j for j, _, _ in ups]
         sums = sums.to("cpu", non_blocking=True)
-        synced = self.pool.event()
+        synced = self.reader.pool.event()
         synced.record()
         synced.synchronize()
-        self.pool.give_event(synced)
+        self.reader.pool.give_event(synced)
         got = sums.view(len(ups), len(layers)).tolist()
         placed = []
         for ((j, _, _), end, n), chunk_sums in zip(spans, got, strict=True):
             wrong = [
                 i
                 for i, g in zip(layers, chunk_sums, strict=True)
-                if g != self.headers[j].layers[i].device_sum
+                if g != self.reader.headers[j].layers[i].device_sum
             ]
             if wrong:
                 bad.append((j, CorruptChunkError(f"layer {wrong[0]}: device checksum mismatch")))
@@ -199,6 +191,10 @@ class LayerUploads:
         return placed
 
     def _place(self, layers: range, j: int, kv: KVCache, span: torch.Tensor) -> None:
-        """Copy chunk j's uploaded span (uint8, its sections of `layers` laid out as its rows) to its rows."""
-        dest = self._dest(layers, j, kv)
-        dest.copy_(span.view(dest.dtype).view(dest.shape))
+        """Copy chunk j's uploaded span (uint8, its sections of `layers` laid out as its rows) to its rows,
+        or decode it there where the sections are encoded."""
+        dest = self.reader._dest(layers, j, kv)
+        if self.reader.encoding.native:
+            dest.copy_(span.view(dest.dtype).view(dest.shape))
+        else:
+            self.reader.encoding.decode(span.view(len(layers), -1), dest)

@@ -17,6 +17,7 @@ import msgspec
 import torch
 
 from kvrestore.codec.checksums import host_checksum
+from kvrestore.codec.chunk import copy_bytes
 from kvrestore.codec.header import (
     _ENCODER,
     _PREFIX,
@@ -143,7 +144,9 @@ def decode_boundary(
     section = memoryview(data)[header.offset :]
     if host_checksum(section) != header.checksum:
         raise CorruptChunkError("boundary section checksum mismatch")
-    return torch.frombuffer(section, dtype=torch.uint8).view(spec.dtype).view(n_tokens, hidden_size).clone()
+    hidden = torch.empty((n_tokens, hidden_size), dtype=spec.dtype)
+    copy_bytes(hidden, section)  # a tensor of its own: `data` may be a store's buffer, reused later
+    return hidden
 
 
 __all__ = [

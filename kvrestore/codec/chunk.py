@@ -4,8 +4,9 @@ Layout::
 
     b"KVRC" | u32 LE header length | u32 LE crc32(header) | header (msgpack ChunkHeader) | sections
 
-There is one section per layer holding that layer's K then V ([2, H, T, D], C order, raw little-endian
-bytes of the tensor), optionally zstd-compressed per section. The header lists each section's absolute
+There is one section per layer holding that layer's K then V: in the native encoding the raw
+little-endian bytes of the [2, H, T, D] tensor (C order), in a quantized one (`quant`: int8, fp8,
+int4) its values and their scales, padded to whole int64 words; optionally zstd-compressed per section. The header lists each section's absolute
 offset, stored length, raw length and xxh3-64 checksum, so
 
 * one layer of one chunk is exactly one range read (`layer_ranges` + `decode_layers`), and
@@ -14,8 +15,9 @@ offset, stored length, raw length and xxh3-64 checksum, so
   for a reader that uploads the section to a GPU first and verifies it there), and the object must end
   exactly where the last section ends. A damaged chunk is always reported, never decoded wrongly.
 
-Format 3 added the device checksum. A chunk of an older format is foreign to this reader: a clean miss,
-recomputed and written again in the current format.
+Format 4 added the encodings (the header names one, `ChunkHeader.encoding`; both checksums cover the
+encoded bytes as stored), format 3 the device checksum. A chunk of an older format is foreign to this
+reader: a clean miss, recomputed and written again in the current format.
 
 The framing (prefix, header, reading and checking it) is `codec.header`; boundary activations
 (`codec.boundary`) use the same framing under their own magic.
@@ -26,10 +28,10 @@ longer than what was fetched, and `header_length` says how much to fetch instead
 
 from __future__ import annotations
 
-import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 import zstandard
 
@@ -57,33 +59,48 @@ from kvrestore.codec.header import (
     back_to_back,
     body_start_after,
     check_header,
+    header_encoding,
     header_length,
     layer_ranges,
     layer_span,
     read_header,
     span_sections,
+    spec_encoding,
 )
+from kvrestore.codec.quant import Encoding
 from kvrestore.core.errors import CorruptChunkError, InvalidInputError, TruncatedChunkError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec, dtype_name
 
-# `_fill` only reads through its zero-copy view of stored bytes; torch's warning about read-only buffers
-# does not apply.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", module=__name__)
+#: same-sized integer types, to copy any KV dtype (bfloat16 included) through numpy
+_INT_OF_SIZE = {
+    1: (torch.uint8, np.uint8),
+    2: (torch.int16, np.int16),
+    4: (torch.int32, np.int32),
+    8: (torch.int64, np.int64),
+}
 
 # -- encode --------------------------------------------------------------------------------------
 
 
 def encode_chunk(
-    chunk: KVChunk, spec: ModelSpec, key: str, *, compression: str = "none", level: int = 1
+    chunk: KVChunk,
+    spec: ModelSpec,
+    key: str,
+    *,
+    compression: str = "none",
+    level: int = 1,
+    encoding: str = "native",
 ) -> bytes:
-    """Serialise `chunk` (data [L, 2, H, T, D] in `spec.dtype`) for storage under `key`.
+    """Serialise `chunk` (data [L, 2, H, T, D] in `spec.dtype`) for storage under `key`, its sections
+    in `encoding` (`quant.ENCODINGS`; encoded where the KV lies, e.g. on its GPU).
 
-    Uncompressed, the tensor bytes are copied exactly once (into the returned object).
+    Native and uncompressed, the tensor bytes are copied exactly once (into the returned object).
     """
     _require_little_endian()
     if compression not in COMPRESSIONS:
         raise InvalidInputError(f"unknown compression {compression!r}; use one of {COMPRESSIONS}")
+    enc = spec_encoding(spec, encoding)
     data = chunk.data
     L, H, D = spec.num_layers, spec.num_kv_heads, spec.head_dim
     if data.dim() != 5 or (data.shape[0], data.shape[1], data.shape[2], data.shape[4]) != (L, 2, H, D):
@@ -94,8 +111,9 @@ def encode_chunk(
         raise InvalidInputError(f"chunk dtype {data.dtype} does not match spec dtype {spec.dtype}")
     n_tokens = int(data.shape[3])
 
-    dense = data.detach().contiguous()
-    if device_checkable(D * data.element_size()):
+    # native: the KV's own bytes; else its encoded sections [L, section bytes], whole int64 words
+    dense = data.detach().contiguous() if enc.native else enc.encode(data.detach())
+    if not enc.native or device_checkable(D * data.element_size()):
         dsums = [as_signed(int(x)) for x in device_checksums(dense).tolist()]  # where the KV is
     else:
         dsums = [0] * L
@@ -128,6 +146,7 @@ def encode_chunk(
             head_dim=D,
             compression=compression,  # type: ignore[arg-type]  # checked against COMPRESSIONS above
             layers=sections,
+            encoding=enc.tag,
         )
         return _ENCODER.encode(header)
 
@@ -147,8 +166,10 @@ def encode_chunk(
 # -- decode ---------------------------------------------------------------------------------------
 
 
-def _fill(dst: torch.Tensor, stored: Buffer, section: LayerSection, compression: str, layer: int) -> None:
-    """Verify one stored section and copy it into `dst` ([2, H, T, D], may be a strided view of a cache)."""
+def _fill(
+    dst: torch.Tensor, stored: Buffer, section: LayerSection, compression: str, layer: int, enc: Encoding
+) -> None:
+    """Verify one stored section and decode it into `dst` ([2, H, T, D], may be a strided view of a cache)."""
     if len(stored) < section.length:
         raise TruncatedChunkError(f"layer {layer}: {len(stored)} of {section.length} section bytes")
     if len(stored) > section.length:
@@ -165,9 +186,30 @@ def _fill(dst: torch.Tensor, stored: Buffer, section: LayerSection, compression:
                 f"layer {layer}: decompressed to {len(raw)} bytes, expected {section.raw_length}"
             )
         stored = raw
-    # a zero-copy tensor over the (read-only) bytes; torch's one copy runs outside the GIL
-    src = torch.frombuffer(stored, dtype=torch.uint8).view(dst.dtype).view(dst.shape)
-    dst.copy_(src)
+    if enc.native:
+        copy_bytes(dst, stored)
+    else:
+        enc.decode(byte_tensor(stored).view(1, -1), dst.unsqueeze(0))
+
+
+def byte_tensor(data: Buffer) -> torch.Tensor:
+    """A host uint8 tensor over `data`: a view, or a copy where the bytes are read-only (torch refuses
+    to view read-only memory without a warning)."""
+    view = memoryview(data)
+    return torch.frombuffer(view if not view.readonly else bytearray(view), dtype=torch.uint8)
+
+
+def copy_bytes(dst: torch.Tensor, data: Buffer) -> None:
+    """Copy raw tensor bytes (`dst`'s dtype and shape, C order) into `dst`, which may be strided.
+
+    One copy, outside the GIL, from the bytes as they are, read-only ones included (a store's `bytes`):
+    on the CPU through numpy views of both sides; elsewhere through a host tensor over the bytes.
+    """
+    if dst.device.type == "cpu":
+        as_torch, as_numpy = _INT_OF_SIZE[dst.element_size()]
+        np.copyto(dst.view(as_torch).numpy(), np.frombuffer(data, as_numpy).reshape(dst.shape))
+        return
+    dst.copy_(byte_tensor(data).view(dst.dtype).view(dst.shape))
 
 
 def decode_layers(
@@ -186,7 +228,7 @@ def decode_layers(
     single copy from the stored bytes; on a fault it may hold part of the chunk.
     """
     _require_little_endian()
-    _check_spec(header, spec)
+    enc = _check_spec(header, spec)
     order = sorted(sections) if layers is None else list(layers)
     for i in order:
         if not 0 <= i < header.num_layers:
@@ -201,15 +243,18 @@ def decode_layers(
             f"out is {tuple(out.shape)} {out.dtype} on {out.device}, need {shape} {spec.dtype} on cpu"
         )
     for j, i in enumerate(order):
-        _fill(out[j], sections[i], header.layers[i], header.compression, i)
+        _fill(out[j], sections[i], header.layers[i], header.compression, i, enc)
     return out if torch.device(device).type == "cpu" else out.to(device)
 
 
-def check_object(data: Buffer, spec: ModelSpec, key: str, start: int, n_tokens: int) -> ChunkHeader:
-    """The checked header of a whole stored object: the chunk asked for, of this model, complete, its
-    padding zero. The sections are not verified yet (`verify_sections`, or a device checksum)."""
+def check_object(
+    data: Buffer, spec: ModelSpec, key: str, start: int, n_tokens: int, encoding: str = "native"
+) -> ChunkHeader:
+    """The checked header of a whole stored object: the chunk asked for, of this model and `encoding`,
+    complete, its padding zero. The sections are not verified yet (`verify_sections`, or a device
+    checksum)."""
     header, header_end = read_header(data)
-    check_header(header, spec, key, start, n_tokens)
+    check_header(header, spec, key, start, n_tokens, encoding)
     end = header.end if header.layers else header_end
     if len(data) < end:
         raise TruncatedChunkError(f"object is {len(data)} bytes, header says {end}")
@@ -239,8 +284,15 @@ def verify_scattered(header: ChunkHeader, parts: Sequence[Sequence[Buffer]]) -> 
 
 
 def body(header: ChunkHeader, data: Buffer) -> memoryview:
-    """The sections of a whole uncompressed object: the [L, 2, H, T, D] tensor's bytes."""
+    """The sections of a whole uncompressed object: the [L, 2, H, T, D] tensor's bytes (native), or its
+    L encoded sections back to back."""
     return memoryview(data)[header.layers[0].offset : header.end]
+
+
+def body_sections(header: ChunkHeader, data: Buffer) -> torch.Tensor:
+    """The sections of a whole uncompressed object as a uint8 tensor [L, section bytes] over its bytes
+    (no copy), for `quant.Encoding.decode`."""
+    return torch.frombuffer(body(header, data), dtype=torch.uint8).view(header.num_layers, -1)
 
 
 def decode_chunk(
@@ -251,6 +303,7 @@ def decode_chunk(
     n_tokens: int,
     device: torch.device | str = "cpu",
     out: torch.Tensor | None = None,
+    encoding: str = "native",
 ) -> KVChunk:
     """Verify and decode a whole chunk object into a KVChunk with data [L, 2, H, T, D] in spec.dtype.
 
@@ -259,7 +312,7 @@ def decode_chunk(
     Raises a ChunkDecodeError subclass on any fault: CorruptChunkError (magic, checksums, header,
     sizes), TruncatedChunkError (object ends early), ForeignChunkError (not this chunk of this model).
     """
-    header = check_object(data, spec, key, start, n_tokens)
+    header = check_object(data, spec, key, start, n_tokens, encoding)
     mv = memoryview(data)
     sections = {i: mv[s.offset : s.offset + s.length] for i, s in enumerate(header.layers)}
     return KVChunk(start, decode_layers(header, sections, spec, range(header.num_layers), device, out))
@@ -275,17 +328,20 @@ __all__ = [
     "MAGIC",
     "PREFIX_SIZE",
     "body",
+    "body_sections",
     "body_start_after",
     "check_header",
     "check_object",
     "decode_chunk",
     "decode_layers",
     "encode_chunk",
+    "header_encoding",
     "header_length",
     "back_to_back",
     "layer_ranges",
     "layer_span",
     "span_sections",
+    "spec_encoding",
     "read_header",
     "verify_scattered",
     "verify_sections",

@@ -16,11 +16,12 @@ from typing import Literal
 
 import msgspec
 
+from kvrestore.codec import quant
 from kvrestore.core.errors import CorruptChunkError, ForeignChunkError, TruncatedChunkError
 from kvrestore.core.spec import ModelSpec, dtype_name
 
 MAGIC = b"KVRC"
-FORMAT_VERSION = 3  # 3: a device checksum per section; 2: xxh3-64 section checksums (1 used crc32)
+FORMAT_VERSION = 4  # 4: KV encodings; 3: a device checksum per section; 2: xxh3-64 section checksums
 HEADER_PROBE = 4096
 COMPRESSIONS = ("none", "zstd")
 
@@ -40,7 +41,7 @@ class LayerSection(msgspec.Struct, frozen=True, array_like=True):
 
     offset: int
     length: int  # stored (possibly compressed) bytes
-    raw_length: int  # bytes of the [2, H, T, D] tensor
+    raw_length: int  # bytes of the encoded section (native: of the [2, H, T, D] tensor), before compression
     checksum: int  # xxh3-64 of the stored bytes
     device_sum: int  # `checksums.device_checksums` of the raw bytes (0 where rows are not whole words)
 
@@ -57,6 +58,8 @@ class ChunkHeader(msgspec.Struct, frozen=True):
     head_dim: int
     compression: Literal["none", "zstd"]
     layers: list[LayerSection]
+    #: the KV encoding of the sections (`quant.Encoding.tag`): name, scales' dtype, group size
+    encoding: tuple[str, str, int] = ("native", "", 0)
 
     @property
     def end(self) -> int:
@@ -83,9 +86,14 @@ def _require_little_endian() -> None:
         )
 
 
-def _layer_bytes(spec: ModelSpec, n_tokens: int) -> int:
-    itemsize = spec.dtype.itemsize
-    return 2 * spec.num_kv_heads * n_tokens * spec.head_dim * itemsize
+def spec_encoding(spec: ModelSpec, name: object = "native") -> quant.Encoding:
+    """The encoding `name` for `spec`'s KV (InvalidInputError where there is none such)."""
+    return quant.encoding(name, spec.dtype, spec.num_kv_heads, spec.head_dim)
+
+
+def header_encoding(header: ChunkHeader, spec: ModelSpec) -> quant.Encoding:
+    """The encoding the header names, for `spec`'s KV; ForeignChunkError where this reader lacks it."""
+    return quant.from_tag(header.encoding, spec.dtype, spec.num_kv_heads, spec.head_dim)
 
 
 # -- header ---------------------------------------------------------------------------------------
@@ -149,7 +157,7 @@ def _check_sections(header: ChunkHeader, header_end: int) -> None:
         off += s.length
 
 
-def _check_spec(header: ChunkHeader, spec: ModelSpec) -> None:
+def _check_spec(header: ChunkHeader, spec: ModelSpec) -> quant.Encoding:
     expect = {
         "version": FORMAT_VERSION,
         "fingerprint": spec.fingerprint,
@@ -162,19 +170,26 @@ def _check_spec(header: ChunkHeader, spec: ModelSpec) -> None:
         got = getattr(header, field)
         if got != want:
             raise ForeignChunkError(f"chunk {field} is {got!r}, expected {want!r}")
-    raw = _layer_bytes(spec, header.n_tokens)
+    enc = header_encoding(header, spec)
+    raw = enc.section_bytes(header.n_tokens)
     for i, s in enumerate(header.layers):
         if s.raw_length != raw:
             raise ForeignChunkError(f"section {i} holds {s.raw_length} raw bytes, expected {raw}")
+    return enc
 
 
-def check_header(header: ChunkHeader, spec: ModelSpec, key: str, start: int, n_tokens: int) -> None:
-    """Raise ForeignChunkError unless the chunk is exactly the one asked for, for this model and dtype."""
+def check_header(
+    header: ChunkHeader, spec: ModelSpec, key: str, start: int, n_tokens: int, encoding: str = "native"
+) -> None:
+    """Raise ForeignChunkError unless the chunk is exactly the one asked for, for this model and dtype,
+    in the reader's `encoding` (a reader reads its own encoding only: see `docs/tutorial-stores.md`)."""
     for field, want in (("key", key), ("start", start), ("n_tokens", n_tokens)):
         got = getattr(header, field)
         if got != want:
             raise ForeignChunkError(f"chunk {field} is {got!r}, expected {want!r}")
-    _check_spec(header, spec)
+    enc = _check_spec(header, spec)
+    if enc.name != encoding:
+        raise ForeignChunkError(f"chunk encoding is {enc.name!r}, this reader reads {encoding!r}")
 
 
 def layer_ranges(header: ChunkHeader, layers: Sequence[int] | None = None) -> list[tuple[int, int]]:

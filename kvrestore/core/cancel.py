@@ -1,8 +1,8 @@
 """Stopping a compute unit part-way when its restore is cancelled.
 
-A compute unit runs in a worker thread, and a thread cannot be interrupted: a restore cancelled by a
-deadline used to return only once the unit it was computing had finished, a whole prompt's prefill for
-`ComputeOnly`. So a unit runs under a `UnitCancel` token, and the model checks it between layers
+A compute unit runs in a worker thread, and a thread cannot be interrupted: without a check inside the
+unit, a restore cancelled by a deadline would return only once the unit it was computing had finished,
+a whole prompt's prefill for `ComputeOnly`. So a unit runs under a `UnitCancel` token, and the model checks it between layers
 (`checkpoint()`, called by `HFBackend` before each decoder layer): once the restore is cancelled, the unit
 stops at the next layer boundary, and the restore returns within one layer's compute time, not one
 unit's. The rows the unit had written are left part-way, which is fine: a cancelled restore's KV is

@@ -48,7 +48,7 @@ class TruncatedChunkError(ChunkDecodeError):
 
 
 class ForeignChunkError(ChunkDecodeError):
-    """The chunk belongs to another model, dtype, format version, key or position."""
+    """The chunk belongs to another model, dtype, format version, KV encoding, key or position."""
 
 
 class UnsupportedModelError(KVRestoreError):
@@ -94,3 +94,7 @@ class StageFailedError(KVRestoreError):
 
 #: faults of a chunk load that turn the chunk into a miss (recomputed) instead of failing the restore
 LOAD_FAULTS = (ChunkDecodeError, StoreError, OSError, TimeoutError)
+#: faults of one store call that fail that call only (a tier's miss, one boundary write, one page save)
+STORE_FAULTS = (StoreError, OSError, TimeoutError)
+#: faults of one chunk write that fail that chunk only (`SaveError` once every write has ended)
+WRITE_FAULTS = (StoreError, OSError)

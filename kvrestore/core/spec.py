@@ -43,13 +43,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     raise InvalidInputError(f"unsupported KV dtype {dtype}; use one of {sorted(_DTYPES)}")
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise InvalidInputError(f"unknown dtype name {name!r}; use one of {sorted(_DTYPES)}") from None
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """Shape and identity of a model's KV cache."""

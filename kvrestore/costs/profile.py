@@ -5,8 +5,6 @@ store was measured, its link (`links.LinkCost`); `kvrestore.costs.measure.profil
 one. It is saved as msgspec JSON under the cache directory, keyed by machine, model fingerprint, dtype
 and device, so a `Restorer` on the same machine and model finds it. A profile's link is a starting point
 only: `links.LinkEstimate` moves it toward what the restores' own loads show.
-
-The cost models and the measuring used to live here; their names are still importable from this module.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ import hashlib
 import os
 import platform
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import torch
@@ -23,10 +20,8 @@ import torch
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec, dtype_name
-from kvrestore.costs.calibration import Calibration
-from kvrestore.costs.compute import ChunkCost, LayerCost, fit_chunk_cost, fit_layer_cost
-from kvrestore.costs.fit import fit_nonnegative
-from kvrestore.costs.links import LinkCost, LinkEstimate, _busy_seconds, fit_link
+from kvrestore.costs.compute import ChunkCost, LayerCost
+from kvrestore.costs.links import LinkCost
 
 PROFILE_VERSION = 1
 
@@ -153,34 +148,3 @@ def cpu_model() -> str:
         pass
     return platform.processor()
 
-
-#: names that moved to `kvrestore.costs.measure` (which imports this module, so they are looked up late)
-_MEASURE = ("measure_chunks", "measure_layers", "measure_link", "profile")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MEASURE:
-        from kvrestore.costs import measure
-
-        return getattr(measure, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-__all__ = [
-    "PROFILE_VERSION",
-    "Calibration",
-    "ChunkCost",
-    "LayerCost",
-    "LinkCost",
-    "LinkEstimate",
-    "Profile",
-    "_busy_seconds",
-    "cpu_model",
-    "fit_chunk_cost",
-    "fit_layer_cost",
-    "fit_link",
-    "fit_nonnegative",
-    "machine_id",
-    "profile_dir",
-    "profile_key",
-]

@@ -13,7 +13,7 @@ from anyio.abc import TaskGroup
 
 from kvrestore import codec
 from kvrestore.backends.base import ComputeBackend
-from kvrestore.core.errors import LOAD_FAULTS, MissingChunkError, SaveError, StageFailedError
+from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, MissingChunkError, SaveError, StageFailedError
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
@@ -23,10 +23,6 @@ from kvrestore.restorer import Restorer
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.distributed")
-
-#: faults of one boundary write that fail that write only (the others are written; `SaveError` at the end)
-WRITE_FAULTS = (OSError, *LOAD_FAULTS)
-
 
 @dataclass
 class BoundarySaveStats:
@@ -100,7 +96,7 @@ async def write_boundaries(
             )
             try:
                 await store.put(key, blob)
-            except WRITE_FAULTS as exc:
+            except STORE_FAULTS as exc:
                 failed[key] = exc
                 return
         written.append(key)

@@ -23,7 +23,7 @@ import torch
 
 from kvrestore import codec
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
-from kvrestore.core.errors import LOAD_FAULTS, InvalidInputError, StoreError
+from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, InvalidInputError
 from kvrestore.core.kv import KVCache, KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.stores.base import ChunkStore
@@ -31,10 +31,6 @@ from kvrestore.stores.base import ChunkStore
 log = logging.getLogger("kvrestore.vllm")
 
 T = TypeVar("T")
-
-#: faults of a store operation that mean "not now", never a bug of ours
-STORE_FAULTS = (StoreError, OSError, TimeoutError)
-
 
 class IOThread:
     """One anyio event loop in a daemon thread; coroutines are submitted from any other thread."""

@@ -78,10 +78,6 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def block_size_of(cache: torch.Tensor, layout: str, num_kv_heads: int, head_dim: int) -> int:
-    return int(kv_views(cache, layout, num_kv_heads, head_dim)[0].shape[2])
-
-
 def _pages(block_ids: Sequence[int] | torch.Tensor, start: int, end: int, block_size: int):
     """(block id, first and last offset in it, first token of data) for each page of tokens [start, end)."""
     if start < 0 or end < start:

@@ -149,7 +149,7 @@ class Auto:
         if profile is None or link is None:
             missing = "compute unit" if profile is None else "load"
             return Plan(
-                explore(work),
+                explore(work, self.candidates),
                 reason=f"exploring: no {missing} seen yet to predict with (it adapts as it goes, and is learned from)",
                 costs=costs,
             )
@@ -215,17 +215,22 @@ EXPLORE_LAYERS_MAX_TOKENS = 4096
 EXPLORE_TOKENS_MIN_CHUNKS = 4
 
 
-def explore(work: Workload) -> Policy:
+def explore(work: Workload, candidates: Sequence[Policy] | None = None) -> Policy:
     """The strategy to run while costs are unknown: a two-pointer (it adapts to the speeds it meets,
     and its trace teaches the cost model), along tokens when at least `EXPLORE_TOKENS_MIN_CHUNKS`
     chunks are stored, else along layers when the stored chunks are one prefix of at most
-    `EXPLORE_LAYERS_MAX_TOKENS` tokens (too few chunks to split)."""
+    `EXPLORE_LAYERS_MAX_TOKENS` tokens (too few chunks to split). Where the caller named the
+    `candidates`, one of them: that strategy if listed, else the first."""
     k = work.stored.index(False) if False in work.stored else len(work.stored)
     prefix_only = not any(work.stored[k:])
     few = sum(work.stored) < EXPLORE_TOKENS_MIN_CHUNKS
     if few and prefix_only and sum(work.chunk_tokens[:k]) <= EXPLORE_LAYERS_MAX_TOKENS:
-        return LayerTwoPointer()
-    return TokenTwoPointer()
+        choice: Policy = LayerTwoPointer()
+    else:
+        choice = TokenTwoPointer()
+    if not candidates or any(p.name == choice.name for p in candidates):
+        return next((p for p in candidates or () if p.name == choice.name), choice)
+    return candidates[0]  # the caller's own strategies only
 
 
 def predict(policy: Policy, profile: Profile | _Costs, link: LinkCost, work: Workload) -> float:

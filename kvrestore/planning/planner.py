@@ -74,7 +74,9 @@ class Planner:
     """Plans a restorer's restores and learns their costs (see the module docstring).
 
     `store_name` names the store in the learned costs; `learn` is True (keep them under the cache
-    directory), a path, or False (in memory only), as `Restorer` takes it.
+    directory), a path, or False (in memory only), as `Restorer` takes it. `stored_bytes_per_token` is
+    what a token's KV takes in the store (its chunks' encoding; default the model's KV bytes): the
+    loads it plans and simulates move that much.
     """
 
     def __init__(
@@ -85,9 +87,11 @@ class Planner:
         store_name: str,
         profile: ProfileArg = None,
         learn: bool | str | os.PathLike = True,
+        stored_bytes_per_token: int | None = None,
     ) -> None:
         self.backend, self.engine, self.chunk_size = backend, engine, chunk_size
         spec = backend.spec
+        self.stored_bytes_per_token = stored_bytes_per_token or spec.kv_bytes_per_token
         self.profile = find_profile(backend, profile)
         self.costs = CostLearner(spec, backend.device, store_name)
         learn = check_learn(learn)
@@ -132,7 +136,7 @@ class Planner:
             tuple(r.n_tokens for r in refs),
             tuple(bool(s) for s in stored),
             spec.num_layers,
-            spec.kv_bytes_per_token,
+            self.stored_bytes_per_token,
             self.engine.load_lanes,
             self.min_unit_chunks(),
         )
@@ -143,6 +147,8 @@ class Planner:
         link as (seconds per token delivered, latency)."""
         model, link = self.cost_model, self.link.current
         compute: list[float | None] = [None] * len(refs)
+        if not self.engine.times_restores_alone:  # a batch engine shares the lanes: no such costs apply
+            return compute, None
         if model is not None:
             compute = [model.chunk.seconds(r.n_tokens, r.start) for r in refs]
         if link is None:
@@ -153,6 +159,8 @@ class Planner:
         """`priors` of a layer-axis restore over a prefix of `n_tokens`: seconds to compute each layer,
         and the link per token of one layer."""
         model, link, spec = self.cost_model, self.link.current, self.backend.spec
+        if not self.engine.times_restores_alone:  # a batch engine shares the lanes: no such costs apply
+            model = link = None
         compute: list[float | None] = [
             model.layer.seconds(n_tokens) if model is not None else None
         ] * spec.num_layers

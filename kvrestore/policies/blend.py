@@ -18,27 +18,37 @@ DEVIATIONS = ("kv", "k", "v")
 
 @dataclass(frozen=True)
 class Blend:
-    """How much of the reused KV to recompute.
-
-    * `recompute_ratio`: average fraction of the reused (chunk) tokens recomputed per layer, over
-      layers 1..L-1 (layer 0 is always recomputed fully: it is cheap and gives every token the hidden
-      state the first HKVD check needs). `None` lets the loading controller pick it from the measured
-      load and compute times (§5.1), within [`min_ratio`, `max_ratio`].
-    * `min_ratio`: the quality floor the controller never goes below (the paper's 15%).
-    * `spread`: gradual filtering (§4.3). Layer 1 recomputes ratio x (1 + spread) of the tokens, the
-      last layer ratio x (1 - spread), linearly in between, so the ratios fall layer by layer and
-      average `recompute_ratio`. Each layer's set is taken from the previous layer's by KV deviation.
-    * `deviation`: what the KV deviation compares: "kv" (both), "k" or "v".
-    * `update_candidates`: on layer i the K/V of every candidate (the tokens recomputed on layer i-1;
-      all tokens on layer 1) are projected from their fresh hidden states to measure the deviation.
-      False (the default, as LMCache's blender) writes only the K/V of the tokens the layer then
-      recomputes and leaves the other candidates' loaded K/V in place. True keeps the fresh K/V of all
-      candidates ("we recompute the KV of these r1% HKVD tokens on the second layer and pick r2%",
-      §4.3): no extra compute, and layer 1's KV is exact for every token. On the SmolLM2 benchmark it
-      helped at a 50% ratio and was neutral to slightly worse at 5-25% (`benchmarks/blend_quality.py`).
+    """How much of the reused KV to recompute (CacheBlend), for `Restorer.restore_blend`.
 
     The new suffix (the question) and the tokens of chunks that could not be loaded are recomputed on
     every layer, on top of the ratio.
+
+    Parameters
+    ----------
+    recompute_ratio: float | None
+        Average fraction of the reused (chunk) tokens recomputed per layer, over layers 1..L-1 (layer
+        0 is always recomputed fully: it is cheap and gives every token the hidden state the first
+        HKVD check needs). None lets the loading controller pick it from the measured load and compute
+        times (§5.1), within [`min_ratio`, `max_ratio`].
+    min_ratio, max_ratio: float
+        The bounds the controller picks within; `min_ratio` is the quality floor (the paper's 15%).
+    spread: float
+        Gradual filtering (§4.3): layer 1 recomputes ratio x (1 + spread) of the tokens, the last
+        layer ratio x (1 - spread), linearly in between, so the ratios fall layer by layer and average
+        `recompute_ratio`. Each layer's set is taken from the previous layer's by KV deviation.
+    deviation: "kv" | "k" | "v"
+        What the KV deviation compares.
+    update_candidates: bool
+        On layer i the K/V of every candidate (the tokens recomputed on layer i-1; all tokens on layer
+        1) are projected from their fresh hidden states to measure the deviation. False (as LMCache's
+        blender) writes only the K/V of the tokens the layer then recomputes; True keeps the fresh K/V
+        of all candidates (§4.3): no extra compute, and layer 1's KV is exact for every token. On the
+        SmolLM2 benchmark it helped at a 50% ratio and was neutral to slightly worse at 5-25%.
+
+    Raises
+    ------
+    InvalidInputError
+        A ratio outside [0, 1], `min_ratio > max_ratio`, or an unknown `deviation`.
     """
 
     recompute_ratio: float | None = 0.15

@@ -9,8 +9,16 @@ from kvrestore.policies.base import IDLE, Decision, Policy, Progress, next_compu
 class ComputeOnly(Policy):
     """Prefill every chunk on the compute lane.
 
-    `unit_chunks` is how many chunks one compute unit covers; None (default) prefills everything left
-    in one unit, which runs at full-prefill speed (chunked prefill pays per-call overhead).
+    Parameters
+    ----------
+    unit_chunks: int | None
+        How many chunks one compute unit covers. None (default) prefills everything left in one unit,
+        which runs at full-prefill speed (chunked prefill pays a per-call overhead).
+
+    Raises
+    ------
+    InvalidInputError
+        `unit_chunks` is not a positive int.
     """
 
     name = "compute-only"

@@ -11,6 +11,8 @@ class LoadOnly(Policy):
     A chunk that is missing, or whose load failed (corrupt, truncated, foreign, store error), is
     recomputed as soon as every chunk before it is in place; chunks after it stay loaded (their keys
     name their whole prefix, so their KV is valid however the earlier chunk was obtained).
+
+    Takes no parameters; the number of load lanes is the engine's (`Restorer(load_lanes=)`).
     """
 
     name = "load-only"

@@ -152,11 +152,11 @@ def _link(p: Progress) -> tuple[float, float] | None:
     """(seconds per token delivered, latency): what this restore's loads show, else the cost model's;
     at least as slow as the wait for the fetch due next says (a link that has delivered nothing for a
     while is not the link it was)."""
-    per_token = _load_seconds_per_token(p)
-    if per_token is not None:
-        link = (per_token, 0.0)
-    elif p.prior_link is not None:
+    landed = _landed(p)
+    if p.prior_link is not None and len(landed) < 2:  # one fetch's own time ignores the other lanes
         link = p.prior_link
+    elif landed:
+        link = (_load_seconds_per_token(p, landed), 0.0)  # type: ignore[assignment]
     else:
         return None
     flying = [
@@ -165,7 +165,6 @@ def _link(p: Progress) -> tuple[float, float] | None:
     if not flying:
         return link
     due = min(flying, key=lambda j: p.load_started[j])  # type: ignore[arg-type,return-value]
-    landed = _landed(p)
     since = max(landed[-1][0], p.load_started[due]) if landed else p.load_started[due]  # type: ignore[type-var]
     return max(link[0], (p.now - since) / p.chunk_tokens[due]), link[1]  # type: ignore[operator]
 

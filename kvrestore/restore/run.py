@@ -117,5 +117,6 @@ async def save(
             failed = {e.first_chunk for e in result.trace.of_kind("load-failed")}
             todo = [r for r, ok in zip(refs, present, strict=True) if not ok or r.index in failed]
         spec = parts.backend.spec
-        written = await write_chunks(parts.store, spec, kv, todo, parts.engine.load_lanes, compression)
+        lanes, encoding = parts.engine.load_lanes, parts.loader.encoding.name  # what it reads, it writes
+        written = await write_chunks(parts.store, spec, kv, todo, lanes, compression, encoding)
     return SaveStats(len(refs), len(todo), len(refs) - len(todo), written, time.perf_counter() - t0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvrestore.chunkio.read import forget, load_chunk, load_chunk_aside, load_chunk_now
+from kvrestore.chunkio.read import forget, load_chunk, load_chunk_aside, load_chunk_sync
 from kvrestore.policies import Policy, Progress
 from kvrestore.restore.compute import prefill_apart, prefill_into
 from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
@@ -37,10 +37,10 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
 
     damaged: list[str] = []  # found damaged on a lane thread: deleted once the restore is over
 
-    def load_now(
+    def load_sync(
         i: int,
     ) -> int:  # on a load-lane thread (`Engine.run`), for stores that read without the loop
-        return load_chunk_now(loader, refs[i], kv, damaged)
+        return load_chunk_sync(loader, refs[i], kv, damaged)
 
     try:
         trace = await engine.run(
@@ -50,7 +50,7 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
             load,
             on_event,
             parts.load_timeout_s,
-            load_now=load_now if loader.reads_now else None,
+            load_now=load_sync if loader.reads_sync else None,
             compute_apart=compute_apart,
             load_aside=load_aside,
         )

@@ -28,7 +28,6 @@ import math
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
 
 import anyio
 import anyio.lowlevel
@@ -43,6 +42,7 @@ from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.policies.base import Decision, Policy, Progress
 from kvrestore.runtime.driver import PolicyStalledError, drive  # noqa: F401 - re-exported
 from kvrestore.runtime.lanes import LaneThreads
+from kvrestore.runtime.units import Stoppable, ThreadLoad, Unit, timed_load
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -63,52 +63,6 @@ def _single(exc: BaseException) -> BaseException:
     return exc
 
 
-async def timed_load(load: LoadFn, i: int, timeout_s: float | None, now: Callable[[], float]) -> TraceEvent:
-    """Run one load; its event on the `now` clock: "load", or "load-failed" for a fault that makes the
-    chunk a miss (cancellation passes through)."""
-    start = now()
-    try:
-        with anyio.fail_after(timeout_s):
-            nbytes = await load(i)
-    except LOAD_FAULTS as exc:
-        return TraceEvent("load-failed", i, i, start, now(), error=f"{type(exc).__name__}: {exc}")
-    return TraceEvent("load", i, i, start, now(), nbytes)
-
-
-class _Unit:
-    """A compute unit running in place, and the fetches aside that may overtake it (`Decision.overtake`):
-    `scope` stops it (at its next layer boundary) once every chunk of it has `landed` aside."""
-
-    __slots__ = ("a", "b", "fetching", "landed", "scope")
-
-    def __init__(self, a: int, b: int) -> None:
-        self.a, self.b = a, b
-        self.scope = anyio.CancelScope()
-        self.fetching: dict[int, anyio.CancelScope] = {}
-        self.landed: dict[int, tuple[int, Callable[[], None]]] = {}
-
-    def overtaken(self) -> bool:
-        return len(self.landed) == self.b - self.a
-
-
-class _Stoppable(Protocol):
-    def cancel(self) -> None: ...
-
-
-class _ThreadLoad:
-    """A load on a lane thread. `cancel()` drops it: skipped if it has not started, its outcome reported
-    as dropped if it has; `stopped` is set once it will write no more."""
-
-    __slots__ = ("cancelled", "stopped")
-
-    def __init__(self) -> None:
-        self.cancelled = False
-        self.stopped = anyio.Event()
-
-    def cancel(self) -> None:
-        self.cancelled = True
-
-
 def _on_asyncio() -> bool:
     """Whether the running event loop is asyncio's (lane threads report back through it)."""
     try:
@@ -122,7 +76,7 @@ class Engine:
     """Shared lanes for any number of concurrent restores in one event loop."""
 
     #: whether a restore's time on this engine is its own work, so a restorer may learn from it how its
-    #: predictions compare (`Restorer.calibration`); under a batch scheduler it is mostly other requests'
+    #: predictions compare (`Planner.calibration`); under a batch scheduler it is mostly other requests'
     times_restores_alone = True
     #: whether a restore given no policy is planned (`Auto` predicts each strategy as if the restore had
     #: the lanes to itself, which on a plain engine it mostly has); else it runs the token-wise two-pointer
@@ -238,7 +192,7 @@ class _RealLanes:
     ) -> None:
         self.engine = engine
         self.load_aside = load_aside
-        self.unit: _Unit | None = None  # the compute unit running in place, while it may be overtaken
+        self.unit: Unit | None = None  # the compute unit running in place, while it may be overtaken
         self.load_lanes = engine.load_lanes
         self.compute_apart = compute_apart
         self.race_scope: anyio.CancelScope | None = None  # the racing compute unit's, while it races
@@ -250,15 +204,15 @@ class _RealLanes:
         self.compute_lane, self.load_lane = engine._lanes()
         self.t0 = time.perf_counter()
         self.send, self.receive = anyio.create_memory_object_stream[TraceEvent | BaseException](math.inf)
-        self.loads: dict[int, tuple[_Stoppable, anyio.Event]] = {}  # in flight, by chunk
+        self.loads: dict[int, tuple[Stoppable, anyio.Event]] = {}  # in flight, by chunk
         self.dropped: list[anyio.Event] = []  # the loads the next compute unit waits for to stop
         self.load_now = load_now
-        self.thread_loads: set[_ThreadLoad] = set()  # on lane threads, not yet heard back from
+        self.thread_loads: set[ThreadLoad] = set()  # on lane threads, not yet heard back from
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    async def _compute(self, unit: _Unit, dropped: list[anyio.Event]) -> None:
+    async def _compute(self, unit: Unit, dropped: list[anyio.Event]) -> None:
         a, b = unit.a, unit.b
         start = self.now()
         try:
@@ -282,26 +236,24 @@ class _RealLanes:
             return
         self.send.send_nowait(TraceEvent("compute", a, b - 1, start, self.now()))
 
-    async def _aside(self, i: int, unit: _Unit, scope: anyio.CancelScope) -> None:
+    async def _aside(self, i: int, unit: Unit, scope: anyio.CancelScope) -> None:
         """Fetch chunk `i` of the running `unit` into a buffer of its own; once every chunk of the unit
         has landed so, stop the unit."""
         assert self.load_aside is not None
+        load_aside = self.load_aside
+
+        async def fetch(i: int) -> int:
+            nbytes, commit = await load_aside(i)
+            unit.landed[i] = (nbytes, commit)
+            return nbytes
+
         start = self.now()
         event: TraceEvent | None = None
         try:
             with scope:
                 async with self.load_lane:
                     start = self.now()
-                    try:
-                        with anyio.fail_after(self.load_timeout_s):
-                            nbytes, commit = await self.load_aside(i)
-                    except LOAD_FAULTS as exc:
-                        event = TraceEvent(
-                            "aside-failed", i, i, start, self.now(), error=f"{type(exc).__name__}: {exc}"
-                        )
-                    else:
-                        unit.landed[i] = (nbytes, commit)
-                        event = TraceEvent("aside", i, i, start, self.now(), nbytes)
+                    event = await timed_load(fetch, i, self.load_timeout_s, self.now, kind="aside")
         finally:
             unit.fetching.pop(i, None)
         self.send.send_nowait(event or TraceEvent("aside-dropped", i, i, start, self.now()))
@@ -345,10 +297,10 @@ class _RealLanes:
         finally:
             stopped.set()
 
-    def _submit_now(self, i: int) -> _ThreadLoad:
+    def _submit_now(self, i: int) -> ThreadLoad:
         """Queue the load of chunk `i` on a lane thread; its outcome comes back through `_landed`."""
         assert self.load_now is not None
-        load_now, now, job = self.load_now, self.now, _ThreadLoad()
+        load_now, now, job = self.load_now, self.now, ThreadLoad()
         call_soon = asyncio.get_running_loop().call_soon_threadsafe
 
         def run() -> None:  # on a lane thread
@@ -375,7 +327,7 @@ class _RealLanes:
         self.engine.lane_threads().submit(run)
         return job
 
-    def _landed(self, job: _ThreadLoad, outcome: TraceEvent | BaseException) -> None:
+    def _landed(self, job: ThreadLoad, outcome: TraceEvent | BaseException) -> None:
         """A lane thread's load has finished (on the loop)."""
         if isinstance(outcome, TraceEvent):
             self.outcomes[outcome.first_chunk] = outcome.kind
@@ -411,7 +363,7 @@ class _RealLanes:
             self.race_scope = anyio.CancelScope()
             self.tg.start_soon(self._race, decision.compute[0], self.race_scope)  # type: ignore[index]
         elif decision.compute is not None:
-            self.unit = _Unit(*decision.compute)
+            self.unit = Unit(*decision.compute)
             self.tg.start_soon(self._compute, self.unit, self.dropped)
         if decision.compute is not None:
             self.dropped = []

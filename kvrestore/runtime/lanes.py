@@ -1,9 +1,9 @@
 """Load lanes as threads: chunk loads that never touch the event loop while they run.
 
-A load from a store that can read without the event loop (`ChunkStore.reads_now`: in-process memory, a
+A load from a store that can read without the event loop (`ChunkStore.reads_sync`: in-process memory, a
 local directory) is one blocking call: read, verify, place. Run as an event-loop task, each such load
 costs the loop a task, a cancel scope, a lane limiter and a thread hop, a few hundred microseconds of
-Python holding the GIL per chunk, which is what a compute lane launching kernels starves on (issue 14:
+Python holding the GIL per chunk, which is what a compute lane launching kernels starves on (measured:
 a launching thread kept 0.5-0.6 of its rate during one lane's loads). Here a restore hands the job to
 one of the engine's lane threads and hears back once, when it has finished: the loop's share of a load
 is a queue put and one wake-up.

@@ -51,7 +51,32 @@ def _scheme(url: str) -> str:
 
 
 def open_store(url: str, **options: Any) -> ChunkStore:
-    """Open the store a URL names, e.g. `"memory://"`, `"/var/cache/kv"`, `"s3://bucket/prefix"`."""
+    """Open the store a URL names.
+
+    Parameters
+    ----------
+    url: str
+        `"memory://"` (a `MemoryStore`), `"file:///var/cache/kv"` or a plain path (a `LocalStore`),
+        `"s3://bucket/prefix"` (an `FsspecStore` over s3fs, the `s3` extra), or a scheme added with
+        `register_store`.
+    **options
+        The store's own: `capacity_bytes` and `eviction` for every built-in store (a local directory
+        with a capacity is wrapped in a `BoundedStore`), s3fs's options
+        (`endpoint_url`, `key`, `secret`, `config_kwargs`, ...) for S3.
+
+    Returns
+    -------
+    ChunkStore
+
+    Raises
+    ------
+    InvalidInputError
+        An empty URL or a bad option.
+    UnsupportedURLError
+        A scheme no store is registered for.
+    StoreError
+        A directory that cannot be created or written.
+    """
     if not isinstance(url, str) or not url.strip():
         raise InvalidInputError(f"store URL must be a non-empty string, got {url!r}")
     scheme = _scheme(url)

@@ -47,7 +47,7 @@ async def copy_object(buffer: memoryview, data: bytes | bytearray | memoryview) 
 
 def mirrors_reads_of(store: ChunkStore, owner: type[ChunkStore]) -> bool:
     """Whether `store` reads as `owner` does: a subclass that overrides `get` or `read_into` (to delay,
-    count or transform reads) must not be bypassed by `owner`'s blocking `*_now` reads."""
+    count or transform reads) must not be bypassed by `owner`'s blocking `*_sync` reads."""
     cls = type(store)
     return all(getattr(cls, m) is getattr(owner, m) for m in ("get", "read_into"))
 
@@ -81,11 +81,11 @@ class ChunkStore(ABC):
     #: whether `get` hands out bytes the store already holds in this process (no I/O, no copy), so a
     #: reader that verifies and places them itself is best served by `get` rather than `read_into`
     reads_in_memory: bool = False
-    #: whether `get_now` / `read_into_now` work: the store can hand over an object from any thread without
+    #: whether `get_sync` / `read_into_sync` work: the store can hand over an object from any thread without
     #: the event loop (memory of this process, a local directory), so a chunk load runs start to end on a
     #: load-lane thread (`kvrestore.runtime.lanes`). A wrapper that does anything on a read (throttle, count,
     #: promote) leaves it False, and its reads go through its async methods; see `mirrors_reads_of`.
-    reads_now: bool = False
+    reads_sync: bool = False
     #: the local directory that holds the objects, where processes of this host can share them (None
     #: for any other store); a `BoundedStore` over it keeps one capacity for all of those processes
     local_dir: str | None = None
@@ -138,24 +138,24 @@ class ChunkStore(ABC):
         data = await self.get(key)
         return None if data is None else await copy_object(buffer, data)
 
-    def get_now(self, key: str) -> bytes | memoryview | None:
-        """`get` from any thread, blocking, where `reads_now` (else NotImplementedError)."""
+    def get_sync(self, key: str) -> bytes | memoryview | None:
+        """`get` from any thread, blocking, where `reads_sync` (else NotImplementedError)."""
         raise NotImplementedError(f"{type(self).__name__} reads through its event loop")
 
-    def read_into_now(self, key: str, buffer: memoryview) -> int | None:
-        """`read_into` from any thread, blocking, where `reads_now` (else NotImplementedError)."""
-        data = self.get_now(key)
+    def read_into_sync(self, key: str, buffer: memoryview) -> int | None:
+        """`read_into` from any thread, blocking, where `reads_sync` (else NotImplementedError)."""
+        data = self.get_sync(key)
         if data is None:
             return None
         copy_into(buffer, data)
         return len(data)
 
-    def scatter_into_now(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int | None:
+    def scatter_into_sync(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int | None:
         """Read the object's bytes from `offset` on into `buffers`, filling one after another (a scatter
-        read, e.g. straight into a KV cache's rows), from any thread, where `reads_now`. Returns the bytes
+        read, e.g. straight into a KV cache's rows), from any thread, where `reads_sync`. Returns the bytes
         placed (fewer than the buffers hold when the object ends first), or None when absent. The default
-        takes the object whole (`get_now`) and copies it."""
-        data = self.get_now(key)
+        takes the object whole (`get_sync`) and copies it."""
+        data = self.get_sync(key)
         if data is None:
             return None
         view, placed = memoryview(data)[offset:], 0

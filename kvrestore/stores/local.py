@@ -7,7 +7,7 @@ whole). Temp files are never listed as objects; opening a store removes those of
 host at once and any older than `STALE_TMP_SECONDS`.
 
 Reads go straight into the caller's buffers (`preadv`, the GIL released) and work from any thread
-(`reads_now`), so a chunk load runs start to end on a load-lane thread. A missing object reads as None;
+(`reads_sync`), so a chunk load runs start to end on a load-lane thread. A missing object reads as None;
 any other OS failure raises StoreError, which the restorer treats as a miss.
 """
 
@@ -54,7 +54,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _dead_writer(name: str) -> bool:
-    """A temp file written by a process of this host that no longer runs (so it will never be renamed)."""
+    """A temp file written by a process of this host that has exited (so it will never be renamed)."""
     m = _TMP_OWNER.match(name)
     if m is None:
         return False
@@ -251,7 +251,7 @@ class LocalStore(ChunkStore):
         return None if got is None else got[0]
 
     @property
-    def reads_now(self) -> bool:  # type: ignore[override]
+    def reads_sync(self) -> bool:  # type: ignore[override]
         """Reads work from any thread (`preadv`), unless a subclass changed how it reads."""
         return self._preads and mirrors_reads_of(self, LocalStore)
 
@@ -260,18 +260,18 @@ class LocalStore(ChunkStore):
         """A system with `preadv`: reads go straight into the caller's buffers."""
         return hasattr(os, "preadv")
 
-    def get_now(self, key: str) -> bytes | None:
+    def get_sync(self, key: str) -> bytes | None:
         got = _read_ranges(self.path(key), None)
         return None if got is None else got[0]
 
-    def read_into_now(self, key: str, buffer: memoryview) -> int | None:
+    def read_into_sync(self, key: str, buffer: memoryview) -> int | None:
         if not self._preads:
-            return super().read_into_now(key, buffer)
+            return super().read_into_sync(key, buffer)
         return _read_file_into(self.path(key), buffer)
 
-    def scatter_into_now(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int | None:
+    def scatter_into_sync(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int | None:
         if not self._preads:
-            return super().scatter_into_now(key, offset, buffers)
+            return super().scatter_into_sync(key, offset, buffers)
         return _on_file(self.path(key), lambda fd: _scatter_read(fd, offset, buffers))
 
     async def read_into(self, key: str, buffer: memoryview) -> int | None:

@@ -17,7 +17,7 @@ class MemoryStore(ChunkStore):
 
     `get` and `get_range` count as use; `contains` does not. An object larger than the whole capacity is
     not stored (and any older object under its key is dropped). Reads may also come from load-lane threads
-    (`get_now`), so the index and the eviction state change under a lock.
+    (`get_sync`), so the index and the eviction state change under a lock.
 
     `pinned=True` keeps every object in page-locked host memory (a CUDA machine's host tier, as vLLM's
     CPU offload keeps it): `get` then hands out a memoryview of it, and a chunk goes to the GPU with one
@@ -28,7 +28,7 @@ class MemoryStore(ChunkStore):
     reads_in_memory = True
 
     @property
-    def reads_now(self) -> bool:  # type: ignore[override]
+    def reads_sync(self) -> bool:  # type: ignore[override]
         """From any thread, unless a subclass changed how it reads."""
         return mirrors_reads_of(self, MemoryStore)
 
@@ -71,7 +71,7 @@ class MemoryStore(ChunkStore):
             self.hits += 1
             return data
 
-    def get_now(self, key: str) -> bytes | memoryview | None:
+    def get_sync(self, key: str) -> bytes | memoryview | None:
         return self._lookup(key)
 
     def _drop(self, key: str) -> None:

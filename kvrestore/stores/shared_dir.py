@@ -9,8 +9,8 @@ objects plus the temp files of the writes in flight never exceed the capacity, w
 them. Reservations are listed before objects: a write that ends between the two listings is seen as
 its reservation or as its object (or both, which only over-counts), never as neither.
 
-A process killed mid-write leaves its reservation behind; one of a process of this host that no longer
-runs, or any older than `STALE_TMP_SECONDS`, is removed by the next process that takes the lock. The
+A process killed mid-write leaves its reservation behind; one of a process of this host that has exited,
+or any older than `STALE_TMP_SECONDS`, is removed by the next process that takes the lock. The
 kernel drops the lock itself when its holder dies. Local, POSIX filesystems only (`flock`); other stores
 keep a per-process limit (see `BoundedStore`).
 """

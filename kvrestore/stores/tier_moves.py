@@ -1,6 +1,10 @@
 """How a `TieredStore` moves objects between its tiers: promotion of a lower tier's hit into the tiers
 above it, and write-back of objects the top tier has accepted into the tiers below it (see
 `kvrestore.stores.tiered` for the rules), each in the background and best effort, with per-tier counters.
+
+`TierMoves` is a part of the tiered store (`store.moves`): it owns the write-back buffer, the
+promotions in flight, the background tasks and the per-tier counters; the store decides, per call, what
+to read, write or delete and hands the moves to it.
 """
 
 from __future__ import annotations
@@ -11,12 +15,9 @@ from dataclasses import dataclass
 
 import anyio
 
-from kvrestore.core.errors import StoreError
+from kvrestore.core.errors import STORE_FAULTS
 from kvrestore.stores.background import Background
 from kvrestore.stores.base import ChunkStore
-
-#: what a tier may raise that makes it a miss for this call, not a failure of the whole read
-TIER_FAULTS = (StoreError, OSError, TimeoutError)
 
 
 @dataclass
@@ -44,25 +45,47 @@ class DirtyEntry:
 
 
 class TierMoves:
-    """The promotion and write-back machinery of `TieredStore` (a mixin: the store's constructor sets
-    the state below)."""
+    """Promotion and write-back between `tiers` (top first), in the background.
 
-    tiers: Sequence[ChunkStore]
-    stats: list[TierStats]
+    Parameters
+    ----------
+    tiers: sequence of ChunkStore
+        The tiers, fastest first.
     promote: bool
+        Whether a lower tier's hit is copied into the tiers above it.
     max_promote_bytes: int
-    promote_bytes: int
+        Bytes of promotions in flight at most; a promotion past it is skipped.
     flush_concurrency: int
+        Write-back copies in flight at most.
     flush_retries: int
-    dirty_bytes: int
-    _dirty: dict[str, DirtyEntry]
-    _promoting: dict[str, object]
-    _bg: Background
-    _flusher: asyncio.Task[None] | None
+        Failed write-back rounds in a row before the flusher waits for the next put or flush.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[ChunkStore],
+        *,
+        promote: bool,
+        max_promote_bytes: int,
+        flush_concurrency: int,
+        flush_retries: int,
+    ) -> None:
+        self.tiers = tiers
+        self.promote = promote
+        self.max_promote_bytes = max_promote_bytes
+        self.flush_concurrency = flush_concurrency
+        self.flush_retries = flush_retries
+        self.stats = [TierStats(t.name) for t in tiers]
+        self.dirty: dict[str, DirtyEntry] = {}  # accepted by the top tier, not yet by every other
+        self.dirty_bytes = 0
+        self.promote_bytes = 0
+        self._promoting: dict[str, object] = {}
+        self.bg = Background()
+        self._flusher: asyncio.Task[None] | None = None
 
     # -- bookkeeping ---------------------------------------------------------------------------------
 
-    def _failed(self, i: int, exc: BaseException) -> str:
+    def failed(self, i: int, exc: BaseException) -> str:
         msg = f"{self.tiers[i].name}: {type(exc).__name__}: {exc}"
         self.stats[i].errors += 1
         self.stats[i].last_error = msg
@@ -71,31 +94,52 @@ class TierMoves:
     @property
     def pending_writes(self) -> int:
         """Objects accepted by `put` that have not reached every tier yet."""
-        return len(self._dirty)
+        return len(self.dirty)
 
-    async def _put_tiers(self, key: str, data: bytes, tiers: Iterable[int]) -> dict[int, str]:
+    def hold(self, key: str, data: bytes, pending: set[int]) -> None:
+        """Keep `data`, which the top tier has, until it reaches the tiers `pending`; start the flusher."""
+        self.dirty[key] = DirtyEntry(data, pending)
+        self.dirty_bytes += len(data)
+        self.kick()
+
+    def take(self, key: str) -> DirtyEntry | None:
+        """Stop holding `key` (a new put of it, or a delete); its flush in flight, if any, goes on."""
+        e = self.dirty.pop(key, None)
+        if e is not None:
+            self.dirty_bytes -= len(e.data)
+        return e
+
+    def forget(self, key: str) -> None:
+        """`key` is being deleted: its held copy and any promotion not yet written are dropped, and a
+        copy a flush or promotion lands later is deleted again."""
+        e = self.take(key)
+        if e is not None:
+            e.deleted = True
+        self._promoting.pop(key, None)
+
+    async def put_tiers(self, key: str, data: bytes, tiers: Iterable[int]) -> dict[int, str]:
         """Write to several tiers at once; returns {tier: error} of those that failed."""
         failures: dict[int, str] = {}
 
         async def one(i: int) -> None:
             try:
                 await self.tiers[i].put(key, data)
-            except TIER_FAULTS as exc:
-                failures[i] = self._failed(i, exc)
+            except STORE_FAULTS as exc:
+                failures[i] = self.failed(i, exc)
 
         async with anyio.create_task_group() as tg:
             for i in tiers:
                 tg.start_soon(one, i)
         return failures
 
-    async def _delete_tiers(self, key: str, tiers: Iterable[int]) -> dict[int, str]:
+    async def delete_tiers(self, key: str, tiers: Iterable[int]) -> dict[int, str]:
         failures: dict[int, str] = {}
 
         async def one(i: int) -> None:
             try:
                 await self.tiers[i].delete(key)
-            except TIER_FAULTS as exc:
-                failures[i] = self._failed(i, exc)
+            except STORE_FAULTS as exc:
+                failures[i] = self.failed(i, exc)
 
         with anyio.CancelScope(shield=True):
             async with anyio.create_task_group() as tg:
@@ -105,7 +149,7 @@ class TierMoves:
 
     # -- promotion -------------------------------------------------------------------------------------
 
-    def _promote(self, key: str, data: bytes, found_in: int) -> None:
+    def promote_copy(self, key: str, data: bytes, found_in: int) -> None:
         """Copy an object read from tier `found_in` into the tiers above it, in the background."""
         if not self.promote or found_in == 0 or key in self._promoting:
             return
@@ -114,7 +158,7 @@ class TierMoves:
         token = object()
         self._promoting[key] = token
         self.promote_bytes += len(data)
-        if self._bg.spawn(self._promote_task, key, data, found_in, token) is None:
+        if self.bg.spawn(self._promote_task, key, data, found_in, token) is None:
             self._promoting.pop(key, None)
             self.promote_bytes -= len(data)
 
@@ -122,12 +166,12 @@ class TierMoves:
         try:
             if self._promoting.get(key) is not token:
                 return  # deleted before it started
-            failed = await self._put_tiers(key, data, range(found_in))
+            failed = await self.put_tiers(key, data, range(found_in))
             written = [i for i in range(found_in) if i not in failed]
             for i in written:
                 self.stats[i].promoted_in += 1
             if self._promoting.get(key) is not token:  # deleted while it was written: undo
-                await self._delete_tiers(key, written)
+                await self.delete_tiers(key, written)
         finally:
             self.promote_bytes -= len(data)
             if self._promoting.get(key) is token:
@@ -135,19 +179,19 @@ class TierMoves:
 
     # -- write-back ------------------------------------------------------------------------------------
 
-    def _kick(self) -> None:
+    def kick(self) -> None:
         """Make sure a flusher runs on this loop."""
-        if not self._bg.is_live(self._flusher):
-            self._flusher = self._bg.spawn(self._flush_loop)
+        if not self.bg.is_live(self._flusher):
+            self._flusher = self.bg.spawn(self._flush_loop)
 
     async def _flush_loop(self) -> None:
         failures = 0
         while failures < self.flush_retries:
-            batch = [(k, e) for k, e in self._dirty.items() if not e.busy][: self.flush_concurrency]
+            batch = [(k, e) for k, e in self.dirty.items() if not e.busy][: self.flush_concurrency]
             if not batch:
                 return
             # a background task is always an asyncio one (see Background): gather is the plain way
-            results = await asyncio.gather(*(self._flush_entry(k, e) for k, e in batch))
+            results = await asyncio.gather(*(self.flush_entry(k, e) for k, e in batch))
             if all(results):
                 failures = 0
             else:
@@ -155,7 +199,7 @@ class TierMoves:
                 await anyio.sleep(min(0.05 * 2**failures, 2.0))
         # gave up for now: the entries stay dirty; the next put, flush() or close() tries again
 
-    async def _flush_entry(self, key: str, e: DirtyEntry) -> bool:
+    async def flush_entry(self, key: str, e: DirtyEntry) -> bool:
         """Write one dirty object to the tiers it has not reached; True when none is left."""
         if e.busy:
             return False
@@ -163,24 +207,24 @@ class TierMoves:
         e.idle = asyncio.Event()
         try:
             tiers = sorted(e.pending)
-            failed = await self._put_tiers(key, e.data, tiers)
+            failed = await self.put_tiers(key, e.data, tiers)
             for i in tiers:
                 if i not in failed:
                     e.pending.discard(i)
                     self.stats[i].flushed_in += 1
             if e.deleted:  # deleted while it was written: undo
-                await self._delete_tiers(key, [i for i in tiers if i not in failed])
+                await self.delete_tiers(key, [i for i in tiers if i not in failed])
                 return True
-            if not e.pending and self._dirty.get(key) is e:
-                del self._dirty[key]
+            if not e.pending and self.dirty.get(key) is e:
+                del self.dirty[key]
                 self.dirty_bytes -= len(e.data)
             return not failed
         finally:
             e.busy = False
             e.idle.set()
 
-    async def _settle(self, key: str) -> None:
+    async def settle(self, key: str) -> None:
         """Wait until no flush of `key` is in flight, so a put or delete after it cannot be overtaken by
         an older object landing in a lower tier."""
-        while (e := self._dirty.get(key)) is not None and e.busy and e.idle is not None:
+        while (e := self.dirty.get(key)) is not None and e.busy and e.idle is not None:
             await e.idle.wait()

@@ -20,20 +20,44 @@ promotion or flush still in flight, and that copy is deleted again when it lands
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Sequence
 
-from kvrestore.core.errors import InvalidInputError, StoreError, check_int
-from kvrestore.stores.background import Background
+from kvrestore.core.errors import STORE_FAULTS, InvalidInputError, StoreError, check_int
 from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object
-from kvrestore.stores.tier_moves import TIER_FAULTS, DirtyEntry, TierMoves, TierStats
+from kvrestore.stores.tier_moves import TierMoves, TierStats
+from kvrestore.stores.wrapper import WrapperStore
 
 WRITE_MODES = ("back", "through")
 
 
-class TieredStore(TierMoves, ChunkStore):
-    """Tiers top (fastest) first. See the module docstring for the read, write and failure rules."""
+class TieredStore(WrapperStore):
+    """Tiers top (fastest) first; see the module docstring for the read, write and failure rules.
+
+    A wrapper of the top tier (`inner`) that changes every call to reach the tiers below it too; the
+    moves between tiers are its part `moves` (`TierMoves`).
+
+    Parameters
+    ----------
+    tiers: sequence of ChunkStore
+        The tiers, fastest first, e.g. `[MemoryStore(capacity_bytes=...), open_store("s3://...")]`.
+    write: "back" | "through"
+        Whether `put` returns once the top tier has the object (the others get it in the background)
+        or once every tier has it.
+    promote: bool
+        Copy a lower tier's hit into the tiers above it, in the background.
+    max_dirty_bytes: int
+        Bytes held for write-back at most; past it `put` writes through.
+    max_promote_bytes: int
+        Bytes of promotions in flight at most; past it a promotion is skipped.
+    flush_concurrency, flush_retries: int
+        Write-back copies in flight at most; failed rounds in a row before the flusher waits.
+
+    Raises
+    ------
+    InvalidInputError
+        No tiers, an unknown `write`, or a bad count.
+    """
 
     def __init__(
         self,
@@ -56,28 +80,37 @@ class TieredStore(TierMoves, ChunkStore):
             raise InvalidInputError(f"write must be one of {WRITE_MODES}, got {write!r}")
         flush_concurrency = check_int("flush_concurrency", flush_concurrency)
         flush_retries = check_int("flush_retries", flush_retries)
+        super().__init__(tiers[0])
         self.tiers = tiers
         self.write = write
         self.promote = promote
         self.max_dirty_bytes = max_dirty_bytes
-        self.max_promote_bytes = max_promote_bytes
-        self.flush_concurrency = flush_concurrency
-        self.flush_retries = flush_retries
         self.name = "tiered(" + " > ".join(t.name for t in tiers) + ")"
-        self.stats = [TierStats(t.name) for t in tiers]
+        self.moves = TierMoves(
+            tiers,
+            promote=promote,
+            max_promote_bytes=max_promote_bytes,
+            flush_concurrency=flush_concurrency,
+            flush_retries=flush_retries,
+        )
+        self.stats: list[TierStats] = self.moves.stats
         self.dirty_hits = 0
-        self.dirty_bytes = 0
-        self.promote_bytes = 0
-        self._dirty: dict[str, DirtyEntry] = {}
-        self._promoting: dict[str, object] = {}
-        self._bg = Background()
-        self._flusher: asyncio.Task[None] | None = None
+
+    @property
+    def dirty_bytes(self) -> int:
+        """Bytes held for write-back."""
+        return self.moves.dirty_bytes
+
+    @property
+    def pending_writes(self) -> int:
+        """Objects accepted by `put` that have not reached every tier yet."""
+        return self.moves.pending_writes
 
     # -- ChunkStore ------------------------------------------------------------------------------------
 
     @property
-    def reads_in_memory(self) -> bool:  # type: ignore[override]
-        return self.tiers[0].reads_in_memory
+    def local_dir(self) -> str | None:  # type: ignore[override]
+        return None  # objects live in several tiers, not in the top tier's directory alone
 
     async def get(self, key: str) -> bytes | None:
         check_key(key)
@@ -85,18 +118,18 @@ class TieredStore(TierMoves, ChunkStore):
         for i, tier in enumerate(self.tiers):
             try:
                 data = await tier.get(key)
-            except TIER_FAULTS as exc:
-                errors.append(self._failed(i, exc))
+            except STORE_FAULTS as exc:
+                errors.append(self.moves.failed(i, exc))
                 continue
             if data is not None:
                 self.stats[i].hits += 1
-                self._promote(key, data, i)
+                self.moves.promote_copy(key, data, i)
                 return data
             self.stats[i].misses += 1
         return self._dirty_or_miss(key, errors)
 
     def _dirty_or_miss(self, key: str, errors: list[str]) -> bytes | None:
-        e = self._dirty.get(key)
+        e = self.moves.dirty.get(key)
         if e is not None:  # the top tier let it go before the lower ones got it
             self.dirty_hits += 1
             return e.data
@@ -110,8 +143,8 @@ class TieredStore(TierMoves, ChunkStore):
         for i, tier in enumerate(self.tiers):
             try:
                 data = await tier.get_range(key, start, end)
-            except TIER_FAULTS as exc:
-                errors.append(self._failed(i, exc))
+            except STORE_FAULTS as exc:
+                errors.append(self.moves.failed(i, exc))
                 continue
             if data is not None:
                 self.stats[i].hits += 1
@@ -126,8 +159,8 @@ class TieredStore(TierMoves, ChunkStore):
         for i, tier in enumerate(self.tiers):
             try:
                 got = await tier.get_ranges(key, ranges)
-            except TIER_FAULTS as exc:
-                errors.append(self._failed(i, exc))
+            except STORE_FAULTS as exc:
+                errors.append(self.moves.failed(i, exc))
                 continue
             if any(g is not None for g in got):
                 self.stats[i].hits += 1
@@ -152,14 +185,14 @@ class TieredStore(TierMoves, ChunkStore):
                     self.stats[i].hits += 1
                     return size
                 data = await tier.get(key)
-            except TIER_FAULTS as exc:
-                errors.append(self._failed(i, exc))
+            except STORE_FAULTS as exc:
+                errors.append(self.moves.failed(i, exc))
                 continue
             if data is None:
                 self.stats[i].misses += 1
                 continue
             self.stats[i].hits += 1
-            self._promote(key, data, i)
+            self.moves.promote_copy(key, data, i)
             return await copy_object(buffer, data)
         data = self._dirty_or_miss(key, errors)
         return None if data is None else await copy_object(buffer, data)
@@ -167,46 +200,43 @@ class TieredStore(TierMoves, ChunkStore):
     async def put(self, key: str, data: bytes) -> None:
         check_key(key)
         data = bytes(data)
-        await self._settle(key)
-        old = self._dirty.pop(key, None)
+        await self.moves.settle(key)
+        old = self.moves.take(key)
         if old is not None:
             old.deleted = False  # same key, same content: let its flush finish normally
-            self.dirty_bytes -= len(old.data)
         lower = set(range(1, len(self.tiers)))
         inline = (
             self.write == "through"
             or not lower
-            or self.dirty_bytes + len(data) > self.max_dirty_bytes
-            or not self._bg.available()
+            or self.moves.dirty_bytes + len(data) > self.max_dirty_bytes
+            or not self.moves.bg.available()
         )
         if inline:
-            failed = await self._put_tiers(key, data, range(len(self.tiers)))
+            failed = await self.moves.put_tiers(key, data, range(len(self.tiers)))
             if failed:
                 raise StoreError(f"cannot write {key[:12]}: " + "; ".join(failed.values()))
             return
-        failed = await self._put_tiers(key, data, [0])
+        failed = await self.moves.put_tiers(key, data, [0])
         if failed:  # the top tier refused it: go straight to the others
-            failed = await self._put_tiers(key, data, sorted(lower))
+            failed = await self.moves.put_tiers(key, data, sorted(lower))
             if len(failed) == len(lower):
                 raise StoreError(f"cannot write {key[:12]} to any tier: " + "; ".join(failed.values()))
             return
-        self._dirty[key] = DirtyEntry(data, lower)
-        self.dirty_bytes += len(data)
-        self._kick()
+        self.moves.hold(key, data, lower)
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         """One batch `contains` per tier for the keys no upper tier had; a failing tier answers no."""
         for k in keys:
             check_key(k)
-        out = [k in self._dirty for k in keys]
+        out = [k in self.moves.dirty for k in keys]
         todo = [i for i, ok in enumerate(out) if not ok]
         for t, tier in enumerate(self.tiers):
             if not todo:
                 break
             try:
                 got = await tier.contains([keys[i] for i in todo])
-            except TIER_FAULTS as exc:
-                self._failed(t, exc)
+            except STORE_FAULTS as exc:
+                self.moves.failed(t, exc)
                 continue
             for i, ok in zip(todo, got, strict=True):
                 out[i] = ok
@@ -215,13 +245,9 @@ class TieredStore(TierMoves, ChunkStore):
 
     async def delete(self, key: str) -> None:
         check_key(key)
-        await self._settle(key)
-        e = self._dirty.pop(key, None)
-        if e is not None:
-            e.deleted = True
-            self.dirty_bytes -= len(e.data)
-        self._promoting.pop(key, None)
-        failed = await self._delete_tiers(key, range(len(self.tiers)))
+        await self.moves.settle(key)
+        self.moves.forget(key)
+        failed = await self.moves.delete_tiers(key, range(len(self.tiers)))
         if failed:
             raise StoreError(f"cannot delete {key[:12]}: " + "; ".join(failed.values()))
 
@@ -239,15 +265,16 @@ class TieredStore(TierMoves, ChunkStore):
 
     async def flush(self) -> None:
         """Wait for promotions and write-back; write what is still dirty; raise if a tier refuses it."""
-        await self._bg.wait()
-        for key, e in list(self._dirty.items()):
+        await self.moves.bg.wait()
+        dirty = self.moves.dirty
+        for key, e in list(dirty.items()):
             if not e.busy:
-                await self._flush_entry(key, e)
-        await self._bg.wait()
-        if self._dirty:
-            tiers = sorted({self.tiers[i].name for e in self._dirty.values() for i in e.pending})
+                await self.moves.flush_entry(key, e)
+        await self.moves.bg.wait()
+        if dirty:
+            tiers = sorted({self.tiers[i].name for e in dirty.values() for i in e.pending})
             raise StoreError(
-                f"{len(self._dirty)} objects not yet written to {', '.join(tiers)}; "
+                f"{len(dirty)} objects not yet written to {', '.join(tiers)}; "
                 + "; ".join(s.last_error for s in self.stats if s.last_error)
             )
         for tier in self.tiers:
@@ -258,7 +285,7 @@ class TieredStore(TierMoves, ChunkStore):
         try:
             await self.flush()
         finally:
-            self._bg.cancel()
+            self.moves.bg.cancel()
             for tier in self.tiers:
                 with contextlib.suppress(Exception):
                     await tier.close()

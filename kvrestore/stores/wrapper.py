@@ -8,8 +8,8 @@ still rebuilds its index after a restart.
 Reads pass through too, in pairs that must change together: a wrapper that overrides `get` overrides
 `read_into`, and one that overrides `get_range` overrides `get_ranges` (checked when the class is made),
 else one of the pair would bypass what the wrapper does on a read. `get_many` is not passed on: its
-default calls the wrapper's own `get`. Nor are the blocking faces (`reads_now`, `get_now`,
-`read_into_now`, `scatter_into_now`): a thread reading the inner store directly would skip the wrapper,
+default calls the wrapper's own `get`. Nor are the blocking faces (`reads_sync`, `get_sync`,
+`read_into_sync`, `scatter_into_sync`): a thread reading the inner store directly would skip the wrapper,
 so a wrapper offers them only by implementing them itself.
 """
 

@@ -291,8 +291,8 @@ def body(header: ChunkHeader, data: Buffer) -> memoryview:
 
 def body_sections(header: ChunkHeader, data: Buffer) -> torch.Tensor:
     """The sections of a whole uncompressed object as a uint8 tensor [L, section bytes] over its bytes
-    (no copy), for `quant.Encoding.decode`."""
-    return torch.frombuffer(body(header, data), dtype=torch.uint8).view(header.num_layers, -1)
+    (no copy where they are writable), for `quant.Encoding.decode`."""
+    return byte_tensor(body(header, data)).view(header.num_layers, -1)
 
 
 def decode_chunk(

@@ -37,6 +37,7 @@ from kvrestore.restore import run
 from kvrestore.restore.results import Parts, RestoreResult, RestoreStats
 from kvrestore.runtime.engine import Engine
 from kvrestore.stores.base import ChunkStore
+from kvrestore.stores.deadline import LOOKUP_TIMEOUT_S, SAVE_TIMEOUT_S, DeadlineStore, Deadlines
 
 if TYPE_CHECKING:
     from kvrestore.blend import BlendResult, StoreCandidate, StorePlacement
@@ -81,6 +82,12 @@ class Restorer:
     `learn` keeps what it learned for the next restorer of this machine, model and store: True under
     the cache directory, a path, or False (in memory only). A profile's store link is only a starting
     point: `link` follows the loads of every restore.
+
+    Every call to the store runs under a deadline (`kvrestore.stores.deadline`): `lookup_timeout_s`
+    for a lookup (default 2 s), `load_timeout_s` for a chunk's read, `save_timeout_s` for a chunk's
+    write or a flush. A call past its deadline counts the store as down: a restore recomputes, a save
+    or a lookup raises `StoreTimeoutError`, and the store is not asked again until a back-off has
+    passed. None lifts a limit.
     """
 
     def __init__(
@@ -93,16 +100,23 @@ class Restorer:
         compression: str = "none",
         engine: Engine | None = None,
         load_timeout_s: float | None = 30.0,
+        lookup_timeout_s: float | None = LOOKUP_TIMEOUT_S,
+        save_timeout_s: float | None = SAVE_TIMEOUT_S,
         profile: Profile | str | os.PathLike | Literal[False] | None = None,
         learn: bool | str | os.PathLike = True,
     ) -> None:
         _check_parts(backend, store, engine, compression)
         self.backend, self.store, self.compression = backend, store, compression
         self.chunk_size = check_int("chunk_size", chunk_size)
+        self._own_engine = engine is None  # lanes this restorer made: stopped by its close()
         self.engine = engine or Engine(load_lanes)
         check_int("load_lanes", load_lanes)  # also where a given engine makes it unused
-        self.loader = ChunkLoader(self.spec, store, lambda device: self.engine.cuda_stream("load", device))
-        self.load_timeout_s = check_seconds("load_timeout_s", load_timeout_s)
+        self.deadlines = Deadlines(lookup_timeout_s, load_timeout_s, save_timeout_s)
+        #: the store as restores and saves reach it: every call under its deadline
+        self.bounded_store = DeadlineStore(store, self.deadlines)
+        self.loader = ChunkLoader(
+            self.spec, self.bounded_store, lambda device: self.engine.cuda_stream("load", device)
+        )
         self.planner = Planner(backend, self.engine, self.chunk_size, store_name(store), profile, learn)
 
     @property
@@ -136,9 +150,38 @@ class Restorer:
         return self.backend.spec
 
     @property
+    def load_timeout_s(self) -> float | None:
+        """Seconds one chunk's load may take before it counts as failed (and is recomputed)."""
+        return self.deadlines.load_s
+
+    @load_timeout_s.setter
+    def load_timeout_s(self, value: float | None) -> None:
+        self.deadlines.load_s = check_seconds("load_timeout_s", value)
+
+    @property
+    def lookup_timeout_s(self) -> float | None:
+        """Seconds a lookup (which chunks are stored) may take before the store counts as down."""
+        return self.deadlines.lookup_s
+
+    @lookup_timeout_s.setter
+    def lookup_timeout_s(self, value: float | None) -> None:
+        self.deadlines.lookup_s = check_seconds("lookup_timeout_s", value)
+
+    @property
+    def save_timeout_s(self) -> float | None:
+        """Seconds one chunk's write (or a flush) may take before it counts as failed."""
+        return self.deadlines.save_s
+
+    @save_timeout_s.setter
+    def save_timeout_s(self, value: float | None) -> None:
+        self.deadlines.save_s = check_seconds("save_timeout_s", value)
+
+    @property
     def _parts(self) -> Parts:
         """What runs this restorer's restores (read afresh: a caller may change `load_timeout_s`)."""
-        return Parts(self.backend, self.store, self.engine, self.loader, self.planner, self.load_timeout_s)
+        return Parts(
+            self.backend, self.bounded_store, self.engine, self.loader, self.planner, self.load_timeout_s
+        )
 
     def plan(self, token_ids: TokenIds, stored: Sequence[bool], policy: Auto | None = None) -> Plan:
         """What `Auto` would choose for `token_ids` given which chunks are `stored` (see `Plan.explain`)."""
@@ -157,7 +200,7 @@ class Restorer:
     async def lookup(self, token_ids: TokenIds) -> int:
         """Number of leading tokens covered by stored chunks (the longest stored prefix)."""
         _, refs = self.chunks(token_ids)
-        present = await self.store.contains([r.key for r in refs])
+        present = await self.bounded_store.contains([r.key for r in refs])
         covered = 0
         for ref, ok in zip(refs, present, strict=False):
             if not ok:
@@ -214,7 +257,7 @@ class Restorer:
         that it is prefilled after), not on its neighbours, so the chunk is found again in any prompt,
         at any position. Returns the key; a stored chunk is not recomputed.
         """
-        return await save_prompt_chunk(self.backend, self.store, token_ids, prefix, self.compression)
+        return await save_prompt_chunk(self.backend, self.bounded_store, token_ids, prefix, self.compression)
 
     async def restore_blend(
         self,
@@ -228,7 +271,9 @@ class Restorer:
         `kvrestore.blend.BlendResult`: `kv` and `tokens` go straight into `backend.generate()`."""
         stream = self.engine.cuda_stream("load", self.backend.device)
         pool = self.loader.pool(pinned=stream is not None)  # pinned for uploads to a GPU
-        return await blend_prompt(self.backend, self.store, chunks, suffix, policy, prefix, stream, pool)
+        return await blend_prompt(
+            self.backend, self.bounded_store, chunks, suffix, policy, prefix, stream, pool
+        )
 
     async def choose_blend_store(
         self, candidates: Sequence[StoreCandidate], n_tokens: int, ratio: float = 0.15
@@ -246,8 +291,15 @@ class Restorer:
         )
 
     async def close(self) -> None:
-        await self.planner.keep()
-        await self.store.close()
+        """Keep what was learned, give the staging memory back, stop the load threads of the engine this
+        restorer made (a given engine is its owner's to close), and close the store."""
+        try:
+            await self.planner.keep()
+        finally:
+            self.loader.close()
+            if self._own_engine:
+                self.engine.close()
+            await self.store.close()
 
     async def __aenter__(self) -> Restorer:
         return self

@@ -66,6 +66,7 @@ async def restore(
 ) -> RestoreResult:
     """`Restorer.restore` for checked tokens and their chunks (see there)."""
     errors: list[str] = []
+    t0 = time.perf_counter()
     try:
         stored = await parts.store.contains([r.key for r in refs])
     except LOAD_FAULTS as exc:  # the store is down: a restore still finishes, by computing
@@ -83,7 +84,9 @@ async def restore(
         if log.isEnabledFor(logging.DEBUG):  # explain() works out L_delta: dozens of simulations
             log.debug("restore of %d tokens: %s", len(tokens), plan.explain())
     predicted = planner.predicted(chosen, plan, refs, stored)
+    lookup_s = time.perf_counter() - t0
     result = await run_axis(parts, Job(tokens, refs, stored, errors, on_event, out), chosen)
+    result.stats.seconds += lookup_s  # the lookup is part of what the restore cost
     if result.stats.failed_loads:
         log.warning(
             "%d of %d stored chunks (or layer reads) could not be used and were computed instead: %s",

@@ -67,6 +67,9 @@ class FsspecStore(ChunkStore):
     `storage_options` go to the filesystem (credentials, endpoint_url, ...); `fsync` is for a local
     directory (see `LocalStore`) and means nothing to an object store.
 
+    An object store's bucket is never created behind the caller's back: a write to a bucket that does
+    not exist raises StoreError (reads of it are misses), unless `create_bucket=True`.
+
     A remote store that cannot be reached (connection refused or timed out) fails fast for
     `unreachable_cooloff_s` seconds before it asks again, so a restore running while its server is down
     recomputes at once instead of paying a connection attempt (and retries) per chunk.
@@ -77,13 +80,17 @@ class FsspecStore(ChunkStore):
     #: seconds a remote store answers "unreachable" without asking after a connection failure
     unreachable_cooloff_s: float = 2.0
 
-    def __new__(cls, url: str | None = None, *, fsync: bool = False, **storage_options: Any) -> Any:
+    def __new__(
+        cls, url: str | None = None, *, fsync: bool = False, create_bucket: bool = False, **storage_options: Any
+    ) -> Any:
         # url None: copy and pickle make an empty instance to fill in
         if cls is FsspecStore and url is not None and is_local(filesystem_class(url)):
             return LocalStore(url, fsync=fsync, **storage_options)  # not a FsspecStore: no __init__ after
         return super().__new__(cls)
 
-    def __init__(self, url: str, *, fsync: bool = False, **storage_options: Any) -> None:
+    def __init__(
+        self, url: str, *, fsync: bool = False, create_bucket: bool = False, **storage_options: Any
+    ) -> None:
         fs_cls = filesystem_class(url)
         if is_local(fs_cls):  # a subclass of FsspecStore given a local path
             raise InvalidInputError(f"{url!r} is a local directory: use (or subclass) LocalStore")
@@ -96,6 +103,7 @@ class FsspecStore(ChunkStore):
         except Exception as e:
             raise StoreError(f"cannot open {url!r}: {type(e).__name__}: {e}") from e
         self._setup(fs, root, url, fsync)
+        self.create_bucket = bool(create_bucket)
 
     @classmethod
     def from_filesystem(
@@ -116,6 +124,9 @@ class FsspecStore(ChunkStore):
         self.fsync = fsync
         self.root = root.rstrip("/")
         self.is_async = bool(getattr(fs, "async_impl", False))
+        self.create_bucket = False
+        #: an object store (s3): no directories, and its first path component is a bucket
+        self.object_store = hasattr(fs, "_call_s3")
         self._down_until = 0.0  # monotonic time before which the store does not ask again
         self._down_reason = ""
         self._session: Any = None
@@ -250,8 +261,15 @@ class FsspecStore(ChunkStore):
             try:
                 await self._call("pipe_file", path, bytes(data))
             except FileNotFoundError:  # filesystems with real directories (sftp, wrapped local)
+                if self.object_store and not self.create_bucket:  # its bucket is missing
+                    raise StoreError(
+                        f"cannot write {self.name} {path}: its bucket does not exist (create it, or "
+                        "open the store with create_bucket=True)"
+                    ) from None
                 await self._call("makedirs", path.rsplit("/", 1)[0], exist_ok=True)
                 await self._call("pipe_file", path, bytes(data))
+        except StoreError:
+            raise
         except Exception as e:
             raise StoreError(f"cannot write {self.name} {path}: {type(e).__name__}: {e}") from e
 

@@ -37,7 +37,7 @@ from kvrestore.restore import run
 from kvrestore.restore.results import Parts, RestoreResult, RestoreStats
 from kvrestore.runtime.engine import Engine
 from kvrestore.stores.base import ChunkStore
-from kvrestore.stores.deadline import LOOKUP_TIMEOUT_S, SAVE_TIMEOUT_S, DeadlineStore, Deadlines
+from kvrestore.stores.deadline import LOOKUP_TIMEOUT_S, SAVE_TIMEOUT_S, Deadlines, DeadlineStore
 
 if TYPE_CHECKING:
     from kvrestore.blend import BlendResult, StoreCandidate, StorePlacement

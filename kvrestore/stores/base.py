@@ -131,7 +131,8 @@ class ChunkStore(ABC):
         """Read the object into `buffer` from its first byte, with as few bulk copies as the store allows.
 
         Returns the object's size (when it is larger than `buffer`, only `len(buffer)` bytes were
-        placed: read it again into a larger buffer), or None when absent. The default fetches the object
+        placed: read it again into a larger buffer), or None when absent. A store that reads no more
+        than fits (a ranged read) may answer `len(buffer) + 1` for any larger object. The default fetches the object
         whole (one round trip, right for object stores) and copies it; a local directory reads straight
         into the buffer (`preadv`). Nothing is verified here: the caller checks the bytes.
         """

@@ -29,7 +29,7 @@ import anyio.to_thread
 import fsspec
 
 from kvrestore.core.errors import InvalidInputError, StoreError
-from kvrestore.stores.base import ChunkStore, StoredObject, check_key
+from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object
 from kvrestore.stores.files import SUFFIX, check_range, filesystem_class, is_local, stored_key
 from kvrestore.stores.local import LocalStore
 
@@ -247,6 +247,13 @@ class FsspecStore(ChunkStore):
 
     async def get(self, key: str) -> bytes | None:
         return await self._cat(key)
+
+    async def read_into(self, key: str, buffer: memoryview) -> int | None:
+        """One ranged read of at most `len(buffer) + 1` bytes: an object that does not fit is never
+        downloaded whole (a caller with a buffer sized to what it can use learns that it is larger,
+        `len(buffer) + 1`, at the cost of one byte more)."""
+        data = await self._cat(key, 0, len(buffer) + 1)
+        return None if data is None else await copy_object(buffer, data)
 
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
         """`end` passes on as it is (an HTTP Range on s3)."""

@@ -12,11 +12,17 @@ import time
 from functools import partial
 
 import anyio
+import msgspec
 import pytest
 import torch
 
-from kvrestore import LoadOnly, Restorer, open_store
-from kvrestore.core.errors import StoreError, StoreTimeoutError
+from kvrestore import KVCache, LoadOnly, Restorer, open_store
+from kvrestore.core.errors import InvalidInputError, StoreError, StoreTimeoutError
+from kvrestore.core.spec import dtype_name
+from kvrestore.costs.compute import ChunkCost, LayerCost
+from kvrestore.costs.learned import CostLearner, LearnedState, store_name
+from kvrestore.costs.links import LinkCost
+from kvrestore.costs.profile import Profile, machine_id, profile_key
 from kvrestore.stores import MemoryStore
 from kvrestore.stores.deadline import Deadlines, DeadlineStore
 
@@ -173,9 +179,115 @@ def test_slow_s3_within_the_deadline_loads_and_past_it_recomputes(llama_backend,
 
 
 def test_deadlines_are_checked():
-    from kvrestore.core.errors import InvalidInputError
-
     for bad in (0, -1, float("nan"), "2"):
         with pytest.raises(InvalidInputError, match="lookup_timeout_s"):
             Deadlines(lookup_s=bad)
     assert issubclass(StoreTimeoutError, StoreError) and issubclass(StoreTimeoutError, TimeoutError)
+
+
+# -- (2) files on disk are only ever a hint -----------------------------------------------------------
+
+
+def _poisoned_state(b, store, **fields) -> LearnedState:
+    """Learned costs as a file would hold them for this machine, model and store, with `fields` set."""
+    learner = CostLearner(b.spec, b.device, store_name(store))
+    state = learner.state
+    state.chunk = [[32.0, 0.0, 0.01], [32.0, 32.0, 0.012], [64.0, 0.0, 0.02]]
+    state.link = LinkCost(1e8, 1e-4)
+    for name, value in fields.items():
+        setattr(state, name, value)
+    return state
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"chunk": [[32.0, 0.0]]},  # a sample of the wrong length
+        {"chunk": [[1e308, 0.0, 0.01]]},  # a token count no prompt has
+        {"chunk": [[32.0, 0.0, float("nan")]]},
+        {"layer": [[32.0, -1.0]]},
+        {"link": LinkCost(0.0, 0.0)},  # no bandwidth
+        {"link": LinkCost(-5.0, 0.0)},
+        {"link": LinkCost(1.0, 0.0)},  # 1 B/s
+        {"link": LinkCost(1e8, 1e6)},  # a million seconds a request
+        {"restores": -3},
+        {"calibration": {"load-only": float("inf")}},
+    ],
+    ids=lambda bad: next(iter(bad)) + "=" + repr(next(iter(bad.values())))[:24],
+)
+def test_learned_costs_out_of_bounds_are_ignored_and_auto_restores(llama_backend, tmp_path, bad):
+    b = llama_backend
+    store = MemoryStore()
+    tokens = random_tokens(96, b.spec.vocab_size, seed=4)
+    path = tmp_path / "learned.json"
+    path.write_bytes(msgspec.json.encode(_poisoned_state(b, store, **{"restores": 5, **bad})))
+
+    async def main():
+        async with Restorer(b, store, chunk_size=32, learn=path) as r:
+            await r.save(tokens, KVCache(b.spec, b.prefill_chunk(tokens, None, 0).data))
+            return r, await r.restore(tokens)
+
+    r, res = run(main)
+    assert r.costs.state.restores == 1  # learning started again: the file's state (5 restores) was not taken
+    torch.testing.assert_close(res.kv.data, b.prefill_chunk(tokens, None, 0).data, atol=ATOL, rtol=0)
+
+
+def test_learned_costs_in_bounds_are_taken(llama_backend, tmp_path):
+    b = llama_backend
+    store = MemoryStore()
+    path = tmp_path / "learned.json"
+    path.write_bytes(msgspec.json.encode(_poisoned_state(b, store, restores=7)))
+    r = Restorer(b, store, chunk_size=32, learn=path)
+    assert r.costs.state.restores == 7 and r.link.current == LinkCost(1e8, 1e-4)
+
+
+@pytest.mark.parametrize("content", [b"", b"{\"machine\": ", b"\x00garbage\xff", b"[1, 2, 3]"])
+def test_an_unreadable_saved_profile_never_stops_a_restorer(llama_backend, tmp_path, monkeypatch, content):
+    b = llama_backend
+    monkeypatch.setenv("KVRESTORE_CACHE_DIR", str(tmp_path))
+    key = profile_key(machine_id(), b.spec.fingerprint, dtype_name(b.spec.dtype), torch.device(b.device).type)
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / f"{key}.json").write_bytes(content)
+    r = Restorer(b, MemoryStore(), chunk_size=32)  # the caller passed no profile: the file is a hint
+    assert r.profile is None
+
+
+def test_a_saved_profile_out_of_bounds_is_ignored(llama_backend, tmp_path, monkeypatch):
+    b = llama_backend
+    monkeypatch.setenv("KVRESTORE_CACHE_DIR", str(tmp_path))
+    good = Profile(
+        machine_id(), b.spec.name, b.spec.fingerprint, dtype_name(b.spec.dtype), torch.device(b.device).type,
+        ChunkCost(1e-3, 1e-5, 0.0), LayerCost(1e-4, 1e-6, 0.0), LinkCost(1e8, 1e-4),
+    )
+    good.save()
+    assert Restorer(b, MemoryStore(), chunk_size=32).profile == good
+    msgspec.structs.replace(good, link=LinkCost(0.0, 0.0)).save()
+    assert Restorer(b, MemoryStore(), chunk_size=32).profile is None
+    with pytest.raises(InvalidInputError, match="bandwidth"):  # given by the caller: a typed error
+        Restorer(b, MemoryStore(), chunk_size=32, profile=msgspec.structs.replace(good, link=LinkCost(0.0)))
+
+
+def test_a_poisoned_learned_link_traps_auto_for_one_restore_at_most(llama_backend, tmp_path):
+    """A well-formed learned link, in bounds but far too slow (2 kB/s, 5 s a request): `Auto` would
+    compute everything for ever and never measure the link again. The first restore probes it instead,
+    and from the second on `Auto` loads."""
+    b = llama_backend
+    store = MemoryStore()
+    tokens = random_tokens(256, b.spec.vocab_size, seed=5)
+    ref = b.prefill_chunk(tokens, None, 0).data
+    path = tmp_path / "learned.json"
+    path.write_bytes(msgspec.json.encode(_poisoned_state(b, store, link=LinkCost(2e3, 5.0))))
+
+    async def main():
+        async with Restorer(b, store, chunk_size=32, learn=path) as r:
+            assert r.link.current == LinkCost(2e3, 5.0)  # in bounds: taken
+            await r.save(tokens, KVCache(b.spec, ref))
+            return r, [await r.restore(tokens) for _ in range(4)]
+
+    r, results = run(main)
+    assert "probing" in results[0].plan.reason and results[0].stats.loaded_chunks > 0
+    assert r.link.current.bytes_per_s > 1e6 and r.link.current.latency_s < 1.0  # measured, not mixed
+    for res in results[1:]:
+        assert res.plan.choice.name != "compute-only" and res.stats.loaded_chunks > 0
+    for res in results:
+        torch.testing.assert_close(res.kv.data, ref, atol=ATOL, rtol=0)

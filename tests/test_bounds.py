@@ -8,6 +8,8 @@ catch a call that waits on the client's own timeouts and retries (minutes), noth
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from functools import partial
 
@@ -23,11 +25,13 @@ from kvrestore.costs.compute import ChunkCost, LayerCost
 from kvrestore.costs.learned import CostLearner, LearnedState, store_name
 from kvrestore.costs.links import LinkCost
 from kvrestore.costs.profile import Profile, machine_id, profile_key
-from kvrestore.stores import MemoryStore
+from kvrestore.runtime.engine import Engine
+from kvrestore.stores import BoundedStore, LocalStore, MemoryStore
 from kvrestore.stores.deadline import Deadlines, DeadlineStore
 
 from .conftest import random_tokens
 from .hostile_servers import BlackHole, SlowProxy
+from .waiting import wait_until
 
 pytest.importorskip("s3fs")
 ATOL = 1e-5
@@ -291,3 +295,72 @@ def test_a_poisoned_learned_link_traps_auto_for_one_restore_at_most(llama_backen
         assert res.plan.choice.name != "compute-only" and res.stats.loaded_chunks > 0
     for res in results:
         torch.testing.assert_close(res.kv.data, ref, atol=ATOL, rtol=0)
+
+
+# -- (3) memory bounded by what a chunk can be; close() gives it back -----------------------------------
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads resident memory from /proc")
+def test_garbage_objects_under_chunk_keys_are_misses_that_leave_no_memory_behind(llama_backend, tmp_path):
+    """Four 64 MB objects of garbage under a prompt's chunk keys, behind a `BoundedStore` (reads go
+    through the event loop into staging): each is a miss read no further than a chunk can be, and the
+    restores leave resident memory where it was. Staged whole, as they were, they stayed in the pool."""
+    b = llama_backend
+    tokens = random_tokens(128, b.spec.vocab_size, seed=6)
+    ref = b.prefill_chunk(tokens, None, 0).data
+    garbage = 64 << 20
+    store = BoundedStore(LocalStore(str(tmp_path / "kv")), 1 << 34)
+    r = Restorer(b, store, chunk_size=32, load_lanes=4, learn=False)
+    _, refs = r.chunks(tokens)
+
+    async def main():
+        for ref_ in refs:
+            await store.put(ref_.key, os.urandom(1024) * (garbage // 1024))
+        before = _rss()
+        res = await r.restore(tokens, LoadOnly())
+        held = _rss() - before
+        await r.close()
+        return res, held
+
+    res, held = run(main)
+    assert res.stats.failed_loads == 4 and res.stats.computed_chunks == 4
+    assert all("more than this chunk can take" in e for e in res.stats.errors)
+    assert held < garbage  # one object staged would be 64 MB; four were 256 MB
+    torch.testing.assert_close(res.kv.data, ref, atol=ATOL, rtol=0)
+
+
+def test_close_stops_the_load_threads_and_frees_the_staging_pool(llama_backend):
+    b = llama_backend
+    tokens = random_tokens(128, b.spec.vocab_size, seed=7)
+    start = threading.active_count()
+
+    async def main():
+        r = Restorer(b, MemoryStore(), chunk_size=32, load_lanes=4, learn=False)
+        await r.save(tokens, KVCache(b.spec, b.prefill_chunk(tokens, None, 0).data))
+        res = await r.restore(tokens, LoadOnly())
+        lanes = r.engine.lane_threads().threads
+        await r.close()
+        return res, lanes, r.loader.pool(False).idle_bytes
+
+    res, lanes, idle = run(main)
+    assert res.stats.loaded_chunks == 4 and lanes >= 1 and idle == 0
+    # the event loop's own worker threads end with it; idle lane threads lived on for 10 s
+    run(wait_until, lambda: threading.active_count() <= start, 5)
+
+
+def test_close_leaves_a_shared_engine_running(llama_backend):
+    b = llama_backend
+    engine = Engine(2)
+
+    async def main():
+        r = Restorer(b, MemoryStore(), chunk_size=32, engine=engine, learn=False)
+        lanes = engine.lane_threads()
+        await r.close()
+        return lanes
+
+    assert run(main) is engine.lane_threads()  # the engine's owner closes it, not a restorer using it

@@ -70,6 +70,12 @@ def _check_parts(backend: object, store: object, engine: object, compression: st
         raise InvalidInputError(f"compression must be 'none' or 'zstd', got {compression!r}")
 
 
+def _on_device(t: torch.Tensor, device: torch.device | str) -> bool:
+    """Whether `t` lives on `device` ("cuda" matches any CUDA device's tensor, "cuda:1" only its own)."""
+    want = torch.device(device)
+    return t.device.type == want.type and (want.index is None or t.device.index == want.index)
+
+
 class Restorer:
     """Saves a prompt's KV cache chunk by chunk and restores it with a policy.
 
@@ -222,7 +228,23 @@ class Restorer:
         tokens, refs = self.chunks(token_ids)
         if kv is not None:
             run.check_kv(self.spec, "kv", kv, len(tokens))
+            await anyio.to_thread.run_sync(self._check_given_kv, kv, len(tokens))
         return await run.save(self._parts, tokens, refs, kv, self.compression)
+
+    def _check_given_kv(self, kv: KVCache, n_tokens: int) -> None:
+        """Refuse KV given to `save` that this model cannot have made: another shape, device, or any
+        NaN or infinity (stored, it would be served to every later restore of the prompt)."""
+        spec, data = self.spec, kv.data
+        want = (spec.num_layers, 2, spec.num_kv_heads, spec.head_dim)
+        if data.dim() != 5 or (*data.shape[:3], data.shape[4]) != want:
+            raise InvalidInputError(
+                f"kv has shape {tuple(data.shape)}; {spec.name} makes [L={want[0]}, 2, H={want[2]}, T, "
+                f"D={want[3]}]"
+            )
+        if not _on_device(data, self.backend.device):
+            raise InvalidInputError(f"kv is on {data.device}; the model runs on {self.backend.device}")
+        if not bool(torch.isfinite(data[:, :, :, :n_tokens]).all()):
+            raise InvalidInputError("kv holds NaN or infinite values: no model's KV does, so it is not stored")
 
     async def restore(
         self,
@@ -244,7 +266,7 @@ class Restorer:
         run.check_policy(policy)
         if out is not None:
             run.check_kv(self.spec, "out", out, len(tokens))
-            if out.data.device != torch.device(self.backend.device):
+            if not _on_device(out.data, self.backend.device):
                 raise InvalidInputError(
                     f"out is on {out.data.device}; the model runs on {self.backend.device}"
                 )

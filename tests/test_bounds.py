@@ -9,6 +9,8 @@ catch a call that waits on the client's own timeouts and retries (minutes), noth
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from functools import partial
@@ -28,6 +30,8 @@ from kvrestore.costs.profile import Profile, machine_id, profile_key
 from kvrestore.runtime.engine import Engine
 from kvrestore.stores import BoundedStore, LocalStore, MemoryStore
 from kvrestore.stores.deadline import Deadlines, DeadlineStore
+from kvrestore.stores.files import TMP_PREFIX
+from kvrestore.stores.shared_dir import RESERVE_PREFIX
 
 from .conftest import random_tokens
 from .hostile_servers import BlackHole, SlowProxy
@@ -364,3 +368,112 @@ def test_close_leaves_a_shared_engine_running(llama_backend):
         return lanes
 
     assert run(main) is engine.lane_threads()  # the engine's owner closes it, not a restorer using it
+
+
+# -- (4) no surprises on S3 -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_missing_bucket_is_a_store_error_at_save_and_a_miss_at_restore(llama_backend, s3_server):
+    b = llama_backend
+    tokens = random_tokens(64, b.spec.vocab_size, seed=8)
+    bucket = f"missing-{os.getpid()}-{time.monotonic_ns()}"
+    names = lambda: [x["Name"] for x in s3_server.client().list_buckets()["Buckets"]]  # noqa: E731
+
+    async def main(**options):
+        async with Restorer(b, open_store(f"s3://{bucket}/p", **s3_server.options(**options)), chunk_size=32) as r:
+            res = await r.restore(tokens)
+            try:
+                saved = await r.save(tokens)
+            except StoreError as exc:
+                saved = exc
+            return res, saved
+
+    res, saved = run(main)
+    assert res.stats.computed_chunks == 2 and res.stats.failed_loads == 0  # a miss, not a fault
+    assert isinstance(saved, StoreError) and "bucket does not exist" in str(saved.failed[next(iter(saved.failed))])
+    assert bucket not in names()  # nothing created behind the caller's back
+    _, created = run(partial(main, create_bucket=True))  # an explicit option
+    assert created.written_chunks == 2 and bucket in names()
+
+
+# -- (5) save(kv=...) stores only what this model could have made ----------------------------------------
+
+
+def test_save_refuses_kv_with_nan_or_inf_or_of_another_shape_or_device(llama_backend):
+    b = llama_backend
+    tokens = random_tokens(64, b.spec.vocab_size, seed=9)
+    good = b.prefill_chunk(tokens, None, 0).data
+    nan, inf = good.clone(), good.clone()
+    nan[1, 0, 0, 40, 3] = float("nan")
+    inf[0, 1, 1, 2, 0] = float("-inf")
+    wide = torch.zeros(*good.shape[:4], good.shape[4] * 2, dtype=good.dtype)
+    store = MemoryStore()
+
+    async def main():
+        async with Restorer(b, store, chunk_size=32, learn=False) as r:
+            errors = []
+            for data, match in ((nan, "NaN"), (inf, "NaN or infinite"), (wide, "shape"), (good.to("meta"), "on meta")):
+                with pytest.raises(InvalidInputError, match=match) as exc:
+                    await r.save(tokens, KVCache(b.spec, data))
+                errors.append(exc.value)
+            return errors, await store.contains([ref.key for ref in r.chunks(tokens)[1]])
+
+    errors, stored = run(main)
+    assert len(errors) == 4 and stored == [False, False]  # nothing was written
+
+
+# -- (6) a shared directory under a cap: a dead writer's temp files go with its reservation --------------
+
+BOUNDED_KILLED_WRITER = """
+import os, signal, sys
+import anyio
+from kvrestore.stores import open_store
+
+store = open_store(sys.argv[1], capacity_bytes=1 << 22)
+os.replace = lambda src, dst: os.kill(os.getpid(), signal.SIGKILL)  # die between write and rename
+anyio.run(store.put, sys.argv[2], b"half-written chunk" * 50_000)
+"""
+
+
+def test_a_dead_writers_temp_file_goes_when_its_reservation_is_reclaimed(tmp_path):
+    root = tmp_path / "kv"
+    live = open_store(str(root), capacity_bytes=1 << 22)  # a process that was running all along
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-c", BOUNDED_KILLED_WRITER, str(root), "ab" * 16],
+        cwd=here,
+        env=dict(os.environ, PYTHONPATH=here),
+        capture_output=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    assert len(list(root.rglob(f"{TMP_PREFIX}*"))) == 1 and list(root.glob(f"{RESERVE_PREFIX}*"))
+    run(live.put, "cd" * 16, b"x" * 1000)  # takes the lock: reclaims the dead writer's reservation
+    assert not list(root.rglob(f"{TMP_PREFIX}*")) and not list(root.glob(f"{RESERVE_PREFIX}*"))
+
+
+# -- (7) token ids: anything that is not a 1-D sequence of integer ids is refused -------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(8, dtype=torch.long, device="meta"),
+        lambda: torch.arange(8).to_sparse(),
+        lambda: torch.arange(8).reshape(1, 8).to_sparse_csr(),  # a [1, n] prompt, in a sparse layout
+        lambda: [2**70, 1],
+        lambda: [1, None, 3],
+        lambda: [[1, 2], [3, 4]],
+        lambda: torch.ones(4, dtype=torch.complex64),
+    ],
+    ids=["meta", "sparse", "sparse-csr", "overflow", "none", "2-d", "complex"],
+)
+def test_any_token_input_that_is_not_integer_ids_is_an_invalid_input_error(llama_backend, make):
+    tokens = make()
+    r = Restorer(llama_backend, MemoryStore(), chunk_size=32, learn=False)
+    with pytest.raises(InvalidInputError):
+        run(r.restore, tokens)
+    with pytest.raises(InvalidInputError):
+        run(r.lookup, tokens)

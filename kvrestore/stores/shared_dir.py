@@ -9,8 +9,11 @@ objects plus the temp files of the writes in flight never exceed the capacity, w
 them. Reservations are listed before objects: a write that ends between the two listings is seen as
 its reservation or as its object (or both, which only over-counts), never as neither.
 
-A process killed mid-write leaves its reservation behind; one of a process of this host that no longer
-runs, or any older than `STALE_TMP_SECONDS`, is removed by the next process that takes the lock. The
+A process killed mid-write leaves its reservation behind, and the partial temp file of its write; a
+reservation of a process of this host that no longer runs, or any older than `STALE_TMP_SECONDS`, is
+removed by the next process that takes the lock, with that writer's temp files (a dead process of this
+host: every one of them; an old reservation: those as old), so the directory holds no more than its
+capacity once the reservation's room is given back. The
 kernel drops the lock itself when its holder dies. Local, POSIX filesystems only (`flock`); other stores
 keep a per-process limit (see `BoundedStore`).
 """
@@ -24,7 +27,7 @@ import uuid
 from contextlib import suppress
 
 from kvrestore.core.errors import StoreError
-from kvrestore.stores.local import _HOST, STALE_TMP_SECONDS, _pid_alive
+from kvrestore.stores.local import _HOST, STALE_TMP_SECONDS, _pid_alive, sweep_temp, temp_prefix
 
 try:
     import fcntl
@@ -71,6 +74,7 @@ class SharedDir:
     def reserved(self) -> int:
         """Bytes reserved by writes in flight, with the lock held; stale reservations are removed."""
         total, cutoff = 0, time.time() - STALE_TMP_SECONDS
+        dead: list[tuple[str, int, bool]] = []
         try:
             entries = list(os.scandir(self.root))
         except OSError as e:
@@ -87,8 +91,16 @@ class SharedDir:
             if old or (host == _HOST and pid != os.getpid() and not _pid_alive(pid)):
                 with suppress(OSError):
                     os.remove(entry.path)
+                dead.append((host, pid, old))
             else:
                 total += size
+        for host, pid, old in dead:  # the writes those reservations held room for will never end
+            prefix = temp_prefix(host, pid)
+            sweep_temp(
+                self.root,
+                lambda e, p=prefix, o=old: e.name.startswith(p)
+                and (not o or e.stat(follow_symlinks=False).st_mtime < cutoff),
+            )
         return total
 
     def reserve(self, size: int) -> str:

@@ -37,7 +37,7 @@ from kvrestore.restore import run
 from kvrestore.restore.results import Parts, RestoreResult, RestoreStats
 from kvrestore.runtime.engine import Engine
 from kvrestore.stores.base import ChunkStore
-from kvrestore.stores.deadline import LOOKUP_TIMEOUT_S, SAVE_TIMEOUT_S, Deadlines, DeadlineStore
+from kvrestore.stores.deadline import LOOKUP_TIMEOUT_S, SAVE_TIMEOUT_S, Deadlines, bound_store
 
 if TYPE_CHECKING:
     from kvrestore.blend import BlendResult, StoreCandidate, StorePlacement
@@ -118,8 +118,9 @@ class Restorer:
         self.engine = engine or Engine(load_lanes)
         check_int("load_lanes", load_lanes)  # also where a given engine makes it unused
         self.deadlines = Deadlines(lookup_timeout_s, load_timeout_s, save_timeout_s)
-        #: the store as restores and saves reach it: every call under its deadline
-        self.bounded_store = DeadlineStore(store, self.deadlines)
+        #: the store as restores and saves reach it: every call under its deadline (a tiered store's
+        #: tiers each under their own, see `kvrestore.stores.deadline`)
+        self.bounded_store = bound_store(store, self.deadlines)
         self.loader = ChunkLoader(
             self.spec, self.bounded_store, lambda device: self.engine.cuda_stream("load", device)
         )

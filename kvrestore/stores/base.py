@@ -113,6 +113,10 @@ class ChunkStore(ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and files."""
 
+    async def connect(self) -> None:  # noqa: B027 - optional hook
+        """Make ready what a call needs that is no request to the server (a client session, built on
+        the running event loop), so a deadline on the call measures the server alone."""
+
     # -- optional batch methods with default fallbacks -------------------------------------------
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:

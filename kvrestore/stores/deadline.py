@@ -12,6 +12,10 @@ on each timeout in a row, up to `max_backoff_s`, back to the start after a call 
 call meanwhile fails at once, so a restore while the store is down costs no wait at all, and the store
 is probed again by the first call after the back-off.
 
+A `TieredStore` is bounded tier by tier instead: each of its tiers is put under the deadlines, with a
+back-off of its own (`bound_store`), so a tier that is down (a dead S3 under a memory and a disk tier)
+costs one deadline once and then nothing, while the tiers above it keep answering.
+
 Blocking reads (`reads_now`: memory of this process, a local directory) pass through without a deadline:
 they run on threads, which cannot be cancelled, and never wait on a network.
 """
@@ -81,6 +85,7 @@ class DeadlineStore(WrapperStore):
             raise StoreTimeoutError(
                 f"{self.name} timed out recently: not asked again for {wait:.1f} s ({what} skipped)"
             )
+        await self.inner.connect()  # no request to the server: not on the deadline's clock
         if seconds is None:
             out = await call()
         else:
@@ -130,6 +135,9 @@ class DeadlineStore(WrapperStore):
     async def flush(self) -> None:
         await self._within("a flush", self.deadlines.save_s, self.inner.flush)
 
+    def __repr__(self) -> str:  # the store it bounds, as named in learned costs and logs
+        return repr(self.inner)
+
     # -- blocking reads: local, passed on as they are ---------------------------------------------
 
     @property
@@ -146,4 +154,16 @@ class DeadlineStore(WrapperStore):
         return self.inner.scatter_into_now(key, offset, buffers)
 
 
-__all__ = ["BACKOFF_S", "LOOKUP_TIMEOUT_S", "SAVE_TIMEOUT_S", "DeadlineStore", "Deadlines"]
+def bound_store(store: ChunkStore, deadlines: Deadlines) -> ChunkStore:
+    """`store` with every call under `deadlines`: a `DeadlineStore` around it, or, for a `TieredStore`,
+    around each of its tiers (in place, once: a tier bounded already keeps the deadlines it has), the
+    tiered store returned as it is."""
+    from kvrestore.stores.tiered import TieredStore
+
+    if isinstance(store, TieredStore):
+        store.tiers = [t if isinstance(t, DeadlineStore) else DeadlineStore(t, deadlines) for t in store.tiers]
+        return store
+    return DeadlineStore(store, deadlines)
+
+
+__all__ = ["BACKOFF_S", "LOOKUP_TIMEOUT_S", "SAVE_TIMEOUT_S", "DeadlineStore", "Deadlines", "bound_store"]

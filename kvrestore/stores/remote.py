@@ -161,6 +161,11 @@ class FsspecStore(ChunkStore):
             if self._session is None:
                 self._session = await self.fs.set_session(refresh=True)
 
+    async def connect(self) -> None:
+        """The client session on the running loop (`_ensure_session`): building one loads the client's
+        service models, CPU work of a fraction of a second that no store deadline should count."""
+        await self._ensure_session()
+
     def _drop_stale_session(self) -> None:
         """Close, without its (gone) loop, the sockets of a session made on another loop.
 

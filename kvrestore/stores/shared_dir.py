@@ -24,6 +24,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import suppress
 
 from kvrestore.core.errors import StoreError
@@ -95,12 +96,7 @@ class SharedDir:
             else:
                 total += size
         for host, pid, old in dead:  # the writes those reservations held room for will never end
-            prefix = temp_prefix(host, pid)
-            sweep_temp(
-                self.root,
-                lambda e, p=prefix, o=old: e.name.startswith(p)
-                and (not o or e.stat(follow_symlinks=False).st_mtime < cutoff),
-            )
+            sweep_temp(self.root, _temp_files_of(temp_prefix(host, pid), cutoff if old else None))
         return total
 
     def reserve(self, size: int) -> str:
@@ -118,6 +114,18 @@ class SharedDir:
         only holds room until its process ends."""
         with suppress(OSError):
             os.remove(path)
+
+
+def _temp_files_of(prefix: str, older_than: float | None) -> Callable[[os.DirEntry[str]], bool]:
+    """Picks the temp files named with `prefix` (a writer's), only those last written before
+    `older_than` (epoch seconds) if given."""
+
+    def doomed(entry: os.DirEntry[str]) -> bool:
+        if not entry.name.startswith(prefix):
+            return False
+        return older_than is None or entry.stat(follow_symlinks=False).st_mtime < older_than
+
+    return doomed
 
 
 __all__ = ["LOCK_NAME", "RESERVE_PREFIX", "SharedDir"]

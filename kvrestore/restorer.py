@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
@@ -76,6 +77,21 @@ def _on_device(t: torch.Tensor, device: torch.device | str) -> bool:
     return t.device.type == want.type and (want.index is None or t.device.index == want.index)
 
 
+def check_saved_kv(backend: ComputeBackend, kv: KVCache, n_tokens: int) -> None:
+    """Refuse KV given to `save` that this model cannot have made: another shape or device, or any NaN
+    or infinity (stored, it would be served to every later restore of the prompt)."""
+    spec, data = backend.spec, kv.data
+    want = (spec.num_layers, 2, spec.num_kv_heads, spec.head_dim)
+    if data.dim() != 5 or (*data.shape[:3], data.shape[4]) != want:
+        raise InvalidInputError(
+            f"kv has shape {tuple(data.shape)}; {spec.name} makes [L={want[0]}, 2, H={want[2]}, T, D={want[3]}]"
+        )
+    if not _on_device(data, backend.device):
+        raise InvalidInputError(f"kv is on {data.device}; the model runs on {backend.device}")
+    if not bool(torch.isfinite(data[:, :, :, :n_tokens]).all()):
+        raise InvalidInputError("kv holds NaN or infinite values: no model's KV does, so it is not stored")
+
+
 class Restorer:
     """Saves a prompt's KV cache chunk by chunk and restores it with a policy.
 
@@ -83,17 +99,13 @@ class Restorer:
     `compression` "none" or "zstd" for written chunks. Restorers may share an `Engine` (its lanes).
     `profile` is the cost model the `Auto` planner predicts with: a `Profile`, a path to one, or None
     for the one `kvrestore profile` saved for this machine and model (if any), or False for none even
-    if one is saved. Without one, the
-    restorer learns the cost model from its own saves and restores (`costs`, see `kvrestore.costs.learned`);
-    `learn` keeps what it learned for the next restorer of this machine, model and store: True under
-    the cache directory, a path, or False (in memory only). A profile's store link is only a starting
-    point: `link` follows the loads of every restore.
+    if one is saved. Without one, the restorer learns the cost model from its own saves and restores
+    (`costs`, see `kvrestore.costs.learned`); `learn` keeps what it learned for the next restorer of
+    this machine, model and store: True under the cache directory, a path, or False (in memory only).
+    A profile's store link is only a starting point: `link` follows the loads of every restore.
 
-    Every call to the store runs under a deadline (`kvrestore.stores.deadline`): `lookup_timeout_s`
-    for a lookup (default 2 s), `load_timeout_s` for a chunk's read, `save_timeout_s` for a chunk's
-    write or a flush. A call past its deadline counts the store as down: a restore recomputes, a save
-    or a lookup raises `StoreTimeoutError`, and the store is not asked again until a back-off has
-    passed. None lifts a limit.
+    Each store call has a deadline (`kvrestore.stores.deadline`; None lifts it): `lookup_timeout_s`
+    (2 s), `load_timeout_s` a chunk's read, `save_timeout_s` a chunk's write or a flush.
     """
 
     def __init__(
@@ -114,16 +126,12 @@ class Restorer:
         _check_parts(backend, store, engine, compression)
         self.backend, self.store, self.compression = backend, store, compression
         self.chunk_size = check_int("chunk_size", chunk_size)
-        self._own_engine = engine is None  # lanes this restorer made: stopped by its close()
-        self.engine = engine or Engine(load_lanes)
+        self.engine, self._own_engine = engine or Engine(load_lanes), engine is None  # own: closed here
         check_int("load_lanes", load_lanes)  # also where a given engine makes it unused
         self.deadlines = Deadlines(lookup_timeout_s, load_timeout_s, save_timeout_s)
-        #: the store as restores and saves reach it: every call under its deadline (a tiered store's
-        #: tiers each under their own, see `kvrestore.stores.deadline`)
-        self.bounded_store = bound_store(store, self.deadlines)
-        self.loader = ChunkLoader(
-            self.spec, self.bounded_store, lambda device: self.engine.cuda_stream("load", device)
-        )
+        self.load_timeout_s = self.deadlines.load_s
+        self.bounded_store = bound_store(store, self.deadlines)  # the store as restores reach it
+        self.loader = ChunkLoader(self.spec, self.bounded_store, partial(self.engine.cuda_stream, "load"))
         self.planner = Planner(backend, self.engine, self.chunk_size, store_name(store), profile, learn)
 
     @property
@@ -157,38 +165,10 @@ class Restorer:
         return self.backend.spec
 
     @property
-    def load_timeout_s(self) -> float | None:
-        """Seconds one chunk's load may take before it counts as failed (and is recomputed)."""
-        return self.deadlines.load_s
-
-    @load_timeout_s.setter
-    def load_timeout_s(self, value: float | None) -> None:
-        self.deadlines.load_s = check_seconds("load_timeout_s", value)
-
-    @property
-    def lookup_timeout_s(self) -> float | None:
-        """Seconds a lookup (which chunks are stored) may take before the store counts as down."""
-        return self.deadlines.lookup_s
-
-    @lookup_timeout_s.setter
-    def lookup_timeout_s(self, value: float | None) -> None:
-        self.deadlines.lookup_s = check_seconds("lookup_timeout_s", value)
-
-    @property
-    def save_timeout_s(self) -> float | None:
-        """Seconds one chunk's write (or a flush) may take before it counts as failed."""
-        return self.deadlines.save_s
-
-    @save_timeout_s.setter
-    def save_timeout_s(self, value: float | None) -> None:
-        self.deadlines.save_s = check_seconds("save_timeout_s", value)
-
-    @property
     def _parts(self) -> Parts:
         """What runs this restorer's restores (read afresh: a caller may change `load_timeout_s`)."""
-        return Parts(
-            self.backend, self.bounded_store, self.engine, self.loader, self.planner, self.load_timeout_s
-        )
+        timeout = self.deadlines.load_s = check_seconds("load_timeout_s", self.load_timeout_s)
+        return Parts(self.backend, self.bounded_store, self.engine, self.loader, self.planner, timeout)
 
     def plan(self, token_ids: TokenIds, stored: Sequence[bool], policy: Auto | None = None) -> Plan:
         """What `Auto` would choose for `token_ids` given which chunks are `stored` (see `Plan.explain`)."""
@@ -205,7 +185,8 @@ class Restorer:
         return tokens, chunk_keys(tokens, self.spec.fingerprint, self.chunk_size)
 
     async def lookup(self, token_ids: TokenIds) -> int:
-        """Number of leading tokens covered by stored chunks (the longest stored prefix)."""
+        """Number of leading tokens covered by stored chunks (the longest stored prefix); a store fault
+        raises `StoreError` (`StoreTimeoutError` past `lookup_timeout_s`)."""
         _, refs = self.chunks(token_ids)
         present = await self.bounded_store.contains([r.key for r in refs])
         covered = 0
@@ -229,23 +210,8 @@ class Restorer:
         tokens, refs = self.chunks(token_ids)
         if kv is not None:
             run.check_kv(self.spec, "kv", kv, len(tokens))
-            await anyio.to_thread.run_sync(self._check_given_kv, kv, len(tokens))
+            await anyio.to_thread.run_sync(check_saved_kv, self.backend, kv, len(tokens))
         return await run.save(self._parts, tokens, refs, kv, self.compression)
-
-    def _check_given_kv(self, kv: KVCache, n_tokens: int) -> None:
-        """Refuse KV given to `save` that this model cannot have made: another shape, device, or any
-        NaN or infinity (stored, it would be served to every later restore of the prompt)."""
-        spec, data = self.spec, kv.data
-        want = (spec.num_layers, 2, spec.num_kv_heads, spec.head_dim)
-        if data.dim() != 5 or (*data.shape[:3], data.shape[4]) != want:
-            raise InvalidInputError(
-                f"kv has shape {tuple(data.shape)}; {spec.name} makes [L={want[0]}, 2, H={want[2]}, T, "
-                f"D={want[3]}]"
-            )
-        if not _on_device(data, self.backend.device):
-            raise InvalidInputError(f"kv is on {data.device}; the model runs on {self.backend.device}")
-        if not bool(torch.isfinite(data[:, :, :, :n_tokens]).all()):
-            raise InvalidInputError("kv holds NaN or infinite values: no model's KV does, so it is not stored")
 
     async def restore(
         self,
@@ -294,9 +260,8 @@ class Restorer:
         `kvrestore.blend.BlendResult`: `kv` and `tokens` go straight into `backend.generate()`."""
         stream = self.engine.cuda_stream("load", self.backend.device)
         pool = self.loader.pool(pinned=stream is not None)  # pinned for uploads to a GPU
-        return await blend_prompt(
-            self.backend, self.bounded_store, chunks, suffix, policy, prefix, stream, pool
-        )
+        store = self.bounded_store
+        return await blend_prompt(self.backend, store, chunks, suffix, policy, prefix, stream, pool)
 
     async def choose_blend_store(
         self, candidates: Sequence[StoreCandidate], n_tokens: int, ratio: float = 0.15
@@ -314,15 +279,12 @@ class Restorer:
         )
 
     async def close(self) -> None:
-        """Keep what was learned, give the staging memory back, stop the load threads of the engine this
-        restorer made (a given engine is its owner's to close), and close the store."""
-        try:
-            await self.planner.keep()
-        finally:
-            self.loader.close()
-            if self._own_engine:
-                self.engine.close()
-            await self.store.close()
+        """Keep what was learned; free the staging memory, the lanes of an engine made here, the store."""
+        await self.planner.keep()  # logs a failure to write, never raises one
+        self.loader.close()
+        if self._own_engine:
+            self.engine.close()
+        await self.store.close()
 
     async def __aenter__(self) -> Restorer:
         return self

@@ -10,7 +10,7 @@ import logging
 import anyio
 import pytest
 
-from kvrestore import LayerTwoPointer, Restorer, TokenTwoPointer
+from kvrestore import Restorer, TokenTwoPointer
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.costs.compute import ChunkCost
@@ -85,14 +85,14 @@ def test_a_restorer_without_a_profile_explores_then_plans_with_what_it_learned(l
 
     r, first, second = anyio.run(main)
     assert first.plan is not None and "exploring" in first.plan.reason and not first.plan.predicted_s
-    assert isinstance(first.plan.choice, LayerTwoPointer)  # a short stored prefix: along layers
+    assert isinstance(first.plan.choice, TokenTwoPointer)  # seven chunks: along tokens
     assert second.plan is not None and second.plan.predicted_s  # predicted every strategy
     predicted = second.plan.predicted_s
     assert predicted[second.plan.choice.name] <= min(predicted.values()) * 1.15  # untried: a margin
     text = second.plan.explain()
     assert "learned from the work itself" in text and "over 1 restores" in text
-    assert r.costs.state.chunk and r.costs.state.layer and r.costs.state.loads >= 1
-    assert r.calibration.observations["layer-wise"] >= 1  # the exploring restore counts as run
+    assert r.costs.state.chunk and r.costs.state.loads >= 1
+    assert r.calibration.observations["two-pointer"] >= 1  # the exploring restore counts as run
     for res in (first, second):
         assert res.stats.failed_loads == 0
 

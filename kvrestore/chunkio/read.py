@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import anyio
+import torch
 
 from kvrestore.chunkio.load import ChunkLoader
 from kvrestore.core.errors import ChunkDecodeError
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
+from kvrestore.core.streams import on_stream
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.chunkio")
@@ -28,6 +31,30 @@ async def load_chunk(loader: ChunkLoader, ref: ChunkRef, kv: KVCache) -> int:
     except ChunkDecodeError:
         await forget(loader.store, ref.key)
         raise
+
+
+async def load_chunk_aside(
+    loader: ChunkLoader, ref: ChunkRef, kv: KVCache, stream: torch.cuda.Stream | None
+) -> tuple[int, Callable[[], None]]:
+    """`load_chunk` into a buffer of its own (a fetch that may overtake the compute unit writing the
+    chunk's rows); returns the stored bytes read and what copies the chunk into `kv` (on `stream`, the
+    load lane's), to call once nothing else writes those rows."""
+    rows = kv.chunk(ref.start, ref.end).data
+    with on_stream(stream, rows.device):  # from the load stream's memory: only it writes the buffer
+        aside = torch.empty_like(rows)
+    try:
+        nbytes = await loader.load(ref.key, ref.start, aside)
+    except ChunkDecodeError:
+        await forget(loader.store, ref.key)
+        raise
+
+    def commit() -> None:
+        with on_stream(stream, rows.device):
+            rows.copy_(aside, non_blocking=True)
+        if stream is not None:
+            stream.synchronize()
+
+    return nbytes, commit
 
 
 def load_chunk_now(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: list[str]) -> int:

@@ -74,7 +74,7 @@ class LinkEstimate:
 
     def observe(self, trace: Trace) -> bool:
         """Move the estimate toward what `trace`'s loads show; whether there were loads to learn from."""
-        loads = [e for e in trace.of_kind("load") if e.nbytes > 0]
+        loads = [e for e in trace.events if e.kind in ("load", "aside") and e.nbytes > 0]
         busy = _busy_seconds([(e.start_s, e.end_s) for e in loads])
         if not loads or busy <= 0:
             return False

@@ -156,10 +156,7 @@ class Auto:
         candidates = self.candidates or (ComputeOnly(), LoadOnly(), TokenTwoPointer(), LayerTwoPointer())
         factors = {p.name: calibration.factor(p.name) if calibration else 1.0 for p in candidates}
         predicted = {p.name: predict(p, profile, link, work) * factors[p.name] for p in candidates}
-        order = {p.name: i for i, p in enumerate(candidates)}  # ties go to the simpler, listed first
-        tried = {name for name, n in (calibration.observations if calibration else {}).items() if n}
-        margin = {p.name: untried_margin if tried and p.name not in tried else 1.0 for p in candidates}
-        choice = min(candidates, key=lambda p: (predicted[p.name] * margin[p.name], order[p.name]))
+        choice = _choose(candidates, predicted, calibration, untried_margin)
         tc = predict(ComputeOnly(), profile, link, work)
         tio = predict(LoadOnly(), profile, link, _all_stored(work))
 
@@ -186,6 +183,25 @@ class Auto:
         )
 
 
+def _choose(
+    candidates: Sequence[Policy],
+    predicted: dict[str, float],
+    calibration: Calibration | None,
+    untried_margin: float,
+) -> Policy:
+    """The fastest prediction; but while a strategy never run is predicted within `untried_margin` of it
+    (a learned cost model has checked only the strategies it ran), that one, so each plausible strategy
+    is tried once instead of the first explored being kept. Ties go to the simpler, listed first."""
+    order = {p.name: i for i, p in enumerate(candidates)}
+    ranked = sorted(candidates, key=lambda p: (predicted[p.name], order[p.name]))
+    best = predicted[ranked[0].name]
+    tried = {name for name, n in (calibration.observations if calibration else {}).items() if n}
+    if not tried:
+        return ranked[0]
+    plausible = [p for p in ranked if predicted[p.name] <= best * untried_margin]
+    return next((p for p in plausible if p.name not in tried), ranked[0])
+
+
 #: the longest stored prefix (tokens) that `explore` restores layer-wise: below CacheFlow's crossover
 #: L_delta the layer-wise two-pointer is the faster one, and on this repository's CPU measurements it
 #: stays within 1.12x of the best strategy up to 4,096 tokens (`benchmarks/planner.py`), where the
@@ -193,13 +209,21 @@ class Auto:
 EXPLORE_LAYERS_MAX_TOKENS = 4096
 
 
+#: the fewest stored chunks that `explore` restores along tokens: with as many, fetches that overtake
+#: the compute unit in flight keep the token-wise two-pointer near the better single strategy on a
+#: fast store, and near compute-only on a slow one, and the chunks still let it split the prompt
+EXPLORE_TOKENS_MIN_CHUNKS = 4
+
+
 def explore(work: Workload) -> Policy:
     """The strategy to run while costs are unknown: a two-pointer (it adapts to the speeds it meets,
-    and its trace teaches the cost model), along layers when the stored chunks are one prefix of at
-    most `EXPLORE_LAYERS_MAX_TOKENS` tokens, else along tokens."""
+    and its trace teaches the cost model), along tokens when at least `EXPLORE_TOKENS_MIN_CHUNKS`
+    chunks are stored, else along layers when the stored chunks are one prefix of at most
+    `EXPLORE_LAYERS_MAX_TOKENS` tokens (too few chunks to split)."""
     k = work.stored.index(False) if False in work.stored else len(work.stored)
     prefix_only = not any(work.stored[k:])
-    if prefix_only and sum(work.chunk_tokens[:k]) <= EXPLORE_LAYERS_MAX_TOKENS:
+    few = sum(work.stored) < EXPLORE_TOKENS_MIN_CHUNKS
+    if few and prefix_only and sum(work.chunk_tokens[:k]) <= EXPLORE_LAYERS_MAX_TOKENS:
         return LayerTwoPointer()
     return TokenTwoPointer()
 

@@ -165,6 +165,29 @@ class Planner:
             self.min_unit_chunks(),
         )
 
+    def priors(self, refs: list[ChunkRef]) -> tuple[list[float | None], tuple[float, float] | None]:
+        """What the cost model predicts before a restore has observed anything (`Progress.prior_*`):
+        seconds to compute each chunk on top of the chunks before it (None where unknown), and the
+        link as (seconds per token delivered, latency)."""
+        model, link = self.cost_model, self.link.current
+        compute: list[float | None] = [None] * len(refs)
+        if model is not None:
+            compute = [model.chunk.seconds(r.n_tokens, r.start) for r in refs]
+        if link is None:
+            return compute, None
+        return compute, (self.backend.spec.kv_bytes_per_token / link.bytes_per_s, link.latency_s)
+
+    def layer_priors(self, n_tokens: int) -> tuple[list[float | None], tuple[float, float] | None]:
+        """`priors` of a layer-axis restore over a prefix of `n_tokens`: seconds to compute each layer,
+        and the link per token of one layer."""
+        model, link, spec = self.cost_model, self.link.current, self.backend.spec
+        compute: list[float | None] = [
+            model.layer.seconds(n_tokens) if model is not None else None
+        ] * spec.num_layers
+        if link is None:
+            return compute, None
+        return compute, (spec.kv_bytes_per_token / spec.num_layers / link.bytes_per_s, link.latency_s)
+
     def min_unit_chunks(self) -> int:
         """`Progress.min_unit_chunks` of the token-wise restores (see `min_unit_tokens`)."""
         if not self.engine.times_restores_alone:  # a batch scheduler sizes units from its own token budget

@@ -50,6 +50,17 @@ class Progress:
     can_race: bool = False
     #: the chunk that a compute unit and a fetch are racing for, while they do
     racing: int | None = None
+    #: whether the driver can fetch the chunks of a running compute unit aside (`Decision.overtake`)
+    can_overtake: bool = False
+    #: the chunks of the running compute unit fetched aside: True once landed, False while in flight
+    aside: dict[int, bool] = field(default_factory=dict)
+    #: when the running compute unit began (on the progress clock)
+    compute_started: float | None = None
+    #: what the restorer's cost model predicts before this restore has observed anything: seconds to
+    #: compute each chunk (on top of the chunks before it), and the store's link as (seconds per token
+    #: delivered, seconds of latency per request)
+    prior_compute_s: list[float | None] = field(default_factory=list)
+    prior_link: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.chunk_tokens)
@@ -59,6 +70,7 @@ class Progress:
         self.compute_seconds = self.compute_seconds or [None] * n
         self.load_seconds = self.load_seconds or [None] * n
         self.load_started = self.load_started or [None] * n
+        self.prior_compute_s = self.prior_compute_s or [None] * n
 
     @property
     def n_chunks(self) -> int:
@@ -77,6 +89,13 @@ class Progress:
 
     def pending(self) -> list[int]:
         return [i for i, s in enumerate(self.status) if s is ChunkStatus.PENDING]
+
+    def computing(self) -> tuple[int, int] | None:
+        """The chunks [a, b) of the compute unit running in place (None: none, or a race)."""
+        if not self.compute_busy or self.racing is not None:
+            return None
+        ids = [i for i, s in enumerate(self.status) if s is ChunkStatus.COMPUTING]
+        return (ids[0], ids[-1] + 1) if ids else None
 
     def compute_frontier(self) -> int:
         """The first chunk the compute lane has not reached: past the done prefix and any unit running."""
@@ -98,6 +117,11 @@ class Decision:
     (already, or by this decision's `loads`); both run and the first to finish wins: a fetch that lands
     first stops the compute unit, whose KV is never written; a compute unit that ends first stops the
     fetch and writes its KV once the fetch can write no more. The chunk is applied once either way.
+
+    `overtake` (only where `Progress.can_overtake`): chunks of the compute unit running in place to
+    fetch aside, into buffers of their own. Once every chunk of the unit has landed aside, the unit
+    stops at its next layer boundary and the fetched chunks are written instead; a unit that finishes
+    first keeps its KV and the fetched bytes are discarded. Each chunk is applied once either way.
     """
 
     compute: tuple[int, int] | None = None
@@ -105,6 +129,7 @@ class Decision:
     drop: tuple[int, ...] = ()
     wake_at: float | None = None
     race: bool = False
+    overtake: tuple[int, ...] = ()
 
 
 IDLE = Decision()

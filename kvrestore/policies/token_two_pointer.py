@@ -50,7 +50,9 @@ class TokenTwoPointer(Policy):
         if drop and progress.can_race:  # race the fetch instead of dropping it: it may still land first
             return Decision(compute=compute, race=True)
         frontier = compute[1] if compute else progress.compute_frontier()
-        return Decision(compute=compute, loads=self._loads(progress, frontier), drop=drop, wake_at=wake_at)
+        loads = self._loads(progress, frontier)
+        overtake = () if compute else _overtake(progress, progress.free_load_lanes - len(loads))
+        return Decision(compute=compute, loads=loads, drop=drop, wake_at=wake_at, overtake=overtake)
 
     @staticmethod
     def _contested(p: Progress) -> int | None:
@@ -86,6 +88,9 @@ class TokenTwoPointer(Policy):
         if a >= p.n_chunks:
             return None, (), None
         if p.status[a] is ChunkStatus.PENDING:
+            held = _loads_first(p, a)
+            if held is not None:  # the loads land every chunk left before computing chunk a could
+                return None, (), held
             b = a + 1
             limit = a + self._unit_length(p, a)
             while b < min(p.n_chunks, limit) and p.status[b] is ChunkStatus.PENDING:
@@ -134,12 +139,78 @@ class TokenTwoPointer(Policy):
 
 def _compute_estimate(p: Progress, a: int) -> float | None:
     """Seconds to compute chunk a: the latest computed chunk's time per token (compute cost grows with
-    position, so the nearest chunk is the best guess; it also tracks the lane's current speed)."""
+    position, so the nearest chunk is the best guess; it also tracks the lane's current speed); before
+    any, the cost model's prediction."""
     for j in range(a - 1, -1, -1):
         s = p.compute_seconds[j]
         if s is not None and p.status[j] is ChunkStatus.COMPUTED:
             return s * p.chunk_tokens[a] / p.chunk_tokens[j]
-    return None
+    return p.prior_compute_s[a]
+
+
+def _link(p: Progress) -> tuple[float, float] | None:
+    """(seconds per token delivered, latency): what this restore's loads show, else the cost model's;
+    at least as slow as the wait for the fetch due next says (a link that has delivered nothing for a
+    while is not the link it was)."""
+    landed = _landed(p)
+    if p.prior_link is not None and len(landed) < 2:  # one fetch's own time ignores the other lanes
+        link = p.prior_link
+    elif landed:
+        link = (_load_seconds_per_token(p, landed), 0.0)  # type: ignore[assignment]
+    else:
+        return None
+    flying = [
+        j for j in range(p.n_chunks) if p.status[j] is ChunkStatus.LOADING and p.load_started[j] is not None
+    ]
+    if not flying:
+        return link
+    due = min(flying, key=lambda j: p.load_started[j])  # type: ignore[arg-type,return-value]
+    since = max(landed[-1][0], p.load_started[due]) if landed else p.load_started[due]  # type: ignore[type-var]
+    return max(link[0], (p.now - since) / p.chunk_tokens[due]), link[1]  # type: ignore[operator]
+
+
+def _loads_first(p: Progress, a: int) -> float | None:
+    """With chunk a next to compute and stored: when the loads would have landed every stored chunk left
+    (a included), if that comes before computing chunk a would end, else None. The compute lane then
+    waits until that time instead of taking CPU, GIL or link time from the loads, and is asked again."""
+    link = _link(p)
+    compute_s = _compute_estimate(p, a)
+    if link is None or compute_s is None or not p.stored[a]:
+        return None
+    if any(not p.stored[j] and not p.status[j].done for j in range(p.n_chunks)):
+        return None  # chunks only computing can restore: the lane has work regardless
+    per_token, latency = link
+    left = sum(
+        n
+        for j, n in enumerate(p.chunk_tokens)
+        if p.stored[j] and p.status[j] in (ChunkStatus.PENDING, ChunkStatus.LOADING)
+    )
+    done = p.now + latency + left * per_token
+    return done + GRACE * compute_s if done < p.now + compute_s else None
+
+
+def _overtake(p: Progress, free: int) -> tuple[int, ...]:
+    """Chunks of the compute unit running in place to fetch aside on `free` idle load lanes
+    (`Decision.overtake`), back to front: when they are all stored and would land before the unit ends
+    (or nothing says when either happens: the lanes are idle anyway)."""
+    unit = p.computing() if p.can_overtake and free > 0 else None
+    if unit is None:
+        return ()
+    a, b = unit
+    todo = [j for j in range(b - 1, a - 1, -1) if j not in p.aside]
+    if not todo or not all(p.stored[j] for j in range(a, b)):
+        return ()
+    link = _link(p)
+    estimates = [_compute_estimate(p, j) for j in range(a, b)]
+    if link is not None and p.compute_started is not None and None not in estimates:
+        per_token, latency = link
+        in_flight = sum(
+            p.chunk_tokens[j] for j in range(p.n_chunks) if p.status[j] is ChunkStatus.LOADING
+        ) + sum(p.chunk_tokens[j] for j, landed in p.aside.items() if not landed)
+        landing = p.now + latency + (in_flight + sum(p.chunk_tokens[j] for j in todo)) * per_token
+        if landing >= p.compute_started + sum(estimates):  # type: ignore[arg-type]
+            return ()
+    return tuple(todo[:free])
 
 
 def _landed(p: Progress) -> list[tuple[float, int]]:

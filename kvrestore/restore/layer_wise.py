@@ -30,6 +30,7 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     kv = parts.buffer(out, len(tokens))
     n_layers, prefix = spec.num_layers, refs[k - 1].end
     progress = Progress([prefix] * n_layers, [True] * n_layers)
+    progress.prior_compute_s, progress.prior_link = parts.planner.layer_priors(prefix)
     reader = LayerReader(
         spec,
         parts.store,

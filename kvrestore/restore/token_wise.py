@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvrestore.chunkio.read import forget, load_chunk, load_chunk_now
+from kvrestore.chunkio.read import forget, load_chunk, load_chunk_aside, load_chunk_now
 from kvrestore.policies import Policy, Progress
 from kvrestore.restore.compute import prefill_apart, prefill_into
 from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
@@ -21,6 +21,7 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     kv = parts.buffer(out, len(tokens))
     progress = Progress([r.n_tokens for r in refs], list(stored))
     progress.min_unit_chunks = parts.planner.min_unit_chunks()
+    progress.prior_compute_s, progress.prior_link = parts.planner.priors(refs)
 
     def compute(a: int, b: int) -> None:
         prefill_into(engine, backend, kv, tokens, refs[a].start, refs[b - 1].end)
@@ -30,6 +31,9 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
 
     async def load(i: int) -> int:
         return await load_chunk(loader, refs[i], kv)
+
+    async def load_aside(i: int) -> tuple[int, Callable[[], None]]:
+        return await load_chunk_aside(loader, refs[i], kv, engine.cuda_stream("load", kv.data.device))
 
     damaged: list[str] = []  # found damaged on a lane thread: deleted once the restore is over
 
@@ -48,6 +52,7 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
             parts.load_timeout_s,
             load_now=load_now if loader.reads_now else None,
             compute_apart=compute_apart,
+            load_aside=load_aside,
         )
     finally:
         for key in damaged:
@@ -59,7 +64,8 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
         n_chunks=len(refs),
         hit_chunks=sum(stored),
         computed_chunks=sum(e.last_chunk - e.first_chunk + 1 for e in trace.of_kind("compute")),
-        loaded_chunks=len(trace.of_kind("load")),
+        loaded_chunks=len(trace.of_kind("load"))
+        + sum(e.last_chunk - e.first_chunk + 1 for e in trace.of_kind("compute-overtaken")),
         failed_loads=len(failed),
         bytes_loaded=progress.bytes_loaded,
         seconds=time.perf_counter() - t0,

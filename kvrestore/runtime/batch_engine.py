@@ -42,7 +42,8 @@ from kvrestore.policies.base import Policy, Progress
 from kvrestore.policies.batch import BatchAware, BatchJob, BatchScheduler, ComputeStep, LoadGrant
 from kvrestore.policies.compute_only import ComputeOnly
 from kvrestore.runtime.driver import drive_batch
-from kvrestore.runtime.engine import ComputeFn, Engine, LoadFn, LoadNowFn, timed_load
+from kvrestore.runtime.engine import ComputeFn, Engine, LoadAsideFn, LoadFn, LoadNowFn
+from kvrestore.runtime.units import timed_load
 
 #: ranks chunks when no profile is given: tokens, each costing more the further along the prompt
 #: (SmolLM2 on CPU: a token after 512 others costs about twice one at the start)
@@ -140,10 +141,11 @@ class BatchEngine(Engine):
         load_timeout_s: float | None = None,
         load_now: LoadNowFn | None = None,
         compute_apart: Callable[[int, int], Callable[[], None]] | None = None,
+        load_aside: LoadAsideFn | None = None,
     ) -> Trace:
         """Hand one restore to the scheduler and wait for it; returns its trace. Its loads run as tasks
-        under the scheduler's grants (`load_now` is not used; nor is `compute_apart`: a batch step does
-        not race its units against fetches). A layer-axis restore (`LayerTwoPointer`) is scheduled like
+        under the scheduler's grants (`load_now` is not used; nor are `compute_apart` and `load_aside`: a
+        batch step neither races its units against fetches nor lets fetches overtake them). A layer-axis restore (`LayerTwoPointer`) is scheduled like
         any other: its units are layers, each priced as its share of a prefill of the prefix."""
         kind = "restore" if any(progress.stored) else "prefill"
         return await self._submit(kind, progress, policy, compute, load, on_event, load_timeout_s)

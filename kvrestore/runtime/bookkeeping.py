@@ -43,6 +43,24 @@ def begin(progress: Progress, decision: Decision, policy: Policy | None = None) 
         for j in range(a, b):
             progress.status[j] = ChunkStatus.COMPUTING
         progress.compute_busy = True
+        progress.compute_started = progress.now
+    if decision.overtake:
+        _begin_overtake(progress, decision.overtake, who)
+
+
+def _begin_overtake(progress: Progress, chunks: tuple[int, ...], who: str) -> None:
+    """Fetches aside of chunks of the compute unit running in place (`Decision.overtake`)."""
+    if not progress.can_overtake:
+        raise PolicyError(f"{who} overtook a compute unit on a driver that cannot")
+    unit = progress.computing()
+    for i in chunks:
+        if unit is None or not unit[0] <= i < unit[1] or i in progress.aside or not progress.stored[i]:
+            raise PolicyError(
+                f"{who} fetched chunk {i} aside, which is not a stored chunk of the running unit"
+            )
+        progress.aside[i] = False
+        progress.load_started[i] = progress.now
+        progress.loads_in_flight += 1
 
 
 def _begin_race(progress: Progress, decision: Decision, who: str) -> None:
@@ -77,12 +95,17 @@ def apply_event(progress: Progress, event: TraceEvent) -> None:
     if progress.racing is not None and event.first_chunk == progress.racing:
         _apply_race(progress, event)
         return
+    if event.kind.startswith("aside") or event.kind == "compute-overtaken":
+        _apply_aside(progress, event)
+        return
     chunks = range(event.first_chunk, event.last_chunk + 1)
     expect = ChunkStatus.COMPUTING if event.kind == "compute" else ChunkStatus.LOADING
     if event.kind != "load-dropped" and any(progress.status[j] is not expect for j in chunks):
         raise PolicyError(f"{event.kind} of chunks {list(chunks)} finished, but they are not {expect.value}")
     if event.kind == "compute":
         progress.compute_busy = False
+        progress.compute_started = None
+        progress.aside = {i: False for i, landed in progress.aside.items() if not landed}  # still stopping
         n = event.last_chunk - event.first_chunk + 1
         for j in range(event.first_chunk, event.last_chunk + 1):
             progress.status[j] = ChunkStatus.COMPUTED
@@ -99,6 +122,34 @@ def apply_event(progress: Progress, event: TraceEvent) -> None:
     else:  # a fault: the chunk is a miss from now on
         progress.load_started[i] = None
         progress.status[i] = ChunkStatus.PENDING
+        progress.stored[i] = False
+
+
+def _apply_aside(progress: Progress, event: TraceEvent) -> None:
+    """A fetch aside ended ("aside": landed in its own buffer; "aside-failed"; "aside-dropped": the
+    unit computed first), or the unit it overtook stopped ("compute-overtaken": every chunk of it
+    landed aside and was written instead)."""
+    i = event.first_chunk
+    if event.kind == "compute-overtaken":
+        chunks = range(event.first_chunk, event.last_chunk + 1)
+        if not all(progress.aside.get(j) for j in chunks):
+            raise PolicyError(f"the compute unit of chunks {list(chunks)} was overtaken before they landed")
+        for j in chunks:
+            progress.status[j] = ChunkStatus.LOADED
+            del progress.aside[j]
+        progress.compute_busy = False
+        progress.compute_started = None
+        progress.bytes_loaded += event.nbytes
+        return
+    progress.loads_in_flight -= 1
+    if event.kind == "aside" and progress.status[i] is ChunkStatus.COMPUTING:
+        progress.aside[i] = True
+        progress.load_seconds[i] = event.seconds
+        return
+    progress.aside.pop(i, None)
+    if progress.status[i] is ChunkStatus.COMPUTING:
+        progress.load_started[i] = None
+    if event.kind == "aside-failed":
         progress.stored[i] = False
 
 

@@ -28,7 +28,6 @@ import math
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
 
 import anyio
 import anyio.lowlevel
@@ -43,6 +42,7 @@ from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.policies.base import Decision, Policy, Progress
 from kvrestore.runtime.driver import PolicyStalledError, drive  # noqa: F401 - re-exported
 from kvrestore.runtime.lanes import LaneThreads
+from kvrestore.runtime.units import Stoppable, ThreadLoad, Unit, timed_load
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -52,6 +52,8 @@ ComputeFn = Callable[[int, int], None]
 ComputeApartFn = Callable[[int, int], Callable[[], None]]
 LoadFn = Callable[[int], Awaitable[int]]
 LoadNowFn = Callable[[int], int]
+#: fetches chunk i into a buffer of its own; returns the stored bytes read and what writes it in place
+LoadAsideFn = Callable[[int], Awaitable[tuple[int, Callable[[], None]]]]
 
 
 def _single(exc: BaseException) -> BaseException:
@@ -59,36 +61,6 @@ def _single(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
-
-
-async def timed_load(load: LoadFn, i: int, timeout_s: float | None, now: Callable[[], float]) -> TraceEvent:
-    """Run one load; its event on the `now` clock: "load", or "load-failed" for a fault that makes the
-    chunk a miss (cancellation passes through)."""
-    start = now()
-    try:
-        with anyio.fail_after(timeout_s):
-            nbytes = await load(i)
-    except LOAD_FAULTS as exc:
-        return TraceEvent("load-failed", i, i, start, now(), error=f"{type(exc).__name__}: {exc}")
-    return TraceEvent("load", i, i, start, now(), nbytes)
-
-
-class _Stoppable(Protocol):
-    def cancel(self) -> None: ...
-
-
-class _ThreadLoad:
-    """A load on a lane thread. `cancel()` drops it: skipped if it has not started, its outcome reported
-    as dropped if it has; `stopped` is set once it will write no more."""
-
-    __slots__ = ("cancelled", "stopped")
-
-    def __init__(self) -> None:
-        self.cancelled = False
-        self.stopped = anyio.Event()
-
-    def cancel(self) -> None:
-        self.cancelled = True
 
 
 def _on_asyncio() -> bool:
@@ -183,14 +155,17 @@ class Engine:
         load_timeout_s: float | None = None,
         load_now: LoadNowFn | None = None,
         compute_apart: ComputeApartFn | None = None,
+        load_aside: LoadAsideFn | None = None,
     ) -> Trace:
         """Drive one restore to the end; returns its trace. A unit's own error propagates as itself.
         With `load_now`, loads run on the lane threads (on asyncio; elsewhere `load` is used). With
-        `compute_apart`, a policy may race a compute unit against a fetch (`Decision.race`)."""
+        `compute_apart`, a policy may race a compute unit against a fetch (`Decision.race`); with
+        `load_aside`, fetches may overtake a compute unit running in place (`Decision.overtake`)."""
         if load_now is not None and not _on_asyncio():
             load_now = None
         progress.can_race = compute_apart is not None
-        lanes = _RealLanes(self, progress, compute, load, load_timeout_s, load_now, compute_apart)
+        progress.can_overtake = load_aside is not None
+        lanes = _RealLanes(self, progress, compute, load, load_timeout_s, load_now, compute_apart, load_aside)
         try:
             async with anyio.create_task_group() as tg:
                 lanes.tg = tg
@@ -219,8 +194,11 @@ class _RealLanes:
         load_timeout_s: float | None,
         load_now: LoadNowFn | None = None,
         compute_apart: ComputeApartFn | None = None,
+        load_aside: LoadAsideFn | None = None,
     ) -> None:
         self.engine = engine
+        self.load_aside = load_aside
+        self.unit: Unit | None = None  # the compute unit running in place, while it may be overtaken
         self.load_lanes = engine.load_lanes
         self.compute_apart = compute_apart
         self.race_scope: anyio.CancelScope | None = None  # the racing compute unit's, while it races
@@ -232,21 +210,61 @@ class _RealLanes:
         self.compute_lane, self.load_lane = engine._lanes()
         self.t0 = time.perf_counter()
         self.send, self.receive = anyio.create_memory_object_stream[TraceEvent | BaseException](math.inf)
-        self.loads: dict[int, tuple[_Stoppable, anyio.Event]] = {}  # in flight, by chunk
+        self.loads: dict[int, tuple[Stoppable, anyio.Event]] = {}  # in flight, by chunk
         self.dropped: list[anyio.Event] = []  # the loads the next compute unit waits for to stop
         self.load_now = load_now
-        self.thread_loads: set[_ThreadLoad] = set()  # on lane threads, not yet heard back from
+        self.thread_loads: set[ThreadLoad] = set()  # on lane threads, not yet heard back from
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    async def _compute(self, a: int, b: int, dropped: list[anyio.Event]) -> None:
-        for stopped in dropped:  # a dropped load may be writing these rows until it stops
-            await stopped.wait()
-        async with self.compute_lane:
-            start = self.now()
-            await run_unit(self.compute_fn, a, b)  # cancelled: stops at the next layer, then returns
-            self.send.send_nowait(TraceEvent("compute", a, b - 1, start, self.now()))
+    async def _compute(self, unit: Unit, dropped: list[anyio.Event]) -> None:
+        a, b = unit.a, unit.b
+        start = self.now()
+        try:
+            with unit.scope:  # cancelled once fetches aside have landed every chunk of the unit
+                for stopped in dropped:  # a dropped load may be writing these rows until it stops
+                    await stopped.wait()
+                async with self.compute_lane:
+                    start = self.now()
+                    await run_unit(self.compute_fn, a, b)  # cancelled: stops at the next layer, then returns
+        finally:
+            if self.unit is unit:
+                self.unit = None
+            for scope in unit.fetching.values():  # the unit has ended: what is still in flight is moot
+                scope.cancel()
+        if unit.scope.cancelled_caught:  # overtaken: write what the fetches aside brought instead
+            nbytes = 0
+            for n, commit in unit.landed.values():
+                await run_unit(commit)
+                nbytes += n
+            self.send.send_nowait(TraceEvent("compute-overtaken", a, b - 1, start, self.now(), nbytes))
+            return
+        self.send.send_nowait(TraceEvent("compute", a, b - 1, start, self.now()))
+
+    async def _aside(self, i: int, unit: Unit, scope: anyio.CancelScope) -> None:
+        """Fetch chunk `i` of the running `unit` into a buffer of its own; once every chunk of the unit
+        has landed so, stop the unit."""
+        assert self.load_aside is not None
+        load_aside = self.load_aside
+
+        async def fetch(i: int) -> int:
+            nbytes, commit = await load_aside(i)
+            unit.landed[i] = (nbytes, commit)
+            return nbytes
+
+        start = self.now()
+        event: TraceEvent | None = None
+        try:
+            with scope:
+                async with self.load_lane:
+                    start = self.now()
+                    event = await timed_load(fetch, i, self.load_timeout_s, self.now, kind="aside")
+        finally:
+            unit.fetching.pop(i, None)
+        self.send.send_nowait(event or TraceEvent("aside-dropped", i, i, start, self.now()))
+        if unit.overtaken():
+            unit.scope.cancel()
 
     async def _race(self, a: int, scope: anyio.CancelScope) -> None:
         """Compute chunk `a` apart while its fetch runs (`Decision.race`). Whichever ends first wins;
@@ -285,10 +303,10 @@ class _RealLanes:
         finally:
             stopped.set()
 
-    def _submit_now(self, i: int) -> _ThreadLoad:
+    def _submit_now(self, i: int) -> ThreadLoad:
         """Queue the load of chunk `i` on a lane thread; its outcome comes back through `_landed`."""
         assert self.load_now is not None
-        load_now, now, job = self.load_now, self.now, _ThreadLoad()
+        load_now, now, job = self.load_now, self.now, ThreadLoad()
         call_soon = asyncio.get_running_loop().call_soon_threadsafe
 
         def run() -> None:  # on a lane thread
@@ -315,7 +333,7 @@ class _RealLanes:
         self.engine.lane_threads().submit(run)
         return job
 
-    def _landed(self, job: _ThreadLoad, outcome: TraceEvent | BaseException) -> None:
+    def _landed(self, job: ThreadLoad, outcome: TraceEvent | BaseException) -> None:
         """A lane thread's load has finished (on the loop)."""
         if isinstance(outcome, TraceEvent):
             self.outcomes[outcome.first_chunk] = outcome.kind
@@ -351,9 +369,14 @@ class _RealLanes:
             self.race_scope = anyio.CancelScope()
             self.tg.start_soon(self._race, decision.compute[0], self.race_scope)  # type: ignore[index]
         elif decision.compute is not None:
-            self.tg.start_soon(self._compute, *decision.compute, self.dropped)
+            self.unit = Unit(*decision.compute)
+            self.tg.start_soon(self._compute, self.unit, self.dropped)
         if decision.compute is not None:
             self.dropped = []
+        for i in decision.overtake:
+            assert self.unit is not None  # bookkeeping checked that a unit runs in place
+            scope = self.unit.fetching[i] = anyio.CancelScope()
+            self.tg.start_soon(self._aside, i, self.unit, scope)
 
     def _take(self, item: TraceEvent | BaseException) -> TraceEvent | BaseException:
         if isinstance(item, BaseException):

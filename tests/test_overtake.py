@@ -1,0 +1,159 @@
+"""Either lane overtakes the other: fetches aside take over a compute unit already running, which stops
+at its next layer boundary and is never applied; a unit that ends first keeps its KV and the fetches
+are dropped. Every chunk is applied once, and the KV equals a full prefill either way."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+from kvrestore import ComputeOnly, Restorer, ThrottledStore, TokenTwoPointer
+from kvrestore.core.cancel import checkpoint
+from kvrestore.core.trace import TraceEvent
+from kvrestore.policies import ChunkStatus, Decision, Progress
+from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
+from kvrestore.stores.memory import MemoryStore
+
+from .conftest import random_tokens
+from .test_two_pointer import ATOL, full_prefill
+
+
+class HeldCompute:
+    """A backend whose compute units wait, layer boundary by layer boundary, until `release` is set:
+    a compute lane far slower than any fetch, without a clock. Everything else is the inner backend's."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.release = threading.Event()
+        self.stopped_early = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def prefill_into(self, tokens: torch.Tensor, cache: torch.Tensor, start: int) -> None:
+        try:
+            while not self.release.wait(0.001):
+                checkpoint()  # what the model does before each of its layers
+        except BaseException:
+            self.stopped_early += 1
+            raise
+        self.inner.prefill_into(tokens, cache, start)
+
+
+def _chunks_applied(trace) -> list[int]:
+    done = [e.first_chunk for e in trace.of_kind("load")]
+    for kind in ("compute", "compute-overtaken"):
+        done += [j for e in trace.of_kind(kind) for j in range(e.first_chunk, e.last_chunk + 1)]
+    return sorted(done)
+
+
+def test_fetches_overtake_a_compute_unit_that_would_never_end(llama_backend):
+    tokens = random_tokens(200, llama_backend.spec.vocab_size)
+    held = HeldCompute(llama_backend)
+
+    async def main():
+        store = MemoryStore()
+        await Restorer(llama_backend, store, chunk_size=32, learn=False).save(tokens)
+        r = Restorer(held, store, chunk_size=32, learn=False, profile=False)
+        with anyio.fail_after(60):  # a unit that is not overtaken never ends: the test would hang
+            return await r.restore(tokens, TokenTwoPointer())
+
+    res = anyio.run(main)
+    overtaken = res.trace.of_kind("compute-overtaken")
+    assert len(overtaken) == 1 and held.stopped_early == 1
+    assert res.trace.of_kind("aside") and not res.trace.of_kind("compute")
+    assert _chunks_applied(res.trace) == list(range(res.stats.n_chunks))
+    assert res.stats.loaded_chunks == res.stats.n_chunks and res.stats.computed_chunks == 0
+    torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+def test_a_unit_that_ends_first_keeps_its_kv_and_drops_the_fetches(llama_backend):
+    tokens = random_tokens(200, llama_backend.spec.vocab_size)
+
+    async def main():
+        inner = MemoryStore()
+        await Restorer(llama_backend, inner, chunk_size=32, learn=False).save(tokens)
+        slow = ThrottledStore(inner, 20_000.0)  # seconds a chunk: computing wins every chunk
+        r = Restorer(llama_backend, slow, chunk_size=32, learn=False, profile=False)
+        with anyio.fail_after(60):  # a dropped fetch is not waited for
+            return await r.restore(tokens, TokenTwoPointer())
+
+    res = anyio.run(main)
+    assert not res.trace.of_kind("compute-overtaken")
+    assert _chunks_applied(res.trace) == list(range(res.stats.n_chunks))
+    torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+def test_only_a_driver_that_can_overtake_fetches_aside():
+    p = Progress([256, 256], [True, True])
+    begin(p, Decision(compute=(0, 2)))
+    with pytest.raises(PolicyError, match="cannot"):
+        begin(p, Decision(overtake=(1,)))
+    p = Progress([256, 256, 256], [True, True, False])
+    p.can_overtake = True
+    with pytest.raises(PolicyError, match="not a stored chunk of the running unit"):
+        begin(p, Decision(overtake=(0,)))  # no unit runs
+    begin(p, Decision(compute=(0, 2)))
+    with pytest.raises(PolicyError, match="not a stored chunk of the running unit"):
+        begin(p, Decision(overtake=(2,)))  # outside the unit (and not stored)
+    begin(p, Decision(overtake=(1, 0)))
+    assert p.loads_in_flight == 2 and p.aside == {0: False, 1: False}
+    with pytest.raises(PolicyError, match="not a stored chunk of the running unit"):
+        begin(p, Decision(overtake=(1,)))  # already fetched aside
+
+
+def test_an_overtaken_unit_applies_each_chunk_once():
+    p = Progress([256, 256, 256], [True, True, False])
+    p.can_overtake = True
+    begin(p, Decision(compute=(0, 2)))
+    begin(p, Decision(overtake=(0, 1)))
+    apply_event(p, TraceEvent("aside", 1, 1, 0.0, 0.1, 10))
+    with pytest.raises(PolicyError, match="before they landed"):
+        apply_event(p, TraceEvent("compute-overtaken", 0, 1, 0.0, 0.2, 10))
+    apply_event(p, TraceEvent("aside", 0, 0, 0.0, 0.15, 10))
+    assert p.status[:2] == [ChunkStatus.COMPUTING] * 2 and p.compute_busy  # the unit must stop first
+    apply_event(p, TraceEvent("compute-overtaken", 0, 1, 0.0, 0.2, 20))
+    assert p.status[:2] == [ChunkStatus.LOADED] * 2 and not p.compute_busy and not p.aside
+    assert p.loads_in_flight == 0 and p.bytes_loaded == 20 and p.done_prefix() == 2
+
+
+def test_a_unit_that_ends_first_discards_what_landed_aside():
+    p = Progress([256, 256], [True, True])
+    p.can_overtake = True
+    begin(p, Decision(compute=(0, 2)))
+    begin(p, Decision(overtake=(1, 0)))
+    apply_event(p, TraceEvent("aside", 1, 1, 0.0, 0.1, 10))
+    apply_event(p, TraceEvent("compute", 0, 1, 0.0, 0.2))
+    assert p.status == [ChunkStatus.COMPUTED] * 2 and p.aside == {0: False}  # one still stopping
+    apply_event(p, TraceEvent("aside-dropped", 0, 0, 0.0, 0.25))
+    assert p.finished and p.loads_in_flight == 0 and not p.aside and p.bytes_loaded == 0
+
+
+def test_the_two_pointer_waits_for_loads_predicted_to_land_everything_first():
+    p = Progress([256] * 4, [True] * 4)
+    p.free_load_lanes = 4
+    p.prior_compute_s = [1.0] * 4
+    p.prior_link = (1e-4, 0.001)  # every chunk lands in about 0.1 s: long before one is computed
+    d = TokenTwoPointer().decide(p)
+    assert d.compute is None and sorted(d.loads) == [0, 1, 2, 3] and d.wake_at is not None
+    p.prior_link = (1e-2, 0.001)  # ten seconds to fetch everything: compute from the front
+    d = TokenTwoPointer().decide(p)
+    assert d.compute is not None and d.compute[0] == 0
+
+
+def test_stats_seconds_is_the_whole_call(llama_backend):
+    """The lookup's round trip counts: a store whose every request waits 50 ms."""
+    tokens = random_tokens(64, llama_backend.spec.vocab_size)
+
+    async def main():
+        inner = MemoryStore()
+        await Restorer(llama_backend, inner, chunk_size=32, learn=False).save(tokens)
+        r = Restorer(llama_backend, ThrottledStore(inner, 1e12, latency_s=0.05), chunk_size=32, learn=False)
+        return await r.restore(tokens, ComputeOnly())
+
+    res = anyio.run(main)
+    assert res.stats.seconds >= 0.05 + max(e.end_s for e in res.trace.events)

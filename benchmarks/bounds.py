@@ -11,7 +11,8 @@ Four cases, each in a process of its own (resident memory and thread counts are 
 * **restorers**: 300 restorers over one local directory, each created, used for one restore and
   closed: threads and resident memory at the start and at the end.
 * **poisoned**: a learned-costs file whose link is in bounds but absurd (2 kB/s, 5 s a request), then
-  four `Auto` restores of a stored prompt on a new restorer, against `ComputeOnly` and `LoadOnly`.
+  six `Auto` restores of a stored prompt on a new restorer, each interleaved with a `ComputeOnly` and a
+  `LoadOnly` restore of it: Auto's time over the better of the two, restore by restore.
 
     python benchmarks/bounds.py                     # every case; SmolLM2 where the model matters
     python benchmarks/bounds.py --case blackhole --tiny
@@ -198,36 +199,32 @@ def case_restorers(b: HFBackend, tmp: str, count: int = 300) -> dict[str, Any]:
 def case_poisoned(b: HFBackend, tmp: str) -> dict[str, Any]:
     tokens = tokens_of(b, 1024, seed=4)
     store = LocalStore(os.path.join(tmp, "kv"))
-    kv = KVCache(b.spec, b.prefill_chunk(tokens, None, 0).data)
     path = Path(tmp) / "learned.json"
     learner = CostLearner(b.spec, b.device, store_name(store))
 
     async def main() -> dict[str, Any]:
         async with Restorer(b, store, learn=False) as w:  # compute samples, and the prompt stored
-            await w.save(tokens, kv)
+            await w.save(tokens)  # computed: the learned costs have compute units to predict with
             w.costs.state.link = LinkCost(2e3, 5.0)  # in bounds, absurd
             learner.state = w.costs.state
             learner.save(path)
-        times: dict[str, list[float]] = {"compute-only": [], "load-only": []}
-        async with Restorer(b, store, learn=False) as ref:
-            for _ in range(3):  # interleaved
-                for name, policy in (("compute-only", ComputeOnly()), ("load-only", LoadOnly())):
+        rounds = []
+        async with Restorer(b, store, learn=path) as r, Restorer(b, store, learn=False) as ref:
+            for _ in range(6):  # each Auto restore interleaved with the two strategies it is held to
+                row: dict[str, Any] = {}
+                for name, policy in (("auto", None), ("compute-only", ComputeOnly()), ("load-only", LoadOnly())):
                     t0 = time.perf_counter()
-                    await ref.restore(tokens, policy)
-                    times[name].append(time.perf_counter() - t0)
-        auto = []
-        async with Restorer(b, store, learn=path) as r:
-            for _ in range(4):
-                t0 = time.perf_counter()
-                res = await r.restore(tokens)
-                auto.append({"seconds": time.perf_counter() - t0, "choice": res.plan.choice.name})
-        best = min(min(v) for v in times.values())
+                    res = await (r if policy is None else ref).restore(tokens, policy)
+                    row[name] = time.perf_counter() - t0
+                    if policy is None:
+                        row["choice"] = res.plan.choice.name
+                row["over_best"] = row["auto"] / min(row["compute-only"], row["load-only"])
+                rounds.append(row)
         return {
             "tokens": len(tokens),
-            "compute_only_s": min(times["compute-only"]),
-            "load_only_s": min(times["load-only"]),
-            "auto": auto,
-            "fourth_over_best": auto[3]["seconds"] / best,
+            "rounds": rounds,
+            "fourth_over_best": rounds[3]["over_best"],
+            "median_over_best_4_to_6": sorted(x["over_best"] for x in rounds[3:])[1],
         }
 
     return anyio.run(main)
@@ -254,12 +251,13 @@ def report(case: str, res: dict[str, Any]) -> None:
         rows = [[r["tokens"], r["call"], f"{r['seconds']:.2f}", r["outcome"], r["exact"]] for r in res["rows"]]
         print_table(["tokens", "call", "seconds", "outcome", "exact"], rows, title="black-hole S3")
     elif case == "poisoned":
-        rows = [[i + 1, a["choice"], f"{a['seconds']:.3f}"] for i, a in enumerate(res["auto"])]
-        print_table(["restore", "Auto chose", "seconds"], rows, title="poisoned learned link")
-        print(
-            f"compute-only {res['compute_only_s']:.3f} s, load-only {res['load_only_s']:.3f} s; "
-            f"4th Auto restore / best = {res['fourth_over_best']:.2f}"
-        )
+        rows = [
+            [i + 1, x["choice"], f"{x['auto']:.3f}", f"{x['compute-only']:.3f}", f"{x['load-only']:.3f}",
+             f"{x['over_best']:.2f}"]
+            for i, x in enumerate(res["rounds"])
+        ]
+        heads = ["restore", "Auto chose", "Auto s", "compute-only s", "load-only s", "Auto / best"]
+        print_table(heads, rows, title="poisoned learned link")
     else:
         print_table(["figure", "value"], [[k, f"{v:.1f}" if isinstance(v, float) else v] for k, v in res.items()], title=case)
 

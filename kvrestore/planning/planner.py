@@ -108,6 +108,8 @@ class Planner:
         start = self.profile.link if self.profile is not None else None
         self.link = LinkEstimate(start or self.costs.state.link)
         self.link.measured_latency = start is not None  # else it goes on estimating it from the loads
+        if start is None and self.costs.state.link is not None:
+            self.link.reprobe()  # a link read from a file is a hint: the first loads here replace it
         self.calibration = Calibration()  # how this restorer's restores compare with predictions
         self.calibration.resume(self.costs.state.calibration, self.costs.state.calibrated)
         self._unprobed = 0  # restores since the link was last measured by loads

@@ -138,6 +138,13 @@ class DeadlineStore(WrapperStore):
     def __repr__(self) -> str:  # the store it bounds, as named in learned costs and logs
         return repr(self.inner)
 
+    def __getattr__(self, name: str) -> object:
+        """Any other attribute is the bounded store's (`bytes_used`, `stats`, ...): a tiered store's
+        tier, bounded in place, still reads as the store it was."""
+        if name == "inner":  # not set yet (copy, pickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     # -- blocking reads: local, passed on as they are ---------------------------------------------
 
     @property

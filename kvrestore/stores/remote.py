@@ -60,6 +60,13 @@ def _unreachable(exc: BaseException) -> bool:
     )
 
 
+def _empty_range(exc: BaseException) -> bool:
+    """Whether `exc` is an object store's answer that a range starting at byte 0 cannot be served
+    (HTTP 416, InvalidRange): what a ranged read of an empty object gets."""
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(m in text for m in ("invalidrange", "416", "range not satisfiable", "range is not satisfiable"))
+
+
 class FsspecStore(ChunkStore):
     """ChunkStore over an fsspec URL, e.g. `FsspecStore("s3://b/p")`; `FsspecStore("/var/cache/kv")` (a
     local path) makes a `LocalStore`.
@@ -257,8 +264,16 @@ class FsspecStore(ChunkStore):
         """One ranged read of at most `len(buffer) + 1` bytes: an object that does not fit is never
         downloaded whole (a caller with a buffer sized to what it can use learns that it is larger,
         `len(buffer) + 1`, at the cost of one byte more)."""
-        data = await self._cat(key, 0, len(buffer) + 1)
-        return None if data is None else await copy_object(buffer, data)
+        path = self.path(key)
+        try:
+            data = bytes(await self._call("cat_file", path, start=0, end=len(buffer) + 1))
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            if _empty_range(e):  # no byte 0 to send: the object is empty
+                return 0
+            raise StoreError(f"cannot read {self.name} {path}: {type(e).__name__}: {e}") from e
+        return await copy_object(buffer, data)
 
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
         """`end` passes on as it is (an HTTP Range on s3)."""

@@ -349,7 +349,7 @@ async def speed(args: argparse.Namespace) -> dict[str, Any]:
             backend, inner[e], args.chunk, load_lanes=args.lanes, kv_encoding=e, learn=False, profile=False
         )
         await r.save(tokens, KVCache(spec, full.clone()))
-        stored[e] = sum(len(inner[e].get_now(ref.key) or b"") for ref in r.chunks(tokens)[1])
+        stored[e] = sum(len(inner[e].get_sync(ref.key) or b"") for ref in r.chunks(tokens)[1])
         expected[e] = expected_loaded(r.kv_encoding, full, args.chunk)
         restorers[e] = r
     bytes_per_token = {e: stored[e] / n for e in ENCODINGS}

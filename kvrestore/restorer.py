@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
@@ -38,6 +39,7 @@ from kvrestore.restore import run
 from kvrestore.restore.results import Parts, RestoreResult
 from kvrestore.runtime.engine import Engine
 from kvrestore.stores.base import ChunkStore
+from kvrestore.stores.deadline import LOOKUP_TIMEOUT_S, SAVE_TIMEOUT_S, Deadlines, bound_store
 
 if TYPE_CHECKING:
     from kvrestore.blend import BlendResult, StoreCandidate, StorePlacement
@@ -59,6 +61,27 @@ def _check_parts(backend: object, store: object, engine: object, compression: st
         raise InvalidInputError(f"compression must be 'none' or 'zstd', got {compression!r}")
 
 
+def _on_device(t: torch.Tensor, device: torch.device | str) -> bool:
+    """Whether `t` lives on `device` ("cuda" matches any CUDA device's tensor, "cuda:1" only its own)."""
+    want = torch.device(device)
+    return t.device.type == want.type and (want.index is None or t.device.index == want.index)
+
+
+def check_saved_kv(backend: ComputeBackend, kv: KVCache, n_tokens: int) -> None:
+    """Refuse KV given to `save` that this model cannot have made: another shape or device, or any NaN
+    or infinity (stored, it would be served to every later restore of the prompt)."""
+    spec, data = backend.spec, kv.data
+    want = (spec.num_layers, 2, spec.num_kv_heads, spec.head_dim)
+    if data.dim() != 5 or (*data.shape[:3], data.shape[4]) != want:
+        raise InvalidInputError(
+            f"kv has shape {tuple(data.shape)}; {spec.name} makes [L={want[0]}, 2, H={want[2]}, T, D={want[3]}]"
+        )
+    if not _on_device(data, backend.device):
+        raise InvalidInputError(f"kv is on {data.device}; the model runs on {backend.device}")
+    if not bool(torch.isfinite(data[:, :, :, :n_tokens]).all()):
+        raise InvalidInputError("kv holds NaN or infinite values: no model's KV does, so it is not stored")
+
+
 class Restorer:
     """Saves a prompt's KV cache chunk by chunk and restores it, computing part and loading the rest.
 
@@ -78,8 +101,9 @@ class Restorer:
         How written chunks hold the KV (`codec.quant`), and the only encoding this restorer reads.
     engine: Engine | BatchEngine | None
         The lanes restores run on; restorers may share one. None makes a private `Engine`.
-    load_timeout_s: float | None
-        A load that takes longer is abandoned and its chunk computed instead.
+    lookup_timeout_s, load_timeout_s, save_timeout_s: float | None
+        Deadlines of the store calls (`kvrestore.stores.deadline`; None lifts one): a lookup (2 s), a
+        chunk's read (30 s; its chunk is then computed instead), a chunk's write or a flush (30 s).
     profile: Profile | path | None | False
         The measured cost model `Auto` predicts with: a `Profile`, a path to one, None for the one
         `kvrestore profile` saved for this machine and model (if any), False for none.
@@ -113,16 +137,22 @@ class Restorer:
         kv_encoding: str = "native",
         engine: Engine | None = None,
         load_timeout_s: float | None = 30.0,
+        lookup_timeout_s: float | None = LOOKUP_TIMEOUT_S,
+        save_timeout_s: float | None = SAVE_TIMEOUT_S,
         profile: Profile | str | os.PathLike | Literal[False] | None = None,
         learn: bool | str | os.PathLike = True,
     ) -> None:
         _check_parts(backend, store, engine, compression)
         self.backend, self.store, self.compression = backend, store, compression
         self.chunk_size = check_int("chunk_size", chunk_size)
-        self.engine = engine or Engine(load_lanes)
+        self.engine, self._own_engine = engine or Engine(load_lanes), engine is None  # own: closed here
         check_int("load_lanes", load_lanes)  # also where a given engine makes it unused
-        self.loader = ChunkLoader(self.spec, store, lambda d: self.engine.cuda_stream("load", d), kv_encoding)
-        self.load_timeout_s = check_seconds("load_timeout_s", load_timeout_s)
+        self.deadlines = Deadlines(lookup_timeout_s, load_timeout_s, save_timeout_s)
+        self.load_timeout_s = self.deadlines.load_s
+        self.bounded_store = bound_store(store, self.deadlines)  # the store as restores reach it
+        self.loader = ChunkLoader(
+            self.spec, self.bounded_store, partial(self.engine.cuda_stream, "load"), kv_encoding
+        )
         stored = round(self.kv_encoding.bytes_per_token(self.chunk_size, self.spec.num_layers))
         self.planner = Planner(
             backend, self.engine, self.chunk_size, store_name(store), profile, learn, stored
@@ -140,7 +170,8 @@ class Restorer:
     @property
     def _parts(self) -> Parts:
         """What runs this restorer's restores (read afresh: a caller may change `load_timeout_s`)."""
-        return Parts(self.backend, self.store, self.engine, self.loader, self.planner, self.load_timeout_s)
+        timeout = self.deadlines.load_s = check_seconds("load_timeout_s", self.load_timeout_s)
+        return Parts(self.backend, self.bounded_store, self.engine, self.loader, self.planner, timeout)
 
     def plan(self, token_ids: TokenIds, stored: Sequence[bool], policy: Auto | None = None) -> Plan:
         """What `Auto` would choose for `token_ids` given which chunks are `stored` (see `Plan.explain`)."""
@@ -159,9 +190,10 @@ class Restorer:
         )
 
     async def lookup(self, token_ids: TokenIds) -> int:
-        """Number of leading tokens covered by stored chunks (the longest stored prefix)."""
+        """Number of leading tokens covered by stored chunks (the longest stored prefix); a store fault
+        raises `StoreError` (`StoreTimeoutError` past `lookup_timeout_s`)."""
         _, refs = self.chunks(token_ids)
-        present = await self.store.contains([r.key for r in refs])
+        present = await self.bounded_store.contains([r.key for r in refs])
         covered = 0
         for ref, ok in zip(refs, present, strict=False):
             if not ok:
@@ -183,6 +215,7 @@ class Restorer:
         tokens, refs = self.chunks(token_ids)
         if kv is not None:
             run.check_kv(self.spec, "kv", kv, len(tokens))
+            await anyio.to_thread.run_sync(check_saved_kv, self.backend, kv, len(tokens))
         return await run.save(self._parts, tokens, refs, kv, self.compression)
 
     async def restore(
@@ -225,7 +258,7 @@ class Restorer:
         run.check_policy(policy)
         if out is not None:
             run.check_kv(self.spec, "out", out, len(tokens))
-            if out.data.device != torch.device(self.backend.device):
+            if not _on_device(out.data, self.backend.device):
                 raise InvalidInputError(
                     f"out is on {out.data.device}; the model runs on {self.backend.device}"
                 )
@@ -238,7 +271,7 @@ class Restorer:
         that it is prefilled after), not on its neighbours, so the chunk is found again in any prompt,
         at any position. Returns the key; a stored chunk is not recomputed.
         """
-        return await save_prompt_chunk(self.backend, self.store, token_ids, prefix, self.compression)
+        return await save_prompt_chunk(self.backend, self.bounded_store, token_ids, prefix, self.compression)
 
     async def restore_blend(
         self,
@@ -252,7 +285,8 @@ class Restorer:
         `kvrestore.blend.BlendResult`: `kv` and `tokens` go straight into `backend.generate()`."""
         stream = self.engine.cuda_stream("load", self.backend.device)
         pool = self.loader.pool(pinned=stream is not None)  # pinned for uploads to a GPU
-        return await blend_prompt(self.backend, self.store, chunks, suffix, policy, prefix, stream, pool)
+        store = self.bounded_store
+        return await blend_prompt(self.backend, store, chunks, suffix, policy, prefix, stream, pool)
 
     async def choose_blend_store(
         self, candidates: Sequence[StoreCandidate], n_tokens: int, ratio: float = 0.15
@@ -271,7 +305,11 @@ class Restorer:
         )
 
     async def close(self) -> None:
-        await self.planner.keep()
+        """Keep what was learned; free the staging memory, the lanes of an engine made here, the store."""
+        await self.planner.keep()  # logs a failure to write, never raises one
+        self.loader.close()
+        if self._own_engine:
+            self.engine.close()
         await self.store.close()
 
     async def __aenter__(self) -> Restorer:

@@ -101,8 +101,19 @@ def test_staging_pool_reuses_buffers():
     pool.release(b)
     with pytest.raises(RuntimeError, match="twice"):  # two readers would share it
         pool.release(a)
-    bigger = pool.regrow(c, 10 << 20)
-    assert bigger.nbytes >= 10 << 20 and [x for x in pool._free if x is c] == [c]
+    pool.release(c)
+    assert pool.idle_bytes == a.nbytes + c.nbytes
+    pool.close()  # the memory goes back: nothing is kept
+    assert pool.idle_bytes == 0 and pool.acquire(10) is not a
+
+
+def test_staging_pool_gives_back_what_is_past_its_working_size():
+    pool = StagingPool(max_idle_bytes=4 * GRANULE)
+    small = [pool.acquire(10) for _ in range(3)]
+    big = pool.acquire(8 * GRANULE)  # an outsized buffer: dropped on release, the small ones kept
+    for b in [*small, big]:
+        pool.release(b)
+    assert pool.idle_bytes == 3 * GRANULE and all(any(x is b for x in pool._free) for b in small)
 
 
 class _Event:
@@ -131,25 +142,27 @@ def test_an_upload_event_is_reused_only_once_it_guards_no_free_buffer():
 
 
 @pytest.mark.parametrize("where", ["file", "throttled-file"])  # read in a lane thread, and by the loop
-def test_a_failed_regrow_hands_the_buffer_back_once(tmp_path, where, monkeypatch):
-    """An object longer than the staging buffer, and no memory for a larger one: the error is the
-    allocation's, and the first buffer is free once (not twice, to be given to two lanes). A compressed
-    chunk: on a CPU cache an uncompressed one is read into the cache's rows, not into staging."""
+def test_an_object_longer_than_its_chunk_can_be_is_a_miss_never_staged(tmp_path, where, monkeypatch):
+    """An object under a chunk's key longer than any encoding of that chunk (header room plus zstd's
+    worst case per layer): a CorruptChunkError (a miss), no buffer larger than that limit is ever asked
+    for, and the free buffers are each free once. A compressed chunk: on a CPU cache an uncompressed one
+    is read into the cache's rows, not into staging."""
     spec = make_spec()
     _, blob = chunk_blob(spec, compression="zstd")
     acquire = StagingPool.acquire
+    asked: list[int] = []
     pools: list[StagingPool] = []
 
-    def small_only(self, nbytes):
+    def recorded(self, nbytes):
         pools.append(self)
-        if nbytes > GRANULE:  # more than the first buffer (a granule) holds
-            raise MemoryError("no pinned memory left")
+        asked.append(nbytes)
         return acquire(self, nbytes)
 
-    monkeypatch.setattr(StagingPool, "acquire", small_only)
+    monkeypatch.setattr(StagingPool, "acquire", recorded)
     store = stores(tmp_path)[where]()
-    with pytest.raises(MemoryError):
-        load_into(spec, store, blob + bytes(GRANULE))
+    err, _, _ = load_into(spec, store, blob + bytes(8 * GRANULE))
+    assert isinstance(err, CorruptChunkError) and "more than this chunk can take" in str(err)
+    assert asked and max(asked) < 2 * GRANULE  # the chunk's limit, never the object's 8 MiB
     for pool in set(pools):
         assert len({id(b) for b in pool._free}) == len(pool._free)
 

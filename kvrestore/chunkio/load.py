@@ -56,6 +56,13 @@ HEADER_ROOM = 64 * 1024
 #: the first read of a chunk that goes straight into a cache: its header (a few KiB for 100+ layers)
 PROBE_BYTES = 16 * 1024
 
+def zstd_bound(nbytes: int) -> int:
+    """zstd's worst-case compressed size of `nbytes` (its ZSTD_COMPRESSBOUND): what a section of a
+    compressed chunk can take at most."""
+    small = (128 * 1024 - nbytes) >> 11 if nbytes < 128 * 1024 else 0
+    return nbytes + (nbytes >> 8) + small
+
+
 StreamFor = Callable[[torch.device], "torch.cuda.Stream | None"]
 
 
@@ -107,6 +114,12 @@ class ChunkLoader:
         """The staging buffers for CPU destinations (pageable) or uploads to a GPU (pinned)."""
         return self._pools[pinned]
 
+    def close(self) -> None:
+        """Give the staging buffers back to the system (the loader stays usable: a later load takes
+        new ones)."""
+        for pool in self._pools.values():
+            pool.close()
+
     @property
     def reads_sync(self) -> bool:
         """Whether `load_sync` works: the store reads without the event loop (`ChunkStore.reads_sync`)."""
@@ -122,12 +135,10 @@ class ChunkLoader:
             data = await self.store.get(key)
             return await anyio.to_thread.run_sync(self._place_object, key, start, dest, data)
         pool = self.pool(pinned=dest.device.type == "cuda")
-        staging = pool.acquire(self._staging_bytes(dest))
+        limit = self.object_limit(dest)
+        staging = pool.acquire(limit)
         try:
-            size = await self.store.read_into(key, staging.view)
-            if size is not None and size > staging.nbytes:  # a longer object than a chunk: read it all
-                staging = pool.regrow(staging, size)
-                size = await self.store.read_into(key, staging.view)
+            size = self._within_limit(key, await self.store.read_into(key, staging.view[:limit]), limit)
         except BaseException:
             pool.release(staging)
             raise
@@ -145,12 +156,10 @@ class ChunkLoader:
                 if placed is not None:
                     return placed
         pool = self.pool(pinned=dest.device.type == "cuda")
-        staging = pool.acquire(self._staging_bytes(dest))
+        limit = self.object_limit(dest)
+        staging = pool.acquire(limit)
         try:
-            size = self.store.read_into_sync(key, staging.view)
-            if size is not None and size > staging.nbytes:
-                staging = pool.regrow(staging, size)
-                size = self.store.read_into_sync(key, staging.view)
+            size = self._within_limit(key, self.store.read_into_sync(key, staging.view[:limit]), limit)
         except BaseException:
             pool.release(staging)
             raise
@@ -195,8 +204,22 @@ class ChunkLoader:
         return header.end
 
     @staticmethod
-    def _staging_bytes(dest: torch.Tensor) -> int:
-        return dest.numel() * dest.element_size() + HEADER_ROOM
+    def object_limit(dest: torch.Tensor) -> int:
+        """The most bytes a stored chunk for `dest` ([L, 2, H, T, D]) can take: its header room, then
+        each layer's section at zstd's worst case (`zstd_bound`). A larger object under the chunk's key
+        is not this chunk: it is a miss, and is never read past this size nor staged whole."""
+        layers = int(dest.shape[0]) if dest.dim() == 5 else 1
+        per_layer = dest.numel() * dest.element_size() // max(layers, 1)
+        return HEADER_ROOM + layers * zstd_bound(per_layer)
+
+    @staticmethod
+    def _within_limit(key: str, size: int | None, limit: int) -> int | None:
+        """`size` as `read_into` returned it, or CorruptChunkError for an object past `limit` bytes."""
+        if size is not None and size > limit:
+            raise CorruptChunkError(
+                f"chunk {key[:12]}: the object has more than {limit} bytes, more than this chunk can take"
+            )
+        return size
 
     # -- worker thread -----------------------------------------------------------------------------
 

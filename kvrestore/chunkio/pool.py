@@ -39,12 +39,15 @@ class StagingPool:
     """Staging buffers for one kind of destination: `pinned=True` for uploads to a GPU.
 
     Thread-safe: load lanes acquire and release from worker threads. At most `max_idle` free buffers
-    are kept; more in use at once are allocated and dropped on release.
+    are kept, of at most `max_idle_bytes` together; more in use at once are allocated and dropped on
+    release (the largest first), so memory beyond the pool's working size goes back to the system.
+    `close()` drops every free buffer.
     """
 
-    def __init__(self, pinned: bool = False, max_idle: int = 16) -> None:
+    def __init__(self, pinned: bool = False, max_idle: int = 16, max_idle_bytes: int = 512 << 20) -> None:
         self.pinned = pinned
         self.max_idle = max_idle
+        self.max_idle_bytes = max_idle_bytes
         self._free: list[Staging] = []
         self._events: list[torch.cuda.Event] = []
         self._lock = threading.Lock()
@@ -64,13 +67,6 @@ class StagingPool:
         view = memoryview(tensor.numpy()).cast("B")  # type: ignore[arg-type,unused-ignore]
         return Staging(tensor, view, self.pinned)
 
-    def regrow(self, buf: Staging, nbytes: int) -> Staging:
-        """A buffer of at least `nbytes` in place of `buf`, which is handed back (only once the new one
-        is held: if taking it fails, `buf` is still the caller's to release)."""
-        bigger = self.acquire(nbytes)
-        self.release(buf)
-        return bigger
-
     def release(self, buf: Staging, busy_until: torch.cuda.Event | None = None) -> None:
         """Hand `buf` back; with `busy_until`, it is reused only after that event has completed.
         Raises RuntimeError if it is free already: a buffer handed back twice would be given to two
@@ -79,10 +75,26 @@ class StagingPool:
             if any(b is buf for b in self._free):
                 raise RuntimeError("a staging buffer was handed back twice")
             buf.busy_until = busy_until
-            if len(self._free) < self.max_idle:
-                self._free.append(buf)
-            else:
-                self._recycle_event(buf)
+            self._free.append(buf)
+            idle = sum(b.nbytes for b in self._free)
+            while self._free and (len(self._free) > self.max_idle or idle > self.max_idle_bytes):
+                drop = max(self._free, key=lambda b: b.nbytes)  # past the working size: given back
+                self._free.remove(drop)
+                idle -= drop.nbytes
+                self._recycle_event(drop)
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes held by free buffers."""
+        with self._lock:
+            return sum(b.nbytes for b in self._free)
+
+    def close(self) -> None:
+        """Drop every free buffer (and pooled event): their memory goes back to the system. Buffers in
+        use stay their holders' and are dropped on release; the pool stays usable."""
+        with self._lock:
+            self._free.clear()
+            self._events.clear()
 
     def event(self) -> torch.cuda.Event:
         """A CUDA event from the pool (returned to it when the buffer it guards is reused)."""

@@ -166,6 +166,22 @@ def encode_chunk(
 # -- decode ---------------------------------------------------------------------------------------
 
 
+def bounded_zstd(stored: Buffer, limit: int, what: str) -> bytes:
+    """Decompress a zstd frame of at most `limit` bytes, or raise CorruptChunkError. The frame's own
+    content size is checked first: python-zstandard allocates whatever a frame header claims, whatever
+    `max_output_size` says, so a forged claim of 10^12 bytes would end in a MemoryError."""
+    try:
+        claimed = zstandard.frame_content_size(stored)
+    except zstandard.ZstdError as e:
+        raise CorruptChunkError(f"{what}: zstd: {e}") from e
+    if claimed > limit:
+        raise CorruptChunkError(f"{what}: zstd frame claims {claimed} bytes, more than its {limit}")
+    try:
+        return zstandard.ZstdDecompressor().decompress(stored, max_output_size=limit)
+    except zstandard.ZstdError as e:
+        raise CorruptChunkError(f"{what}: zstd: {e}") from e
+
+
 def _fill(
     dst: torch.Tensor, stored: Buffer, section: LayerSection, compression: str, layer: int, enc: Encoding
 ) -> None:
@@ -177,10 +193,7 @@ def _fill(
     if host_checksum(stored) != section.checksum:
         raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
     if compression == "zstd":
-        try:
-            raw: Buffer = zstandard.ZstdDecompressor().decompress(stored, max_output_size=section.raw_length)
-        except zstandard.ZstdError as e:
-            raise CorruptChunkError(f"layer {layer}: zstd: {e}") from e
+        raw: Buffer = bounded_zstd(stored, section.raw_length, f"layer {layer}")
         if len(raw) != section.raw_length:
             raise CorruptChunkError(
                 f"layer {layer}: decompressed to {len(raw)} bytes, expected {section.raw_length}"
@@ -291,8 +304,8 @@ def body(header: ChunkHeader, data: Buffer) -> memoryview:
 
 def body_sections(header: ChunkHeader, data: Buffer) -> torch.Tensor:
     """The sections of a whole uncompressed object as a uint8 tensor [L, section bytes] over its bytes
-    (no copy), for `quant.Encoding.decode`."""
-    return torch.frombuffer(body(header, data), dtype=torch.uint8).view(header.num_layers, -1)
+    (no copy where they are writable), for `quant.Encoding.decode`."""
+    return byte_tensor(body(header, data)).view(header.num_layers, -1)
 
 
 def decode_chunk(

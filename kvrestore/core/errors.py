@@ -31,6 +31,11 @@ class SaveError(StoreError):
         self.failed = dict(failed)
 
 
+class StoreTimeoutError(StoreError, TimeoutError):
+    """A store call did not finish within its deadline (or the store timed out recently and is left
+    alone until its back-off ends): the store counts as down for that call."""
+
+
 class UnsupportedURLError(StoreError, ValueError):
     """`open_store` was given a URL whose scheme no store handles."""
 

@@ -26,13 +26,27 @@ class TakesTokens(Protocol):
 
 
 def as_token_tensor(token_ids: TokenIds) -> torch.Tensor:
-    """Token ids as a 1-D int64 CPU tensor; a clear error for anything else."""
+    """Token ids as a 1-D int64 CPU tensor, a dense copy of what was given wherever it lived; an
+    InvalidInputError naming the problem for anything else (text, floats, other shapes, a tensor with
+    no data to read such as a meta tensor, a sparse or otherwise non-dense layout)."""
     if isinstance(token_ids, (str, bytes)):
         raise InvalidInputError("token_ids must be integer token ids, not text: tokenize first")
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.layout != torch.strided or token_ids.is_nested or token_ids.is_quantized:
+            raise InvalidInputError(f"token_ids must be a dense tensor, got layout {token_ids.layout}")
+        if token_ids.is_meta:
+            raise InvalidInputError("token_ids is a meta tensor: it has no ids to read")
     try:
-        t = torch.as_tensor(token_ids)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise InvalidInputError(f"token_ids must be a sequence of integers: {exc}") from None
+        return _dense_ids(token_ids)
+    except (TypeError, ValueError, RuntimeError, NotImplementedError, OverflowError) as exc:
+        if isinstance(exc, InvalidInputError):
+            raise
+        raise InvalidInputError(f"token_ids must be a sequence of integers: {type(exc).__name__}: {exc}") from None
+
+
+def _dense_ids(token_ids: TokenIds) -> torch.Tensor:
+    """`as_token_tensor` past its type checks (any failure of torch here is the input's)."""
+    t = torch.as_tensor(token_ids)
     if t.dim() == 2 and t.shape[0] == 1:
         t = t[0]
     if t.dim() != 1:

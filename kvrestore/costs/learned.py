@@ -35,6 +35,15 @@ import torch
 
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.spec import ModelSpec, dtype_name
+from kvrestore.costs.bounds import (
+    TOKENS,
+    UNIT_SECONDS,
+    calibration_problem,
+    counts_problem,
+    first_problem,
+    link_problem,
+    samples_problem,
+)
 from kvrestore.costs.compute import ChunkCost, LayerCost
 from kvrestore.costs.fit import fit_nonnegative
 from kvrestore.costs.links import LinkCost
@@ -216,9 +225,25 @@ class CostLearner:
         if not same:
             log.info("learned costs at %s are of another machine, model or store: not used", path)
             return False
+        problem = state_problem(state)
+        if problem is not None:  # a file is a hint: one out of bounds is ignored, never used
+            log.warning("ignoring learned costs at %s: %s", path, problem)
+            return False
         self.state = state
         self._fitted = None
         return True
+
+
+def state_problem(state: LearnedState) -> str | None:
+    """What is out of bounds in learned costs read from a file (`costs.bounds`), or None."""
+    return first_problem(
+        samples_problem("token-wise", state.chunk, (TOKENS, TOKENS, UNIT_SECONDS)),
+        samples_problem("layer-wise", state.layer, (TOKENS, UNIT_SECONDS)),
+        None if len(state.chunk) <= MAX_SAMPLES and len(state.layer) <= MAX_SAMPLES else "too many samples",
+        link_problem(state.link),
+        counts_problem("restore", [state.loads, state.restores, *state.calibrated.values()]),
+        calibration_problem(state.calibration),
+    )
 
 
 def _append(samples: list[list[float]], sample: list[float]) -> None:

@@ -64,6 +64,13 @@ class LinkEstimate:
         self.weight = weight
         self.observations = 0
         self.measured_latency = link is not None  # a profile measured it: keep it
+        self._afresh = False
+
+    def reprobe(self) -> None:
+        """Judge the link again from the next restore's loads alone: they replace the estimate (both
+        its rate and its latency) instead of moving it, so no starting value, however wrong, outlives
+        one restore that loads."""
+        self._afresh = True
 
     def observe(self, trace: Trace) -> bool:
         """Move the estimate toward what `trace`'s loads show; whether there were loads to learn from."""
@@ -71,6 +78,8 @@ class LinkEstimate:
         busy = _busy_seconds([(e.start_s, e.end_s) for e in loads])
         if not loads or busy <= 0:
             return False
+        if self._afresh:
+            self.current, self.measured_latency, self._afresh = None, False, False
         latency = self.current.latency_s if self.current is not None else 0.0
         fitted = None if self.measured_latency else _fit_shared(loads)
         if fitted is not None:  # loads of different sizes (or sharing the link differently): both terms

@@ -10,6 +10,7 @@ only: `links.LinkEstimate` moves it toward what the restores' own loads show.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 from pathlib import Path
@@ -20,10 +21,20 @@ import torch
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec, dtype_name
+from kvrestore.costs.bounds import (
+    TOKENS,
+    UNIT_SECONDS,
+    cost_problem,
+    first_problem,
+    link_problem,
+    samples_problem,
+)
 from kvrestore.costs.compute import ChunkCost, LayerCost
 from kvrestore.costs.links import LinkCost
 
 PROFILE_VERSION = 1
+
+log = logging.getLogger("kvrestore.costs.profile")
 
 
 class Profile(msgspec.Struct, frozen=True):
@@ -84,17 +95,30 @@ class Profile(msgspec.Struct, frozen=True):
                 f"{path} is a version {profile.version} profile; this kvrestore reads version "
                 f"{PROFILE_VERSION}: run `kvrestore profile` again"
             )
+        problem = profile_problem(profile)
+        if problem is not None:
+            raise InvalidInputError(f"{path} holds a value no machine has ({problem}): run `kvrestore profile` again")
         return profile
 
     @classmethod
     def find(
         cls, spec: ModelSpec, device: torch.device | str, directory: str | os.PathLike | None = None
     ) -> Profile | None:
-        """The saved profile of this machine for `spec` on `device`, if `kvrestore profile` made one."""
+        """The saved profile of this machine for `spec` on `device`, if `kvrestore profile` made one.
+
+        The file is a hint: one that cannot be read, or holds a value out of bounds
+        (`costs.bounds`), is logged and ignored (None), so it never stops a `Restorer` from being built.
+        """
         key = profile_key(machine_id(), spec.fingerprint, dtype_name(spec.dtype), torch.device(device).type)
         path = Path(directory) if directory is not None else profile_dir()
         path = path / f"{key}.json"
-        return cls.load(path) if path.exists() else None
+        if not path.exists():
+            return None
+        try:
+            return cls.load(path)
+        except InvalidInputError as exc:
+            log.warning("ignoring the saved profile: %s", exc)
+            return None
 
     def summary(self) -> str:
         c, layer = self.chunk, self.layer
@@ -111,6 +135,19 @@ class Profile(msgspec.Struct, frozen=True):
                 f"{self.link.latency_s * 1e3:.2f} ms per request"
             )
         return "\n".join(lines)
+
+
+def profile_problem(profile: Profile) -> str | None:
+    """What is out of bounds in a profile read from a file (`costs.bounds`), or None."""
+    samples = profile.samples
+    return first_problem(
+        cost_problem("chunk", profile.chunk),
+        cost_problem("layer", profile.layer),
+        link_problem(profile.link),
+        samples_problem("chunk", samples.get("chunk", []), (TOKENS, TOKENS, UNIT_SECONDS)),
+        samples_problem("layer", samples.get("layer", []), (TOKENS, UNIT_SECONDS)),
+        samples_problem("link", samples.get("link", []), ((0.0, 1e12), UNIT_SECONDS)),
+    )
 
 
 # -- where profiles live ---------------------------------------------------------------------------

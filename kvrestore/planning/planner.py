@@ -12,6 +12,7 @@ import logging
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -26,8 +27,8 @@ from kvrestore.core.trace import Trace
 from kvrestore.costs.calibration import Calibration
 from kvrestore.costs.learned import CostLearner, check_learn, learned_path
 from kvrestore.costs.links import LinkEstimate
-from kvrestore.costs.profile import Profile
-from kvrestore.planning.auto import PLANNED, Auto, Plan, Workload, predict
+from kvrestore.costs.profile import Profile, profile_problem
+from kvrestore.planning.auto import PLANNED, Auto, Plan, Workload, explore, predict
 from kvrestore.policies import Policy
 from kvrestore.runtime.engine import Engine
 
@@ -43,6 +44,11 @@ CUDA_MIN_UNIT_TOKENS = 2048
 #: to be chosen over it (`Auto.plan`): learned from one strategy's restores, the others' predictions
 #: are extrapolations
 UNTRIED_MARGIN = 1.15
+
+#: a link judged only from what was read from a file, or not checked by a load for this many restores,
+#: is probed again by the next restore that `Auto` would compute whole although chunks are stored
+#: (see `Planner.plan`)
+PROBE_EVERY = 16
 
 #: a compute unit's fixed cost (launches, per-call work) may be at most this share of its time
 LAUNCH_SHARE = 0.25
@@ -62,6 +68,9 @@ def find_profile(backend: ComputeBackend, profile: ProfileArg) -> Profile | None
         return Profile.find(spec, backend.device)
     if not isinstance(profile, Profile):
         profile = Profile.load(profile)
+    problem = profile_problem(profile)
+    if problem is not None:
+        raise InvalidInputError(f"the profile holds a value no machine has: {problem}")
     if not profile.matches(spec, backend.device):
         raise InvalidInputError(
             f"the profile is of {profile.model} ({profile.dtype}, {profile.device}), not of "
@@ -103,8 +112,13 @@ class Planner:
         start = self.profile.link if self.profile is not None else None
         self.link = LinkEstimate(start or self.costs.state.link)
         self.link.measured_latency = start is not None  # else it goes on estimating it from the loads
+        if start is None and self.costs.state.link is not None:
+            self.link.reprobe()  # a link read from a file is a hint: the first loads here replace it
         self.calibration = Calibration()  # how this restorer's restores compare with predictions
         self.calibration.resume(self.costs.state.calibration, self.costs.state.calibrated)
+        self._unprobed = 0  # restores since the link was last measured by loads
+        self._probe: Plan | None = None  # the last plan that probes the link
+        self._probing = False  # the restore running now probes it: its loads replace the estimate
 
     @property
     def cost_model(self) -> Profile | None:
@@ -119,15 +133,31 @@ class Planner:
         return self.costs.describe()
 
     def plan(self, refs: list[ChunkRef], stored: Sequence[bool], auto: Auto | None = None) -> Plan:
-        """What `auto` (default `Auto()`) chooses for `refs` given which are `stored`."""
-        return (auto or Auto()).plan(
+        """What `auto` (default `Auto()`) chooses for `refs` given which are `stored`.
+
+        What was learned ages: where `Auto` would compute everything although chunks are stored, and the
+        link it judged by was never checked by this restorer's loads (it came from a file) or not for
+        `PROBE_EVERY` restores, the restore probes the link instead: it runs the strategy `Auto` explores
+        with (a two-pointer, which adapts to the speeds it meets and is never much slower than
+        computing), and its loads replace the link estimate. So no link, however wrong, keeps `Auto`
+        from loading for ever."""
+        work = self.workload(refs, stored)
+        plan = (auto or Auto()).plan(
             self.cost_model,
             self.link.current,
-            self.workload(refs, stored),
+            work,
             self.calibration,
             costs=self.costs_line(),
             untried_margin=1.0 if self.profile is not None else UNTRIED_MARGIN,
         )
+        stale = self.link.observations == 0 or self._unprobed >= PROBE_EVERY
+        if plan.choice.name == "compute-only" and plan.predicted_s and stale and (auto is None or auto.candidates is None):
+            why = "never checked by a load here" if self.link.observations == 0 else "not checked for a while"
+            plan = replace(
+                plan, choice=explore(work), reason=f"probing the store's link ({why}); else {plan.reason}"
+            )
+            self._probe = plan
+        return plan
 
     def workload(self, refs: list[ChunkRef], stored: Sequence[bool]) -> Workload:
         """One restore as the planner sees it."""
@@ -194,6 +224,9 @@ class Planner:
         """The cost model's own (uncalibrated) prediction for running `policy`, where there is one to
         learn from: a cost model, a link estimate, a strategy the planner knows, and an engine whose
         restore times are their own (`Engine.times_restores_alone`; not a `BatchEngine`)."""
+        if plan is not None and plan is self._probe:  # predicted with the link it doubts: no yardstick
+            self._probing = True
+            return None
         model = self.cost_model
         if model is None or self.link.current is None or not self.engine.times_restores_alone:
             return None
@@ -220,6 +253,8 @@ class Planner:
         if predicted is not None and clean:
             self.calibration.observe(policy.name, predicted, seconds)
         self.costs.observe_restore()
+        self._unprobed += 1
+        self._probing = False
 
     def learn(self, trace: Trace, refs: list[ChunkRef], layers_over: int | None = None) -> None:
         """Feed what a restore (or a save's restore) did to the cost model and the link estimate: its
@@ -234,7 +269,11 @@ class Planner:
                     self.costs.observe_compute(refs[e.last_chunk].end - start, start, seconds)
                 else:
                     self.costs.observe_layers(layers_over, e.last_chunk - e.first_chunk + 1, seconds)
+        if self._probing:
+            self.link.reprobe()
         moved = self.link.observe(trace)
+        if moved:
+            self._unprobed = 0
         self.costs.observe_link(self.link.current, moved)
 
     def learn_compute(self, n_tokens: int, start: int, seconds: float) -> None:

@@ -94,6 +94,12 @@ class Engine:
             self._lane_threads = LaneThreads(self.load_lanes)
         return self._lane_threads
 
+    def close(self) -> None:
+        """End the lane threads (the restorer that made this engine closes it with itself)."""
+        threads, self._lane_threads = self._lane_threads, None
+        if threads is not None:
+            threads.close()
+
     def cuda_stream(self, lane: str, device: torch.device | str) -> torch.cuda.Stream | None:
         """The CUDA stream of a lane ("compute" or "load") on `device`, None off CUDA.
 

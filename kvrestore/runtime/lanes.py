@@ -9,7 +9,7 @@ one of the engine's lane threads and hears back once, when it has finished: the 
 is a queue put and one wake-up.
 
 Threads are started on demand, at most `lanes` of them, and exit after `idle_s` without work, so an
-idle engine holds none.
+idle engine holds none; `close()` ends them at once, once the jobs queued before it have run.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from kvrestore.core.errors import InvalidInputError
 
 Job = Callable[[], None]
 
+#: queued by `close()`: the thread that takes it ends
+_STOP = object()
+
 
 class LaneThreads:
     """Up to `lanes` daemon threads running submitted jobs in submission order (FIFO)."""
@@ -32,7 +35,7 @@ class LaneThreads:
         self.lanes = lanes
         self.idle_s = idle_s
         self.name = name
-        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job | object] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads = 0  # alive
         self._busy = 0  # running a job
@@ -64,11 +67,23 @@ class LaneThreads:
                         self._threads -= 1
                         return
                 continue
+            if job is _STOP:
+                with self._lock:
+                    self._threads -= 1
+                return
             with self._lock:
                 self._queued -= 1
                 self._busy += 1
             try:
-                job()
+                job()  # type: ignore[operator]
             finally:
                 with self._lock:
                     self._busy -= 1
+
+    def close(self) -> None:
+        """End every lane thread once the jobs queued so far have run (without waiting for it). A
+        later `submit` starts threads again."""
+        with self._lock:
+            alive = self._threads
+        for _ in range(alive):
+            self._jobs.put(_STOP)

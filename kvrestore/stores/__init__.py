@@ -112,13 +112,17 @@ def _local(url: str, capacity_bytes: int | None = None, eviction: Any = None, **
 def _s3(url: str, capacity_bytes: int | None = None, eviction: Any = None, **options: Any) -> ChunkStore:
     """s3fs options pass through: key/secret, endpoint_url, client_kwargs, config_kwargs, ...
 
-    Unless given, botocore's connect timeout is 5 s and it tries a request twice (not 60 s, 5
-    times): a restore against an unreachable server falls back to compute within seconds.
+    Unless given, botocore's connect timeout is 5 s, its read timeout 20 s, and it tries a request
+    twice (not 60 s, 60 s, 5 times): a restore against an unreachable server falls back to compute
+    within seconds. (A `Restorer` bounds every call by its own deadlines besides.) A bucket that does
+    not exist is a `StoreError` on writing and a miss on reading; `create_bucket=True` creates it on
+    the first write instead.
     """
     if importlib.util.find_spec("s3fs") is None:
         raise StoreError(f"{url!r} needs s3fs, which is not installed: pip install kvrestore[s3]")
     config = dict(options.get("config_kwargs") or {})
     config.setdefault("connect_timeout", 5)
+    config.setdefault("read_timeout", 20)
     config.setdefault("retries", {"max_attempts": 2})
     options["config_kwargs"] = config
     return _bounded(FsspecStore(url, **options), capacity_bytes, eviction)

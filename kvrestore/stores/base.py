@@ -113,6 +113,10 @@ class ChunkStore(ABC):
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and files."""
 
+    async def connect(self) -> None:  # noqa: B027 - optional hook
+        """Make ready what a call needs that is no request to the server (a client session, built on
+        the running event loop), so a deadline on the call measures the server alone."""
+
     # -- optional batch methods with default fallbacks -------------------------------------------
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
@@ -131,7 +135,8 @@ class ChunkStore(ABC):
         """Read the object into `buffer` from its first byte, with as few bulk copies as the store allows.
 
         Returns the object's size (when it is larger than `buffer`, only `len(buffer)` bytes were
-        placed: read it again into a larger buffer), or None when absent. The default fetches the object
+        placed: read it again into a larger buffer), or None when absent. A store that reads no more
+        than fits (a ranged read) may answer `len(buffer) + 1` for any larger object. The default fetches the object
         whole (one round trip, right for object stores) and copies it; a local directory reads straight
         into the buffer (`preadv`). Nothing is verified here: the caller checks the bytes.
         """

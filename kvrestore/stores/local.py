@@ -61,6 +61,27 @@ def _dead_writer(name: str) -> bool:
     return m.group(1) == _HOST and int(m.group(2)) != os.getpid() and not _pid_alive(int(m.group(2)))
 
 
+def sweep_temp(root: str, doomed: Callable[[os.DirEntry[str]], bool]) -> None:
+    """Remove the temp files of writes under `root` (in it and its shard directories) that `doomed`
+    picks. One scandir per shard directory: on a store with millions of objects this costs about a
+    second."""
+    dirs = [root]
+    with suppress(OSError), os.scandir(root) as it:
+        dirs += [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+    for d in dirs:
+        with suppress(OSError), os.scandir(d) as it:
+            for e in it:
+                if e.name.startswith(TMP_PREFIX) and e.is_file(follow_symlinks=False):
+                    with suppress(OSError):
+                        if doomed(e):
+                            os.remove(e.path)
+
+
+def temp_prefix(host: str, pid: int) -> str:
+    """How the names of the temp files written by process `pid` of `host` begin."""
+    return f"{TMP_PREFIX}{host}-{pid}-"
+
+
 def _trusted(mtime_ns: int, listed_at: float) -> bool:
     """Whether a listing begun at `listed_at` of a directory whose mtime was then `mtime_ns` shows every
     change until that mtime moves: the directory had been still for longer than its timestamps' step,
@@ -210,23 +231,12 @@ class LocalStore(ChunkStore):
         self._sweep_temp()
 
     def _sweep_temp(self) -> None:
-        # One scandir per shard directory: on a store with millions of objects this costs about a
-        # second at open time, once per process.
         cutoff = time.time() - STALE_TMP_SECONDS
-        dirs = [self.root]
-        with suppress(OSError), os.scandir(self.root) as it:
-            dirs += [e.path for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
-        for d in dirs:
-            with suppress(OSError), os.scandir(d) as it:
-                for e in it:
-                    if e.name.startswith(TMP_PREFIX) and e.is_file(follow_symlinks=False):
-                        with suppress(OSError):
-                            if e.stat(follow_symlinks=False).st_mtime < cutoff or _dead_writer(e.name):
-                                os.remove(e.path)
+        sweep_temp(self.root, lambda e: e.stat(follow_symlinks=False).st_mtime < cutoff or _dead_writer(e.name))
 
     def _write(self, path: str, data: bytes) -> None:
         d = os.path.dirname(path)
-        tmp = os.path.join(d, f"{TMP_PREFIX}{_HOST}-{os.getpid()}-{uuid.uuid4().hex}")
+        tmp = os.path.join(d, f"{temp_prefix(_HOST, os.getpid())}{uuid.uuid4().hex}")
         try:
             try:
                 f = open(tmp, "wb")  # noqa: SIM115 - closed by the with below

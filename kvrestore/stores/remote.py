@@ -29,7 +29,7 @@ import anyio.to_thread
 import fsspec
 
 from kvrestore.core.errors import InvalidInputError, StoreError
-from kvrestore.stores.base import ChunkStore, StoredObject, check_key
+from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object
 from kvrestore.stores.files import SUFFIX, check_range, filesystem_class, is_local, stored_key
 from kvrestore.stores.local import LocalStore
 
@@ -60,12 +60,22 @@ def _unreachable(exc: BaseException) -> bool:
     )
 
 
+def _empty_range(exc: BaseException) -> bool:
+    """Whether `exc` is an object store's answer that a range starting at byte 0 cannot be served
+    (HTTP 416, InvalidRange): what a ranged read of an empty object gets."""
+    text = f"{type(exc).__name__} {exc}".lower()
+    return any(m in text for m in ("invalidrange", "416", "range not satisfiable", "range is not satisfiable"))
+
+
 class FsspecStore(ChunkStore):
     """ChunkStore over an fsspec URL, e.g. `FsspecStore("s3://b/p")`; `FsspecStore("/var/cache/kv")` (a
     local path) makes a `LocalStore`.
 
     `storage_options` go to the filesystem (credentials, endpoint_url, ...); `fsync` is for a local
     directory (see `LocalStore`) and means nothing to an object store.
+
+    An object store's bucket is never created behind the caller's back: a write to a bucket that does
+    not exist raises StoreError (reads of it are misses), unless `create_bucket=True`.
 
     A remote store that cannot be reached (connection refused or timed out) fails fast for
     `unreachable_cooloff_s` seconds before it asks again, so a restore running while its server is down
@@ -77,13 +87,17 @@ class FsspecStore(ChunkStore):
     #: seconds a remote store answers "unreachable" without asking after a connection failure
     unreachable_cooloff_s: float = 2.0
 
-    def __new__(cls, url: str | None = None, *, fsync: bool = False, **storage_options: Any) -> Any:
+    def __new__(
+        cls, url: str | None = None, *, fsync: bool = False, create_bucket: bool = False, **storage_options: Any
+    ) -> Any:
         # url None: copy and pickle make an empty instance to fill in
         if cls is FsspecStore and url is not None and is_local(filesystem_class(url)):
             return LocalStore(url, fsync=fsync, **storage_options)  # not a FsspecStore: no __init__ after
         return super().__new__(cls)
 
-    def __init__(self, url: str, *, fsync: bool = False, **storage_options: Any) -> None:
+    def __init__(
+        self, url: str, *, fsync: bool = False, create_bucket: bool = False, **storage_options: Any
+    ) -> None:
         fs_cls = filesystem_class(url)
         if is_local(fs_cls):  # a subclass of FsspecStore given a local path
             raise InvalidInputError(f"{url!r} is a local directory: use (or subclass) LocalStore")
@@ -96,6 +110,7 @@ class FsspecStore(ChunkStore):
         except Exception as e:
             raise StoreError(f"cannot open {url!r}: {type(e).__name__}: {e}") from e
         self._setup(fs, root, url, fsync)
+        self.create_bucket = bool(create_bucket)
 
     @classmethod
     def from_filesystem(
@@ -116,6 +131,9 @@ class FsspecStore(ChunkStore):
         self.fsync = fsync
         self.root = root.rstrip("/")
         self.is_async = bool(getattr(fs, "async_impl", False))
+        self.create_bucket = False
+        #: an object store (s3): no directories, and its first path component is a bucket
+        self.object_store = hasattr(fs, "_call_s3")
         self._down_until = 0.0  # monotonic time before which the store does not ask again
         self._down_reason = ""
         self._session: Any = None
@@ -149,6 +167,11 @@ class FsspecStore(ChunkStore):
         async with self._session_lock:
             if self._session is None:
                 self._session = await self.fs.set_session(refresh=True)
+
+    async def connect(self) -> None:
+        """The client session on the running loop (`_ensure_session`): building one loads the client's
+        service models, CPU work of a fraction of a second that no store deadline should count."""
+        await self._ensure_session()
 
     def _drop_stale_session(self) -> None:
         """Close, without its (gone) loop, the sockets of a session made on another loop.
@@ -237,6 +260,21 @@ class FsspecStore(ChunkStore):
     async def get(self, key: str) -> bytes | None:
         return await self._cat(key)
 
+    async def read_into(self, key: str, buffer: memoryview) -> int | None:
+        """One ranged read of at most `len(buffer) + 1` bytes: an object that does not fit is never
+        downloaded whole (a caller with a buffer sized to what it can use learns that it is larger,
+        `len(buffer) + 1`, at the cost of one byte more)."""
+        path = self.path(key)
+        try:
+            data = bytes(await self._call("cat_file", path, start=0, end=len(buffer) + 1))
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            if _empty_range(e):  # no byte 0 to send: the object is empty
+                return 0
+            raise StoreError(f"cannot read {self.name} {path}: {type(e).__name__}: {e}") from e
+        return await copy_object(buffer, data)
+
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
         """`end` passes on as it is (an HTTP Range on s3)."""
         check_range(start, end)
@@ -250,8 +288,15 @@ class FsspecStore(ChunkStore):
             try:
                 await self._call("pipe_file", path, bytes(data))
             except FileNotFoundError:  # filesystems with real directories (sftp, wrapped local)
+                if self.object_store and not self.create_bucket:  # its bucket is missing
+                    raise StoreError(
+                        f"cannot write {self.name} {path}: its bucket does not exist (create it, or "
+                        "open the store with create_bucket=True)"
+                    ) from None
                 await self._call("makedirs", path.rsplit("/", 1)[0], exist_ok=True)
                 await self._call("pipe_file", path, bytes(data))
+        except StoreError:
+            raise
         except Exception as e:
             raise StoreError(f"cannot write {self.name} {path}: {type(e).__name__}: {e}") from e
 

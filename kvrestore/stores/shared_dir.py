@@ -9,8 +9,11 @@ objects plus the temp files of the writes in flight never exceed the capacity, w
 them. Reservations are listed before objects: a write that ends between the two listings is seen as
 its reservation or as its object (or both, which only over-counts), never as neither.
 
-A process killed mid-write leaves its reservation behind; one of a process of this host that has exited,
-or any older than `STALE_TMP_SECONDS`, is removed by the next process that takes the lock. The
+A process killed mid-write leaves its reservation behind, and the partial temp file of its write; a
+reservation of a process of this host that has exited, or any older than `STALE_TMP_SECONDS`, is
+removed by the next process that takes the lock, with that writer's temp files (a dead process of this
+host: every one of them; an old reservation: those as old), so the directory holds no more than its
+capacity once the reservation's room is given back. The
 kernel drops the lock itself when its holder dies. Local, POSIX filesystems only (`flock`); other stores
 keep a per-process limit (see `BoundedStore`).
 """
@@ -21,10 +24,11 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import suppress
 
 from kvrestore.core.errors import StoreError
-from kvrestore.stores.local import _HOST, STALE_TMP_SECONDS, _pid_alive
+from kvrestore.stores.local import _HOST, STALE_TMP_SECONDS, _pid_alive, sweep_temp, temp_prefix
 
 try:
     import fcntl
@@ -71,6 +75,7 @@ class SharedDir:
     def reserved(self) -> int:
         """Bytes reserved by writes in flight, with the lock held; stale reservations are removed."""
         total, cutoff = 0, time.time() - STALE_TMP_SECONDS
+        dead: list[tuple[str, int, bool]] = []
         try:
             entries = list(os.scandir(self.root))
         except OSError as e:
@@ -87,8 +92,11 @@ class SharedDir:
             if old or (host == _HOST and pid != os.getpid() and not _pid_alive(pid)):
                 with suppress(OSError):
                     os.remove(entry.path)
+                dead.append((host, pid, old))
             else:
                 total += size
+        for host, pid, old in dead:  # the writes those reservations held room for will never end
+            sweep_temp(self.root, _temp_files_of(temp_prefix(host, pid), cutoff if old else None))
         return total
 
     def reserve(self, size: int) -> str:
@@ -106,6 +114,18 @@ class SharedDir:
         only holds room until its process ends."""
         with suppress(OSError):
             os.remove(path)
+
+
+def _temp_files_of(prefix: str, older_than: float | None) -> Callable[[os.DirEntry[str]], bool]:
+    """Picks the temp files named with `prefix` (a writer's), only those last written before
+    `older_than` (epoch seconds) if given."""
+
+    def doomed(entry: os.DirEntry[str]) -> bool:
+        if not entry.name.startswith(prefix):
+            return False
+        return older_than is None or entry.stat(follow_symlinks=False).st_mtime < older_than
+
+    return doomed
 
 
 __all__ = ["LOCK_NAME", "RESERVE_PREFIX", "SharedDir"]

@@ -84,6 +84,9 @@ class WrapperStore(ChunkStore):
     async def close(self) -> None:
         await self.inner.close()
 
+    async def connect(self) -> None:
+        await self.inner.connect()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
 

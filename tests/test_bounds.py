@@ -284,9 +284,9 @@ def test_a_saved_profile_out_of_bounds_is_ignored(llama_backend, tmp_path, monke
         ChunkCost(1e-3, 1e-5, 0.0), LayerCost(1e-4, 1e-6, 0.0), LinkCost(1e8, 1e-4),
     )
     good.save()
-    assert Restorer(b, MemoryStore(), chunk_size=32).profile == good
+    assert Restorer(b, MemoryStore(), chunk_size=32).planner.profile == good
     msgspec.structs.replace(good, link=LinkCost(0.0, 0.0)).save()
-    assert Restorer(b, MemoryStore(), chunk_size=32).profile is None
+    assert Restorer(b, MemoryStore(), chunk_size=32).planner.profile is None
     with pytest.raises(InvalidInputError, match="bandwidth"):  # given by the caller: a typed error
         Restorer(b, MemoryStore(), chunk_size=32, profile=msgspec.structs.replace(good, link=LinkCost(0.0)))
 

@@ -168,7 +168,9 @@ def bound_store(store: ChunkStore, deadlines: Deadlines) -> ChunkStore:
     from kvrestore.stores.tiered import TieredStore
 
     if isinstance(store, TieredStore):
-        store.tiers = [t if isinstance(t, DeadlineStore) else DeadlineStore(t, deadlines) for t in store.tiers]
+        # in place: the store's tier moves hold the same list
+        store.tiers[:] = [t if isinstance(t, DeadlineStore) else DeadlineStore(t, deadlines) for t in store.tiers]
+        store.inner = store.tiers[0]
         return store
     return DeadlineStore(store, deadlines)
 

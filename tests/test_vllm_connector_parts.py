@@ -278,9 +278,19 @@ def _stored_prompt(store: MemoryStore, io: IOThread, n: int = 40, chunk: int = 1
     return [LoadChunk(r.key, r.start, r.end) for r in refs], kv
 
 
+def _joined(placed: dict[int, torch.Tensor]):
+    """A `LayerLoad.place` that keeps each layer's pieces joined into one [2, H, T, D] tensor."""
+
+    def place(layer: int, pieces) -> None:
+        assert [start for start, _ in pieces] == [0, *(s + d.shape[2] for s, d in pieces[:-1])]
+        placed[layer] = torch.cat([data for _, data in pieces], dim=2)
+
+    return place
+
+
 def _load(store, io, chunks, k, timeout=10.0):
     placed: dict[int, torch.Tensor] = {}
-    load = LayerLoad(SPEC, store, chunks, k, lambda layer, data: placed.__setitem__(layer, data.clone()))
+    load = LayerLoad(SPEC, store, chunks, k, _joined(placed))
     load.start(io, timeout)
     for layer in range(SPEC.num_layers):
         assert load.wait(layer)
@@ -361,7 +371,7 @@ def test_a_stalled_load_is_given_up_at_its_deadline_and_writes_nothing_after(io)
     store = _StuckStore(release)
     chunks, _ = _stored_prompt(store, io)
     placed: list[int] = []
-    load = LayerLoad(SPEC, store, chunks, 32, lambda layer, data: placed.append(layer))
+    load = LayerLoad(SPEC, store, chunks, 32, lambda layer, pieces: placed.append(layer))
     load.start(io, timeout=0.3)
     assert not load.wait(0)  # the deadline passes
     assert load.cancelled and load.failed == {0, 1, 2}
@@ -431,7 +441,7 @@ def test_chunks_saved_the_connector_way_are_a_restorers_and_back(io):
         store2,
         [LoadChunk(r.key, r.start, r.end) for r in refs],
         32,
-        lambda layer, data: placed.__setitem__(layer, data.clone()),
+        _joined(placed),
     )
     load.start(io, 10)
     for layer in range(spec.num_layers):

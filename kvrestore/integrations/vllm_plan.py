@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import tempfile
 import threading
 import time
@@ -36,6 +37,8 @@ from kvrestore.costs.learned import fit_prefill_steps
 from kvrestore.costs.links import LinkCost, link_from_loads
 from kvrestore.costs.profile import machine_id
 from kvrestore.integrations.vllm_layout import LAYOUTS
+from kvrestore.stores import ThrottledStore, open_store
+from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")
 
@@ -103,6 +106,41 @@ class ConnectorConfig:
         return cfg
 
 
+@dataclass(frozen=True)
+class ConnectorContext:
+    """What the connector's scheduler side and worker side share: the checked config, the model, vLLM's
+    block size and the costs learned so far. Each side opens its own store (`open_store`)."""
+
+    config: ConnectorConfig
+    spec: ModelSpec
+    block_size: int
+    costs: CostBook
+
+    @classmethod
+    def make(cls, config: ConnectorConfig, spec: ModelSpec, block_size: int) -> ConnectorContext:
+        return cls(config, spec, block_size, CostBook.shared(spec.fingerprint, config.cost_dir))
+
+    @property
+    def link_key(self) -> str:
+        """The store's link as the costs know it: its URL, and the throttle if one is set."""
+        c = self.config
+        t = c.throttle_bytes_per_s
+        return c.store_url + (f"@{t:.0f}B/s+{c.throttle_latency_s}s" if t else "")
+
+    def open_store(self) -> ChunkStore:
+        c = self.config
+        store = open_store(c.store_url, **dict(c.store_options))
+        if c.throttle_bytes_per_s is not None:
+            store = ThrottledStore(store, c.throttle_bytes_per_s, latency_s=c.throttle_latency_s)
+        return store
+
+    def prior_link(self) -> LinkCost | None:
+        """The link as configured (`link_bytes_per_s`, or the throttle), until loads have measured it."""
+        c = self.config
+        bw = c.link_bytes_per_s or c.throttle_bytes_per_s
+        return LinkCost(bw, c.throttle_latency_s) if bw else None
+
+
 # -- costs -----------------------------------------------------------------------------------------
 
 
@@ -115,6 +153,7 @@ class CostBook:
     MAX_PREFILLS = 32
     MAX_SMALL = 8
     MAX_LOADS = 16
+    MAX_LOADING = 16
     WRITE_EVERY_S = 5.0
 
     _shared: dict[str, CostBook] = {}
@@ -124,6 +163,7 @@ class CostBook:
         self.path = path
         self.compute: list[list[float]] = []
         self.links: dict[str, list[list[float]]] = {}
+        self.loading: list[list[float]] = []  # steps that loaded: [n new, past, load s, step s, layers]
         self._mtime = 0.0
         self._written_at = 0.0
         self._lock = threading.Lock()
@@ -154,6 +194,7 @@ class CostBook:
             self._mtime = mtime
             self.compute = [list(map(float, s)) for s in data.get("compute", [])]
             self.links = {k: [list(map(float, s)) for s in v] for k, v in data.get("links", {}).items()}
+            self.loading = [list(map(float, s)) for s in data.get("loading", [])]
 
     def add_compute(self, n_tokens: int, past: int, seconds: float) -> None:
         with self._lock:
@@ -174,6 +215,20 @@ class CostBook:
             del rows[: -self.MAX_LOADS]
         self._write()
 
+    def add_loading_step(self, n_new: int, past: int, load_s: float, step_s: float, num_layers: int) -> None:
+        """A step that computed `n_new` tokens after a `past` it loaded in `load_s`, taking `step_s`."""
+        with self._lock:
+            self.loading.append([float(n_new), float(past), float(load_s), float(step_s), float(num_layers)])
+            del self.loading[: -self.MAX_LOADING]
+        self._write()
+
+    def loading_factor(self) -> float | None:
+        """How much slower vLLM computes while a load runs beside it than alone (`loading_factor`)."""
+        compute = self.compute_cost()
+        with self._lock:
+            samples = list(self.loading)
+        return None if compute is None else loading_factor(samples, compute)
+
     def compute_cost(self) -> ChunkCost | None:
         with self._lock:
             return fit_prefill_steps(self.compute)
@@ -186,7 +241,7 @@ class CostBook:
         if self.path is None:
             return
         with self._lock:
-            data = json.dumps({"compute": self.compute, "links": self.links})
+            data = json.dumps({"compute": self.compute, "links": self.links, "loading": self.loading})
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(prefix=".costs-", dir=self.path.parent)
@@ -203,6 +258,28 @@ class CostBook:
 
 # -- the split ---------------------------------------------------------------------------------------
 
+#: the range a learned `loading_factor` is kept in
+LOADING_FACTOR_RANGE = (0.5, 20.0)
+
+
+def loading_factor(samples: Sequence[Sequence[float]], compute: ChunkCost) -> float | None:
+    """How much slower a step's compute runs while a load runs beside it (its reads, checks and page
+    copies share the host with vLLM's kernels), from steps that loaded: [n new, past, load seconds, step
+    seconds, layers]. A step computes after its loaded layers arrive, so it ends about ``load / layers``
+    after its compute would, or a layer's compute after the load: where the compute ended last (the step
+    outlasted its load by more than half its predicted compute), ``(step - load / layers) / compute`` is
+    what the compute took against what it takes alone. The median of those; None without one."""
+    ratios = []
+    for n_new, past, load_s, step_s, layers in samples:
+        c = compute.seconds(int(n_new), int(past))
+        if c <= 0 or step_s - load_s < 0.5 * c:
+            continue
+        ratios.append((step_s - load_s / max(layers, 1.0)) / c)
+    if not ratios:
+        return None
+    lo, hi = LOADING_FACTOR_RANGE
+    return min(hi, max(lo, statistics.median(ratios)))
+
 
 @dataclass(frozen=True)
 class SplitChoice:
@@ -211,12 +288,28 @@ class SplitChoice:
     k: int
     n_tokens: int
     stored_tokens: int  # the longest stored prefix (whole chunks)
+    loadable_tokens: int  # the most that could be loaded (whole blocks, leaving a token to compute)
     predicted_s: float | None  # None: no measured costs to predict with
     load_s: float | None
     compute_s: float | None
     load_all_s: float | None  # the prediction for the largest k
     compute_all_s: float | None  # and for k = 0
     reason: str
+
+    def fields(self) -> dict[str, Any]:
+        """The choice as a record (`vllm_stats.emit`): tokens, predictions in seconds, the reason."""
+        return {
+            "k": self.k,
+            "n_tokens": self.n_tokens,
+            "stored_tokens": self.stored_tokens,
+            "loadable_tokens": self.loadable_tokens,
+            "predicted_s": self.predicted_s,
+            "load_s": self.load_s,
+            "compute_s": self.compute_s,
+            "load_all_s": self.load_all_s,
+            "compute_all_s": self.compute_all_s,
+            "reason": self.reason,
+        }
 
     def explain(self) -> str:
         if self.predicted_s is None:
@@ -252,9 +345,11 @@ def choose_split(
     num_layers: int,
     link: LinkCost | None,
     compute: ChunkCost | None,
+    loading: float | None = None,
     mode: str = "planned",
 ) -> SplitChoice:
-    """The split for a prompt of `n_tokens` whose leading stored chunks end at `chunk_ends`."""
+    """The split for a prompt of `n_tokens` whose leading stored chunks end at `chunk_ends`. A split that
+    loads computes its suffix `loading` times slower than alone (`loading_factor`; 1 if not known)."""
     if mode not in SPLITS:
         raise InvalidInputError(f"split must be one of {SPLITS}, got {mode!r}")
     stored = chunk_ends[-1] if chunk_ends else 0
@@ -267,6 +362,7 @@ def choose_split(
         c = compute.seconds(n_tokens - k, k)
         if k == 0:
             return c, 0.0, c
+        c *= loading or 1.0
         nbytes = loaded_tokens_read(k, chunk_ends) * bytes_per_token
         ld = (num_layers + 1) * link.latency_s + nbytes / link.bytes_per_s  # headers, then a round per layer
         return max(ld + c / num_layers, c + ld / num_layers), ld, c
@@ -283,9 +379,9 @@ def choose_split(
         k = min(candidates, key=lambda c: (predict(c)[0], -c))
         reason = "planned: the load and the compute finish together"
     if not known:
-        return SplitChoice(k, n_tokens, stored, None, None, None, None, None, reason)
+        return SplitChoice(k, n_tokens, stored, kmax, None, None, None, None, None, reason)
     total, ld, c = predict(k)
-    return SplitChoice(k, n_tokens, stored, total, ld, c, predict(kmax)[0], predict(0)[0], reason)
+    return SplitChoice(k, n_tokens, stored, kmax, total, ld, c, predict(kmax)[0], predict(0)[0], reason)
 
 
 # -- the model ---------------------------------------------------------------------------------------

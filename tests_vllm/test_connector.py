@@ -104,7 +104,8 @@ def test_first_process_computes_and_saves_every_chunk(first, reference, store):
     assert len(list(Path(store["store_url"]).rglob("*.kvc"))) == N_CHUNKS
     # vLLM's KV connector stats, as its Prometheus counters
     assert first.metrics["lookups"] == 1 and first.metrics["hit_tokens"] == 0
-    assert first.metrics["saved_chunks"] == N_CHUNKS and first.metrics["saved_bytes"] > 0
+    # (stats are sent at each step: a write that ends after the last one is on disk, not in them)
+    assert 1 <= first.metrics["saved_chunks"] <= N_CHUNKS and first.metrics["saved_bytes"] > 0
 
 
 @pytest.fixture(scope="module")

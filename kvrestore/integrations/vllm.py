@@ -87,7 +87,7 @@ class KVRestoreStats(KVConnectorStats):
     scheduler and every worker, over an interval."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         self.data = sum_counts(self.data, other.data)

@@ -195,26 +195,28 @@ Pieces = list[tuple[int, torch.Tensor]]
 class _SectionReader(LayerReader):
     """A `LayerReader` that keeps each verified section instead of copying it into a cache: an
     uncompressed section, checked against its checksum, is viewed as a tensor over the bytes read (no
-    copy: vLLM's pages take the bytes from there); any other is decoded into a tensor of its own."""
+    copy: vLLM's pages take the bytes from there); any other is decoded into a tensor of its own.
+    Several layers read at once come in one range read per chunk (`LayerLoad`'s `layers_per_read`)."""
 
     def __init__(self, spec: ModelSpec, store: ChunkStore, chunks: Sequence[StoredChunk]) -> None:
         super().__init__(spec, store, chunks)
-        self.sections: dict[int, torch.Tensor] = {}  # chunk -> its section of the layer read last
+        self.sections: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, layer) -> its section
 
     def place(self, layers: range, j: int, data: bytes | memoryview, kv: KVCache) -> None:
-        header, (layer,) = self.headers[j], layers
-        spec, section = self.spec, self.headers[j].layers[layer]
+        header, spec = self.headers[j], self.spec
         shape = (2, spec.num_kv_heads, header.n_tokens, spec.head_dim)
         raw = math.prod(shape) * spec.dtype.itemsize
-        if header.compression != "none" or section.length != raw or section.raw_length != raw:
-            self.sections[j] = codec.decode_layers(header, {layer: data}, spec, [layer])[0]
-            return
-        if len(data) != section.length or host_checksum(data) != section.checksum:
-            raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
-        with warnings.catch_warnings():  # read-only bytes: nothing writes through the view
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(data, dtype=torch.uint8)
-        self.sections[j] = flat.view(spec.dtype).view(shape)
+        for layer, stored in codec.span_sections(header, layers, data).items():
+            section = header.layers[layer]
+            if header.compression != "none" or section.length != raw or section.raw_length != raw:
+                self.sections[j, layer] = codec.decode_layers(header, {layer: stored}, spec, [layer])[0]
+                continue
+            if len(stored) != section.length or host_checksum(stored) != section.checksum:
+                raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
+            with warnings.catch_warnings():  # read-only bytes: nothing writes through the view
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(stored, dtype=torch.uint8)
+            self.sections[j, layer] = flat.view(spec.dtype).view(shape)
 
 
 class LayerLoad:
@@ -235,6 +237,7 @@ class LayerLoad:
         chunks: Sequence[LoadChunk],
         k: int,
         place: Callable[[int, Pieces], None],
+        layers_per_read: int = 4,
     ) -> None:
         if not chunks or chunks[0].start != 0 or chunks[-1].end < k:
             raise InvalidInputError(f"chunks must cover tokens [0, {k})")
@@ -243,6 +246,7 @@ class LayerLoad:
         self.chunks = list(chunks)
         self.k = k
         self.place = place
+        self.layers_per_read = max(1, layers_per_read)
         self.failed: set[int] = set()
         self.errors: list[str] = []
         self.bytes_read = 0
@@ -269,25 +273,27 @@ class LayerLoad:
             ok = await reader.open()
             self._fail([j for j, good in enumerate(ok) if not good], reader.errors)
             nowhere = KVCache.empty(self.spec, 0)  # the sections stay in `reader.sections`
-            for layer in range(self.spec.num_layers):
+            L, step = self.spec.num_layers, self.layers_per_read
+            for layers in [range(0, 1), *(range(a, min(a + step, L)) for a in range(1, L, step))]:
                 if self.cancelled:
                     break
                 reader.sections = {}
                 if len(self.failed) < len(self.chunks):
                     try:
-                        await reader.read_layer(layer, nowhere)
+                        await reader.read_layers(layers, nowhere)
                     except ChunkLoadFailed as exc:
                         self._fail(exc.indices, [exc.error])
-                with self._lock:  # up to the first failed chunk: vLLM recomputes from there on
-                    upto = min([self.k] + [self.chunks[j].start for j in self.failed])
-                    pieces = [
-                        (c.start, reader.sections[j][:, :, : min(c.end, upto) - c.start])
-                        for j, c in enumerate(self.chunks)
-                        if c.start < upto
-                    ]
-                    if not self.cancelled and pieces:
-                        self.place(layer, pieces)
-                self._events[layer].set()
+                for layer in layers:
+                    with self._lock:  # up to the first failed chunk: vLLM recomputes from there on
+                        upto = min([self.k] + [self.chunks[j].start for j in self.failed])
+                        pieces = [
+                            (c.start, reader.sections[j, layer][:, :, : min(c.end, upto) - c.start])
+                            for j, c in enumerate(self.chunks)
+                            if c.start < upto
+                        ]
+                        if not self.cancelled and pieces:
+                            self.place(layer, pieces)
+                    self._events[layer].set()
             self.bytes_read = reader.bytes_read
             self.seconds = time.perf_counter() - t0
         except (*LOAD_FAULTS, *STORE_FAULTS) as exc:

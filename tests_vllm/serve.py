@@ -107,9 +107,9 @@ def main() -> None:
                 ),
                 flush=True,
             )
-    # let background writes finish before the process exits
+    # let background writes finish before the process exits (--exit: as a script that just ends does)
     shutdown = getattr(llm.llm_engine, "shutdown", None)
-    if shutdown is not None:
+    if shutdown is not None and not args.exit:
         shutdown()
     metrics = {}
     if args.metrics:

@@ -48,8 +48,10 @@ class Served:
         return [r for r in self.records if r["event"] == event]
 
 
-def serve(model: Path, *, connector: str = "kvrestore", extra: dict | None = None, offsets=(0,)) -> Served:
-    cmd = [sys.executable, str(HERE / "serve.py"), "--model", str(model), "--tokens", str(N_TOKENS)]
+def serve(
+    model: Path, *, connector: str = "kvrestore", extra: dict | None = None, offsets=(0,), args=()
+) -> Served:
+    cmd = [sys.executable, str(HERE / "serve.py"), "--model", str(model), "--tokens", str(N_TOKENS), *args]
     cmd += ["--offsets", *map(str, offsets), "--connector", connector, "--extra", json.dumps(extra or {})]
     cmd += ["--metrics"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **VLLM_ENV})
@@ -94,18 +96,18 @@ def store(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def first(model_dir, store) -> Served:
-    return serve(model_dir, extra=store)
+    """Generates one token and exits without shutting vLLM down, as a script that just ends."""
+    return serve(model_dir, extra=store, args=["--ttft", "--exit"])
 
 
 def test_first_process_computes_and_saves_every_chunk(first, reference, store):
-    """Every chunk, the prompt's partial last one (208 tokens) included."""
-    assert_same_generation(first.results[0], reference.results[0])
+    """Every chunk, the prompt's partial last one (208 tokens) included, though the process ended right
+    after the step that computed them (the writes still queued are waited for at exit)."""
+    assert first.results[0]["ids"] == reference.results[0]["ids"][:1]
     assert first.events("loaded") == [] and first.events("split") == []  # nothing stored yet
     assert len(list(Path(store["store_url"]).rglob("*.kvc"))) == N_CHUNKS
-    # vLLM's KV connector stats, as its Prometheus counters
+    # vLLM's KV connector stats, as its Prometheus counters (writes end after the step: not counted yet)
     assert first.metrics["lookups"] == 1 and first.metrics["hit_tokens"] == 0
-    # (stats are sent at each step: a write that ends after the last one is on disk, not in them)
-    assert 1 <= first.metrics["saved_chunks"] <= N_CHUNKS and first.metrics["saved_bytes"] > 0
 
 
 @pytest.fixture(scope="module")

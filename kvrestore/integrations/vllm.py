@@ -40,6 +40,7 @@ records); this module is the glue to vLLM's interface.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
 __all__ = ["KVRestoreConnector", "KVRestoreConnectorMetadata", "KVRestoreStats", "flush_saves", "records"]
 
 _WORKERS: weakref.WeakSet[WorkerSide] = weakref.WeakSet()
+_FLUSH_AT_EXIT_S = 60.0
 
 
 def flush_saves(timeout: float | None = 60.0) -> bool:
@@ -149,6 +151,8 @@ class KVRestoreConnector(KVConnectorBase_V1):
             tc.kv_load_failure_policy = config.on_load_error  # read by the scheduler after this
         else:
             self.worker = WorkerSide(self.ctx)
+            if not _WORKERS:  # a script that exits right after generating still writes what it queued
+                atexit.register(flush_saves, _FLUSH_AT_EXIT_S)
             _WORKERS.add(self.worker)
         emit(
             logging.INFO,

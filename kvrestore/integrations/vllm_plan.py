@@ -37,7 +37,7 @@ from kvrestore.costs.learned import fit_prefill_steps
 from kvrestore.costs.links import LinkCost, link_from_loads
 from kvrestore.costs.profile import machine_id
 from kvrestore.integrations.vllm_layout import LAYOUTS
-from kvrestore.stores import ThrottledStore, open_store
+from kvrestore.stores import MemoryStore, ThrottledStore, open_store
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")
@@ -128,8 +128,14 @@ class ConnectorContext:
         return c.store_url + (f"@{t:.0f}B/s+{c.throttle_latency_s}s" if t else "")
 
     def open_store(self) -> ChunkStore:
+        """The store (read through a `ThrottledStore` if `throttle_bytes_per_s` is set). A ``memory://``
+        store is one per process and options: the scheduler side finds what the worker side saved in
+        the same process (vLLM runs both in one process unless the model is split over several); its
+        options are `MemoryStore`'s (``pinned=True``: page-locked, for uploads to a GPU)."""
         c = self.config
-        store = open_store(c.store_url, **dict(c.store_options))
+        store = _memory_store(c.store_options) if c.store_url == "memory://" else None
+        if store is None:
+            store = open_store(c.store_url, **dict(c.store_options))
         if c.throttle_bytes_per_s is not None:
             store = ThrottledStore(store, c.throttle_bytes_per_s, latency_s=c.throttle_latency_s)
         return store
@@ -139,6 +145,23 @@ class ConnectorContext:
         c = self.config
         bw = c.link_bytes_per_s or c.throttle_bytes_per_s
         return LinkCost(bw, c.throttle_latency_s) if bw else None
+
+
+_MEMORY: dict[str, MemoryStore] = {}
+_MEMORY_LOCK = threading.Lock()
+
+
+def _memory_store(options: Mapping[str, Any]) -> MemoryStore:
+    """This process's ``memory://`` store with `options` (made on first use)."""
+    key = json.dumps(dict(options), sort_keys=True, default=str)
+    with _MEMORY_LOCK:
+        store = _MEMORY.get(key)
+        if store is None:
+            try:
+                store = _MEMORY[key] = MemoryStore(**dict(options))
+            except TypeError as exc:
+                raise InvalidInputError(f"store_options for memory:// are MemoryStore's: {exc}") from None
+        return store
 
 
 # -- costs -----------------------------------------------------------------------------------------

@@ -350,6 +350,7 @@ class WorkerSide:
                     tokens=spec.k,
                     bytes=load.bytes_read,
                     seconds=load.seconds,
+                    blocks=blocks_of(spec.block_ids, 0, spec.k, self.block_size),
                 )
         if self._loads and self._load_stream is not None:  # every load is settled: vLLM's stream goes on
             vllm_stream = torch.cuda.current_stream(self._caches[0].device)  # after every page they wrote

@@ -270,7 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if warm["rc"] != 0:
         raise RuntimeError(f"vLLM alone failed:\n{warm['error']}")
     balance = {n: n * kv_bytes / warm["rows"][n]["ttft_s"] for n in args.tokens}
-    log(f"balance bandwidth: { {n: f'{b / 1e9:.2f} GB/s' for n, b in balance.items()} }")
+    log(f"balance bandwidth: { {n: f'{b / 1e6:.1f} MB/s' for n, b in balance.items()} }")
     all_cases = cases(args, work, fingerprint, kv_bytes)
     saver = Case("kvrestore save", "kvrestore", all_cases[-1].extra | {"split": "compute_all"})
     runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in all_cases}

@@ -34,6 +34,7 @@ from kvrestore.integrations.vllm_plan import (
     CostBook,
     checkpoint_fingerprint,
     choose_split,
+    loading_factor,
     max_loadable,
 )
 from kvrestore.policies import LoadOnly
@@ -91,7 +92,9 @@ def _scattered(layout: str, blocks: list[int], start: int, data: torch.Tensor) -
                 got = _slot(cache, layout, kv, blocks[pos // BS], h, pos % BS)
                 assert torch.equal(got, data[kv, h, t])
     for kv in (0, 1):  # nothing else was written: every other slot is still zero
-        written = sum(int((_slot(cache, layout, kv, b, 0, o) != 0).any()) for b in range(NB) for o in range(BS))
+        written = sum(
+            int((_slot(cache, layout, kv, b, 0, o) != 0).any()) for b in range(NB) for o in range(BS)
+        )
         assert written == n
     assert torch.equal(gather_tokens(cache, layout, blocks, start, start + n, H, D), data)
     return cache
@@ -145,7 +148,13 @@ ENDS = [256 * (i + 1) for i in range(7)] + [2000]  # a stored 2,000-token prompt
 COMPUTE = ChunkCost.per_pair(0.0, 2.5e-3, 1.0e-6)  # ~5 s for 2,000 tokens from scratch
 
 
-def _split(link: LinkCost | None, compute: ChunkCost | None = COMPUTE, mode: str = "planned", ends=ENDS):
+def _split(
+    link: LinkCost | None,
+    compute: ChunkCost | None = COMPUTE,
+    mode: str = "planned",
+    ends=ENDS,
+    loading: float | None = None,
+):
     return choose_split(
         n_tokens=2000,
         chunk_ends=ends,
@@ -155,6 +164,7 @@ def _split(link: LinkCost | None, compute: ChunkCost | None = COMPUTE, mode: str
         num_layers=30,
         link=link,
         compute=compute,
+        loading=loading,
         mode=mode,
     )
 
@@ -182,6 +192,30 @@ def test_the_planned_split_follows_the_link():
     assert "predicted" in mid.explain() and str(mid.k) in mid.explain()
     with pytest.raises(InvalidInputError):
         _split(LinkCost(1e9), mode="half")
+
+
+def test_a_step_that_loads_is_learned_apart_and_slows_the_splits_compute(tmp_path):
+    """A step that loaded computed beside the load: how much slower than alone is learned from such
+    steps, and a split then predicts its suffix that much slower (compute-all does not change)."""
+    L = 30
+    compute = ChunkCost.per_pair(0.0, 1e-3, 0.0)  # 1 s for 1,000 tokens
+    # computed 1,000 tokens after a past of 1,000 loaded in 0.6 s: 3 s where alone it takes 1 s
+    samples = [[1000, 1000, 0.6, 3.0 + 0.6 / L, L], [1000, 500, 0.3, 3.0 + 0.3 / L, L]]
+    assert loading_factor(samples, compute) == pytest.approx(3.0)
+    # a load-all step (a few tokens computed after the load) says nothing about the compute
+    assert loading_factor([[32, 1968, 2.0, 2.05, L]], compute) is None
+    book = CostBook(tmp_path / "c.json")
+    assert book.loading_factor() is None  # no compute cost yet
+    book.add_compute(2000, 0, 2.0)
+    for row in samples:
+        book.add_loading_step(*row[:4], num_layers=L)  # type: ignore[call-arg]
+    assert CostBook(tmp_path / "c.json").loading_factor() == pytest.approx(3.0)  # another process
+    balance_bw = 2000 * KV_PER_TOKEN / COMPUTE.seconds(2000)
+    alone, beside = _split(LinkCost(balance_bw)), _split(LinkCost(balance_bw), loading=3.0)
+    assert beside.compute_all_s == alone.compute_all_s
+    assert beside.k > alone.k  # computing beside a load is dearer: load more of the prompt
+    c = COMPUTE.seconds(2000 - beside.k, beside.k)
+    assert beside.compute_s == pytest.approx(3.0 * c)
 
 
 def test_compute_cost_is_learned_from_steps():
@@ -307,6 +341,21 @@ def test_a_layer_load_places_every_layer_of_the_prefix(io):
     for layer in range(3):
         assert torch.equal(placed[layer], kv[layer, :, :, :24])
     assert load.bytes_read > 24 * SPEC.kv_bytes_per_token and load.seconds > 0
+
+
+def test_compressed_chunks_load_the_same_kv(io):
+    """zstd sections are decoded into tensors of their own (uncompressed ones are views of the bytes)."""
+    store = MemoryStore()
+    kv = torch.randn(SPEC.num_layers, 2, H, 40, D)
+    refs = chunk_keys(list(range(40)), SPEC.fingerprint, 16)
+    saver = ChunkSaver(SPEC, store, io, compression="zstd")
+    for r in refs:
+        assert saver.submit(r.key, KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()))
+    assert saver.flush(timeout=10)
+    load, placed = _load(store, io, [LoadChunk(r.key, r.start, r.end) for r in refs], 40)
+    assert not load.failed
+    for layer in range(SPEC.num_layers):
+        assert torch.equal(placed[layer], kv[layer])
 
 
 def test_a_damaged_or_missing_chunk_fails_its_tokens_only(io):

@@ -8,7 +8,9 @@ of every chunk that overlaps [0, k) over the link; computing n - k tokens after 
 ``max(load + compute / L, compute + load / L)``: the slower of the two plus one layer of the other. The
 connector picks the k (block- and chunk-aligned, at most the stored prefix and n - 1) that minimises it.
 Both costs are `kvrestore.costs` models (`ChunkCost`, `LinkCost`), learned by `CostBook` from what
-vLLM's steps and the connector's loads took (`fit_prefill_steps`, `link_from_loads`).
+vLLM's steps and the connector's loads took (`fit_prefill_steps`, `link_from_loads`). A step that loads
+is learned apart: its compute shares the host with the load's reads, checks and page writes, and
+`loading_factor` (how much slower it computed than alone) scales the compute of every split that loads.
 """
 
 from __future__ import annotations
@@ -289,13 +291,15 @@ def loading_factor(samples: Sequence[Sequence[float]], compute: ChunkCost) -> fl
     """How much slower a step's compute runs while a load runs beside it (its reads, checks and page
     copies share the host with vLLM's kernels), from steps that loaded: [n new, past, load seconds, step
     seconds, layers]. A step computes after its loaded layers arrive, so it ends about ``load / layers``
-    after its compute would, or a layer's compute after the load: where the compute ended last (the step
-    outlasted its load by more than half its predicted compute), ``(step - load / layers) / compute`` is
-    what the compute took against what it takes alone. The median of those; None without one."""
+    after its compute would, or a layer's compute after the load. Where the compute ended last (the step
+    outlasted its load by more than half its predicted compute) and was a sizeable part of the step (at
+    least a quarter of the load: a few tokens after a long load tell nothing of it), ``(step - load /
+    layers) / compute`` is what the compute took against what it takes alone. The median of those; None
+    without one."""
     ratios = []
     for n_new, past, load_s, step_s, layers in samples:
         c = compute.seconds(int(n_new), int(past))
-        if c <= 0 or step_s - load_s < 0.5 * c:
+        if c <= 0 or c < 0.25 * load_s or step_s - load_s < 0.5 * c:
             continue
         ratios.append((step_s - load_s / max(layers, 1.0)) / c)
     if not ratios:

@@ -135,8 +135,10 @@ class ConnectorContext:
         the same process (vLLM runs both in one process unless the model is split over several); its
         options are `MemoryStore`'s (``pinned=True``: page-locked, for uploads to a GPU)."""
         c = self.config
-        store = _memory_store(c.store_options) if c.store_url == "memory://" else None
-        if store is None:
+        store: ChunkStore
+        if c.store_url == "memory://":
+            store = _memory_store(c.store_options)
+        else:
             store = open_store(c.store_url, **dict(c.store_options))
         if c.throttle_bytes_per_s is not None:
             store = ThrottledStore(store, c.throttle_bytes_per_s, latency_s=c.throttle_latency_s)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
@@ -230,11 +231,13 @@ class WorkerSide:
         in one copy, on the CPU each piece straight from the bytes read."""
         H, D = self.spec.num_kv_heads, self.spec.head_dim
         cache = self._caches[layer]
-        if cache.is_cuda:
+        if cache.is_cuda:  # one copy into pinned memory, single-threaded and GIL-free (numpy's): torch's
+            # would spread over every core and starve vLLM's thread, which launches the step's kernels
             n = pieces[-1][0] + pieces[-1][1].shape[2]
             host = torch.empty((2, H, n, D), dtype=pieces[0][1].dtype, pin_memory=True)
             for start, data in pieces:
-                host[:, :, start : start + data.shape[2]].copy_(data)
+                dst = host[:, :, start : start + data.shape[2]]
+                np.copyto(dst.view(torch.uint8).numpy(), data.view(torch.uint8).numpy())
             pieces = [(0, host)]
         for start, data in pieces:
             scatter_tokens(cache, self._layout, block_ids, start, data, H, D)

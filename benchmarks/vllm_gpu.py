@@ -324,7 +324,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 (abs(row["logprob"] - ref["logprob"]) for row in rows if row["logprob"] is not None),
                 default=None,
             )
-            splits = [rec["k"] for g in got for rec in g["records"] if rec["event"] == "split"]
+            splits = [  # the timed request's split (a process that saves first records that one too)
+                [rec["k"] for rec in g["records"] if rec["event"] == "split" and rec["n_tokens"] == n][-1]
+                for g in got
+                if any(rec["event"] == "split" and rec["n_tokens"] == n for rec in g["records"])
+            ]
             per_case[name] = {
                 "ttft_s": ttft,
                 "ttfts_s": [row["ttft_s"] for row in rows],

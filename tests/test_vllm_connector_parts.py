@@ -20,6 +20,7 @@ from kvrestore.core.spec import ModelSpec
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.costs.learned import fit_prefill_steps
 from kvrestore.costs.links import LinkCost
+from kvrestore.integrations.vllm_costs import CostBook, loading_factor
 from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, LoadChunk
 from kvrestore.integrations.vllm_layout import (
     LAYOUTS,
@@ -31,10 +32,8 @@ from kvrestore.integrations.vllm_layout import (
 )
 from kvrestore.integrations.vllm_plan import (
     ConnectorConfig,
-    CostBook,
     checkpoint_fingerprint,
     choose_split,
-    loading_factor,
     max_loadable,
 )
 from kvrestore.policies import LoadOnly

@@ -46,6 +46,9 @@ def main() -> None:
         "--warmup", action="store_true", help="serve a short unrelated prompt first (not reported)"
     )
     ap.add_argument(
+        "--exit", action="store_true", help="exit right after serving, without shutting vLLM down"
+    )
+    ap.add_argument(
         "--metrics", action="store_true", help="turn vLLM's stats on; print its kvrestore counters"
     )
     args = ap.parse_args()

@@ -10,9 +10,11 @@ from kvrestore import codec
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
+from kvrestore.integrations.vllm_costs import CostBook
 from kvrestore.integrations.vllm_io import LoadChunk
-from kvrestore.integrations.vllm_plan import ConnectorConfig, ConnectorContext, CostBook
-from kvrestore.integrations.vllm_worker import KVRestoreConnectorMetadata, LoadSpec, SaveSpec, WorkerSide
+from kvrestore.integrations.vllm_meta import KVRestoreConnectorMetadata, LoadSpec, SaveSpec
+from kvrestore.integrations.vllm_plan import ConnectorConfig, ConnectorContext
+from kvrestore.integrations.vllm_worker import WorkerSide
 from kvrestore.stores import MemoryStore
 
 L, H, D, BLOCK, N_BLOCKS, CHUNK = 2, 2, 4, 8, 16, 16

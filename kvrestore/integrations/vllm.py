@@ -33,9 +33,10 @@ What it does:
 The connector is split by role, as vLLM's own OffloadingConnector is: vLLM makes one per process and
 role, and `KVRestoreConnector` holds a `SchedulerSide` (`vllm_scheduler`: lookups, the split, what each
 step loads and saves; no I/O thread, no saver) or a `WorkerSide` (`vllm_worker`: the loads, the page
-writes, the saver), never both. The vLLM-free parts are in `vllm_layout` (paged layouts), `vllm_plan`
-(config, split, learned costs, fingerprint), `vllm_io` (background I/O) and `vllm_stats` (counters and
-records); this module is the glue to vLLM's interface.
+writes, the saver), never both; `vllm_meta` is what they tell each other. The vLLM-free parts are in
+`vllm_layout` (paged layouts), `vllm_plan` (config, split, fingerprint), `vllm_costs` (learned costs),
+`vllm_io` (background I/O) and `vllm_stats` (counters and records); this module is the glue to vLLM's
+interface.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvrestore.core.errors import UnsupportedModelError
+from kvrestore.integrations.vllm_meta import KVRestoreConnectorMetadata
 from kvrestore.integrations.vllm_plan import (
     ConnectorConfig,
     ConnectorContext,
@@ -62,7 +64,7 @@ from kvrestore.integrations.vllm_plan import (
 )
 from kvrestore.integrations.vllm_scheduler import SchedulerSide
 from kvrestore.integrations.vllm_stats import COUNTERS, emit, records, sum_counts
-from kvrestore.integrations.vllm_worker import KVRestoreConnectorMetadata, WorkerSide
+from kvrestore.integrations.vllm_worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

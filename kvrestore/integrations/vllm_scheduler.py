@@ -21,14 +21,14 @@ import anyio
 from kvrestore.core.keys import ChunkRef, chunk_keys
 from kvrestore.integrations.vllm_io import STORE_FAULTS, IOThread, LoadChunk
 from kvrestore.integrations.vllm_layout import blocks_of
-from kvrestore.integrations.vllm_plan import ConnectorContext, SplitChoice, choose_split
-from kvrestore.integrations.vllm_stats import Counters, emit
-from kvrestore.integrations.vllm_worker import (
+from kvrestore.integrations.vllm_meta import (
     KVRestoreConnectorMetadata,
     KVRestoreWorkerMetadata,
     LoadSpec,
     SaveSpec,
 )
+from kvrestore.integrations.vllm_plan import ConnectorContext, SplitChoice, choose_split
+from kvrestore.integrations.vllm_stats import Counters, emit
 from kvrestore.stores.base import ChunkStore
 
 if TYPE_CHECKING:

@@ -1,5 +1,4 @@
-"""The worker side of the vLLM connector (`kvrestore.integrations.vllm.KVRestoreConnector`), and the
-metadata its scheduler side sends it each step.
+"""The worker side of the vLLM connector (`kvrestore.integrations.vllm.KVRestoreConnector`).
 
 The worker registers vLLM's paged KV caches (and works out their layout), starts each step's loads layer by
 layer in the background (`vllm_io.LayerLoad`), waits only for the layer about to run, copies computed
@@ -14,7 +13,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,50 +22,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.streams import HostEvent, on_stream, timing_event
-from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, LoadChunk, Pieces
+from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, Pieces
 from kvrestore.integrations.vllm_layout import blocks_of, gather_chunk, kv_views, scatter_tokens
+from kvrestore.integrations.vllm_meta import (
+    KVRestoreConnectorMetadata,
+    KVRestoreWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
 from kvrestore.integrations.vllm_plan import ConnectorContext
 from kvrestore.integrations.vllm_stats import Counters, emit
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")
-
-
-@dataclass
-class LoadSpec:
-    req_id: str
-    chunks: list[LoadChunk]
-    k: int
-    block_ids: list[int]
-
-
-@dataclass
-class SaveSpec:
-    req_id: str
-    chunks: list[LoadChunk]
-    block_ids: list[int]
-
-
-@dataclass
-class KVRestoreConnectorMetadata(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-    #: (req_id, new tokens, tokens already computed) of every request in the step: what compute costs
-    steps: list[tuple[str, int, int]] = field(default_factory=list)
-
-
-@dataclass
-class KVRestoreWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: per request, the chunks that did not load (vLLM recomputes them; the
-    scheduler side then saves them again)."""
-
-    failed: dict[str, set[int]] = field(default_factory=dict)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if isinstance(other, KVRestoreWorkerMetadata):
-            for req_id, chunks in other.failed.items():
-                self.failed.setdefault(req_id, set()).update(chunks)
-        return self
 
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")

@@ -10,6 +10,7 @@ any case: it needs the answer to schedule the request).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -66,6 +67,7 @@ class CallerLoop:
 
     def close(self) -> None:
         if self._loop is not None:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
             self._loop.close()
         if self._io is not None:
             self._io.close()
@@ -240,4 +242,7 @@ class SchedulerSide:
         return False, None
 
     def shutdown(self) -> None:
+        """Close the store on the loop its client was made on, then the loop."""
+        with contextlib.suppress(*STORE_FAULTS):
+            self.loop.call(self.store.close, timeout=self.config.lookup_timeout_s)
         self.loop.close()

@@ -7,6 +7,7 @@ chunks out of the pages for the saver, and reports blocks that did not load so v
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -22,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.streams import HostEvent, on_stream, timing_event
-from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, Pieces
+from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, Pieces
 from kvrestore.integrations.vllm_layout import blocks_of, gather_chunk, kv_views, scatter_tokens
 from kvrestore.integrations.vllm_meta import (
     KVRestoreConnectorMetadata,
@@ -393,4 +394,6 @@ class WorkerSide:
                 self.saver.dropped,
                 self.saver.failed,
             )
+        with contextlib.suppress(*STORE_FAULTS):  # on the loop its client was made on
+            self.io.call(self.store.close, timeout=self.config.lookup_timeout_s)
         self.io.close()

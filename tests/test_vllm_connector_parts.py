@@ -193,7 +193,7 @@ def test_the_planned_split_follows_the_link():
         _split(LinkCost(1e9), mode="half")
 
 
-def test_a_step_that_loads_is_learned_apart_and_slows_the_splits_compute(tmp_path):
+def test_how_much_slower_steps_that_load_compute_is_learned_and_slows_a_split(tmp_path):
     """A step that loaded computed beside the load: how much slower than alone is learned from such
     steps, and a split then predicts its suffix that much slower (compute-all does not change)."""
     L = 30

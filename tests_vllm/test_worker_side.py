@@ -92,10 +92,11 @@ def test_chunks_computed_over_a_failed_load_are_not_saved():
         for layer in range(L):  # flash_attn pages: [2, blocks, block_size, H, D]; blocks 0 and 1
             pages = side._caches[layer][:, :2].reshape(2, 16, H, D).transpose(1, 2)
             assert torch.equal(pages, kv[layer])
-        # a step that loaded is a sample of computing beside a load, not of computing alone
+        # a step that loaded is a sample of computing after a past, and of computing beside a load
         ((n_new, past, load_s, step_s, layers),) = side.costs.loading
         assert (n_new, past, layers) == (16, 16, L) and load_s > 0 and step_s > 0
-        assert side.costs.compute == []
+        ((n_new, past, seconds),) = side.costs.compute
+        assert (n_new, past) == (16, 16) and 0 <= seconds <= step_s
         counts = side.take_counts()
         assert (
             counts["loads"] == 1

@@ -126,7 +126,7 @@ class CostBook:
         self._write()
 
     def loading_factor(self) -> float | None:
-        """How much slower vLLM computes while a load runs beside it than alone (`loading_factor`)."""
+        """How much slower vLLM computes beside a load than the compute model says (`loading_factor`)."""
         compute = self.compute_cost()
         with self._lock:
             samples = list(self.loading)

@@ -8,9 +8,10 @@ of every chunk that overlaps [0, k) over the link; computing n - k tokens after 
 ``max(load + compute / L, compute + load / L)``: the slower of the two plus one layer of the other. The
 connector picks the k (block- and chunk-aligned, at most the stored prefix and n - 1) that minimises it.
 Both costs are `kvrestore.costs` models (`ChunkCost`, `LinkCost`), learned by `CostBook` from what
-vLLM's steps and the connector's loads took (`fit_prefill_steps`, `link_from_loads`). A step that loads
-is learned apart: its compute shares the host with the load's reads, checks and page writes, and
-`loading_factor` (how much slower it computed than alone) scales the compute of every split that loads.
+vLLM's steps and the connector's loads took (`fit_prefill_steps`, `link_from_loads`); a step that loaded
+is the one sample of computing after a long past. Its compute also shares the host with the load's
+reads, checks and page writes: `loading_factor` (how much slower such steps computed than the model
+says) scales the compute of every split that loads.
 """
 
 from __future__ import annotations

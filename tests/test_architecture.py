@@ -42,7 +42,6 @@ REVIEW_LINES = 400
 
 #: packages whose mixins are being split into objects elsewhere (the vLLM connector's scheduler and
 #: worker sides); the mixin check skips them until then
-MIXIN_EXEMPT = ("integrations",)
 
 
 def _modules(package: Path = PACKAGE) -> list[Path]:
@@ -210,8 +209,6 @@ def _mixins(package: Path = PACKAGE) -> list[str]:
     that are not interfaces (ABCs). Records and interfaces are not mixins."""
     classes: dict[str, tuple[str, ast.ClassDef]] = {}
     for path in _modules(package):
-        if _layer_of(path, package) in MIXIN_EXEMPT:
-            continue
         where = str(path.relative_to(package.parent))
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
@@ -239,7 +236,7 @@ def _mixins(package: Path = PACKAGE) -> list[str]:
 
 def test_no_mixins():
     """Objects are composed: a class that needs another's state holds that object (see
-    docs/architecture.md). The vLLM connector (`MIXIN_EXEMPT`) is being split elsewhere."""
+    docs/architecture.md)."""
     found = _mixins()
     assert not found, "mixin classes (compose objects instead):\n" + "\n".join(found)
 
@@ -266,7 +263,7 @@ def test_the_mixin_check_can_fail(tmp_path):
     assert [f.split(": ")[1].split()[0] for f in found] == ["AB", "LoggingMixin", "Moves"], found
     (fake / "integrations").mkdir()
     (fake / "integrations" / "x.py").write_text("class SideMixin:\n    pass\n")
-    assert len(_mixins(fake)) == 3
+    assert len(_mixins(fake)) == 4  # no layer is exempt
 
 
 def test_the_restorer_is_a_thin_facade():

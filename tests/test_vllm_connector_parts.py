@@ -20,6 +20,7 @@ from kvrestore.core.spec import ModelSpec
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.costs.learned import fit_prefill_steps
 from kvrestore.costs.links import LinkCost
+from kvrestore.integrations.vllm_costs import CostBook, loading_factor
 from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, LoadChunk
 from kvrestore.integrations.vllm_layout import (
     LAYOUTS,
@@ -31,7 +32,6 @@ from kvrestore.integrations.vllm_layout import (
 )
 from kvrestore.integrations.vllm_plan import (
     ConnectorConfig,
-    CostBook,
     checkpoint_fingerprint,
     choose_split,
     max_loadable,
@@ -91,7 +91,9 @@ def _scattered(layout: str, blocks: list[int], start: int, data: torch.Tensor) -
                 got = _slot(cache, layout, kv, blocks[pos // BS], h, pos % BS)
                 assert torch.equal(got, data[kv, h, t])
     for kv in (0, 1):  # nothing else was written: every other slot is still zero
-        written = sum(int((_slot(cache, layout, kv, b, 0, o) != 0).any()) for b in range(NB) for o in range(BS))
+        written = sum(
+            int((_slot(cache, layout, kv, b, 0, o) != 0).any()) for b in range(NB) for o in range(BS)
+        )
         assert written == n
     assert torch.equal(gather_tokens(cache, layout, blocks, start, start + n, H, D), data)
     return cache
@@ -145,7 +147,13 @@ ENDS = [256 * (i + 1) for i in range(7)] + [2000]  # a stored 2,000-token prompt
 COMPUTE = ChunkCost.per_pair(0.0, 2.5e-3, 1.0e-6)  # ~5 s for 2,000 tokens from scratch
 
 
-def _split(link: LinkCost | None, compute: ChunkCost | None = COMPUTE, mode: str = "planned", ends=ENDS):
+def _split(
+    link: LinkCost | None,
+    compute: ChunkCost | None = COMPUTE,
+    mode: str = "planned",
+    ends=ENDS,
+    loading: float | None = None,
+):
     return choose_split(
         n_tokens=2000,
         chunk_ends=ends,
@@ -155,6 +163,7 @@ def _split(link: LinkCost | None, compute: ChunkCost | None = COMPUTE, mode: str
         num_layers=30,
         link=link,
         compute=compute,
+        loading=loading,
         mode=mode,
     )
 
@@ -182,6 +191,30 @@ def test_the_planned_split_follows_the_link():
     assert "predicted" in mid.explain() and str(mid.k) in mid.explain()
     with pytest.raises(InvalidInputError):
         _split(LinkCost(1e9), mode="half")
+
+
+def test_how_much_slower_steps_that_load_compute_is_learned_and_slows_a_split(tmp_path):
+    """A step that loaded computed beside the load: how much slower than alone is learned from such
+    steps, and a split then predicts its suffix that much slower (compute-all does not change)."""
+    L = 30
+    compute = ChunkCost.per_pair(0.0, 1e-3, 0.0)  # 1 s for 1,000 tokens
+    # computed 1,000 tokens after a past of 1,000 loaded in 0.6 s: 3 s where alone it takes 1 s
+    samples = [[1000, 1000, 0.6, 3.0 + 0.6 / L, L], [1000, 500, 0.3, 3.0 + 0.3 / L, L]]
+    assert loading_factor(samples, compute) == pytest.approx(3.0)
+    # a load-all step (a few tokens computed after the load) says nothing about the compute
+    assert loading_factor([[32, 1968, 2.0, 2.05, L]], compute) is None
+    book = CostBook(tmp_path / "c.json")
+    assert book.loading_factor() is None  # no compute cost yet
+    book.add_compute(2000, 0, 2.0)
+    for row in samples:
+        book.add_loading_step(*row[:4], num_layers=L)  # type: ignore[call-arg]
+    assert CostBook(tmp_path / "c.json").loading_factor() == pytest.approx(3.0)  # another process
+    balance_bw = 2000 * KV_PER_TOKEN / COMPUTE.seconds(2000)
+    alone, beside = _split(LinkCost(balance_bw)), _split(LinkCost(balance_bw), loading=3.0)
+    assert beside.compute_all_s == alone.compute_all_s
+    assert beside.k > alone.k  # computing beside a load is dearer: load more of the prompt
+    c = COMPUTE.seconds(2000 - beside.k, beside.k)
+    assert beside.compute_s == pytest.approx(3.0 * c)
 
 
 def test_compute_cost_is_learned_from_steps():
@@ -278,9 +311,19 @@ def _stored_prompt(store: MemoryStore, io: IOThread, n: int = 40, chunk: int = 1
     return [LoadChunk(r.key, r.start, r.end) for r in refs], kv
 
 
+def _joined(placed: dict[int, torch.Tensor]):
+    """A `LayerLoad.place` that keeps each layer's pieces joined into one [2, H, T, D] tensor."""
+
+    def place(layer: int, pieces) -> None:
+        assert [start for start, _ in pieces] == [0, *(s + d.shape[2] for s, d in pieces[:-1])]
+        placed[layer] = torch.cat([data for _, data in pieces], dim=2)
+
+    return place
+
+
 def _load(store, io, chunks, k, timeout=10.0):
     placed: dict[int, torch.Tensor] = {}
-    load = LayerLoad(SPEC, store, chunks, k, lambda layer, data: placed.__setitem__(layer, data.clone()))
+    load = LayerLoad(SPEC, store, chunks, k, _joined(placed))
     load.start(io, timeout)
     for layer in range(SPEC.num_layers):
         assert load.wait(layer)
@@ -297,6 +340,21 @@ def test_a_layer_load_places_every_layer_of_the_prefix(io):
     for layer in range(3):
         assert torch.equal(placed[layer], kv[layer, :, :, :24])
     assert load.bytes_read > 24 * SPEC.kv_bytes_per_token and load.seconds > 0
+
+
+def test_compressed_chunks_load_the_same_kv(io):
+    """zstd sections are decoded into tensors of their own (uncompressed ones are views of the bytes)."""
+    store = MemoryStore()
+    kv = torch.randn(SPEC.num_layers, 2, H, 40, D)
+    refs = chunk_keys(list(range(40)), SPEC.fingerprint, 16)
+    saver = ChunkSaver(SPEC, store, io, compression="zstd")
+    for r in refs:
+        assert saver.submit(r.key, KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()))
+    assert saver.flush(timeout=10)
+    load, placed = _load(store, io, [LoadChunk(r.key, r.start, r.end) for r in refs], 40)
+    assert not load.failed
+    for layer in range(SPEC.num_layers):
+        assert torch.equal(placed[layer], kv[layer])
 
 
 def test_a_damaged_or_missing_chunk_fails_its_tokens_only(io):
@@ -361,7 +419,7 @@ def test_a_stalled_load_is_given_up_at_its_deadline_and_writes_nothing_after(io)
     store = _StuckStore(release)
     chunks, _ = _stored_prompt(store, io)
     placed: list[int] = []
-    load = LayerLoad(SPEC, store, chunks, 32, lambda layer, data: placed.append(layer))
+    load = LayerLoad(SPEC, store, chunks, 32, lambda layer, pieces: placed.append(layer))
     load.start(io, timeout=0.3)
     assert not load.wait(0)  # the deadline passes
     assert load.cancelled and load.failed == {0, 1, 2}
@@ -431,7 +489,7 @@ def test_chunks_saved_the_connector_way_are_a_restorers_and_back(io):
         store2,
         [LoadChunk(r.key, r.start, r.end) for r in refs],
         32,
-        lambda layer, data: placed.__setitem__(layer, data.clone()),
+        _joined(placed),
     )
     load.start(io, 10)
     for layer in range(spec.num_layers):

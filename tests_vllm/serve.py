@@ -5,8 +5,10 @@
 
 Each prompt is `--tokens` ids of kvrestore's reference text (starting `--offsets` ids in), served with
 greedy sampling; the output has the generated ids, their logprobs and the time to the first token
-(a generate call of one token, measured before the full one, when `--ttft` is given). Used by the vLLM
-test tier and `benchmarks/vllm_connector.py` as "a new process".
+(a generate call of one token, measured before the full one, when `--ttft` is given). Last, one line
+``{"records": [...], "metrics": {...}}``: the connector's records (`vllm_stats.records`) and, with
+`--metrics`, the ``vllm:kvrestore_*`` counters vLLM exported. Used by the vLLM test tier and
+`benchmarks/vllm_connector.py` as "a new process".
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ def main() -> None:
     ap.add_argument(
         "--warmup", action="store_true", help="serve a short unrelated prompt first (not reported)"
     )
+    ap.add_argument(
+        "--exit", action="store_true", help="exit right after serving, without shutting vLLM down"
+    )
+    ap.add_argument(
+        "--metrics", action="store_true", help="turn vLLM's stats on; print its kvrestore counters"
+    )
     args = ap.parse_args()
 
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
@@ -72,6 +80,7 @@ def main() -> None:
         dtype="float32",
         enable_prefix_caching=False,
         kv_transfer_config=kv,
+        disable_log_stats=not args.metrics,
     )
     print(json.dumps({"event": "ready", "seconds": time.perf_counter() - t0}), flush=True)
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -101,10 +110,22 @@ def main() -> None:
                 ),
                 flush=True,
             )
-    # let background writes finish before the process exits
+    # let background writes finish before the process exits (--exit: as a script that just ends does)
     shutdown = getattr(llm.llm_engine, "shutdown", None)
-    if shutdown is not None:
+    if shutdown is not None and not args.exit:
         shutdown()
+    metrics = {}
+    if args.metrics:
+        llm.llm_engine.do_log_stats()  # the last interval's stats reach the counters
+        for m in llm.get_metrics():
+            if m.name.startswith("vllm:kvrestore_"):
+                metrics[m.name.removeprefix("vllm:kvrestore_")] = getattr(m, "value", None)
+    records = []
+    if args.connector == "kvrestore":
+        from kvrestore.integrations.vllm_stats import records as kept
+
+        records = kept()
+    print(json.dumps({"records": records, "metrics": metrics}), flush=True)
 
 
 if __name__ == "__main__":

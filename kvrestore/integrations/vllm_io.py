@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import math
 import threading
 import time
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -23,7 +25,8 @@ import torch
 
 from kvrestore import codec
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
-from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, InvalidInputError
+from kvrestore.codec.checksums import host_checksum
+from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, CorruptChunkError, InvalidInputError
 from kvrestore.core.kv import KVCache, KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.stores.base import ChunkStore
@@ -180,14 +183,47 @@ class LoadChunk:
     end: int
 
 
+#: what a load hands its `place` for one layer: (first token, KV ``[2, H, T, D]`` of tokens [first,
+#: first + T)) per chunk, in token order, together covering [0, upto)
+Pieces = list[tuple[int, torch.Tensor]]
+
+
+class _SectionReader(LayerReader):
+    """A `LayerReader` that keeps each verified section instead of copying it into a cache: an
+    uncompressed section, checked against its checksum, is viewed as a tensor over the bytes read (no
+    copy: vLLM's pages take the bytes from there); any other is decoded into a tensor of its own.
+    Several layers read at once come in one range read per chunk (`LayerLoad`'s `layers_per_read`)."""
+
+    def __init__(self, spec: ModelSpec, store: ChunkStore, chunks: Sequence[StoredChunk]) -> None:
+        super().__init__(spec, store, chunks)
+        self.sections: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, layer) -> its section
+
+    def place(self, layers: range, j: int, data: bytes | memoryview, kv: KVCache) -> None:
+        header, spec = self.headers[j], self.spec
+        shape = (2, spec.num_kv_heads, header.n_tokens, spec.head_dim)
+        raw = math.prod(shape) * spec.dtype.itemsize
+        for layer, stored in codec.span_sections(header, layers, data).items():
+            section = header.layers[layer]
+            if header.compression != "none" or section.length != raw or section.raw_length != raw:
+                self.sections[j, layer] = codec.decode_layers(header, {layer: stored}, spec, [layer])[0]
+                continue
+            if len(stored) != section.length or host_checksum(stored) != section.checksum:
+                raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
+            with warnings.catch_warnings():  # read-only bytes: nothing writes through the view
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(stored, dtype=torch.uint8)
+            self.sections[j, layer] = flat.view(spec.dtype).view(shape)
+
+
 class LayerLoad:
     """Loads tokens [0, k) of one request from stored chunks, layer by layer, in the background.
 
-    `place(layer, kv)` gets each layer's verified KV (``[2, H, T, D]``: tokens [0, T), T = k, or the start
-    of the first failed chunk) and writes it where the engine wants it; it runs on the I/O thread, under a lock that `cancel` takes too, so once `cancel` returns
-    nothing more is written. Chunks that are missing, damaged or of another model end in `failed`
-    (indices into `chunks`); a store fault or a timeout fails every chunk. `wait(layer)` blocks until the
-    layer is placed (or given up).
+    `place(layer, pieces)` gets each layer's verified KV as `Pieces` covering tokens [0, T) (T = k, or
+    the start of the first failed chunk), each a view of the bytes read where the chunk is stored
+    uncompressed, and writes it where the engine wants it; it runs on the I/O thread, under a lock that
+    `cancel` takes too, so once `cancel` returns nothing more is placed. Chunks that are missing, damaged
+    or of another model end in `failed` (indices into `chunks`); a store fault or a timeout fails every
+    chunk. `wait(layer)` blocks until the layer is placed (or given up).
     """
 
     def __init__(
@@ -196,7 +232,8 @@ class LayerLoad:
         store: ChunkStore,
         chunks: Sequence[LoadChunk],
         k: int,
-        place: Callable[[int, torch.Tensor], None],
+        place: Callable[[int, Pieces], None],
+        layers_per_read: int = 4,
     ) -> None:
         if not chunks or chunks[0].start != 0 or chunks[-1].end < k:
             raise InvalidInputError(f"chunks must cover tokens [0, {k})")
@@ -205,6 +242,7 @@ class LayerLoad:
         self.chunks = list(chunks)
         self.k = k
         self.place = place
+        self.layers_per_read = max(1, layers_per_read)
         self.failed: set[int] = set()
         self.errors: list[str] = []
         self.bytes_read = 0
@@ -223,27 +261,35 @@ class LayerLoad:
     async def run(self) -> None:
         t0 = time.perf_counter()
         try:
-            reader = LayerReader(
+            reader = _SectionReader(
                 self.spec,
                 self.store,
                 [StoredChunk(c.key, c.start, c.start, c.end - c.start) for c in self.chunks],
             )
             ok = await reader.open()
             self._fail([j for j, good in enumerate(ok) if not good], reader.errors)
-            kv = KVCache.empty(self.spec, self.chunks[-1].end)
-            for layer in range(self.spec.num_layers):
+            nowhere = KVCache.empty(self.spec, 0)  # the sections stay in `reader.sections`
+            L, step = self.spec.num_layers, self.layers_per_read
+            for layers in [range(0, 1), *(range(a, min(a + step, L)) for a in range(1, L, step))]:
                 if self.cancelled:
                     break
+                reader.sections = {}
                 if len(self.failed) < len(self.chunks):
                     try:
-                        await reader.read_layer(layer, kv)
+                        await reader.read_layers(layers, nowhere)
                     except ChunkLoadFailed as exc:
                         self._fail(exc.indices, [exc.error])
-                with self._lock:  # up to the first failed chunk: vLLM recomputes from there on
-                    upto = min([self.k] + [self.chunks[j].start for j in self.failed])
-                    if not self.cancelled and upto > 0:
-                        self.place(layer, kv.data[layer, :, :, :upto])
-                self._events[layer].set()
+                for layer in layers:
+                    with self._lock:  # up to the first failed chunk: vLLM recomputes from there on
+                        upto = min([self.k] + [self.chunks[j].start for j in self.failed])
+                        pieces = [
+                            (c.start, reader.sections[j, layer][:, :, : min(c.end, upto) - c.start])
+                            for j, c in enumerate(self.chunks)
+                            if c.start < upto
+                        ]
+                        if not self.cancelled and pieces:
+                            self.place(layer, pieces)
+                    self._events[layer].set()
             self.bytes_read = reader.bytes_read
             self.seconds = time.perf_counter() - t0
         except (*LOAD_FAULTS, *STORE_FAULTS) as exc:

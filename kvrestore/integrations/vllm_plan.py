@@ -1,5 +1,5 @@
-"""What the vLLM connector decides, without vLLM: its configuration, how many stored tokens to load
-(the split), what it has learned about compute and the link, and the model's fingerprint.
+"""What the vLLM connector decides, without vLLM: its configuration and context, how many stored tokens
+to load (the split), and the model's fingerprint (what it learns about costs: `vllm_costs`).
 
 The split. vLLM computes a request's tokens [k, n) while the connector loads [0, k) layer by layer, so
 loading layer l+1 overlaps computing layer l. Loading k tokens costs a round trip per layer plus the bytes
@@ -8,7 +8,10 @@ of every chunk that overlaps [0, k) over the link; computing n - k tokens after 
 ``max(load + compute / L, compute + load / L)``: the slower of the two plus one layer of the other. The
 connector picks the k (block- and chunk-aligned, at most the stored prefix and n - 1) that minimises it.
 Both costs are `kvrestore.costs` models (`ChunkCost`, `LinkCost`), learned by `CostBook` from what
-vLLM's steps and the connector's loads took (`fit_prefill_steps`, `link_from_loads`).
+vLLM's steps and the connector's loads took (`fit_prefill_steps`, `link_from_loads`); a step that loaded
+is the one sample of computing after a long past. Its compute also shares the host with the load's
+reads, checks and page writes: `loading_factor` (how much slower such steps computed than the model
+says) scales the compute of every split that loads.
 """
 
 from __future__ import annotations
@@ -18,9 +21,7 @@ import json
 import logging
 import math
 import os
-import tempfile
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,10 +33,11 @@ from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
 from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec, dtype_name
 from kvrestore.costs.compute import ChunkCost
-from kvrestore.costs.learned import fit_prefill_steps
-from kvrestore.costs.links import LinkCost, link_from_loads
-from kvrestore.costs.profile import machine_id
+from kvrestore.costs.links import LinkCost
+from kvrestore.integrations.vllm_costs import CostBook
 from kvrestore.integrations.vllm_layout import LAYOUTS
+from kvrestore.stores import MemoryStore, ThrottledStore, open_store
+from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")
 
@@ -103,102 +105,64 @@ class ConnectorConfig:
         return cfg
 
 
-# -- costs -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ConnectorContext:
+    """What the connector's scheduler side and worker side share: the checked config, the model, vLLM's
+    block size and the costs learned so far. Each side opens its own store (`open_store`)."""
 
-
-class CostBook:
-    """What the connector has measured, kept across processes in one small JSON file per model and
-    machine: vLLM's prefill steps ([n, past, seconds]) and, per store link, whole loads ([bytes,
-    seconds]). A scheduler and a worker in one process share one book (`CostBook.shared`); in separate
-    processes the scheduler re-reads the file when the worker has written it."""
-
-    MAX_PREFILLS = 32
-    MAX_SMALL = 8
-    MAX_LOADS = 16
-    WRITE_EVERY_S = 5.0
-
-    _shared: dict[str, CostBook] = {}
-    _shared_lock = threading.Lock()
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self.compute: list[list[float]] = []
-        self.links: dict[str, list[list[float]]] = {}
-        self._mtime = 0.0
-        self._written_at = 0.0
-        self._lock = threading.Lock()
-        self.refresh()
+    config: ConnectorConfig
+    spec: ModelSpec
+    block_size: int
+    costs: CostBook
 
     @classmethod
-    def shared(cls, fingerprint: str, cost_dir: str | os.PathLike | None = None) -> CostBook:
-        root = Path(cost_dir) if cost_dir is not None else cache_root() / "vllm"
-        path = root / f"costs-{fingerprint[:16]}-{machine_id()}.json"
-        with cls._shared_lock:
-            book = cls._shared.get(str(path))
-            if book is None:
-                book = cls._shared[str(path)] = cls(path)
-            return book
+    def make(cls, config: ConnectorConfig, spec: ModelSpec, block_size: int) -> ConnectorContext:
+        return cls(config, spec, block_size, CostBook.shared(spec.fingerprint, config.cost_dir))
 
-    def refresh(self) -> None:
-        """Re-read the file if another process wrote it since."""
-        if self.path is None:
-            return
-        try:
-            mtime = self.path.stat().st_mtime
-            if mtime == self._mtime:
-                return
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return
-        with self._lock:
-            self._mtime = mtime
-            self.compute = [list(map(float, s)) for s in data.get("compute", [])]
-            self.links = {k: [list(map(float, s)) for s in v] for k, v in data.get("links", {}).items()}
+    @property
+    def link_key(self) -> str:
+        """The store's link as the costs know it: its URL, and the throttle if one is set."""
+        c = self.config
+        t = c.throttle_bytes_per_s
+        return c.store_url + (f"@{t:.0f}B/s+{c.throttle_latency_s}s" if t else "")
 
-    def add_compute(self, n_tokens: int, past: int, seconds: float) -> None:
-        with self._lock:
-            small = n_tokens < 16
-            same = [s for s in self.compute if (s[0] < 16) == small]
-            if len(same) >= (self.MAX_SMALL if small else self.MAX_PREFILLS):
-                self.compute.remove(same[0])
-            self.compute.append([float(n_tokens), float(past), float(seconds)])
-            # a prefill is worth keeping at once; decode steps (several a second) at most every few seconds
-            due = not small or time.monotonic() - self._written_at > self.WRITE_EVERY_S
-        if due:
-            self._write()
+    def open_store(self) -> ChunkStore:
+        """The store (read through a `ThrottledStore` if `throttle_bytes_per_s` is set). A ``memory://``
+        store is one per process and options: the scheduler side finds what the worker side saved in
+        the same process (vLLM runs both in one process unless the model is split over several); its
+        options are `MemoryStore`'s (``pinned=True``: page-locked, for uploads to a GPU)."""
+        c = self.config
+        store: ChunkStore
+        if c.store_url == "memory://":
+            store = _memory_store(c.store_options)
+        else:
+            store = open_store(c.store_url, **dict(c.store_options))
+        if c.throttle_bytes_per_s is not None:
+            store = ThrottledStore(store, c.throttle_bytes_per_s, latency_s=c.throttle_latency_s)
+        return store
 
-    def add_load(self, link_key: str, nbytes: int, seconds: float) -> None:
-        with self._lock:
-            rows = self.links.setdefault(link_key, [])
-            rows.append([float(nbytes), float(seconds)])
-            del rows[: -self.MAX_LOADS]
-        self._write()
+    def prior_link(self) -> LinkCost | None:
+        """The link as configured (`link_bytes_per_s`, or the throttle), until loads have measured it."""
+        c = self.config
+        bw = c.link_bytes_per_s or c.throttle_bytes_per_s
+        return LinkCost(bw, c.throttle_latency_s) if bw else None
 
-    def compute_cost(self) -> ChunkCost | None:
-        with self._lock:
-            return fit_prefill_steps(self.compute)
 
-    def link(self, link_key: str) -> LinkCost | None:
-        with self._lock:
-            return link_from_loads(self.links.get(link_key, []))
+_MEMORY: dict[str, MemoryStore] = {}
+_MEMORY_LOCK = threading.Lock()
 
-    def _write(self) -> None:
-        if self.path is None:
-            return
-        with self._lock:
-            data = json.dumps({"compute": self.compute, "links": self.links})
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".costs-", dir=self.path.parent)
-            with os.fdopen(fd, "w") as f:
-                f.write(data)
-            os.replace(tmp, self.path)
-            self._mtime = self.path.stat().st_mtime
-            self._written_at = time.monotonic()
-        except OSError as exc:  # learning is best effort
-            log.debug("could not persist learned costs to %s: %s", self.path, exc)
-            with contextlib.suppress(OSError, UnboundLocalError):
-                os.unlink(tmp)
+
+def _memory_store(options: Mapping[str, Any]) -> MemoryStore:
+    """This process's ``memory://`` store with `options` (made on first use)."""
+    key = json.dumps(dict(options), sort_keys=True, default=str)
+    with _MEMORY_LOCK:
+        store = _MEMORY.get(key)
+        if store is None:
+            try:
+                store = _MEMORY[key] = MemoryStore(**dict(options))
+            except TypeError as exc:
+                raise InvalidInputError(f"store_options for memory:// are MemoryStore's: {exc}") from None
+        return store
 
 
 # -- the split ---------------------------------------------------------------------------------------
@@ -211,12 +175,28 @@ class SplitChoice:
     k: int
     n_tokens: int
     stored_tokens: int  # the longest stored prefix (whole chunks)
+    loadable_tokens: int  # the most that could be loaded (whole blocks, leaving a token to compute)
     predicted_s: float | None  # None: no measured costs to predict with
     load_s: float | None
     compute_s: float | None
     load_all_s: float | None  # the prediction for the largest k
     compute_all_s: float | None  # and for k = 0
     reason: str
+
+    def fields(self) -> dict[str, Any]:
+        """The choice as a record (`vllm_stats.emit`): tokens, predictions in seconds, the reason."""
+        return {
+            "k": self.k,
+            "n_tokens": self.n_tokens,
+            "stored_tokens": self.stored_tokens,
+            "loadable_tokens": self.loadable_tokens,
+            "predicted_s": self.predicted_s,
+            "load_s": self.load_s,
+            "compute_s": self.compute_s,
+            "load_all_s": self.load_all_s,
+            "compute_all_s": self.compute_all_s,
+            "reason": self.reason,
+        }
 
     def explain(self) -> str:
         if self.predicted_s is None:
@@ -252,9 +232,11 @@ def choose_split(
     num_layers: int,
     link: LinkCost | None,
     compute: ChunkCost | None,
+    loading: float | None = None,
     mode: str = "planned",
 ) -> SplitChoice:
-    """The split for a prompt of `n_tokens` whose leading stored chunks end at `chunk_ends`."""
+    """The split for a prompt of `n_tokens` whose leading stored chunks end at `chunk_ends`. A split that
+    loads computes its suffix `loading` times slower than alone (`loading_factor`; 1 if not known)."""
     if mode not in SPLITS:
         raise InvalidInputError(f"split must be one of {SPLITS}, got {mode!r}")
     stored = chunk_ends[-1] if chunk_ends else 0
@@ -267,6 +249,7 @@ def choose_split(
         c = compute.seconds(n_tokens - k, k)
         if k == 0:
             return c, 0.0, c
+        c *= loading or 1.0
         nbytes = loaded_tokens_read(k, chunk_ends) * bytes_per_token
         ld = (num_layers + 1) * link.latency_s + nbytes / link.bytes_per_s  # headers, then a round per layer
         return max(ld + c / num_layers, c + ld / num_layers), ld, c
@@ -283,9 +266,9 @@ def choose_split(
         k = min(candidates, key=lambda c: (predict(c)[0], -c))
         reason = "planned: the load and the compute finish together"
     if not known:
-        return SplitChoice(k, n_tokens, stored, None, None, None, None, None, reason)
+        return SplitChoice(k, n_tokens, stored, kmax, None, None, None, None, None, reason)
     total, ld, c = predict(k)
-    return SplitChoice(k, n_tokens, stored, total, ld, c, predict(kmax)[0], predict(0)[0], reason)
+    return SplitChoice(k, n_tokens, stored, kmax, total, ld, c, predict(kmax)[0], predict(0)[0], reason)
 
 
 # -- the model ---------------------------------------------------------------------------------------

@@ -1,5 +1,4 @@
-"""The worker side of the vLLM connector (`kvrestore.integrations.vllm.KVRestoreConnector`), and the
-metadata its scheduler side sends it each step.
+"""The worker side of the vLLM connector (`kvrestore.integrations.vllm.KVRestoreConnector`).
 
 The worker registers vLLM's paged KV caches (and works out their layout), starts each step's loads layer by
 layer in the background (`vllm_io.LayerLoad`), waits only for the layer about to run, copies computed
@@ -8,100 +7,89 @@ chunks out of the pages for the saver, and reports blocks that did not load so v
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
+import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.kv import KVChunk
-from kvrestore.core.spec import ModelSpec
 from kvrestore.core.streams import HostEvent, on_stream, timing_event
-from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, LoadChunk
+from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, Pieces
 from kvrestore.integrations.vllm_layout import blocks_of, gather_chunk, kv_views, scatter_tokens
-from kvrestore.integrations.vllm_plan import ConnectorConfig, CostBook
+from kvrestore.integrations.vllm_meta import (
+    KVRestoreConnectorMetadata,
+    KVRestoreWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
+from kvrestore.integrations.vllm_plan import ConnectorContext
+from kvrestore.integrations.vllm_stats import Counters, emit
 from kvrestore.stores.base import ChunkStore
 
-if TYPE_CHECKING:
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.attention.backend import AttentionMetadata
-
 log = logging.getLogger("kvrestore.vllm")
-
-
-@dataclass
-class LoadSpec:
-    req_id: str
-    chunks: list[LoadChunk]
-    k: int
-    block_ids: list[int]
-
-
-@dataclass
-class SaveSpec:
-    req_id: str
-    chunks: list[LoadChunk]
-    block_ids: list[int]
-
-
-@dataclass
-class KVRestoreConnectorMetadata(KVConnectorMetadata):
-    loads: list[LoadSpec] = field(default_factory=list)
-    saves: list[SaveSpec] = field(default_factory=list)
-    #: (req_id, new tokens, tokens already computed) of every request in the step: what compute costs
-    steps: list[tuple[str, int, int]] = field(default_factory=list)
-
-
-@dataclass
-class KVRestoreWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: per request, the chunks that did not load (vLLM recomputes them; the
-    scheduler side then saves them again)."""
-
-    failed: dict[str, set[int]] = field(default_factory=dict)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        if isinstance(other, KVRestoreWorkerMetadata):
-            for req_id, chunks in other.failed.items():
-                self.failed.setdefault(req_id, set()).update(chunks)
-        return self
 
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
 class WorkerSide:
-    """The connector's worker-side calls (a mixin of `KVRestoreConnector`, whose constructor sets the
-    state below; `_get_connector_metadata` and `has_connector_metadata` are vLLM's base class's)."""
+    """The connector's worker-role calls, over `ctx`: its own store, I/O thread and saver.
 
-    spec: ModelSpec
-    config: ConnectorConfig
-    store: ChunkStore
-    io: IOThread
-    costs: CostBook
-    saver: ChunkSaver
-    link_key: str
-    block_size: int
-    _caches: list[torch.Tensor]
-    _layer_of: dict[str, int]
-    _layout: str
-    _loads: list[tuple[LoadSpec, LayerLoad]]
-    _load_errors: set[int]
-    _failed_chunks: dict[str, set[int]]
-    _errors_lock: threading.Lock
-    _bound_at: float | None
-    _waited_s: float
-    _load_stream: torch.cuda.Stream | None
-    _layer_placed: dict[int, torch.cuda.Event]
-    _step_start: torch.cuda.Event | HostEvent
-    _timed_steps: deque[tuple[int, int, torch.cuda.Event | HostEvent, torch.cuda.Event | HostEvent, float]]
-    _get_connector_metadata: Any
-    has_connector_metadata: Any
+    Loaded layers reach vLLM's pages two ways. On CUDA the I/O thread writes them on a stream of the
+    connector's own as they arrive, and vLLM's stream waits on the device for each layer. On the CPU the
+    step's own thread writes each layer when vLLM asks for it (`wait_for_layer_load`), straight from the
+    bytes read: the copy then runs on vLLM's own threads instead of beside them.
+    """
+
+    def __init__(
+        self,
+        ctx: ConnectorContext,
+        store: ChunkStore | None = None,
+        io: IOThread | None = None,
+        saver: ChunkSaver | None = None,
+    ) -> None:
+        self.ctx = ctx
+        self.spec = ctx.spec
+        self.config = ctx.config
+        self.costs = ctx.costs
+        self.block_size = ctx.block_size
+        self.store = store if store is not None else ctx.open_store()
+        self.io = io if io is not None else IOThread()
+        self.saver = saver or ChunkSaver(
+            self.spec,
+            self.store,
+            self.io,
+            compression=self.config.compression,
+            max_bytes=self.config.save_queue_bytes,
+        )
+        self.counters = Counters()
+        self._saver_seen = (0, 0, 0, 0)  # the saver's written, bytes, dropped, failed last reported
+        self._caches: list[torch.Tensor] = []
+        self._layer_of: dict[str, int] = {}
+        self._layout = "cpu"
+        self._meta: KVRestoreConnectorMetadata | None = None
+        self._loads: list[tuple[LoadSpec, LayerLoad]] = []
+        self._pending: dict[int, list[tuple[list[int], Pieces]]] = {}  # CPU: layer -> pieces to write
+        self._pending_lock = threading.Lock()
+        self._load_errors: set[int] = set()
+        self._failed_chunks: dict[str, set[int]] = {}
+        self._errors_lock = threading.Lock()
+        self._bound_at: float | None = None
+        self._waited_s = 0.0  # this step's time in wait_for_layer_load: the step minus it is compute
+        self._load_stream: torch.cuda.Stream | None = None  # set with the caches, on CUDA
+        self._layer_placed: dict[int, torch.cuda.Event] = {}
+        self._step_start: torch.cuda.Event | HostEvent = HostEvent()  # where the step began, on vLLM's stream
+        #: steps whose device time is not read yet: (n new, past, start, end, waited, load seconds or None)
+        self._timed_steps: deque[tuple[int, int, Any, Any, float, float | None]] = deque(maxlen=16)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = list(kv_caches)
@@ -153,11 +141,16 @@ class WorkerSide:
                 "'vec' kernels only (fp32, or bf16 without AMX, on x86, with block sizes a multiple of 32)"
             )
 
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)  # type: ignore[misc]  # vLLM's base, next in the MRO
+    def bind(self, meta: KVConnectorMetadata) -> None:
+        """The step's metadata (vLLM binds it before the forward pass)."""
+        assert isinstance(meta, KVRestoreConnectorMetadata)
+        self._meta = meta
         self._bound_at = time.perf_counter()
         self._waited_s = 0.0
         self._step_start = self._mark()
+
+    def clear(self) -> None:
+        self._meta = None
 
     def _mark(self) -> torch.cuda.Event | HostEvent:
         """Now, on vLLM's current stream: on CUDA the host only launches a step's kernels, so its compute
@@ -167,9 +160,12 @@ class WorkerSide:
         event.record(torch.cuda.current_stream(device) if device.type == "cuda" else None)
         return event
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVRestoreConnectorMetadata)
+    def start_load_kv(self) -> None:
+        """Start the step's loads in the background. vLLM's forward context is not needed (its Model
+        Runner V2 passes None)."""
+        meta = self._meta
+        if meta is None:
+            return
         if meta.loads and self._load_stream is not None:  # the pages are written after what vLLM queued
             self._load_stream.wait_stream(torch.cuda.current_stream(self._caches[0].device))
         for spec in meta.loads:
@@ -177,19 +173,42 @@ class WorkerSide:
             load.start(self.io, self.config.load_timeout_s)
             self._loads.append((spec, load))
 
-    def _placer(self, block_ids: list[int]) -> Any:
-        H, D = self.spec.num_kv_heads, self.spec.head_dim
+    def _placer(self, block_ids: list[int]) -> Callable[[int, Pieces], None]:
+        if self._load_stream is None:  # CPU: the step's thread writes the pages (`_write_pending`)
 
-        def place(layer: int, data: torch.Tensor) -> None:
-            stream = self._load_stream
+            def keep(layer: int, pieces: Pieces) -> None:
+                with self._pending_lock:
+                    self._pending.setdefault(layer, []).append((block_ids, pieces))
+
+            return keep
+
+        stream = self._load_stream
+
+        def place(layer: int, pieces: Pieces) -> None:
             with on_stream(stream):
-                scatter_tokens(self._caches[layer], self._layout, block_ids, 0, data, H, D)
-                if stream is not None:  # the newest for the layer covers every load's copies of it
-                    placed = torch.cuda.Event()
-                    placed.record(stream)
-                    self._layer_placed[layer] = placed
+                self._write(layer, block_ids, pieces)
+                # the newest event for the layer covers every load's copies of it
+                placed = torch.cuda.Event()
+                placed.record(stream)
+                self._layer_placed[layer] = placed
 
         return place
+
+    def _write(self, layer: int, block_ids: list[int], pieces: Pieces) -> None:
+        """Write one layer's pieces into its pages: on CUDA gathered once into pinned memory and sent up
+        in one copy, on the CPU each piece straight from the bytes read."""
+        H, D = self.spec.num_kv_heads, self.spec.head_dim
+        cache = self._caches[layer]
+        if cache.is_cuda:  # one copy into pinned memory, single-threaded and GIL-free (numpy's): torch's
+            # would spread over every core and starve vLLM's thread, which launches the step's kernels
+            n = pieces[-1][0] + pieces[-1][1].shape[2]
+            host = torch.empty((2, H, n, D), dtype=pieces[0][1].dtype, pin_memory=True)
+            for start, data in pieces:
+                dst = host[:, :, start : start + data.shape[2]]
+                np.copyto(dst.view(torch.uint8).numpy(), data.view(torch.uint8).numpy())
+            pieces = [(0, host)]
+        for start, data in pieces:
+            scatter_tokens(cache, self._layout, block_ids, start, data, H, D)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_of.get(layer_name)
@@ -198,53 +217,70 @@ class WorkerSide:
         t = time.perf_counter()
         for spec, load in self._loads:
             if not load.wait(layer):
-                log.warning(
-                    "kvrestore: request %s: layer %d not loaded within %.1f s: its %d tokens are recomputed",
-                    spec.req_id,
-                    layer,
-                    self.config.load_timeout_s,
-                    spec.k,
+                emit(
+                    logging.WARNING,
+                    "load_late",
+                    "request %(request)s: layer %(layer)d not loaded within %(timeout_s).1f s: "
+                    "its %(tokens)d tokens are recomputed",
+                    request=spec.req_id,
+                    layer=layer,
+                    timeout_s=self.config.load_timeout_s,
+                    tokens=spec.k,
                 )
+        self._write_pending(layer)
         placed = self._layer_placed.get(layer)
         if placed is not None:  # vLLM's stream runs the layer once its pages are written
             torch.cuda.current_stream(self._caches[layer].device).wait_event(placed)
         self._waited_s += time.perf_counter() - t
 
-    def save_kv_layer(
-        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
-    ) -> None:
-        return  # chunks are copied out whole, all layers at once, in wait_for_save
+    def _write_pending(self, layer: int) -> None:
+        """Write what the loads kept for `layer` (the CPU path). A load cancelled since it kept them
+        (late) failed every chunk, so vLLM recomputes those blocks whatever is written."""
+        with self._pending_lock:
+            todo = self._pending.pop(layer, [])
+        for block_ids, pieces in todo:
+            self._write(layer, block_ids, pieces)
 
     def wait_for_save(self) -> None:
-        if not self.has_connector_metadata():
+        meta = self._meta
+        if meta is None:
             return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVRestoreConnectorMetadata)
         elapsed = time.perf_counter() - self._bound_at if self._bound_at is not None else None
-        if meta.loads and elapsed is not None:
-            log.info("kvrestore: a step that loaded %d requests took %.3f s", len(meta.loads), elapsed)
+        loads = list(self._loads)
         failed = self._finish_loads()
         if elapsed is not None and len(meta.steps) == 1 and meta.steps[0][1] > 0 and not failed:
-            # a step that loaded computed while it did not wait for a layer: a sample with a past, which
-            # steps from scratch never give (the split's suffix is computed after a loaded prefix)
+            # one request computed: a sample of what computing costs, alone or beside a load
             _, n_new, past = meta.steps[0]
-            self._timed_steps.append((n_new, past, self._step_start, self._mark(), self._waited_s))
+            load_s = loads[0][1].seconds if len(loads) == 1 else None
+            if not loads or load_s is not None:
+                self._timed_steps.append(
+                    (n_new, past, self._step_start, self._mark(), self._waited_s, load_s)
+                )
         self._add_timed_steps()
         for spec in meta.saves:
             if spec.req_id in failed:  # computed this step over KV that did not load: wrong, not saved
-                log.info(
-                    "kvrestore: request %s: %d chunks not saved (computed over a failed load; saved once recomputed)",
-                    spec.req_id,
-                    len(spec.chunks),
+                emit(
+                    logging.INFO,
+                    "not_saved",
+                    "request %(request)s: %(chunks)d chunks not saved (computed over a failed load; "
+                    "saved once recomputed)",
+                    request=spec.req_id,
+                    chunks=len(spec.chunks),
                 )
                 continue
             self._save(spec)
 
     def _add_timed_steps(self) -> None:
-        """Learn from the timed steps that have completed on the device (never waits for one)."""
+        """Learn from the timed steps that have completed on the device (never waits for one). Every step
+        is a sample of compute (its time less its waits for layers): a step that loaded is the only one
+        that computes after a long past, which is what a split's suffix costs. A step that loaded is
+        also a sample of computing beside a load (its whole time: `loading_factor`)."""
         while self._timed_steps and self._timed_steps[0][3].query():
-            n_new, past, start, end, waited = self._timed_steps.popleft()
-            self.costs.add_compute(n_new, past, max(0.0, start.elapsed_time(end) / 1e3 - waited))  # type: ignore[arg-type]
+            n_new, past, start, end, waited, load_s = self._timed_steps.popleft()
+            seconds = start.elapsed_time(end) / 1e3
+            self.costs.add_compute(n_new, past, max(0.0, seconds - waited))
+            if load_s is not None:
+                self.costs.add_loading_step(n_new, past, load_s, seconds, self.spec.num_layers)
 
     def _finish_loads(self) -> set[str]:
         """Settle the step's loads (a load still running is cancelled): note the blocks and chunks that
@@ -252,34 +288,46 @@ class WorkerSide:
         failed: set[str] = set()
         for spec, load in self._loads:
             load.cancel("the step ended")  # a no-op for a load that finished
-            bad = [
-                b for a, e in load.failed_ranges() for b in blocks_of(spec.block_ids, a, e, self.block_size)
-            ]
+            ranges = load.failed_ranges()
+            bad = [b for a, e in ranges for b in blocks_of(spec.block_ids, a, e, self.block_size)]
             if bad:
                 failed.add(spec.req_id)
                 with self._errors_lock:
                     self._load_errors.update(bad)
                 self._failed_chunks.setdefault(spec.req_id, set()).update(load.failed)
-                log.warning(
-                    "kvrestore: request %s: %d of %d chunks did not load (%s); vLLM recomputes from token %d",
-                    spec.req_id,
-                    len(load.failed),
-                    len(load.chunks),
-                    "; ".join(load.errors[:3]),
-                    min(a for a, _ in load.failed_ranges()),
+                first = min(a for a, _ in ranges)
+                self.counters.add(
+                    load_failures=1, failed_chunks=len(load.failed), recomputed_tokens=spec.k - first
+                )
+                emit(
+                    logging.WARNING,
+                    "load_failed",
+                    "request %(request)s: %(failed)d of %(chunks)d chunks did not load (%(errors)s); "
+                    "vLLM recomputes from token %(from_token)d",
+                    request=spec.req_id,
+                    failed=len(load.failed),
+                    chunks=len(load.chunks),
+                    errors="; ".join(load.errors[:3]),
+                    from_token=first,
                 )
             elif load.seconds is not None:
-                self.costs.add_load(self.link_key, load.bytes_read, load.seconds)
-                log.info(
-                    "kvrestore: request %s: loaded %d tokens (%d bytes) in %.3f s",
-                    spec.req_id,
-                    spec.k,
-                    load.bytes_read,
-                    load.seconds,
+                self.costs.add_load(self.ctx.link_key, load.bytes_read, load.seconds)
+                self.counters.add(loads=1, loaded_tokens=spec.k, loaded_bytes=load.bytes_read)
+                emit(
+                    logging.INFO,
+                    "loaded",
+                    "request %(request)s: loaded %(tokens)d tokens (%(bytes)d bytes) in %(seconds).3f s",
+                    request=spec.req_id,
+                    tokens=spec.k,
+                    bytes=load.bytes_read,
+                    seconds=load.seconds,
+                    blocks=blocks_of(spec.block_ids, 0, spec.k, self.block_size),
                 )
         if self._loads and self._load_stream is not None:  # every load is settled: vLLM's stream goes on
             vllm_stream = torch.cuda.current_stream(self._caches[0].device)  # after every page they wrote
             vllm_stream.wait_stream(self._load_stream)
+        with self._pending_lock:
+            self._pending.clear()
         self._layer_placed.clear()
         self._loads.clear()
         return failed
@@ -319,3 +367,33 @@ class WorkerSide:
         with self._errors_lock:
             errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_counts(self) -> dict[str, int]:
+        """The worker's counters since last taken, the saver's included."""
+        s = self.saver
+        now = (s.written, s.written_bytes, s.dropped, s.failed)
+        seen, self._saver_seen = self._saver_seen, now
+        self.counters.add(
+            saved_chunks=now[0] - seen[0],
+            saved_bytes=now[1] - seen[1],
+            dropped_chunks=now[2] - seen[2],
+            failed_saves=now[3] - seen[3],
+        )
+        return self.counters.take()
+
+    def shutdown(self) -> None:
+        for _, load in self._loads:
+            load.cancel("shutdown")
+        self._loads.clear()
+        if not self.saver.flush(timeout=60):
+            log.warning("kvrestore: some chunk writes were still running at shutdown")
+        if self.saver.dropped or self.saver.failed:
+            log.warning(
+                "kvrestore: %d chunks saved, %d dropped (queue full), %d failed",
+                self.saver.written,
+                self.saver.dropped,
+                self.saver.failed,
+            )
+        with contextlib.suppress(*STORE_FAULTS):  # on the loop its client was made on
+            self.io.call(self.store.close, timeout=self.config.lookup_timeout_s)
+        self.io.close()

@@ -1,0 +1,159 @@
+"""What the vLLM connector learns about costs, without vLLM: vLLM's prefill steps, the store's link,
+and how much slower vLLM computes while a load runs beside it (`CostBook`, `loading_factor`)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvrestore.core.paths import cache_root
+from kvrestore.costs.compute import ChunkCost
+from kvrestore.costs.learned import fit_prefill_steps
+from kvrestore.costs.links import LinkCost, link_from_loads
+from kvrestore.costs.profile import machine_id
+
+log = logging.getLogger("kvrestore.vllm")
+
+#: the range a learned `loading_factor` is kept in
+LOADING_FACTOR_RANGE = (0.5, 20.0)
+
+
+def loading_factor(samples: Sequence[Sequence[float]], compute: ChunkCost) -> float | None:
+    """How much slower a step's compute runs while a load runs beside it (its reads, checks and page
+    copies share the host with vLLM's kernels), from steps that loaded: [n new, past, load seconds, step
+    seconds, layers]. A step computes after its loaded layers arrive, so it ends about ``load / layers``
+    after its compute would, or a layer's compute after the load. Where the compute ended last (the step
+    outlasted its load by more than half its predicted compute) and was a sizeable part of the step (at
+    least a quarter of the load: a few tokens after a long load tell nothing of it), ``(step - load /
+    layers) / compute`` is what the compute took against what it takes alone. The median of those; None
+    without one."""
+    ratios = []
+    for n_new, past, load_s, step_s, layers in samples:
+        c = compute.seconds(int(n_new), int(past))
+        if c <= 0 or c < 0.25 * load_s or step_s - load_s < 0.5 * c:
+            continue
+        ratios.append((step_s - load_s / max(layers, 1.0)) / c)
+    if not ratios:
+        return None
+    lo, hi = LOADING_FACTOR_RANGE
+    return min(hi, max(lo, statistics.median(ratios)))
+
+
+class CostBook:
+    """What the connector has measured, kept across processes in one small JSON file per model and
+    machine: vLLM's prefill steps ([n, past, seconds]) and, per store link, whole loads ([bytes,
+    seconds]). A scheduler and a worker in one process share one book (`CostBook.shared`); in separate
+    processes the scheduler re-reads the file when the worker has written it."""
+
+    MAX_PREFILLS = 32
+    MAX_SMALL = 8
+    MAX_LOADS = 16
+    MAX_LOADING = 16
+    WRITE_EVERY_S = 5.0
+
+    _shared: dict[str, CostBook] = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.compute: list[list[float]] = []
+        self.links: dict[str, list[list[float]]] = {}
+        self.loading: list[list[float]] = []  # steps that loaded: [n new, past, load s, step s, layers]
+        self._mtime = 0.0
+        self._written_at = 0.0
+        self._lock = threading.Lock()
+        self.refresh()
+
+    @classmethod
+    def shared(cls, fingerprint: str, cost_dir: str | os.PathLike | None = None) -> CostBook:
+        root = Path(cost_dir) if cost_dir is not None else cache_root() / "vllm"
+        path = root / f"costs-{fingerprint[:16]}-{machine_id()}.json"
+        with cls._shared_lock:
+            book = cls._shared.get(str(path))
+            if book is None:
+                book = cls._shared[str(path)] = cls(path)
+            return book
+
+    def refresh(self) -> None:
+        """Re-read the file if another process wrote it since."""
+        if self.path is None:
+            return
+        try:
+            mtime = self.path.stat().st_mtime
+            if mtime == self._mtime:
+                return
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        with self._lock:
+            self._mtime = mtime
+            self.compute = [list(map(float, s)) for s in data.get("compute", [])]
+            self.links = {k: [list(map(float, s)) for s in v] for k, v in data.get("links", {}).items()}
+            self.loading = [list(map(float, s)) for s in data.get("loading", [])]
+
+    def add_compute(self, n_tokens: int, past: int, seconds: float) -> None:
+        with self._lock:
+            small = n_tokens < 16
+            same = [s for s in self.compute if (s[0] < 16) == small]
+            if len(same) >= (self.MAX_SMALL if small else self.MAX_PREFILLS):
+                self.compute.remove(same[0])
+            self.compute.append([float(n_tokens), float(past), float(seconds)])
+            # a prefill is worth keeping at once; decode steps (several a second) at most every few seconds
+            due = not small or time.monotonic() - self._written_at > self.WRITE_EVERY_S
+        if due:
+            self._write()
+
+    def add_load(self, link_key: str, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            rows = self.links.setdefault(link_key, [])
+            rows.append([float(nbytes), float(seconds)])
+            del rows[: -self.MAX_LOADS]
+        self._write()
+
+    def add_loading_step(self, n_new: int, past: int, load_s: float, step_s: float, num_layers: int) -> None:
+        """A step that computed `n_new` tokens after a `past` it loaded in `load_s`, taking `step_s`."""
+        with self._lock:
+            self.loading.append([float(n_new), float(past), float(load_s), float(step_s), float(num_layers)])
+            del self.loading[: -self.MAX_LOADING]
+        self._write()
+
+    def loading_factor(self) -> float | None:
+        """How much slower vLLM computes beside a load than the compute model says (`loading_factor`)."""
+        compute = self.compute_cost()
+        with self._lock:
+            samples = list(self.loading)
+        return None if compute is None else loading_factor(samples, compute)
+
+    def compute_cost(self) -> ChunkCost | None:
+        with self._lock:
+            return fit_prefill_steps(self.compute)
+
+    def link(self, link_key: str) -> LinkCost | None:
+        with self._lock:
+            return link_from_loads(self.links.get(link_key, []))
+
+    def _write(self) -> None:
+        if self.path is None:
+            return
+        with self._lock:
+            data = json.dumps({"compute": self.compute, "links": self.links, "loading": self.loading})
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".costs-", dir=self.path.parent)
+            with os.fdopen(fd, "w") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+            self._mtime = self.path.stat().st_mtime
+            self._written_at = time.monotonic()
+        except OSError as exc:  # learning is best effort
+            log.debug("could not persist learned costs to %s: %s", self.path, exc)
+            with contextlib.suppress(OSError, UnboundLocalError):
+                os.unlink(tmp)

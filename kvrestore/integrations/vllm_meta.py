@@ -1,0 +1,48 @@
+"""What the vLLM connector's two sides tell each other: each step's loads and saves (scheduler ->
+worker, `KVRestoreConnectorMetadata`) and the chunks that did not load (worker -> scheduler,
+`KVRestoreWorkerMetadata`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+
+from kvrestore.integrations.vllm_io import LoadChunk
+
+
+@dataclass
+class LoadSpec:
+    req_id: str
+    chunks: list[LoadChunk]
+    k: int
+    block_ids: list[int]
+
+
+@dataclass
+class SaveSpec:
+    req_id: str
+    chunks: list[LoadChunk]
+    block_ids: list[int]
+
+
+@dataclass
+class KVRestoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    #: (req_id, new tokens, tokens already computed) of every request in the step: what compute costs
+    steps: list[tuple[str, int, int]] = field(default_factory=list)
+
+
+@dataclass
+class KVRestoreWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: per request, the chunks that did not load (vLLM recomputes them; the
+    scheduler side then saves them again)."""
+
+    failed: dict[str, set[int]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, KVRestoreWorkerMetadata):
+            for req_id, chunks in other.failed.items():
+                self.failed.setdefault(req_id, set()).update(chunks)
+        return self

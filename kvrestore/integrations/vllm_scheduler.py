@@ -1,0 +1,248 @@
+"""The scheduler side of the vLLM connector (`kvrestore.integrations.vllm.KVRestoreConnector`).
+
+It looks each new prompt up in the store, picks the split (how many stored tokens to load), and tells
+the worker side, step by step, which chunks to load and which to save (`vllm_worker`'s metadata). It
+moves no KV: the scheduler process starts no I/O thread and no saver. A lookup runs on an event loop of
+its own, in the scheduler's thread, for at most `lookup_timeout_s` (vLLM's scheduler waits for it in
+any case: it needs the answer to schedule the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+
+from kvrestore.core.keys import ChunkRef, chunk_keys
+from kvrestore.integrations.vllm_io import STORE_FAULTS, IOThread, LoadChunk
+from kvrestore.integrations.vllm_layout import blocks_of
+from kvrestore.integrations.vllm_meta import (
+    KVRestoreConnectorMetadata,
+    KVRestoreWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
+from kvrestore.integrations.vllm_plan import ConnectorContext, SplitChoice, choose_split
+from kvrestore.integrations.vllm_stats import Counters, emit
+from kvrestore.stores.base import ChunkStore
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+T = TypeVar("T")
+
+
+class CallerLoop:
+    """Runs coroutines to completion on one event loop, in the calling thread: a store's client (an S3
+    session) stays on the loop it was made on, and no thread is started. Where the calling thread
+    already runs a loop (it cannot run a second), the calls go to an `IOThread` made then."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._io: IOThread | None = None
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float | None = None) -> T:
+        """`fn(*args)`, waited for; TimeoutError (the task cancelled) after `timeout` seconds."""
+
+        async def bounded() -> T:
+            with anyio.fail_after(timeout):
+                return await fn(*args)
+
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            return self._loop.run_until_complete(bounded())
+        if self._io is None:
+            self._io = IOThread()
+        return self._io.portal.call(bounded)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+        if self._io is not None:
+            self._io.close()
+
+
+@dataclass
+class _Request:
+    """Scheduler-side state of one request."""
+
+    refs: list[ChunkRef]
+    stored: list[bool]
+    block_ids: list[int] = field(default_factory=list)
+    next_save: int = 0  # chunks before this one are saved or not to be saved
+    load_k: int = 0
+    need_load: bool = False
+    choice: SplitChoice | None = None
+
+
+class SchedulerSide:
+    """The connector's scheduler-role calls, over `ctx` and a store of its own."""
+
+    def __init__(self, ctx: ConnectorContext, store: ChunkStore | None = None) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.store = store if store is not None else ctx.open_store()
+        self.loop = CallerLoop()
+        self.counters = Counters()
+        self._down_until = 0.0
+        self._reqs: dict[str, _Request] = {}
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        tokens = list(request.prompt_token_ids or [])
+        st = self._reqs.get(request.request_id)
+        fresh = st is None
+        if st is None:
+            refs = chunk_keys(tokens, self.ctx.spec.fingerprint, self.config.chunk_size)
+            st = self._reqs[request.request_id] = _Request(refs, self._lookup([r.key for r in refs]))
+        if not self.config.load:
+            return 0, False
+        ends = []
+        for ref, ok in zip(st.refs, st.stored, strict=True):
+            if not ok:
+                break
+            ends.append(ref.end)
+        costs = self.ctx.costs
+        costs.refresh()
+        choice = choose_split(
+            n_tokens=len(tokens),
+            chunk_ends=ends,
+            chunk_size=self.config.chunk_size,
+            block_size=self.ctx.block_size,
+            bytes_per_token=self.ctx.spec.kv_bytes_per_token,
+            num_layers=self.ctx.spec.num_layers,
+            link=costs.link(self.ctx.link_key) or self.ctx.prior_link(),
+            compute=costs.compute_cost(),
+            loading=costs.loading_factor(),
+            mode=self.config.split,
+        )
+        st.choice = choice
+        if fresh:
+            self.counters.add(hit_tokens=choice.stored_tokens)
+        if ends and fresh:
+            emit(
+                logging.INFO,
+                "split",
+                "request %(request)s: %(explain)s",
+                request=request.request_id,
+                explain=choice.explain(),
+                **choice.fields(),
+            )
+            self.counters.add(
+                planned_tokens=choice.k, partial_splits=int(0 < choice.k < choice.loadable_tokens)
+            )
+        if choice.k <= num_computed_tokens:
+            return 0, False
+        st.load_k = choice.k
+        return choice.k - num_computed_tokens, False
+
+    def _lookup(self, keys: list[str]) -> list[bool]:
+        """Which chunks are stored; all False (recorded, with a warning) if the store does not answer in
+        time, and for `retry_after_s` after that."""
+        if time.monotonic() < self._down_until:
+            return [False] * len(keys)
+        self.counters.add(lookups=1)
+        try:
+            return list(self.loop.call(self.store.contains, keys, timeout=self.config.lookup_timeout_s))
+        except STORE_FAULTS as exc:
+            self._down_until = time.monotonic() + self.config.retry_after_s
+            self.counters.add(lookup_failures=1)
+            emit(
+                logging.WARNING,
+                "lookup_failed",
+                "store %(store)s did not answer a lookup (%(error)s); computing without it for %(retry_s).0f s",
+                store=self.config.store_url,
+                error=f"{type(exc).__name__}: {exc or 'timeout'}",
+                retry_s=self.config.retry_after_s,
+            )
+            return [False] * len(keys)
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is not None and num_external_tokens > 0:
+            st.need_load = True
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVRestoreConnectorMetadata:
+        meta = KVRestoreConnectorMetadata()
+        sched = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            self._step(meta, new.req_id, st, new.num_computed_tokens, sched.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids and new_blocks is not None:
+                st.block_ids = list(new_blocks[0])
+            elif new_blocks is not None:
+                st.block_ids.extend(new_blocks[0])
+            self._step(meta, req_id, st, cached.num_computed_tokens[i], sched.get(req_id, 0))
+        for req_id in scheduler_output.finished_req_ids:
+            self._reqs.pop(req_id, None)
+        return meta
+
+    def _step(
+        self, meta: KVRestoreConnectorMetadata, req_id: str, st: _Request, computed: int, n_new: int
+    ) -> None:
+        meta.steps.append((req_id, n_new, computed))
+        if st.need_load:
+            st.need_load = False
+            covering = [r for r in st.refs if r.start < st.load_k]
+            meta.loads.append(
+                LoadSpec(
+                    req_id,
+                    [LoadChunk(r.key, r.start, r.end) for r in covering],
+                    st.load_k,
+                    list(st.block_ids),
+                )
+            )
+        if not self.config.save or time.monotonic() < self._down_until:
+            return  # while the store is down, chunks are not even copied out
+        done = computed + n_new
+        todo = []
+        while st.next_save < len(st.refs) and st.refs[st.next_save].end <= done:
+            ref = st.refs[st.next_save]
+            if not st.stored[ref.index]:
+                todo.append(LoadChunk(ref.key, ref.start, ref.end))
+            st.next_save += 1
+        if todo:
+            meta.saves.append(
+                SaveSpec(req_id, todo, blocks_of(st.block_ids, 0, todo[-1].end, self.ctx.block_size))
+            )
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, KVRestoreWorkerMetadata):
+            return
+        for req_id, chunks in meta.failed.items():
+            st = self._reqs.get(req_id)
+            if st is None or not chunks:
+                continue
+            for j in chunks:  # deleted by the loader: write them again once vLLM has recomputed them
+                st.stored[j] = False
+            st.next_save = min(st.next_save, min(chunks))
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    def shutdown(self) -> None:
+        """Close the store on the loop its client was made on, then the loop."""
+        with contextlib.suppress(*STORE_FAULTS):
+            self.loop.call(self.store.close, timeout=self.config.lookup_timeout_s)
+        self.loop.close()

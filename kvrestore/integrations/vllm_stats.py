@@ -1,0 +1,80 @@
+"""What the vLLM connector did, for an operator and for tests, without vLLM: counters and records.
+
+Counters (`Counters`) are what the connector reports through vLLM's KV connector stats (`vllm.py`'s
+`KVRestoreStats`: vLLM sums them across workers and intervals, logs them with its own metrics and
+exports them to Prometheus as ``vllm:kvrestore_*`` counters). Records (`emit`) are one dict per event
+(a lookup that failed, a split decided, a load done or failed, a chunk not saved); each is logged on the
+``kvrestore.vllm`` logger with the record attached (``extra={"kvrestore": record}``) and kept, the last
+`MAX_RECORDS` of them, for `records()`: a script or a test reads what happened as data, not log text.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Any
+
+log = logging.getLogger("kvrestore.vllm")
+
+#: name -> what it counts (every counter is a sum: across workers, across steps)
+COUNTERS: dict[str, str] = {
+    "lookups": "prompts looked up in the store",
+    "lookup_failures": "lookups the store did not answer in time (served without it)",
+    "hit_tokens": "prompt tokens found stored (whole chunks of the longest stored prefix)",
+    "planned_tokens": "prompt tokens the split chose to load",
+    "partial_splits": "requests where the split loads part of what is stored and computes the rest",
+    "loads": "requests whose stored tokens were loaded",
+    "loaded_tokens": "tokens loaded into vLLM's pages",
+    "loaded_bytes": "bytes read from the store by loads",
+    "load_failures": "requests whose load failed in part or whole",
+    "failed_chunks": "chunks that did not load (missing, damaged, another model's, or late)",
+    "recomputed_tokens": "tokens vLLM recomputed because their load failed",
+    "saved_chunks": "chunks written to the store",
+    "saved_bytes": "bytes written to the store",
+    "dropped_chunks": "chunks not saved: the save queue was full",
+    "failed_saves": "chunks whose write failed",
+}
+
+MAX_RECORDS = 1000
+_records: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDS)
+_records_lock = threading.Lock()
+
+
+class Counters:
+    """The connector's counters since they were last taken (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data = dict.fromkeys(COUNTERS, 0)
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                self._data[name] += n
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last `take`, and start again from zero."""
+        with self._lock:
+            data, self._data = self._data, dict.fromkeys(COUNTERS, 0)
+        return data
+
+
+def sum_counts(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """Two counters' dicts added (vLLM aggregates workers' and the scheduler's stats this way)."""
+    return {name: a.get(name, 0) + b.get(name, 0) for name in {*a, *b}}
+
+
+def emit(level: int, event: str, message: str, **fields: Any) -> dict[str, Any]:
+    """Keep a record of `event` with `fields` and log `message` (formatted with the fields) at `level`."""
+    record = {"event": event, **fields}
+    with _records_lock:
+        _records.append(record)
+    log.log(level, "kvrestore: " + message, fields, extra={"kvrestore": record})
+    return record
+
+
+def records(event: str | None = None) -> list[dict[str, Any]]:
+    """The records kept in this process, oldest first (those of one `event` if given)."""
+    with _records_lock:
+        return [dict(r) for r in _records if event is None or r["event"] == event]

@@ -173,6 +173,30 @@ def test_back_off_doubles_while_the_store_keeps_timing_out_and_resets_once_it_an
     assert backoffs == [0.1, 0.2, 0.25] and after == 0.0
 
 
+def test_a_store_that_is_down_flushes_only_what_was_written_through_it():
+    class Hanging(MemoryStore):
+        async def contains(self, keys):
+            await anyio.sleep(60)
+            return await super().contains(keys)
+
+    async def down(store: DeadlineStore) -> None:
+        with pytest.raises(StoreTimeoutError):
+            await store.contains(["ab" * 8])
+        assert store.down_for > 0
+
+    async def main():
+        read_only = DeadlineStore(Hanging(), Deadlines(lookup_s=0.05, backoff_s=30))
+        await down(read_only)
+        await read_only.flush()  # it accepted no write: nothing of its own to flush
+        written = DeadlineStore(Hanging(), Deadlines(lookup_s=0.05, backoff_s=30))
+        await written.put("cd" * 8, b"x")
+        await down(written)
+        with pytest.raises(StoreTimeoutError, match="flush"):
+            await written.flush()  # an accepted write may not be durable: say so
+
+    run(main)
+
+
 @pytest.mark.slow
 def test_slow_s3_within_the_deadline_loads_and_past_it_recomputes(llama_backend, s3_server, s3_bucket):
     b = llama_backend

@@ -73,6 +73,7 @@ class DeadlineStore(WrapperStore):
         self._down_until = 0.0
         self._backoff = 0.0  # the current back-off (0: the last call answered)
         self.timeouts = 0  # calls that ran past their deadline
+        self._unflushed = False  # whether a write was accepted since the last flush
 
     @property
     def down_for(self) -> float:
@@ -128,12 +129,18 @@ class DeadlineStore(WrapperStore):
 
     async def put(self, key: str, data: bytes) -> None:
         await self._within("a write", self.deadlines.save_s, lambda: self.inner.put(key, data))
+        self._unflushed = True
 
     async def delete(self, key: str) -> None:
         await self._within("a delete", self.deadlines.save_s, lambda: self.inner.delete(key))
 
     async def flush(self) -> None:
+        """Flush the writes accepted so far. While the store is down, one that accepted none through
+        this wrapper has nothing to flush, and returns (a restorer that only read closes cleanly)."""
+        if not self._unflushed and self.down_for > 0:
+            return
         await self._within("a flush", self.deadlines.save_s, self.inner.flush)
+        self._unflushed = False
 
     def __repr__(self) -> str:  # the store it bounds, as named in learned costs and logs
         return repr(self.inner)

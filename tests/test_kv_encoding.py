@@ -210,8 +210,7 @@ def _full(backend, tokens) -> torch.Tensor:
 
 def _loaded_chunks(result) -> set[int]:
     """Chunks whose loaded KV was applied: loads, and fetches aside that overtook a compute unit."""
-    events = result.trace.of_kind("load") + result.trace.of_kind("compute-overtaken")
-    return {i for e in events for i in range(e.first_chunk, e.last_chunk + 1)}
+    return set(result.trace.loaded())
 
 
 @pytest.fixture(params=["memory", "file"])

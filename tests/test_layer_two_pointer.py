@@ -226,8 +226,8 @@ def test_layer_pointers_meet_once_near_the_best_cutover(
         Link(BandwidthTrace.constant(rate), latency_s=latency),
         load_lanes=lanes,
     )
-    computed = [j for e in result.trace.of_kind("compute") for j in range(e.first_chunk, e.last_chunk + 1)]
-    loaded = [e.first_chunk for e in result.trace.of_kind("load")]
+    computed = result.trace.computed()
+    loaded = result.trace.loaded()
     assert sorted(computed + loaded) == list(range(layers))
     assert set(computed) == set(range(len(computed))) and set(loaded) == set(range(len(computed), layers))
     compute_s = [layer_s + overhead] * layers

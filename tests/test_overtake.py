@@ -46,10 +46,7 @@ class HeldCompute:
 
 
 def _chunks_applied(trace) -> list[int]:
-    done = [e.first_chunk for e in trace.of_kind("load")]
-    for kind in ("compute", "compute-overtaken"):
-        done += [j for e in trace.of_kind(kind) for j in range(e.first_chunk, e.last_chunk + 1)]
-    return sorted(done)
+    return sorted(trace.loaded() + trace.computed())
 
 
 def test_fetches_overtake_a_compute_unit_that_would_never_end(llama_backend):

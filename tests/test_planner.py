@@ -15,7 +15,7 @@ from kvrestore.costs.calibration import Calibration
 from kvrestore.costs.compute import ChunkCost, LayerCost
 from kvrestore.costs.links import LinkCost
 from kvrestore.costs.measure import profile
-from kvrestore.planning.auto import Workload, crossover_length, predict
+from kvrestore.planning.auto import TIE, Workload, crossover_length, predict
 from kvrestore.policies import Policy
 from kvrestore.stores.memory import MemoryStore
 
@@ -64,7 +64,7 @@ def test_never_picks_a_policy_predicted_slower_than_another(case):
         assert isinstance(plan.choice, ComputeOnly)
         return
     best = plan.predicted_s[plan.choice.name]
-    assert all(best <= s for s in plan.predicted_s.values())
+    assert all(best <= s * TIE for s in plan.predicted_s.values())  # a near tie goes to the simpler
     assert set(plan.predicted_s) == {"compute-only", "load-only", "two-pointer", "layer-wise"}
     # the harmonic-mean bound is below both single resources, and nothing beats it by much
     assert plan.bound_s <= min(plan.compute_s, plan.load_s) + 1e-12

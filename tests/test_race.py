@@ -41,8 +41,7 @@ def test_a_one_chunk_restore_takes_the_faster_of_its_two_ways(compute_s, load_s)
 @given(n_chunks=st.integers(2, 12), compute_s=st.floats(0.01, 1.0), load_s=st.floats(0.01, 1.0))
 def test_racing_never_applies_a_chunk_twice(n_chunks, compute_s, load_s):
     res = _sim(TokenTwoPointer(), n_chunks, compute_s, load_s)
-    done = [e.first_chunk for e in res.trace.events if e.kind == "load"]
-    done += [j for e in res.trace.of_kind("compute") for j in range(e.first_chunk, e.last_chunk + 1)]
+    done = res.trace.loaded() + res.trace.computed()
     assert sorted(done) == list(range(n_chunks))
     # a fetch is waited for at most a tenth of a chunk's compute past its estimated landing
     assert res.makespan <= (n_chunks + 0.1) * compute_s * 1.0001

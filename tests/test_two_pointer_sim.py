@@ -63,11 +63,7 @@ def run(scenario, stored=None, failing=()):
 
 
 def applied_chunks(trace) -> list[int]:
-    out = []
-    for e in trace.events:
-        if e.kind in ("compute", "load"):
-            out.extend(range(e.first_chunk, e.last_chunk + 1))
-    return out
+    return trace.loaded() + trace.computed()
 
 
 @settings(max_examples=300, deadline=None)
@@ -76,8 +72,8 @@ def test_every_chunk_once_and_pointers_never_cross(scenario):
     result = run(scenario)
     n = scenario[0]
     assert sorted(applied_chunks(result.trace)) == list(range(n))  # all done, none twice
-    computed = {j for e in result.trace.of_kind("compute") for j in range(e.first_chunk, e.last_chunk + 1)}
-    loaded = {e.first_chunk for e in result.trace.of_kind("load")}
+    computed = set(result.trace.computed())
+    loaded = set(result.trace.loaded())
     # the compute pointer never passed the load pointer: computed chunks are a prefix, loaded a suffix
     assert computed == set(range(len(computed)))
     assert loaded == set(range(len(computed), n))
@@ -110,9 +106,9 @@ def test_misses_and_failed_loads_are_computed_in_order(scenario, data):
     failing = data.draw(st.sets(st.sampled_from(range(n))))
     result = run(scenario, stored, failing)
     assert sorted(applied_chunks(result.trace)) == list(range(n))
-    loaded = {e.first_chunk for e in result.trace.of_kind("load")}
+    loaded = set(result.trace.loaded())
     assert all(stored[i] and i not in failing for i in loaded)
-    computed = {j for e in result.trace.of_kind("compute") for j in range(e.first_chunk, e.last_chunk + 1)}
+    computed = set(result.trace.computed())
     # within each run of loadable chunks, computed ones come before loaded ones
     loadable = [stored[i] and i not in failing for i in range(n)]
     start = 0

@@ -32,6 +32,19 @@ class Trace:
     def of_kind(self, kind: str) -> list[TraceEvent]:
         return [e for e in self.events if e.kind == kind]
 
+    def chunks(self, *kinds: str) -> list[int]:
+        """The chunks (or layers) the events of `kinds` cover, in event order."""
+        return [j for e in self.events if e.kind in kinds for j in range(e.first_chunk, e.last_chunk + 1)]
+
+    def computed(self) -> list[int]:
+        """The chunks whose computed KV was applied."""
+        return self.chunks("compute")
+
+    def loaded(self) -> list[int]:
+        """The chunks whose loaded KV was applied: fetched in place, or aside by fetches that overtook
+        the compute unit holding them ("compute-overtaken")."""
+        return self.chunks("load", "compute-overtaken")
+
     def table(self) -> str:
         """A plain-text table, one row per unit, in start order."""
         rows = ["  kind         chunks      start_s    end_s    MB"]

@@ -183,6 +183,11 @@ class Auto:
         )
 
 
+#: predictions this close to the fastest are ties (a simulated clock's difference of a fraction of a
+#: percent is no reason to run a strategy that uses both lanes over one that uses one)
+TIE = 1.01
+
+
 def _choose(
     candidates: Sequence[Policy],
     predicted: dict[str, float],
@@ -191,9 +196,11 @@ def _choose(
 ) -> Policy:
     """The fastest prediction; but while a strategy never run is predicted within `untried_margin` of it
     (a learned cost model has checked only the strategies it ran), that one, so each plausible strategy
-    is tried once instead of the first explored being kept. Ties go to the simpler, listed first."""
-    order = {p.name: i for i, p in enumerate(candidates)}
-    ranked = sorted(candidates, key=lambda p: (predicted[p.name], order[p.name]))
+    is tried once instead of the first explored being kept. Predictions within `TIE` of the fastest
+    are ties, which go to the simpler strategy, listed first."""
+    fastest = min(predicted[p.name] for p in candidates)
+    tied = [p for p in candidates if predicted[p.name] <= fastest * TIE]
+    ranked = tied + sorted((p for p in candidates if p not in tied), key=lambda p: predicted[p.name])
     best = predicted[ranked[0].name]
     tried = {name for name, n in (calibration.observations if calibration else {}).items() if n}
     if not tried:

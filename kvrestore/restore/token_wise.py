@@ -63,9 +63,8 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
         n_tokens=len(tokens),
         n_chunks=len(refs),
         hit_chunks=sum(stored),
-        computed_chunks=sum(e.last_chunk - e.first_chunk + 1 for e in trace.of_kind("compute")),
-        loaded_chunks=len(trace.of_kind("load"))
-        + sum(e.last_chunk - e.first_chunk + 1 for e in trace.of_kind("compute-overtaken")),
+        computed_chunks=len(trace.computed()),
+        loaded_chunks=len(trace.loaded()),
         failed_loads=len(failed),
         bytes_loaded=progress.bytes_loaded,
         seconds=time.perf_counter() - t0,

@@ -44,7 +44,7 @@ def simulate(
     `min_unit_chunks` is the compute lane's floor on a unit (`Progress.min_unit_chunks`)."""
     progress = Progress(list(chunk_tokens), list(stored))
     progress.min_unit_chunks = min_unit_chunks
-    progress.can_race = True
+    progress.can_race = progress.can_overtake = True
     lanes = SimLanes(compute_cost, chunk_bytes, link, load_lanes, failing)
     trace = run_sync(drive(progress, policy, lanes, max_steps=max_steps))
     return SimResult(lanes.now(), trace, progress)
@@ -55,7 +55,9 @@ class SimLanes:
     """One restore's lanes on a simulated clock (the driver's `Lanes`): compute units priced by
     `compute_cost`, loads across `link`; the finished units come off a heap in time order. A race ends as
     on the engine: the first of the two to finish wins and the other ends "load-dropped" or
-    "compute-dropped" at that instant."""
+    "compute-dropped" at that instant. So do fetches aside (`Decision.overtake`): once every chunk of the
+    compute unit in flight has landed aside, the unit stops ("compute-overtaken"); a unit that ends
+    first ends the fetches aside still in flight ("aside-dropped")."""
 
     compute_cost: ComputeCost
     chunk_bytes: Sequence[int]
@@ -71,6 +73,11 @@ class SimLanes:
     racing: tuple[int, int, float] | None = None
     #: completions of racing compute units that lost to their fetch
     lost: set[int] = field(default_factory=set)
+    #: the compute unit running in place: (a, b, its completion's seq, its start)
+    unit: tuple[int, int, int, float] | None = None
+    #: fetches aside in flight: chunk -> (its completion's seq, its start); and the bytes of those landed
+    aside: dict[int, tuple[int, float]] = field(default_factory=dict)
+    landed: dict[int, int] = field(default_factory=dict)
 
     def now(self) -> float:
         return self.t
@@ -99,6 +106,39 @@ class SimLanes:
             n = self._push(TraceEvent("compute", a, b - 1, now, now + self.compute_cost(a, b, now)))
             if decision.race:
                 self.racing = (a, n, now)
+            else:
+                self.unit, self.landed = (a, b, n, now), {}
+        for i in decision.overtake:
+            end = self.link.reserve(now, self.chunk_bytes[i])
+            if i in self.failing:
+                event = TraceEvent("aside-failed", i, i, now, end, 0, error="simulated fault")
+            else:
+                event = TraceEvent("aside", i, i, now, end, self.chunk_bytes[i])
+            self.aside[i] = (self._push(event), now)
+
+    def _aside_landed(self, event: TraceEvent, n: int, out: list[TraceEvent | BaseException]) -> None:
+        """A fetch aside completed: it counts unless its unit ended first; the last chunk of the unit
+        to land stops the unit."""
+        i = event.first_chunk
+        if self.aside.get(i, (None,))[0] != n:
+            return  # dropped when its unit ended
+        del self.aside[i]
+        out.append(event)
+        if self.unit is None or event.kind != "aside":
+            return
+        a, b, lost, start = self.unit
+        self.landed[i] = event.nbytes
+        if len(self.landed) == b - a:
+            self.unit = None
+            self.lost.add(lost)
+            out.append(TraceEvent("compute-overtaken", a, b - 1, start, self.t, sum(self.landed.values())))
+
+    def _unit_ended(self, out: list[TraceEvent | BaseException]) -> None:
+        """The compute unit in place finished first: its fetches aside still in flight stop now."""
+        self.unit = None
+        for i, (_, start) in sorted(self.aside.items()):
+            out.append(TraceEvent("aside-dropped", i, i, start, self.t))
+        self.aside.clear()
 
     async def wait(self, wake_at: float | None) -> list[TraceEvent | BaseException]:
         queue = self.queue
@@ -108,6 +148,9 @@ class SimLanes:
         while queue and queue[0][0] <= now:
             _, n, event = heapq.heappop(queue)
             kind, i = event.kind, event.first_chunk
+            if kind.startswith("aside"):
+                self._aside_landed(event, n, out)
+                continue
             if kind != "compute":
                 if kind != "load-dropped":
                     if self.live_loads.get(i, (None,))[0] != n:
@@ -128,4 +171,6 @@ class SimLanes:
                     _, start = self.live_loads.pop(i)
                     out.append(TraceEvent("load-dropped", i, i, start, now))
             out.append(event)
+            if self.unit is not None and self.unit[2] == n:
+                self._unit_ended(out)
         return out

@@ -253,13 +253,8 @@ class _RealLanes:
             unit.landed[i] = (nbytes, commit)
             return nbytes
 
-        start = self.now()
-        event: TraceEvent | None = None
         try:
-            with scope:
-                async with self.load_lane:
-                    start = self.now()
-                    event = await timed_load(fetch, i, self.load_timeout_s, self.now, kind="aside")
+            start, event = await self._on_load_lane(fetch, i, scope, "aside")
         finally:
             unit.fetching.pop(i, None)
         self.send.send_nowait(event or TraceEvent("aside-dropped", i, i, start, self.now()))
@@ -287,14 +282,22 @@ class _RealLanes:
             await run_unit(commit)
             self.send.send_nowait(TraceEvent("compute", a, a, start, self.now()))
 
-    async def _load(self, i: int, scope: anyio.CancelScope, stopped: anyio.Event) -> None:
+    async def _on_load_lane(
+        self, load: LoadFn, i: int, scope: anyio.CancelScope, kind: str
+    ) -> tuple[float, TraceEvent | None]:
+        """Run one load of chunk `i` on a load lane under `scope`: when it began, and its event (None:
+        stopped by `scope` before it ended)."""
         start = self.now()
         event: TraceEvent | None = None
+        with scope:
+            async with self.load_lane:
+                start = self.now()
+                event = await timed_load(load, i, self.load_timeout_s, self.now, kind)
+        return start, event
+
+    async def _load(self, i: int, scope: anyio.CancelScope, stopped: anyio.Event) -> None:
         try:
-            with scope:
-                async with self.load_lane:
-                    start = self.now()
-                    event = await timed_load(self.load_fn, i, self.load_timeout_s, self.now)
+            start, event = await self._on_load_lane(self.load_fn, i, scope, "load")
             if scope.cancel_called:  # dropped: whatever it read is not applied
                 event = TraceEvent("load-dropped", i, i, start, self.now())
             if event is not None:

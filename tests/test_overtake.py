@@ -11,15 +11,18 @@ import anyio
 import pytest
 import torch
 
-from kvrestore import ComputeOnly, Restorer, TokenTwoPointer
+from kvrestore import ComputeOnly, LayerTwoPointer, Restorer, TokenTwoPointer
 from kvrestore.core.cancel import checkpoint
 from kvrestore.core.trace import TraceEvent
+from kvrestore.costs.compute import ChunkCost, LayerCost
+from kvrestore.costs.links import LinkCost
 from kvrestore.policies import ChunkStatus, Decision, Progress
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
 from kvrestore.stores.memory import MemoryStore
 from kvrestore.stores.throttled import ThrottledStore
 
 from .conftest import random_tokens
+from .test_profile import make_profile
 from .test_two_pointer import ATOL, full_prefill
 
 
@@ -155,3 +158,22 @@ def test_stats_seconds_is_the_whole_call(llama_backend):
 
     res = anyio.run(main)
     assert res.stats.seconds >= 0.05 + max(e.end_s for e in res.trace.events)
+
+
+def test_a_layer_wise_restore_whose_loads_win_before_any_layer_goes_along_tokens(llama_backend):
+    """Predicted to land every layer before the first is computed, a layer-wise restore reads whole
+    chunks instead (one read each, not one per layer): the token axis, loads only, exact."""
+    tokens = random_tokens(96, llama_backend.spec.vocab_size)
+    slow_compute = make_profile(
+        llama_backend, chunk=ChunkCost(1.0, 1e-2, 0.0), layer=LayerCost(1.0, 1e-2, 0.0), link=LinkCost(1e12, 0.0)
+    )
+
+    async def main():
+        store = MemoryStore()
+        await Restorer(llama_backend, store, chunk_size=32, learn=False).save(tokens)
+        r = Restorer(llama_backend, store, chunk_size=32, learn=False, profile=slow_compute)
+        return await r.restore(tokens, LayerTwoPointer())
+
+    res = anyio.run(main)
+    assert res.stats.axis == "tokens" and res.stats.loaded_chunks == 3 and res.stats.computed_chunks == 0
+    torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)

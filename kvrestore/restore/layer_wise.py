@@ -13,7 +13,7 @@ import time
 import anyio
 
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
-from kvrestore.policies import ComputeOnly, Policy, Progress
+from kvrestore.policies import ComputeOnly, LoadOnly, Policy, Progress
 from kvrestore.restore.compute import LayerCompute, prefill_into
 from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
 from kvrestore.restore.token_wise import restore_tokens
@@ -26,11 +26,17 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     if k == 0:  # nothing stored: layers have nothing to load
         return await restore_tokens(parts, job, ComputeOnly())
     engine, spec = parts.engine, parts.backend.spec
-    t0 = time.perf_counter()
-    kv = parts.buffer(out, len(tokens))
     n_layers, prefix = spec.num_layers, refs[k - 1].end
     progress = Progress([prefix] * n_layers, [True] * n_layers)
     progress.prior_compute_s, progress.prior_link = parts.planner.layer_priors(prefix)
+    progress.free_load_lanes = engine.load_lanes
+    if k == len(refs) and policy.decide(progress).compute is None:
+        # the loads are predicted to land every layer before the first could be computed: whole chunks
+        # then land sooner still (one read each, not one per layer), so the prompt goes along tokens
+        return await restore_tokens(parts, job, LoadOnly())
+    progress.free_load_lanes = 0
+    t0 = time.perf_counter()
+    kv = parts.buffer(out, len(tokens))
     reader = LayerReader(
         spec,
         parts.store,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Literal
@@ -254,6 +255,7 @@ class Restorer:
             Empty or out-of-vocabulary tokens, a prompt longer than the model's context, a bad `out`.
             A missing or damaged chunk raises nothing: it is recomputed and counted in `stats`.
         """
+        started = time.perf_counter()  # `stats.seconds` counts from here: what the caller waits
         tokens, refs = self.chunks(token_ids)
         run.check_policy(policy)
         if out is not None:
@@ -262,7 +264,7 @@ class Restorer:
                 raise InvalidInputError(
                     f"out is on {out.data.device}; the model runs on {self.backend.device}"
                 )
-        return await run.restore(self._parts, tokens, refs, policy, on_event, out)
+        return await run.restore(self._parts, tokens, refs, policy, on_event, out, started)
 
     async def save_chunk(self, token_ids: TokenIds, prefix: TokenIds | None = None) -> str:
         """Prefill a chunk on its own and store its KV under a content key, for `restore_blend`.

@@ -63,10 +63,12 @@ async def restore(
     policy: Policy | Auto | None,
     on_event: Callable[[TraceEvent], None] | None,
     out: KVCache | None,
+    started: float | None = None,
 ) -> RestoreResult:
     """`Restorer.restore` for checked tokens and their chunks (see there). Its `stats.seconds` is the
-    whole call's wall time, the lookup and the planning included: what the caller waited."""
-    t0 = time.perf_counter()
+    whole call's wall time from `started` (`time.perf_counter()`; default now), the lookup and the
+    planning included: what the caller waited."""
+    t0 = time.perf_counter() if started is None else started
     errors: list[str] = []
     try:
         stored = await parts.store.contains([r.key for r in refs])

@@ -51,7 +51,7 @@ class TokenTwoPointer(Policy):
             return Decision(compute=compute, race=True)
         frontier = compute[1] if compute else progress.compute_frontier()
         loads = self._loads(progress, frontier)
-        overtake = () if compute else _overtake(progress, progress.free_load_lanes - len(loads))
+        overtake = _overtake(progress, progress.free_load_lanes - len(loads), compute, loads)
         return Decision(compute=compute, loads=loads, drop=drop, wake_at=wake_at, overtake=overtake)
 
     @staticmethod
@@ -189,26 +189,30 @@ def _loads_first(p: Progress, a: int) -> float | None:
     return done + GRACE * compute_s if done < p.now + compute_s else None
 
 
-def _overtake(p: Progress, free: int) -> tuple[int, ...]:
-    """Chunks of the compute unit running in place to fetch aside on `free` idle load lanes
-    (`Decision.overtake`), back to front: when they are all stored and would land before the unit ends
-    (or nothing says when either happens: the lanes are idle anyway)."""
-    unit = p.computing() if p.can_overtake and free > 0 else None
+def _overtake(
+    p: Progress, free: int, starting: tuple[int, int] | None = None, loading: tuple[int, ...] = ()
+) -> tuple[int, ...]:
+    """Chunks of the compute unit running in place (or `starting` now, beside the fetches `loading`)
+    to fetch aside on `free` idle load lanes (`Decision.overtake`), back to front: when they are all
+    stored and would land before the unit ends (or nothing says when either happens: the lanes are
+    idle anyway)."""
+    unit = (starting or p.computing()) if p.can_overtake and free > 0 else None
     if unit is None:
         return ()
     a, b = unit
+    started = p.now if starting else p.compute_started
     todo = [j for j in range(b - 1, a - 1, -1) if j not in p.aside]
     if not todo or not all(p.stored[j] for j in range(a, b)):
         return ()
     link = _link(p)
     estimates = [_compute_estimate(p, j) for j in range(a, b)]
-    if link is not None and p.compute_started is not None and None not in estimates:
+    if link is not None and started is not None and None not in estimates:
         per_token, latency = link
         in_flight = sum(
-            p.chunk_tokens[j] for j in range(p.n_chunks) if p.status[j] is ChunkStatus.LOADING
+            p.chunk_tokens[j] for j in range(p.n_chunks) if p.status[j] is ChunkStatus.LOADING or j in loading
         ) + sum(p.chunk_tokens[j] for j, landed in p.aside.items() if not landed)
         landing = p.now + latency + (in_flight + sum(p.chunk_tokens[j] for j in todo)) * per_token
-        if landing >= p.compute_started + sum(estimates):  # type: ignore[arg-type]
+        if landing >= started + sum(estimates):  # type: ignore[arg-type]
             return ()
     return tuple(todo[:free])
 

@@ -95,12 +95,7 @@ class SimLanes:
     def start(self, decision: Decision) -> None:
         now = self.t
         for i in decision.loads:
-            end = self.link.reserve(now, self.chunk_bytes[i])
-            if i in self.failing:
-                event = TraceEvent("load-failed", i, i, now, end, 0, error="simulated fault")
-            else:
-                event = TraceEvent("load", i, i, now, end, self.chunk_bytes[i])
-            self.live_loads[i] = (self._push(event), now)
+            self.live_loads[i] = (self._fetch(i, "load"), now)
         if decision.compute is not None:
             a, b = decision.compute
             n = self._push(TraceEvent("compute", a, b - 1, now, now + self.compute_cost(a, b, now)))
@@ -109,12 +104,15 @@ class SimLanes:
             else:
                 self.unit, self.landed = (a, b, n, now), {}
         for i in decision.overtake:
-            end = self.link.reserve(now, self.chunk_bytes[i])
-            if i in self.failing:
-                event = TraceEvent("aside-failed", i, i, now, end, 0, error="simulated fault")
-            else:
-                event = TraceEvent("aside", i, i, now, end, self.chunk_bytes[i])
-            self.aside[i] = (self._push(event), now)
+            self.aside[i] = (self._fetch(i, "aside"), now)
+
+    def _fetch(self, i: int, kind: str) -> int:
+        """Book chunk i's bytes on the link from now; its completion ("load" or "aside", or `kind`-failed
+        for a chunk in `failing`) goes on the heap. Returns the completion's seq."""
+        end = self.link.reserve(self.t, self.chunk_bytes[i])
+        if i in self.failing:
+            return self._push(TraceEvent(f"{kind}-failed", i, i, self.t, end, 0, error="simulated fault"))
+        return self._push(TraceEvent(kind, i, i, self.t, end, self.chunk_bytes[i]))
 
     def _aside_landed(self, event: TraceEvent, n: int, out: list[TraceEvent | BaseException]) -> None:
         """A fetch aside completed: it counts unless its unit ended first; the last chunk of the unit

@@ -9,17 +9,14 @@ import threading
 import time
 
 
-class BlackHole:
-    """Accepts TCP connections on 127.0.0.1, reads whatever comes, never writes a byte. `accepted`
-    counts the connections it took."""
+class _LoopbackServer:
+    """A listening socket on 127.0.0.1 whose accept loop hands each connection to `_take`."""
 
     def __init__(self) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(128)
         self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.accepted = 0
-        self._conns: list[socket.socket] = []
         self._stop = threading.Event()
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -30,9 +27,35 @@ class BlackHole:
                 conn, _ = self.sock.accept()
             except (TimeoutError, OSError):
                 continue
-            self.accepted += 1
-            self._conns.append(conn)
-            threading.Thread(target=self._swallow, args=(conn,), daemon=True).start()
+            self._take(conn)
+
+    def _take(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self._stop.set()
+        self.sock.close()
+
+    def __enter__(self) -> _LoopbackServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class BlackHole(_LoopbackServer):
+    """Accepts TCP connections on 127.0.0.1, reads whatever comes, never writes a byte. `accepted`
+    counts the connections it took."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self._conns: list[socket.socket] = []
+        super().__init__()
+
+    def _take(self, conn: socket.socket) -> None:
+        self.accepted += 1
+        self._conns.append(conn)
+        threading.Thread(target=self._swallow, args=(conn,), daemon=True).start()
 
     def _swallow(self, conn: socket.socket) -> None:
         conn.settimeout(0.1)
@@ -51,42 +74,25 @@ class BlackHole:
             with contextlib.suppress(OSError):
                 c.close()
 
-    def __enter__(self) -> BlackHole:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class SlowProxy:
+class SlowProxy(_LoopbackServer):
     """Forwards TCP connections on 127.0.0.1 to `target_port` (on 127.0.0.1), holding each answer back
     `delay_s` before its first byte goes to the client (every request on a connection waits)."""
 
     def __init__(self, target_port: int, delay_s: float) -> None:
         self.target_port = target_port
         self.delay_s = delay_s
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(128)
-        self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self._stop = threading.Event()
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        self.sock.settimeout(0.1)
-        while not self._stop.is_set():
-            try:
-                client, _ = self.sock.accept()
-            except (TimeoutError, OSError):
-                continue
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            except OSError:
-                client.close()
-                continue
-            held = threading.Event()  # set when the client sent a request whose answer is due
-            threading.Thread(target=self._pipe, args=(client, upstream, held, False), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(upstream, client, held, True), daemon=True).start()
+    def _take(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+        except OSError:
+            client.close()
+            return
+        held = threading.Event()  # set when the client sent a request whose answer is due
+        threading.Thread(target=self._pipe, args=(client, upstream, held, False), daemon=True).start()
+        threading.Thread(target=self._pipe, args=(upstream, client, held, True), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, held: threading.Event, answers: bool) -> None:
         try:
@@ -106,13 +112,3 @@ class SlowProxy:
             for s in (src, dst):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        self._stop.set()
-        self.sock.close()
-
-    def __enter__(self) -> SlowProxy:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

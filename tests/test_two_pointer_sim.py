@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvrestore.core.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
 from kvrestore.core.trace import TraceEvent
-from kvrestore.policies import ChunkStatus, Decision, Progress, TokenTwoPointer
+from kvrestore.policies import ChunkStatus, ComputeOnly, Decision, Progress, TokenTwoPointer
 from kvrestore.policies.token_two_pointer import GRACE
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
 from kvrestore.sim.simulate import simulate
@@ -147,6 +147,47 @@ def test_computes_and_drops_a_fetch_that_lands_later_than_computing():
     p.loads_in_flight = 1
     p.now = 0.6
     assert TokenTwoPointer().decide(p) == Decision(compute=(1, 2), drop=(1,))
+
+
+def test_fetches_that_cannot_land_in_time_go_to_whole_compute_units():
+    """A link so slow that one chunk takes longer to fetch than the whole prompt to compute (0.1x the
+    balance bandwidth): the compute lane takes every chunk in units of `compute_chunks`, dropping the
+    fetches as it reaches them, and finishes when compute-only in the same units does."""
+    n, unit_s, per_chunk_s = 8, 0.002, 0.01
+
+    def cost(a: int, b: int, _t: float) -> float:
+        return unit_s + per_chunk_s * (b - a)
+
+    bytes_per_s = 0.1 * n * CHUNK_BYTES / (n * per_chunk_s)
+    priors = ([cost(i, i + 1, 0.0) for i in range(n)], (CHUNK_BYTES / 128 / bytes_per_s, 0.0))
+    link = Link(BandwidthTrace.constant(bytes_per_s))
+    res = simulate(TokenTwoPointer(2), [128] * n, [True] * n, cost, [CHUNK_BYTES] * n, link, priors=priors)
+    alone = simulate(ComputeOnly(2), [128] * n, [True] * n, cost, [CHUNK_BYTES] * n, link)
+    assert res.trace.computed() == list(range(n))
+    assert [(e.first_chunk, e.last_chunk) for e in res.trace.of_kind("compute")] == [
+        (0, 1),
+        (2, 3),
+        (4, 5),
+        (6, 7),
+    ]
+    assert res.makespan == pytest.approx(alone.makespan)
+
+
+def test_a_unit_takes_the_fetches_it_would_finish_before_they_land():
+    """Chunks 3 and 2 are fetched behind chunks 5 and 4 on a link that lands a chunk every 0.15 s (at
+    0.24, 0.39, 0.545 and 0.695 s); computing a chunk takes 0.1 s. The unit from chunk 1 covers 1-3 and
+    drops the fetches of 2 and 3, which computing finishes first (at 0.3 and 0.4 s), and stops before
+    chunk 4, whose fetch lands first."""
+    p = Progress([256] * 6, [True] * 6)
+    p.status = [ChunkStatus.COMPUTED, ChunkStatus.PENDING] + [ChunkStatus.LOADING] * 4
+    p.compute_seconds[0] = 0.1
+    p.load_started[5], p.load_started[4], p.load_started[3], p.load_started[2] = 0.09, 0.09, 0.095, 0.095
+    p.prior_link = (0.15 / 256, 0.0)
+    p.loads_in_flight, p.now = 4, 0.1
+    assert TokenTwoPointer(compute_chunks=3).decide(p) == Decision(compute=(1, 4), drop=(2, 3))
+    p.prior_link = (0.0015 / 256, 0.0)  # a link a hundred times faster: every fetch lands first
+    p.stored[1] = False  # (and chunk 1 is not stored, so the lane does not wait for the loads instead)
+    assert TokenTwoPointer(compute_chunks=3).decide(p) == Decision(compute=(1, 2))
 
 
 def test_loads_from_the_back_down_to_the_compute_frontier():

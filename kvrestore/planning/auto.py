@@ -260,6 +260,10 @@ def predict(policy: Policy, profile: Profile | _Costs, link: LinkCost, work: Wor
         channel,
         work.load_lanes,
         min_unit_chunks=work.min_unit_chunks,
+        priors=(
+            [cost(i, i + 1, 0.0) for i in range(len(work.chunk_tokens))],
+            (work.kv_bytes_per_token / link.bytes_per_s, link.latency_s),
+        ),
     )
     return result.makespan
 

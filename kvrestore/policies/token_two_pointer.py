@@ -47,7 +47,8 @@ class TokenTwoPointer(Policy):
         if contested is not None:  # the last chunk, stored: fetch it and compute it, the first wins
             return Decision(compute=(contested, contested + 1), loads=(contested,), race=True)
         compute, drop, wake_at = self._compute_step(progress)
-        if drop and progress.can_race:  # race the fetch instead of dropping it: it may still land first
+        if drop and compute == (drop[0], drop[0] + 1) and progress.can_race:
+            # the meeting chunk alone: race its fetch instead of dropping it, it may still land first
             return Decision(compute=compute, race=True)
         frontier = compute[1] if compute else progress.compute_frontier()
         loads = self._loads(progress, frontier)
@@ -91,11 +92,12 @@ class TokenTwoPointer(Policy):
             held = _loads_first(p, a)
             if held is not None:  # the loads land every chunk left before computing chunk a could
                 return None, (), held
-            b = a + 1
-            limit = a + self._unit_length(p, a)
-            while b < min(p.n_chunks, limit) and p.status[b] is ChunkStatus.PENDING:
-                b += 1
-            return (a, b), (), None
+            unit = max(self.compute_chunks, p.min_unit_chunks)
+            b, drop = _extend(p, a, a + 1, a + self._unit_length(p, a))
+            end, rest = _extend(p, a, b, p.n_chunks)  # how far computing goes before a fetch meets it
+            if b < end < b + unit:  # what computing has left after this unit is less than a unit: take it
+                b, drop = end, drop + rest
+            return (a, b), drop, None
         # the pointers met: chunk a is being fetched
         compute_s = _compute_estimate(p, a)
         landing = _landing_estimate(p, a)
@@ -108,7 +110,8 @@ class TokenTwoPointer(Policy):
             if p.now < due:
                 # waiting is cheaper; look again when the fetch is due if it has not landed by then
                 return None, (), due
-        return (a, a + 1), (a,), None
+        b, drop = _extend(p, a, a + 1, a + max(self.compute_chunks, p.min_unit_chunks))
+        return (a, b), (a, *drop), None
 
     def _unit_length(self, p: Progress, a: int) -> int:
         """`compute_chunks` (at least the lane's `min_unit_chunks`), or fewer near the meeting: only the
@@ -128,10 +131,7 @@ class TokenTwoPointer(Policy):
         per_token = _load_seconds_per_token(p)
         if per_token is None:
             return unit  # no fetch has landed in all that time: the loads are slow
-        load_ptr = next(
-            (j for j in range(a, p.n_chunks) if p.status[j] in (ChunkStatus.LOADING, ChunkStatus.LOADED)),
-            p.n_chunks,
-        )
+        load_ptr = _extend(p, a, a, p.n_chunks)[0]  # the first fetch that lands before computing gets there
         load_s = per_token * p.chunk_tokens[a]
         share = int((load_ptr - a) * load_s / (compute_s + load_s))
         return max(1, min(unit, share))
@@ -148,6 +148,31 @@ def _compute_estimate(p: Progress, a: int) -> float | None:
     return p.prior_compute_s[a]
 
 
+def _extend(p: Progress, a: int, b: int, limit: int) -> tuple[int, tuple[int, ...]]:
+    """(end, fetches to drop) of a compute unit from chunk a, grown from [a, b) up to `limit` over
+    pending chunks and over chunks whose fetch would land only after computing from a would have
+    finished them (a fetch that cannot win: computing takes the chunk and the fetch is dropped, which
+    also frees the link for the fetches that can)."""
+    finish = p.now
+    for j in range(a, b):
+        finish += _compute_estimate(p, j) or 0.0
+    drop: list[int] = []
+    limit = min(p.n_chunks, limit)
+    while b < limit:
+        status = p.status[b]
+        if status is ChunkStatus.LOADING:
+            compute_s = _compute_estimate(p, b)
+            landing = _landing_estimate(p, b, floor=True)
+            if compute_s is None or landing is None or landing <= finish + compute_s:
+                break
+            drop.append(b)
+        elif status is not ChunkStatus.PENDING:
+            break
+        finish += _compute_estimate(p, b) or 0.0
+        b += 1
+    return b, tuple(drop)
+
+
 def _link(p: Progress) -> tuple[float, float] | None:
     """(seconds per token delivered, latency): what this restore's loads show, else the cost model's;
     at least as slow as the wait for the fetch due next says (a link that has delivered nothing for a
@@ -159,14 +184,8 @@ def _link(p: Progress) -> tuple[float, float] | None:
         link = (_load_seconds_per_token(p, landed), 0.0)  # type: ignore[assignment]
     else:
         return None
-    flying = [
-        j for j in range(p.n_chunks) if p.status[j] is ChunkStatus.LOADING and p.load_started[j] is not None
-    ]
-    if not flying:
-        return link
-    due = min(flying, key=lambda j: p.load_started[j])  # type: ignore[arg-type,return-value]
-    since = max(landed[-1][0], p.load_started[due]) if landed else p.load_started[due]  # type: ignore[type-var]
-    return max(link[0], (p.now - since) / p.chunk_tokens[due]), link[1]  # type: ignore[operator]
+    overdue = _overdue(p, landed)
+    return link if overdue is None else (max(link[0], overdue), link[1])
 
 
 def _loads_first(p: Progress, a: int) -> float | None:
@@ -205,6 +224,9 @@ def _overtake(
     if not todo or not all(p.stored[j] for j in range(a, b)):
         return ()
     link = _link(p)
+    if link is None:  # nothing known of the link but what the fetches in flight have not delivered yet
+        overdue = _overdue(p, [])
+        link = None if overdue is None else (overdue, 0.0)
     estimates = [_compute_estimate(p, j) for j in range(a, b)]
     if link is not None and started is not None and None not in estimates:
         per_token, latency = link
@@ -243,23 +265,51 @@ def _load_seconds_per_token(p: Progress, landed: list[tuple[float, int]] | None 
     return p.load_seconds[j] / p.chunk_tokens[j]  # type: ignore[operator]
 
 
-def _landing_estimate(p: Progress, a: int) -> float | None:
+def _landing_estimate(p: Progress, a: int, floor: bool = False) -> float | None:
     """When the fetch of chunk a should land, from the link's recent delivery rate.
 
     Fetches in flight are assumed served in the order they were issued (a link's queue), so chunk a
     lands once the fetches issued before it and its own bytes have crossed at the rate at which the
     latest fetches landed. Durations alone mislead: fetches issued together wait behind each other.
+
+    With `floor`, the rate is `_link`'s (the cost model's before two fetches have landed) and, before
+    anything is known, the slowest rate the fetch issued first cannot have beaten: it has delivered
+    nothing yet. That is a lower bound on the landing: a fetch that lands too late even by it is late.
     """
     landed = _landed(p)
     started = p.load_started[a]
-    per_token = _load_seconds_per_token(p, landed)
+    if floor:
+        link = _link(p)
+        per_token = link[0] if link is not None else _overdue(p, landed)
+    else:
+        per_token = _load_seconds_per_token(p, landed)
     if per_token is None or started is None:
         return None
-    ahead = sum(
+    if not landed:
+        return started + _ahead_tokens(p, a) * per_token
+    return max(landed[-1][0], min(started, p.now)) + _ahead_tokens(p, a) * per_token
+
+
+def _ahead_tokens(p: Progress, a: int) -> int:
+    """Tokens of the fetches in flight issued no later than chunk a's, its own included."""
+    started = p.load_started[a]
+    return sum(
         p.chunk_tokens[j]
         for j in range(p.n_chunks)
         if p.status[j] is ChunkStatus.LOADING
         and p.load_started[j] is not None
         and (p.load_started[j], -j) <= (started, -a)
     )
-    return max(landed[-1][0], min(started, p.now)) + ahead * per_token
+
+
+def _overdue(p: Progress, landed: list[tuple[float, int]]) -> float | None:
+    """Seconds per token the link takes at least: the fetch in flight issued first has delivered
+    nothing since it began or since the latest landing (None: nothing in flight)."""
+    flying = [
+        j for j in range(p.n_chunks) if p.status[j] is ChunkStatus.LOADING and p.load_started[j] is not None
+    ]
+    if not flying:
+        return None
+    due = min(flying, key=lambda j: p.load_started[j])  # type: ignore[arg-type,return-value]
+    since = max(landed[-1][0], p.load_started[due]) if landed else p.load_started[due]  # type: ignore[type-var]
+    return (p.now - since) / p.chunk_tokens[due]  # type: ignore[operator]

@@ -39,10 +39,15 @@ def simulate(
     failing: Collection[int] = (),
     max_steps: int = 1_000_000,
     min_unit_chunks: int = 1,
+    priors: tuple[Sequence[float | None], tuple[float, float] | None] | None = None,
 ) -> SimResult:
     """Run `policy` to the end of one restore; loads of chunks in `failing` fail when they land.
-    `min_unit_chunks` is the compute lane's floor on a unit (`Progress.min_unit_chunks`)."""
+    `min_unit_chunks` is the compute lane's floor on a unit (`Progress.min_unit_chunks`); `priors` what
+    the policy is told before it observes anything (`Progress.prior_compute_s`, `Progress.prior_link`),
+    as a restorer tells it from its cost model."""
     progress = Progress(list(chunk_tokens), list(stored))
+    if priors is not None:
+        progress.prior_compute_s, progress.prior_link = list(priors[0]), priors[1]
     progress.min_unit_chunks = min_unit_chunks
     progress.can_race = progress.can_overtake = True
     lanes = SimLanes(compute_cost, chunk_bytes, link, load_lanes, failing)

@@ -12,19 +12,26 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import anyio
 import torch
 
 from kvrestore import policies as policy_mod
 from kvrestore.core.paths import cache_root
+from kvrestore.core.trace import TraceEvent
 from kvrestore.planning import Auto
+from kvrestore.restore.results import RestoreResult
 from kvrestore.restorer import Restorer
 from kvrestore.stores import ThrottledStore, open_store
 from kvrestore.tools.benchmarking import next_token_logits
 from kvrestore.tools.text import reference_tokens
 
+if TYPE_CHECKING:
+    from kvrestore.backends.hf import HFBackend
+
+#: rounds of each restore from the local disk (the table shows the median one)
+LOCAL_ROUNDS = 3
 QUESTION = "What does the with statement guarantee about the __exit__() method?"
 
 
@@ -65,6 +72,7 @@ class PolicyRun:
     answer: str
     store: str = "local disk"
     unit: str = "chunks"  # what `computed` and `loaded` count: "chunks", or "layers" for layer-wise
+    failed_loads: int = 0  # stored chunks found unusable (and recomputed, then saved again), all rounds
 
 
 def default_store_url() -> str:
@@ -141,26 +149,24 @@ async def run_demo(
             ("link", slow, p) for p in policy_mod.available() if not isinstance(p, policy_mod.ComputeOnly)
         ]
         cases.append(("link", slow, Auto()))  # the planner: what it picks, and why
-        for place, r, policy in cases:
-            unit = "layers" if policy.axis == "layers" else "chunks"
-            n_units = backend.spec.num_layers if unit == "layers" else -(-len(prefix) // chunk_size)
-            done = 0
-
-            def on_event(event, policy=policy, n_units=n_units, unit=unit) -> None:
-                nonlocal done
-                done += event.last_chunk - event.first_chunk + 1 if event.kind in ("compute", "load") else 0
-                say.tick(f"{policy.name}: {done}/{n_units} {unit} restored")
-
-            say(f"restoring with {policy.name} from the {where[place]}")
-            link.reset()
-            t0 = time.perf_counter()
-            result = await r.restore(prefix, policy, on_event=on_event)
-            restore_s = time.perf_counter() - t0
-            past = result.kv.data
-            logits = await next_token_logits(restorer, backend, torch.tensor(suffix), past, len(prefix))
-            ttft = time.perf_counter() - t0
-            if int(logits.argmax()) != first:
-                say(f"warning: {policy.name} gave another first token than the full prefill")
+        # the local disk's restores take a fraction of a second: each is the median of LOCAL_ROUNDS
+        # rounds, interleaved, so that one hiccup of a shared machine does not decide the table
+        rounds = {place: LOCAL_ROUNDS if place == "local" else 1 for place, _, _ in cases}
+        samples: dict[int, list[tuple[float, float, RestoreResult]]] = {}
+        for round_ in range(max(rounds.values())):
+            for i, (place, r, policy) in enumerate(cases):
+                if round_ >= rounds[place]:
+                    continue
+                say(
+                    f"restoring with {policy.name} from the {where[place]}"
+                    + (f" (round {round_ + 1})" if rounds[place] > 1 else "")
+                )
+                link.reset()
+                samples.setdefault(i, []).append(
+                    await _timed_restore(r, restorer, backend, prefix, suffix, policy, first, say)
+                )
+        for i, (place, _, policy) in enumerate(cases):
+            restore_s, ttft, result = sorted(samples[i], key=lambda run: run[1])[len(samples[i]) // 2]
             answer_ids = await anyio.to_thread.run_sync(
                 partial(backend.generate, full, result.kv, max_new_tokens=max_new_tokens)
             )
@@ -168,11 +174,6 @@ async def run_demo(
             s = result.stats
             if result.plan is not None:
                 say(f"auto {result.plan.explain()}")
-            if s.failed_loads:
-                say(
-                    f"warning: {s.failed_loads} stored chunks were unusable and were recomputed: {s.errors[0]}"
-                )
-                await restorer.save(prefix, kv=result.kv)  # replace them, for the next run
             name = f"auto: {s.policy}" if result.plan is not None else policy.name
             counts = (
                 (s.computed_layers, s.loaded_layers)
@@ -180,7 +181,8 @@ async def run_demo(
                 else (s.computed_chunks, s.loaded_chunks)
             )
             unit = "layers" if s.axis == "layers" else "chunks"
-            runs.append(PolicyRun(name, restore_s, ttft, *counts, answer, where[place], unit))
+            failed = sum(run[2].stats.failed_loads for run in samples[i])
+            runs.append(PolicyRun(name, restore_s, ttft, *counts, answer, where[place], unit, failed))
             say(f"{name}: TTFT {ttft:.2f} s ({counts[0]} {unit} computed, {counts[1]} loaded)")
 
     print(f"\nQuestion: {question}", file=out)
@@ -195,6 +197,7 @@ async def run_demo(
             file=out,
         )
     print("(L: layers, for the layer-wise two-pointer; otherwise chunks)", file=out)
+    print(f"(local disk: the median of {LOCAL_ROUNDS} interleaved rounds)", file=out)
     answers = {r.answer for r in runs}
     print(
         f"\nAnswer ({'identical for every policy' if len(answers) == 1 else 'policies differ!'}):", file=out
@@ -202,3 +205,38 @@ async def run_demo(
     for a in sorted(answers):
         print(f"  {a}", file=out)
     return runs
+
+
+async def _timed_restore(
+    r: Restorer,
+    restorer: Restorer,
+    backend: HFBackend,
+    prefix: list[int],
+    suffix: list[int],
+    policy: policy_mod.Policy | Auto,
+    first: int,
+    say: Progress,
+) -> tuple[float, float, RestoreResult]:
+    """(restore seconds, TTFT seconds, result) of restoring `prefix` with `policy` through `r`, then
+    prefilling `suffix` on it for the first token (checked against the full prefill's `first`)."""
+    unit = "layers" if policy.axis == "layers" else "chunks"
+    n_units = backend.spec.num_layers if unit == "layers" else len(r.chunks(prefix)[1])
+    done = 0
+
+    def on_event(event: TraceEvent) -> None:
+        nonlocal done
+        done += event.last_chunk - event.first_chunk + 1 if event.kind in ("compute", "load") else 0
+        say.tick(f"{policy.name}: {done}/{n_units} {unit} restored")
+
+    t0 = time.perf_counter()
+    result = await r.restore(prefix, policy, on_event=on_event)
+    restore_s = time.perf_counter() - t0
+    logits = await next_token_logits(restorer, backend, torch.tensor(suffix), result.kv.data, len(prefix))
+    ttft = time.perf_counter() - t0
+    if int(logits.argmax()) != first:
+        say(f"warning: {policy.name} gave another first token than the full prefill")
+    if result.stats.failed_loads:
+        s = result.stats
+        say(f"warning: {s.failed_loads} stored chunks were unusable and were recomputed: {s.errors[0]}")
+        await restorer.save(prefix, kv=result.kv)  # replace them, for the next restore
+    return restore_s, ttft, result

@@ -12,7 +12,8 @@ after another on the same restorer: `ComputeOnly`, `LoadOnly`, `TokenTwoPointer`
 then `Auto` on a fresh restorer (no profile, nothing learned: its first restore) and `Auto` on a
 restorer that has done three restores of the prompt before (its fourth). Load-only is not run below
 0.5x: it takes at least Tc / m there, never the better single strategy. Compute-only does not read the
-store, so it runs once per round and length. Times are the wall time the caller waits around
+store: it runs at the memory point, and again beside each throttled point up to 1x, where it may be the
+better single strategy (so that a ratio there compares restores minutes apart on a shared machine). Times are the wall time the caller waits around
 `restore()` (a restore that took under 0.25 s in the warm-up is timed five times a round, and the
 round keeps their median); each ratio is taken within a round (against that round's better single
 strategy), and the median over rounds is reported. Every restored KV is checked against a full
@@ -114,8 +115,8 @@ async def measure_length(args: argparse.Namespace, backend: HFBackend, tokens: t
             multiplier = float(point[:-1]) if point.endswith("x") else None
             line = []
             for case in CASES:
-                if case == "compute-only" and point != "memory":
-                    continue
+                if case == "compute-only" and point != "memory" and (not multiplier or multiplier > 1):
+                    continue  # timed again beside the throttled points where it is the better single
                 if case == "load-only" and multiplier is not None and multiplier < 0.5:
                     continue
                 samples = []
@@ -165,7 +166,7 @@ def summarize(
     for point in points:
 
         def samples(case: str, point: str = point) -> list[float] | None:
-            return times.get(("memory", case) if case == "compute-only" else (point, case))
+            return times.get((point, case)) or times.get(("memory", case) if case == "compute-only" else ("", ""))
 
         singles = [s for s in (samples("compute-only"), samples("load-only")) if s]
         better = [min(run[r] for run in singles) for r in range(args.rounds)]

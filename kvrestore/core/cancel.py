@@ -12,6 +12,7 @@ not used. A backend that never calls `checkpoint()` still works; it stops only a
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -27,18 +28,44 @@ class UnitCancelled(Exception):  # noqa: N818 - a signal inside a unit, not an e
     """Raised inside a compute unit at a `checkpoint()` once its restore has been cancelled."""
 
 
+class Checkpoints:
+    """How far a compute unit got: the `checkpoint()` calls it passed (with `HFBackend`, one before each
+    decoder layer), when its thread took it up and when it stopped at a checkpoint
+    (`time.perf_counter()`). A unit stopped at the checkpoint after `passed` ones ran `passed` whole
+    layers in `stopped - began` seconds."""
+
+    __slots__ = ("passed", "began", "stopped")
+
+    def __init__(self) -> None:
+        self.passed = 0
+        self.began: float | None = None
+        self.stopped: float | None = None
+
+    def part(self) -> tuple[int, float] | None:
+        """(checkpoints passed, seconds) of a unit stopped part-way; None if it did not stop so."""
+        if self.began is None or self.stopped is None or self.passed == 0:
+            return None
+        return self.passed, self.stopped - self.began
+
+
 def checkpoint() -> None:
     """Raise `UnitCancelled` if the compute unit running on this thread has been cancelled."""
     token = getattr(_current, "token", None)
+    count = getattr(_current, "checkpoints", None)
     if token is not None and token.is_set():
+        if count is not None:
+            count.stopped = time.perf_counter()
         raise UnitCancelled
+    if count is not None:
+        count.passed += 1
 
 
-async def run_unit(fn: Callable[..., T], *args: object) -> T:
+async def run_unit(fn: Callable[..., T], *args: object, checkpoints: Checkpoints | None = None) -> T:
     """`fn(*args)` in a worker thread, as a compute unit: if the calling task is cancelled meanwhile,
     the unit is told to stop at its next `checkpoint()` and this returns (raising the cancellation)
     only once the thread has left `fn`, so nothing of the unit still runs. A unit cancelled before its
-    thread took it up never starts."""
+    thread took it up never starts. `checkpoints`, if given, counts the checkpoints the unit passes:
+    a unit stopped part-way says how much of it ran, and in how long."""
     token = threading.Event()
     done = threading.Event()
     lock = threading.Lock()
@@ -49,11 +76,13 @@ async def run_unit(fn: Callable[..., T], *args: object) -> T:
             if state[0] == "abandoned":
                 raise UnitCancelled
             state[0] = "running"
-        _current.token = token
+        _current.token, _current.checkpoints = token, checkpoints
+        if checkpoints is not None:
+            checkpoints.began = time.perf_counter()
         try:
             return fn(*args)
         finally:
-            _current.token = None
+            _current.token = _current.checkpoints = None
             with lock:
                 state[0] = "finished"
             done.set()

@@ -16,6 +16,9 @@ class TraceEvent:
     end_s: float
     nbytes: int = 0
     error: str | None = None
+    #: a compute unit stopped part-way ("compute-overtaken"): the decoder layers it had run over all its
+    #: tokens, and the seconds they took (what the cost model learns from a unit that never finished)
+    partial: tuple[int, float] | None = None
 
     @property
     def seconds(self) -> float:

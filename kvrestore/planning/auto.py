@@ -261,7 +261,7 @@ def predict(policy: Policy, profile: Profile | _Costs, link: LinkCost, work: Wor
         work.load_lanes,
         min_unit_chunks=work.min_unit_chunks,
         priors=(
-            [cost(i, i + 1, 0.0) for i in range(len(work.chunk_tokens))],
+            [cost(i, i + 1, 0.0) if profile is not None else None for i in range(len(work.chunk_tokens))],
             (work.kv_bytes_per_token / link.bytes_per_s, link.latency_s),
         ),
     )

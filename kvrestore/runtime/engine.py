@@ -227,7 +227,8 @@ class _RealLanes:
                     await stopped.wait()
                 async with self.compute_lane:
                     start = self.now()
-                    await run_unit(self.compute_fn, a, b)  # cancelled: stops at the next layer, then returns
+                    # cancelled: stops at the next layer, then returns
+                    await run_unit(self.compute_fn, a, b, checkpoints=unit.checkpoints)
         finally:
             if self.unit is unit:
                 self.unit = None
@@ -238,7 +239,11 @@ class _RealLanes:
             for n, commit in unit.landed.values():
                 await run_unit(commit)
                 nbytes += n
-            self.send.send_nowait(TraceEvent("compute-overtaken", a, b - 1, start, self.now(), nbytes))
+            self.send.send_nowait(
+                TraceEvent(
+                    "compute-overtaken", a, b - 1, start, self.now(), nbytes, partial=unit.checkpoints.part()
+                )
+            )
             return
         self.send.send_nowait(TraceEvent("compute", a, b - 1, start, self.now()))
 

@@ -12,6 +12,7 @@ from typing import Protocol
 
 import anyio
 
+from kvrestore.core.cancel import Checkpoints
 from kvrestore.core.errors import LOAD_FAULTS
 from kvrestore.core.trace import TraceEvent
 
@@ -20,11 +21,12 @@ class Unit:
     """A compute unit running in place, and the fetches aside that may overtake it (`Decision.overtake`):
     `scope` stops it (at its next layer boundary) once every chunk of it has `landed` aside."""
 
-    __slots__ = ("a", "b", "fetching", "landed", "scope")
+    __slots__ = ("a", "b", "checkpoints", "fetching", "landed", "scope")
 
     def __init__(self, a: int, b: int) -> None:
         self.a, self.b = a, b
         self.scope = anyio.CancelScope()
+        self.checkpoints = Checkpoints()  # how far it got, if it is stopped part-way
         self.fetching: dict[int, anyio.CancelScope] = {}
         self.landed: dict[int, tuple[int, Callable[[], None]]] = {}
 

@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.streams import HostEvent, on_stream, timing_event
-from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, Pieces
+from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, Piece, Pieces
 from kvrestore.integrations.vllm_layout import blocks_of, gather_chunk, kv_views, scatter_tokens
 from kvrestore.integrations.vllm_meta import (
     KVRestoreConnectorMetadata,
@@ -70,6 +70,7 @@ class WorkerSide:
             self.io,
             compression=self.config.compression,
             max_bytes=self.config.save_queue_bytes,
+            encoding=self.config.kv_encoding,
         )
         self.counters = Counters()
         self._saver_seen = (0, 0, 0, 0)  # the saver's written, bytes, dropped, failed last reported
@@ -169,7 +170,14 @@ class WorkerSide:
         if meta.loads and self._load_stream is not None:  # the pages are written after what vLLM queued
             self._load_stream.wait_stream(torch.cuda.current_stream(self._caches[0].device))
         for spec in meta.loads:
-            load = LayerLoad(self.spec, self.store, spec.chunks, spec.k, self._placer(spec.block_ids))
+            load = LayerLoad(
+                self.spec,
+                self.store,
+                spec.chunks,
+                spec.k,
+                self._placer(spec.block_ids),
+                encoding=self.config.kv_encoding,
+            )
             load.start(self.io, self.config.load_timeout_s)
             self._loads.append((spec, load))
 
@@ -195,20 +203,22 @@ class WorkerSide:
         return place
 
     def _write(self, layer: int, block_ids: list[int], pieces: Pieces) -> None:
-        """Write one layer's pieces into its pages: on CUDA gathered once into pinned memory and sent up
-        in one copy, on the CPU each piece straight from the bytes read."""
+        """Write one layer's pieces into its pages. Native pieces: on CUDA gathered once into pinned
+        memory and sent up in one copy, on the CPU each straight from the bytes read. Encoded pieces are
+        decoded where the pages are (on CUDA their small bytes go up and are decoded on the stream)."""
         H, D = self.spec.num_kv_heads, self.spec.head_dim
         cache = self._caches[layer]
-        if cache.is_cuda:  # one copy into pinned memory, single-threaded and GIL-free (numpy's): torch's
-            # would spread over every core and starve vLLM's thread, which launches the step's kernels
-            n = pieces[-1][0] + pieces[-1][1].shape[2]
-            host = torch.empty((2, H, n, D), dtype=pieces[0][1].dtype, pin_memory=True)
-            for start, data in pieces:
-                dst = host[:, :, start : start + data.shape[2]]
-                np.copyto(dst.view(torch.uint8).numpy(), data.view(torch.uint8).numpy())
-            pieces = [(0, host)]
-        for start, data in pieces:
-            scatter_tokens(cache, self._layout, block_ids, start, data, H, D)
+        if cache.is_cuda and all(p.encoding.native for p in pieces):  # one copy into pinned memory,
+            # single-threaded and GIL-free (numpy's): torch's would spread over every core and starve
+            # vLLM's thread, which launches the step's kernels. The pieces cover [0, n) in order.
+            n = pieces[-1].start + pieces[-1].n_tokens
+            host = torch.empty((2, H, n, D), dtype=pieces[0].data.dtype, pin_memory=True)
+            for p in pieces:
+                dst = host[:, :, p.start : p.start + p.n_tokens]
+                np.copyto(dst.view(torch.uint8).numpy(), p.kv().view(torch.uint8).numpy())
+            pieces = [Piece(0, n, host, pieces[0].encoding, n)]
+        for p in pieces:
+            scatter_tokens(cache, self._layout, block_ids, p.start, p.kv(cache.device), H, D)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_of.get(layer_name)

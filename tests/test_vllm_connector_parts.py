@@ -407,6 +407,34 @@ def test_encoded_chunks_are_saved_and_decoded_into_the_pages(io, encoding):
     assert "encoding" in " ".join(native.errors)
 
 
+def test_fp8_pages_are_stored_as_they_are_and_requantized_only_for_other_scales():
+    """An fp8 cache's values go into fp8 sections untouched, with the layer's scales; loaded into pages of
+    the same scales they come back as they were, into pages of other scales they are decoded and
+    quantized with those (an int8 chunk likewise)."""
+    from kvrestore.integrations.vllm_io import Piece
+    from kvrestore.integrations.vllm_layout import fp8_layer_scales, fp8_sections, fp8_values
+
+    enc = codec.spec_encoding(SPEC, "fp8")
+    values = torch.randn(SPEC.num_layers, 2, H, 12, D).to(torch.float8_e4m3fn).view(torch.uint8)
+    scales = fp8_layer_scales([(0.5, 2.0)] * SPEC.num_layers)
+    sections = fp8_sections(values, scales, enc)
+    kv = torch.empty(SPEC.num_layers, 2, H, 12, D)
+    enc.decode(sections, kv)
+    assert torch.equal(
+        kv, values.view(torch.float8_e4m3fn).float() * torch.tensor([0.5, 2.0]).view(2, 1, 1, 1)
+    )
+    piece = Piece(0, 10, sections[1], enc, 12)
+    assert torch.equal(fp8_values(piece, scales[1], torch.device("cpu")), values[1, :, :, :10])
+    other = fp8_layer_scales([(1.0, 1.0)])[0]
+    want = kv[1, :, :, :10].to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(fp8_values(piece, other, torch.device("cpu")), want)
+    int8 = codec.spec_encoding(SPEC, "int8")
+    as_int8 = Piece(0, 10, int8.encode(kv)[1], int8, 12)
+    assert fp8_values(as_int8, other, torch.device("cpu")).shape == (2, H, 10, D)
+    with pytest.raises(InvalidInputError, match="fp8"):
+        fp8_sections(values, scales, int8)
+
+
 def test_a_damaged_or_missing_chunk_fails_its_tokens_only(io):
     store = MemoryStore()
     chunks, kv = _stored_prompt(store, io)

@@ -29,6 +29,7 @@ from kvrestore.codec.quant import Encoding
 from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, CorruptChunkError, InvalidInputError
 from kvrestore.core.kv import KVCache, KVChunk
 from kvrestore.core.spec import ModelSpec
+from kvrestore.integrations.vllm_layout import fp8_sections
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")
@@ -131,10 +132,18 @@ class ChunkSaver:
         with self._lock:
             self.pending_bytes -= nbytes
 
-    def submit_reserved(self, key: str, chunk: KVChunk, ready: torch.cuda.Event | None = None) -> None:
+    def submit_reserved(
+        self,
+        key: str,
+        chunk: KVChunk,
+        ready: torch.cuda.Event | None = None,
+        fp8_scales: torch.Tensor | None = None,
+    ) -> None:
         """Queue `chunk`, whose room was reserved; with `ready`, its bytes (pinned host memory a copy from
-        the GPU is still filling) are read once that event has completed, in the writer's thread."""
-        fut = self.io.submit(self._write, key, chunk, chunk.nbytes, ready)
+        the GPU is still filling) are read once that event has completed, in the writer's thread. With
+        `fp8_scales` ([L, 2]: each layer's K and V scale), `chunk.data` holds an fp8 cache's values (one
+        byte each), stored as they are in fp8 chunks (`vllm_layout.fp8_sections`)."""
+        fut = self.io.submit(self._write, key, chunk, chunk.nbytes, ready, fp8_scales)
         with self._lock:
             self._futures.add(fut)
         fut.add_done_callback(self._done)
@@ -144,7 +153,12 @@ class ChunkSaver:
             self._futures.discard(fut)
 
     async def _write(
-        self, key: str, chunk: KVChunk, nbytes: int, ready: torch.cuda.Event | None = None
+        self,
+        key: str,
+        chunk: KVChunk,
+        nbytes: int,
+        ready: torch.cuda.Event | None = None,
+        fp8_scales: torch.Tensor | None = None,
     ) -> None:
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self._lanes)
@@ -152,6 +166,17 @@ class ChunkSaver:
         def encode() -> bytes:
             if ready is not None:
                 ready.synchronize()
+            if fp8_scales is not None:
+                enc = codec.spec_encoding(self.spec, self.encoding)
+                return codec.encode_sections(
+                    fp8_sections(chunk.data.cpu(), fp8_scales, enc),
+                    chunk.start,
+                    chunk.n_tokens,
+                    self.spec,
+                    key,
+                    encoding=self.encoding,
+                    compression=self.compression,
+                )
             return codec.encode_chunk(
                 chunk, self.spec, key, compression=self.compression, encoding=self.encoding
             )

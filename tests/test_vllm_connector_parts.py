@@ -204,8 +204,9 @@ def test_how_much_slower_steps_that_load_compute_is_learned_and_slows_a_split(tm
     assert loading_factor(samples, compute) == pytest.approx(3.0)
     # a load-all step (a few tokens computed after the load) says nothing about the compute
     assert loading_factor([[32, 1968, 2.0, 2.05, L]], compute) is None
-    # nor does one after a quick load: its step is mostly a step's fixed costs (writing the pages)
+    # nor does one after a quick load: its step is mostly a step's fixed costs
     assert loading_factor([[32, 3968, 0.1, 0.9, L]], compute) is None
+    assert loading_factor([[80, 1920, 0.1, 0.2, L]], ChunkCost.per_pair(0.0, 1e-3, 0.0)) is None
     book = CostBook(tmp_path / "c.json")
     assert book.loading_factor() is None  # no compute cost yet
     book.add_compute(2000, 0, 2.0)

@@ -165,11 +165,12 @@ class KVRestoreConnector(KVConnectorBase_V1):
         emit(
             logging.INFO,
             "started",
-            "connector (%(role)s): store %(store)s, chunks of %(chunk_size)d tokens, split "
-            "%(split)s, model %(model)s (fingerprint %(fingerprint)s)",
+            "connector (%(role)s): store %(store)s, chunks of %(chunk_size)d tokens (%(kv_encoding)s), "
+            "split %(split)s, model %(model)s (fingerprint %(fingerprint)s)",
             role=role.name.lower(),
             store=config.store_url,
             chunk_size=config.chunk_size,
+            kv_encoding=config.kv_encoding,
             split=config.split,
             model=spec.name,
             fingerprint=fp[:12],

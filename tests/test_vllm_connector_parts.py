@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvrestore import codec
+from kvrestore.codec.quant import key_space
 from kvrestore.core.errors import InvalidInputError, StoreError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
@@ -203,6 +204,9 @@ def test_how_much_slower_steps_that_load_compute_is_learned_and_slows_a_split(tm
     assert loading_factor(samples, compute) == pytest.approx(3.0)
     # a load-all step (a few tokens computed after the load) says nothing about the compute
     assert loading_factor([[32, 1968, 2.0, 2.05, L]], compute) is None
+    # nor does one after a quick load: its step is mostly a step's fixed costs
+    assert loading_factor([[32, 3968, 0.1, 0.9, L]], compute) is None
+    assert loading_factor([[80, 1920, 0.1, 0.2, L]], ChunkCost.per_pair(0.0, 1e-3, 0.0)) is None
     book = CostBook(tmp_path / "c.json")
     assert book.loading_factor() is None  # no compute cost yet
     book.add_compute(2000, 0, 2.0)
@@ -254,6 +258,7 @@ def test_config_is_checked():
         ({"store_url": "/x", "split": "half"}, "split"),
         ({"store_url": "/x", "lookup_timeout_s": -1}, "lookup_timeout_s"),
         ({"store_url": "/x", "on_load_error": "ignore"}, "on_load_error"),
+        ({"store_url": "/x", "kv_encoding": "int3"}, "kv_encoding"),
     ]:
         with pytest.raises(InvalidInputError, match=match):
             ConnectorConfig.from_extra(bad)
@@ -315,8 +320,8 @@ def _joined(placed: dict[int, torch.Tensor]):
     """A `LayerLoad.place` that keeps each layer's pieces joined into one [2, H, T, D] tensor."""
 
     def place(layer: int, pieces) -> None:
-        assert [start for start, _ in pieces] == [0, *(s + d.shape[2] for s, d in pieces[:-1])]
-        placed[layer] = torch.cat([data for _, data in pieces], dim=2)
+        assert [p.start for p in pieces] == [0, *(p.start + p.n_tokens for p in pieces[:-1])]
+        placed[layer] = torch.cat([p.kv() for p in pieces], dim=2)
 
     return place
 
@@ -355,6 +360,80 @@ def test_compressed_chunks_load_the_same_kv(io):
     assert not load.failed
     for layer in range(SPEC.num_layers):
         assert torch.equal(placed[layer], kv[layer])
+
+
+@pytest.mark.parametrize("encoding", ["int8", "fp8", "int4"])
+def test_encoded_chunks_are_saved_and_decoded_into_the_pages(io, encoding):
+    """The connector's saver writes chunks in its kv_encoding under that encoding's key space (as a
+    Restorer keys them); a load decodes each into vLLM's CPU pages exactly as the codec decodes it,
+    reading fewer bytes than native chunks hold; a reader of another encoding finds them foreign."""
+    n, chunk, k = 40, 16, 36
+    kv = torch.randn(SPEC.num_layers, 2, H, n, D)
+    refs = chunk_keys(list(range(n)), key_space(SPEC.fingerprint, encoding), chunk)
+    assert refs[0].key != chunk_keys(list(range(n)), SPEC.fingerprint, chunk)[0].key
+    store = MemoryStore()
+    saver = ChunkSaver(SPEC, store, io, encoding=encoding)
+    for r in refs:
+        assert saver.submit(r.key, KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()))
+    assert saver.flush(timeout=10) and saver.written == len(refs)
+    enc = codec.spec_encoding(SPEC, encoding)
+    want = torch.empty_like(kv)  # what the codec decodes, chunk by chunk
+    for r in refs:
+        enc.decode(enc.encode(kv[:, :, :, r.start : r.end]), want[:, :, :, r.start : r.end])
+
+    ids = list(range(NB))[::-1]
+    pages = [_paged("cpu") for _ in range(SPEC.num_layers)]
+
+    def place(layer: int, pieces) -> None:
+        for p in pieces:
+            scatter_tokens(pages[layer], "cpu", ids, p.start, p.kv(), H, D)
+
+    chunks = [LoadChunk(r.key, r.start, r.end) for r in refs]
+    load = LayerLoad(SPEC, store, chunks, k, place, encoding=encoding)
+    load.start(io, 10)
+    for layer in range(SPEC.num_layers):
+        assert load.wait(layer)
+    assert not load.failed
+    for layer in range(SPEC.num_layers):
+        got = gather_tokens(pages[layer], "cpu", ids, 0, k, H, D)
+        assert torch.equal(got, want[layer, :, :, :k])
+    assert load.bytes_read < n * SPEC.kv_bytes_per_token  # every chunk read whole, smaller than native
+    if encoding == "int8":  # half a step of one scale per token and head, the scale rounded to bf16
+        step = kv.abs().amax(-1, keepdim=True) / 127
+        assert ((want - kv).abs() <= 0.51 * step * 1.01).all()
+
+    native = LayerLoad(SPEC, store, chunks[:1], 16, lambda layer, pieces: None)
+    native.start(io, 10)
+    assert not native.wait(0) or native.failed == {0}
+    assert "encoding" in " ".join(native.errors)
+
+
+def test_fp8_pages_are_stored_as_they_are_and_requantized_only_for_other_scales():
+    """An fp8 cache's values go into fp8 sections untouched, with the layer's scales; loaded into pages of
+    the same scales they come back as they were, into pages of other scales they are decoded and
+    quantized with those (an int8 chunk likewise)."""
+    from kvrestore.integrations.vllm_io import Piece
+    from kvrestore.integrations.vllm_layout import fp8_layer_scales, fp8_sections, fp8_values
+
+    enc = codec.spec_encoding(SPEC, "fp8")
+    values = torch.randn(SPEC.num_layers, 2, H, 12, D).to(torch.float8_e4m3fn).view(torch.uint8)
+    scales = fp8_layer_scales([(0.5, 2.0)] * SPEC.num_layers)
+    sections = fp8_sections(values, scales, enc)
+    kv = torch.empty(SPEC.num_layers, 2, H, 12, D)
+    enc.decode(sections, kv)
+    assert torch.equal(
+        kv, values.view(torch.float8_e4m3fn).float() * torch.tensor([0.5, 2.0]).view(2, 1, 1, 1)
+    )
+    piece = Piece(0, 10, sections[1], enc, 12)
+    assert torch.equal(fp8_values(piece, scales[1], torch.device("cpu")), values[1, :, :, :10])
+    other = fp8_layer_scales([(1.0, 1.0)])[0]
+    want = kv[1, :, :, :10].to(torch.float8_e4m3fn).view(torch.uint8)
+    assert torch.equal(fp8_values(piece, other, torch.device("cpu")), want)
+    int8 = codec.spec_encoding(SPEC, "int8")
+    as_int8 = Piece(0, 10, int8.encode(kv)[1], int8, 12)
+    assert fp8_values(as_int8, other, torch.device("cpu")).shape == (2, H, 10, D)
+    with pytest.raises(InvalidInputError, match="fp8"):
+        fp8_sections(values, scales, int8)
 
 
 def test_a_damaged_or_missing_chunk_fails_its_tokens_only(io):

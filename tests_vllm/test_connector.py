@@ -211,3 +211,26 @@ def test_a_store_that_is_down_is_served_around(model_dir, reference, store):
     (failed,) = run.events("lookup_failed")
     assert failed["store"] == down["store_url"]
     assert run.metrics["lookup_failures"] == 1 and run.metrics["loads"] == 0
+
+
+# int8 chunks: the logprob of the first token may move by what int8 KV moves a next-token distribution.
+# Against native chunks, int8's next-token KL on SmolLM2 was 1.3e-4 nats at most (docs/tutorial-stores.md,
+# 12 prompts of 2,048 tokens); a token of probability p whose logprob moves by d contributes about
+# p * d^2 / 2 to it, so at p >= 0.5 that bounds d near 0.023. 0.05 leaves twice that.
+INT8_LOGPROB_TOLERANCE = 0.05
+
+
+def test_int8_chunks_saved_by_one_engine_serve_a_new_one(model_dir, reference, tmp_path):
+    """A prompt saved with kv_encoding="int8" by one vLLM process is loaded (every stored token) by a
+    new one: the same first token as vLLM alone, its logprob within INT8_LOGPROB_TOLERANCE; the chunks
+    are a quarter of native ones (fp32 KV: int8 values and a bf16 scale per token and head)."""
+    int8 = {"store_url": str(tmp_path / "kv"), "cost_dir": str(tmp_path / "costs"), "kv_encoding": "int8"}
+    saved = serve(model_dir, extra=int8, args=["--ttft", "--exit"])
+    assert saved.results[0]["ids"] == reference.results[0]["ids"][:1]
+    run = serve(model_dir, extra={**int8, "split": "load_all"}, args=["--ttft"])
+    (loaded,) = run.events("loaded")
+    assert loaded["tokens"] == LOADABLE and run.events("load_failed") == []
+    assert loaded["bytes"] < 0.27 * N_TOKENS * 46_080  # every chunk read whole, headers included
+    got, want = run.results[0], reference.results[0]
+    assert got["ids"] == want["ids"][:1]
+    assert abs(got["logprobs"][0] - want["logprobs"][0]) <= INT8_LOGPROB_TOLERANCE

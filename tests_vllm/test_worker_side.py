@@ -29,7 +29,9 @@ class Saver:
     def reserve(self, key: str, nbytes: int) -> bool:
         return True
 
-    def submit_reserved(self, key: str, chunk: KVChunk, ready: object = None) -> None:
+    def submit_reserved(
+        self, key: str, chunk: KVChunk, ready: object = None, fp8_scales: object = None
+    ) -> None:
         self.submitted.append(chunk.start)
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -130,3 +132,63 @@ def test_loading_asks_vllm_for_piecewise_cuda_graphs():
 
     assert KVRestoreConnector.requires_piecewise_for_cudagraph({"store_url": "/kv"}) is True
     assert KVRestoreConnector.requires_piecewise_for_cudagraph({"store_url": "/kv", "load": False}) is False
+
+
+def test_an_fp8_cache_is_saved_as_it_is_and_loads_back_byte_for_byte():
+    """vLLM's fp8 cache (one byte an element under the fp32 model; flash_attn pages, whose layout is the
+    same whatever the element): its pages are saved as fp8 chunks holding the values and each layer's
+    scales, which a Restorer's fp8 reader decodes to value x scale; another fp8 cache loads them back as
+    the same bytes, with no decode and re-rounding between."""
+    import pytest
+
+    from kvrestore.codec.quant import key_space
+    from kvrestore.core.errors import UnsupportedModelError
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
+    scales = dict.fromkeys(names, (0.5, 2.0))  # bf16 holds both exactly
+    ctx = ConnectorContext(
+        ConnectorConfig.from_extra({"store_url": "memory://", "kv_encoding": "fp8"}),
+        SPEC,
+        BLOCK,
+        CostBook(None),
+    )
+    store = MemoryStore()
+    pages = {n: torch.randn(2, N_BLOCKS, BLOCK, H, D).to(torch.float8_e4m3fn) for n in names}
+    refs = chunk_keys(list(range(32)), key_space(SPEC.fingerprint, "fp8"), CHUNK)
+    chunks = [LoadChunk(r.key, r.start, r.end) for r in refs[:2]]
+    saving, loading = WorkerSide(ctx, store=store), WorkerSide(ctx, store=store)
+    try:
+        saving.register_kv_caches(pages, scales)
+        save = KVRestoreConnectorMetadata(saves=[SaveSpec("a", chunks, [0, 1, 2, 3])], steps=[("a", 32, 0)])
+        step(saving, save)
+        assert saving.saver.flush(timeout=10) and saving.saver.written == 2
+        blob = saving.io.call(store.get, refs[0].key)
+        got = codec.decode_chunk(blob, SPEC, refs[0].key, 0, CHUNK, encoding="fp8").data
+        for i, n in enumerate(names):  # blocks 0 and 1: tokens [0, 16) as [2, H, T, D]
+            values = pages[n][:, :2].reshape(2, CHUNK, H, D).transpose(1, 2).float()
+            assert torch.equal(got[i], values * torch.tensor([0.5, 2.0]).view(2, 1, 1, 1))
+
+        empty = {n: torch.zeros(2, N_BLOCKS, BLOCK, H, D, dtype=torch.float8_e4m3fn) for n in names}
+        loading.register_kv_caches(empty, scales)
+        load = KVRestoreConnectorMetadata(
+            loads=[LoadSpec("b", chunks, 32, [4, 5, 6, 7])], steps=[("b", 1, 32)]
+        )
+        step(loading, load)
+        assert loading.get_block_ids_with_load_errors() == set()
+        for n in names:
+            assert torch.equal(empty[n][:, 4:8].view(torch.uint8), pages[n][:, :4].view(torch.uint8))
+
+        native = WorkerSide(
+            ConnectorContext(
+                ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostBook(None)
+            ),
+            store=store,
+        )
+        try:
+            with pytest.raises(UnsupportedModelError, match="kv_encoding"):
+                native.register_kv_caches(pages, scales)
+        finally:
+            native.io.close()
+    finally:
+        saving.io.close()
+        loading.io.close()

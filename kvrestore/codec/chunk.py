@@ -109,11 +109,51 @@ def encode_chunk(
         )
     if data.dtype != spec.dtype:
         raise InvalidInputError(f"chunk dtype {data.dtype} does not match spec dtype {spec.dtype}")
-    n_tokens = int(data.shape[3])
-
     # native: the KV's own bytes; else its encoded sections [L, section bytes], whole int64 words
     dense = data.detach().contiguous() if enc.native else enc.encode(data.detach())
-    if not enc.native or device_checkable(D * data.element_size()):
+    return _frame(dense, chunk.start, int(data.shape[3]), spec, key, enc, compression, level)
+
+
+def encode_sections(
+    sections: torch.Tensor,
+    start: int,
+    n_tokens: int,
+    spec: ModelSpec,
+    key: str,
+    *,
+    encoding: str,
+    compression: str = "none",
+    level: int = 1,
+) -> bytes:
+    """`encode_chunk` for KV that is already in `encoding`: `sections` (uint8 [L, section bytes], laid
+    out as `Encoding.views` reads them) are stored as they are, values and scales, with no decode and
+    re-encode between (a KV cache that holds fp8 values with their scales, as vLLM's fp8 cache does)."""
+    _require_little_endian()
+    if compression not in COMPRESSIONS:
+        raise InvalidInputError(f"unknown compression {compression!r}; use one of {COMPRESSIONS}")
+    enc = spec_encoding(spec, encoding)
+    want = (spec.num_layers, enc.section_bytes(n_tokens))
+    if sections.dtype != torch.uint8 or tuple(sections.shape) != want:
+        raise InvalidInputError(
+            f"{encoding} sections of {n_tokens} tokens are uint8 {list(want)}, got {sections.dtype} "
+            f"{list(sections.shape)}"
+        )
+    return _frame(sections.contiguous(), start, n_tokens, spec, key, enc, compression, level)
+
+
+def _frame(
+    dense: torch.Tensor,
+    start: int,
+    n_tokens: int,
+    spec: ModelSpec,
+    key: str,
+    enc: Encoding,
+    compression: str,
+    level: int,
+) -> bytes:
+    """The stored object for `dense`, the chunk's sections ([L, ...] contiguous, any device)."""
+    L, D = spec.num_layers, spec.head_dim
+    if not enc.native or device_checkable(D * dense.element_size()):
         dsums = [as_signed(int(x)) for x in device_checksums(dense).tolist()]  # where the KV is
     else:
         dsums = [0] * L
@@ -138,11 +178,11 @@ def encode_chunk(
             version=FORMAT_VERSION,
             fingerprint=spec.fingerprint,
             key=key,
-            start=chunk.start,
+            start=start,
             n_tokens=n_tokens,
             dtype=dtype_name(spec.dtype),
             num_layers=L,
-            num_kv_heads=H,
+            num_kv_heads=spec.num_kv_heads,
             head_dim=D,
             compression=compression,  # type: ignore[arg-type]  # checked against COMPRESSIONS above
             layers=sections,
@@ -348,6 +388,7 @@ __all__ = [
     "decode_chunk",
     "decode_layers",
     "encode_chunk",
+    "encode_sections",
     "header_encoding",
     "header_length",
     "back_to_back",

@@ -137,10 +137,16 @@ class KVRestoreConnector(KVConnectorBase_V1):
         tc = self._kv_transfer_config
         config = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
         mc = vllm_config.model_config
-        cache_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
-        if cache_dtype not in ("auto", None) and str(cache_dtype) != str(mc.dtype).removeprefix("torch."):
+        cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
+        if cache_dtype in ("fp8", "fp8_e4m3"):  # its pages are stored as fp8 chunks, as they are
+            if config.kv_encoding != "fp8":
+                raise UnsupportedModelError(
+                    f"vLLM runs an fp8 KV cache (kv_cache_dtype={cache_dtype!r}): set "
+                    "kv_connector_extra_config['kv_encoding'] = 'fp8'"
+                )
+        elif cache_dtype != "auto" and cache_dtype != str(mc.dtype).removeprefix("torch."):
             raise UnsupportedModelError(
-                f"kvrestore stores KV in the model's dtype; kv_cache_dtype={cache_dtype!r}"
+                f"kvrestore stores KV in the model's dtype or as fp8 e4m3; kv_cache_dtype={cache_dtype!r}"
             )
         fp = config.fingerprint or checkpoint_fingerprint(mc.model, mc.dtype)
         spec = model_spec(mc.hf_config, mc.dtype, fp, name=str(mc.model))
@@ -159,11 +165,12 @@ class KVRestoreConnector(KVConnectorBase_V1):
         emit(
             logging.INFO,
             "started",
-            "connector (%(role)s): store %(store)s, chunks of %(chunk_size)d tokens, split "
-            "%(split)s, model %(model)s (fingerprint %(fingerprint)s)",
+            "connector (%(role)s): store %(store)s, chunks of %(chunk_size)d tokens (%(kv_encoding)s), "
+            "split %(split)s, model %(model)s (fingerprint %(fingerprint)s)",
             role=role.name.lower(),
             store=config.store_url,
             chunk_size=config.chunk_size,
+            kv_encoding=config.kv_encoding,
             split=config.split,
             model=spec.name,
             fingerprint=fp[:12],
@@ -207,7 +214,16 @@ class KVRestoreConnector(KVConnectorBase_V1):
     # -- worker side ---------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker().register_kv_caches(kv_caches)
+        # each attention layer's K and V scale: what an fp8 cache's values are multiplied by
+        layers = self._vllm_config.compilation_config.static_forward_context
+        scales = {
+            name: (
+                float(getattr(layers.get(name), "_k_scale_float", 1.0)),
+                float(getattr(layers.get(name), "_v_scale_float", 1.0)),
+            )
+            for name in kv_caches
+        }
+        self._worker().register_kv_caches(kv_caches, scales)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -24,6 +24,8 @@ log = logging.getLogger("kvrestore.vllm")
 
 #: the range a learned `loading_factor` is kept in
 LOADING_FACTOR_RANGE = (0.5, 20.0)
+#: the fewest new tokens a step that loaded must compute to be a sample of `loading_factor`
+LOADING_MIN_TOKENS = 256
 
 
 def loading_factor(samples: Sequence[Sequence[float]], compute: ChunkCost) -> float | None:
@@ -32,13 +34,21 @@ def loading_factor(samples: Sequence[Sequence[float]], compute: ChunkCost) -> fl
     seconds, layers]. A step computes after its loaded layers arrive, so it ends about ``load / layers``
     after its compute would, or a layer's compute after the load. Where the compute ended last (the step
     outlasted its load by more than half its predicted compute) and was a sizeable part of the step (at
-    least a quarter of the load: a few tokens after a long load tell nothing of it), ``(step - load /
-    layers) / compute`` is what the compute took against what it takes alone. The median of those; None
-    without one."""
+    least a quarter of the load and of the whole step), ``(step - load / layers) / compute`` is what the
+    compute took against what it takes alone. The median of those; None without one.
+
+    A few tokens computed after a load (fewer than `LOADING_MIN_TOKENS`: a load-all step) tell nothing
+    of it: their step is mostly a step's fixed costs, which no per-token model predicts well, and taken
+    as a ratio they made every split look two to twenty times dearer than it was."""
     ratios = []
     for n_new, past, load_s, step_s, layers in samples:
         c = compute.seconds(int(n_new), int(past))
-        if c <= 0 or c < 0.25 * load_s or step_s - load_s < 0.5 * c:
+        if (
+            n_new < LOADING_MIN_TOKENS
+            or c <= 0
+            or c < 0.25 * max(load_s, step_s)
+            or step_s - load_s < 0.5 * c
+        ):
             continue
         ratios.append((step_s - load_s / max(layers, 1.0)) / c)
     if not ratios:

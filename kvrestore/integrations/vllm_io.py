@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import math
 import threading
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -26,9 +25,11 @@ import torch
 from kvrestore import codec
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
 from kvrestore.codec.checksums import host_checksum
+from kvrestore.codec.quant import Encoding
 from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, CorruptChunkError, InvalidInputError
 from kvrestore.core.kv import KVCache, KVChunk
 from kvrestore.core.spec import ModelSpec
+from kvrestore.integrations.vllm_layout import fp8_sections
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")
@@ -63,7 +64,8 @@ class IOThread:
 
 
 class ChunkSaver:
-    """Encodes and writes chunks in the background; never blocks its caller.
+    """Encodes (in `encoding`: `quant.ENCODINGS`) and writes chunks in the background; never blocks its
+    caller.
 
     At most `max_bytes` of KV wait to be written (across every request); a chunk that does not fit is
     dropped and counted (`dropped`), with a warning: a dropped save is only a future cache miss. A write
@@ -79,11 +81,13 @@ class ChunkSaver:
         compression: str = "none",
         max_bytes: int = 1 << 30,
         lanes: int = 2,
+        encoding: str = "native",
     ) -> None:
         self.spec = spec
         self.store = store
         self.io = io
         self.compression = compression
+        self.encoding = codec.spec_encoding(spec, encoding).name  # `quant.ENCODINGS`: checked here
         self.max_bytes = max_bytes
         self.pending_bytes = 0
         self.written = 0
@@ -128,10 +132,18 @@ class ChunkSaver:
         with self._lock:
             self.pending_bytes -= nbytes
 
-    def submit_reserved(self, key: str, chunk: KVChunk, ready: torch.cuda.Event | None = None) -> None:
+    def submit_reserved(
+        self,
+        key: str,
+        chunk: KVChunk,
+        ready: torch.cuda.Event | None = None,
+        fp8_scales: torch.Tensor | None = None,
+    ) -> None:
         """Queue `chunk`, whose room was reserved; with `ready`, its bytes (pinned host memory a copy from
-        the GPU is still filling) are read once that event has completed, in the writer's thread."""
-        fut = self.io.submit(self._write, key, chunk, chunk.nbytes, ready)
+        the GPU is still filling) are read once that event has completed, in the writer's thread. With
+        `fp8_scales` ([L, 2]: each layer's K and V scale), `chunk.data` holds an fp8 cache's values (one
+        byte each), stored as they are in fp8 chunks (`vllm_layout.fp8_sections`)."""
+        fut = self.io.submit(self._write, key, chunk, chunk.nbytes, ready, fp8_scales)
         with self._lock:
             self._futures.add(fut)
         fut.add_done_callback(self._done)
@@ -141,7 +153,12 @@ class ChunkSaver:
             self._futures.discard(fut)
 
     async def _write(
-        self, key: str, chunk: KVChunk, nbytes: int, ready: torch.cuda.Event | None = None
+        self,
+        key: str,
+        chunk: KVChunk,
+        nbytes: int,
+        ready: torch.cuda.Event | None = None,
+        fp8_scales: torch.Tensor | None = None,
     ) -> None:
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self._lanes)
@@ -149,7 +166,20 @@ class ChunkSaver:
         def encode() -> bytes:
             if ready is not None:
                 ready.synchronize()
-            return codec.encode_chunk(chunk, self.spec, key, compression=self.compression)
+            if fp8_scales is not None:
+                enc = codec.spec_encoding(self.spec, self.encoding)
+                return codec.encode_sections(
+                    fp8_sections(chunk.data.cpu(), fp8_scales, enc),
+                    chunk.start,
+                    chunk.n_tokens,
+                    self.spec,
+                    key,
+                    encoding=self.encoding,
+                    compression=self.compression,
+                )
+            return codec.encode_chunk(
+                chunk, self.spec, key, compression=self.compression, encoding=self.encoding
+            )
 
         try:
             async with self._limiter:
@@ -183,25 +213,59 @@ class LoadChunk:
     end: int
 
 
-#: what a load hands its `place` for one layer: (first token, KV ``[2, H, T, D]`` of tokens [first,
-#: first + T)) per chunk, in token order, together covering [0, upto)
-Pieces = list[tuple[int, torch.Tensor]]
+class Piece(NamedTuple):
+    """One chunk's part of one layer that a load places: tokens [start, start + n_tokens).
+
+    `data` is what was read and verified, not copied: in the native encoding a ``[2, H, T, D]`` view of
+    the KV (T, the chunk's tokens, >= n_tokens), in another the section's bytes as stored (uint8), which
+    `kv` decodes where the pages are."""
+
+    start: int
+    n_tokens: int
+    data: torch.Tensor
+    encoding: Encoding
+    stored_tokens: int
+
+    def kv(self, device: torch.device | None = None) -> torch.Tensor:
+        """The piece's KV ``[2, H, n_tokens, D]`` in the model's dtype. Native: a view of the bytes read
+        (the caller moves it). Encoded: decoded on `device` (default: the host), an encoded section
+        going up as the small bytes it is and decoded on the current stream."""
+        if self.encoding.native:
+            return self.data[:, :, : self.n_tokens]
+        sections = self.data.view(1, -1)
+        if device is not None and device.type != "cpu":
+            sections = sections.pin_memory().to(device, non_blocking=True)
+        enc = self.encoding
+        shape = (1, 2, enc.num_kv_heads, self.stored_tokens, enc.head_dim)
+        out = torch.empty(shape, dtype=enc.dtype, device=sections.device)
+        enc.decode(sections, out)
+        return out[0, :, :, : self.n_tokens]
+
+
+#: what a load hands its `place` for one layer: a `Piece` per chunk, in token order, together covering
+#: tokens [0, upto)
+Pieces = list[Piece]
 
 
 class _SectionReader(LayerReader):
     """A `LayerReader` that keeps each verified section instead of copying it into a cache: an
     uncompressed section, checked against its checksum, is viewed as a tensor over the bytes read (no
-    copy: vLLM's pages take the bytes from there); any other is decoded into a tensor of its own.
-    Several layers read at once come in one range read per chunk (`LayerLoad`'s `layers_per_read`)."""
+    copy: vLLM's pages take the bytes from there, decoded on the way where the encoding is not native);
+    a compressed one is decoded into a tensor of its own. Only chunks in the reader's `encoding` are
+    read: another is foreign (`codec.check_header`). Several layers read at once come in one range
+    read per chunk (`LayerLoad`'s `layers_per_read`)."""
 
-    def __init__(self, spec: ModelSpec, store: ChunkStore, chunks: Sequence[StoredChunk]) -> None:
-        super().__init__(spec, store, chunks)
-        self.sections: dict[tuple[int, int], torch.Tensor] = {}  # (chunk, layer) -> its section
+    def __init__(
+        self, spec: ModelSpec, store: ChunkStore, chunks: Sequence[StoredChunk], encoding: str = "native"
+    ) -> None:
+        super().__init__(spec, store, chunks, encoding=encoding)
+        #: (chunk, layer) -> its section: the KV ``[2, H, T, D]``, or (encoded) its bytes as stored
+        self.sections: dict[tuple[int, int], torch.Tensor] = {}
 
     def place(self, layers: range, j: int, data: bytes | memoryview, kv: KVCache) -> None:
-        header, spec = self.headers[j], self.spec
+        header, spec, enc = self.headers[j], self.spec, self.encoding
         shape = (2, spec.num_kv_heads, header.n_tokens, spec.head_dim)
-        raw = math.prod(shape) * spec.dtype.itemsize
+        raw = enc.section_bytes(header.n_tokens)
         for layer, stored in codec.span_sections(header, layers, data).items():
             section = header.layers[layer]
             if header.compression != "none" or section.length != raw or section.raw_length != raw:
@@ -212,15 +276,23 @@ class _SectionReader(LayerReader):
             with warnings.catch_warnings():  # read-only bytes: nothing writes through the view
                 warnings.simplefilter("ignore", UserWarning)
                 flat = torch.frombuffer(stored, dtype=torch.uint8)
-            self.sections[j, layer] = flat.view(spec.dtype).view(shape)
+            self.sections[j, layer] = flat.view(spec.dtype).view(shape) if enc.native else flat
+
+    def piece(self, j: int, layer: int, start: int, n_tokens: int) -> Piece:
+        """Tokens [start, start + n_tokens) of chunk j's section of `layer`, as read."""
+        data = self.sections[j, layer]
+        encoded = data.dtype == torch.uint8 and not self.encoding.native  # else KV: native or decoded
+        enc = self.encoding if encoded else codec.spec_encoding(self.spec)
+        return Piece(start, n_tokens, data, enc, self.headers[j].n_tokens)
 
 
 class LayerLoad:
     """Loads tokens [0, k) of one request from stored chunks, layer by layer, in the background.
 
     `place(layer, pieces)` gets each layer's verified KV as `Pieces` covering tokens [0, T) (T = k, or
-    the start of the first failed chunk), each a view of the bytes read where the chunk is stored
-    uncompressed, and writes it where the engine wants it; it runs on the I/O thread, under a lock that
+    the start of the first failed chunk), each over the bytes read where the chunk is stored
+    uncompressed (decoded by `Piece.kv` where its `encoding` is not native), and writes it where the
+    engine wants it; it runs on the I/O thread, under a lock that
     `cancel` takes too, so once `cancel` returns nothing more is placed. Chunks that are missing, damaged
     or of another model end in `failed` (indices into `chunks`); a store fault or a timeout fails every
     chunk. `wait(layer)` blocks until the layer is placed (or given up).
@@ -234,6 +306,7 @@ class LayerLoad:
         k: int,
         place: Callable[[int, Pieces], None],
         layers_per_read: int = 4,
+        encoding: str = "native",
     ) -> None:
         if not chunks or chunks[0].start != 0 or chunks[-1].end < k:
             raise InvalidInputError(f"chunks must cover tokens [0, {k})")
@@ -243,6 +316,7 @@ class LayerLoad:
         self.k = k
         self.place = place
         self.layers_per_read = max(1, layers_per_read)
+        self.encoding = encoding
         self.failed: set[int] = set()
         self.errors: list[str] = []
         self.bytes_read = 0
@@ -265,6 +339,7 @@ class LayerLoad:
                 self.spec,
                 self.store,
                 [StoredChunk(c.key, c.start, c.start, c.end - c.start) for c in self.chunks],
+                self.encoding,
             )
             ok = await reader.open()
             self._fail([j for j, good in enumerate(ok) if not good], reader.errors)
@@ -283,7 +358,7 @@ class LayerLoad:
                     with self._lock:  # up to the first failed chunk: vLLM recomputes from there on
                         upto = min([self.k] + [self.chunks[j].start for j in self.failed])
                         pieces = [
-                            (c.start, reader.sections[j, layer][:, :, : min(c.end, upto) - c.start])
+                            reader.piece(j, layer, c.start, min(c.end, upto) - c.start)
                             for j, c in enumerate(self.chunks)
                             if c.start < upto
                         ]

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from kvrestore.codec.header import spec_encoding
+from kvrestore.codec.quant import ENCODINGS, Encoding, key_space
 from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
 from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec, dtype_name
@@ -69,6 +71,7 @@ class ConnectorConfig:
     fingerprint: str | None = None  # default: computed from the checkpoint's weights and dtype
     cost_dir: str | None = None  # where learned costs persist (default: the kvrestore cache dir)
     layout: str | None = None  # vLLM's paged layout (`vllm_layout.LAYOUTS`); default: from the device
+    kv_encoding: str = "native"  # how saved chunks hold the KV (`codec.quant.ENCODINGS`), as a Restorer's
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -95,6 +98,8 @@ class ConnectorConfig:
             raise InvalidInputError(f"split must be one of {SPLITS}, got {cfg.split!r}")
         if cfg.on_load_error not in ("recompute", "fail"):
             raise InvalidInputError(f"on_load_error must be 'recompute' or 'fail', got {cfg.on_load_error!r}")
+        if cfg.kv_encoding not in ENCODINGS:
+            raise InvalidInputError(f"kv_encoding must be one of {ENCODINGS}, got {cfg.kv_encoding!r}")
         if cfg.layout is not None and cfg.layout not in LAYOUTS:
             raise InvalidInputError(f"layout must be one of {LAYOUTS}, got {cfg.layout!r}")
         if not isinstance(cfg.store_options, Mapping):
@@ -118,6 +123,22 @@ class ConnectorContext:
     @classmethod
     def make(cls, config: ConnectorConfig, spec: ModelSpec, block_size: int) -> ConnectorContext:
         return cls(config, spec, block_size, CostBook.shared(spec.fingerprint, config.cost_dir))
+
+    @property
+    def encoding(self) -> Encoding:
+        """The encoding chunks are saved in and the only one loaded (a Restorer's reader policy)."""
+        return spec_encoding(self.spec, self.config.kv_encoding)
+
+    @property
+    def key_space(self) -> str:
+        """What chunk keys are hashed under: the fingerprint, and the encoding where it is not native,
+        exactly as a `Restorer` with the same `kv_encoding` keys them (`quant.key_space`)."""
+        return key_space(self.spec.fingerprint, self.config.kv_encoding)
+
+    @property
+    def stored_bytes_per_token(self) -> float:
+        """Bytes a load reads per token of a whole chunk, as stored (scales and padding included)."""
+        return self.encoding.bytes_per_token(self.config.chunk_size, self.spec.num_layers)
 
     @property
     def link_key(self) -> str:
@@ -228,7 +249,7 @@ def choose_split(
     chunk_ends: Sequence[int],
     chunk_size: int,
     block_size: int,
-    bytes_per_token: int,
+    bytes_per_token: float,
     num_layers: int,
     link: LinkCost | None,
     compute: ChunkCost | None,

@@ -103,7 +103,7 @@ class SchedulerSide:
         st = self._reqs.get(request.request_id)
         fresh = st is None
         if st is None:
-            refs = chunk_keys(tokens, self.ctx.spec.fingerprint, self.config.chunk_size)
+            refs = chunk_keys(tokens, self.ctx.key_space, self.config.chunk_size)
             st = self._reqs[request.request_id] = _Request(refs, self._lookup([r.key for r in refs]))
         if not self.config.load:
             return 0, False
@@ -119,7 +119,7 @@ class SchedulerSide:
             chunk_ends=ends,
             chunk_size=self.config.chunk_size,
             block_size=self.ctx.block_size,
-            bytes_per_token=self.ctx.spec.kv_bytes_per_token,
+            bytes_per_token=self.ctx.stored_bytes_per_token,
             num_layers=self.ctx.spec.num_layers,
             link=costs.link(self.ctx.link_key) or self.ctx.prior_link(),
             compute=costs.compute_cost(),

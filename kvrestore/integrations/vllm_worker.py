@@ -13,7 +13,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -23,8 +23,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.streams import HostEvent, on_stream, timing_event
-from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, Pieces
-from kvrestore.integrations.vllm_layout import blocks_of, gather_chunk, kv_views, scatter_tokens
+from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, Piece, Pieces
+from kvrestore.integrations.vllm_layout import (
+    blocks_of,
+    fp8_layer_scales,
+    fp8_values,
+    gather_chunk,
+    kv_views,
+    scatter_tokens,
+)
 from kvrestore.integrations.vllm_meta import (
     KVRestoreConnectorMetadata,
     KVRestoreWorkerMetadata,
@@ -70,6 +77,7 @@ class WorkerSide:
             self.io,
             compression=self.config.compression,
             max_bytes=self.config.save_queue_bytes,
+            encoding=self.config.kv_encoding,
         )
         self.counters = Counters()
         self._saver_seen = (0, 0, 0, 0)  # the saver's written, bytes, dropped, failed last reported
@@ -87,11 +95,20 @@ class WorkerSide:
         self._waited_s = 0.0  # this step's time in wait_for_layer_load: the step minus it is compute
         self._load_stream: torch.cuda.Stream | None = None  # set with the caches, on CUDA
         self._layer_placed: dict[int, torch.cuda.Event] = {}
+        self._fp8_scales: torch.Tensor | None = None  # [L, 2] bf16: an fp8 cache's K and V scales
         self._step_start: torch.cuda.Event | HostEvent = HostEvent()  # where the step began, on vLLM's stream
         #: steps whose device time is not read yet: (n new, past, start, end, waited, load seconds or None)
         self._timed_steps: deque[tuple[int, int, Any, Any, float, float | None]] = deque(maxlen=16)
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        scales: Mapping[str, tuple[float, float]] | None = None,
+    ) -> None:
+        """Take vLLM's paged caches (layer name -> tensor) and work out their layout. An fp8 cache (one
+        byte an element under a wider model dtype) needs each layer's K and V scale (`scales`, vLLM's
+        ``_k_scale_float`` and ``_v_scale_float``; 1.0 where not given) and `kv_encoding="fp8"`: its
+        pages are then saved as the fp8 chunks' values, as they are (`fp8_sections`)."""
         names = list(kv_caches)
 
         def index(name: str) -> int:
@@ -107,6 +124,15 @@ class WorkerSide:
         self._caches = [kv_caches[name] for name in ordered]
         first = self._caches[0]
         H, D = self.spec.num_kv_heads, self.spec.head_dim
+        if first.element_size() == 1 and self.spec.dtype.itemsize > 1:  # vLLM's fp8 cache
+            if self.config.kv_encoding != "fp8":
+                raise UnsupportedModelError(
+                    "vLLM runs an fp8 KV cache: set kv_connector_extra_config['kv_encoding'] = 'fp8' "
+                    f"(got {self.config.kv_encoding!r}), whose chunks hold its pages as they are"
+                )
+            self._caches = [c.view(torch.uint8) for c in self._caches]
+            first = self._caches[0]
+            self._fp8_scales = fp8_layer_scales([(scales or {}).get(name, (1.0, 1.0)) for name in ordered])
         if self.config.layout is not None:
             self._layout = self.config.layout
         elif first.dim() == 4 and first.shape[1] == H and first.shape[3] == 2 * D:
@@ -169,7 +195,14 @@ class WorkerSide:
         if meta.loads and self._load_stream is not None:  # the pages are written after what vLLM queued
             self._load_stream.wait_stream(torch.cuda.current_stream(self._caches[0].device))
         for spec in meta.loads:
-            load = LayerLoad(self.spec, self.store, spec.chunks, spec.k, self._placer(spec.block_ids))
+            load = LayerLoad(
+                self.spec,
+                self.store,
+                spec.chunks,
+                spec.k,
+                self._placer(spec.block_ids),
+                encoding=self.config.kv_encoding,
+            )
             load.start(self.io, self.config.load_timeout_s)
             self._loads.append((spec, load))
 
@@ -195,20 +228,26 @@ class WorkerSide:
         return place
 
     def _write(self, layer: int, block_ids: list[int], pieces: Pieces) -> None:
-        """Write one layer's pieces into its pages: on CUDA gathered once into pinned memory and sent up
-        in one copy, on the CPU each piece straight from the bytes read."""
+        """Write one layer's pieces into its pages. Native pieces: on CUDA gathered once into pinned
+        memory and sent up in one copy, on the CPU each straight from the bytes read. Encoded pieces are
+        decoded where the pages are (on CUDA their small bytes go up and are decoded on the stream)."""
         H, D = self.spec.num_kv_heads, self.spec.head_dim
         cache = self._caches[layer]
-        if cache.is_cuda:  # one copy into pinned memory, single-threaded and GIL-free (numpy's): torch's
-            # would spread over every core and starve vLLM's thread, which launches the step's kernels
-            n = pieces[-1][0] + pieces[-1][1].shape[2]
-            host = torch.empty((2, H, n, D), dtype=pieces[0][1].dtype, pin_memory=True)
-            for start, data in pieces:
-                dst = host[:, :, start : start + data.shape[2]]
-                np.copyto(dst.view(torch.uint8).numpy(), data.view(torch.uint8).numpy())
-            pieces = [(0, host)]
-        for start, data in pieces:
-            scatter_tokens(cache, self._layout, block_ids, start, data, H, D)
+        if cache.is_cuda and self._fp8_scales is None and all(p.encoding.native for p in pieces):  # one copy into pinned memory,
+            # single-threaded and GIL-free (numpy's): torch's would spread over every core and starve
+            # vLLM's thread, which launches the step's kernels. The pieces cover [0, n) in order.
+            n = pieces[-1].start + pieces[-1].n_tokens
+            host = torch.empty((2, H, n, D), dtype=pieces[0].data.dtype, pin_memory=True)
+            for p in pieces:
+                dst = host[:, :, p.start : p.start + p.n_tokens]
+                np.copyto(dst.view(torch.uint8).numpy(), p.kv().view(torch.uint8).numpy())
+            pieces = [Piece(0, n, host, pieces[0].encoding, n)]
+        for p in pieces:
+            if self._fp8_scales is not None:
+                data = fp8_values(p, self._fp8_scales[layer], cache.device)
+            else:
+                data = p.kv(cache.device)
+            scatter_tokens(cache, self._layout, block_ids, p.start, data, H, D)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_of.get(layer_name)
@@ -355,7 +394,9 @@ class WorkerSide:
             except BaseException:
                 self.saver.unreserve(nbytes)
                 raise
-            self.saver.submit_reserved(c.key, KVChunk(c.start, data), ready)
+            # an fp8 cache's values are stored as they are, with its scales (the saver's thread lays out
+            # the sections)
+            self.saver.submit_reserved(c.key, KVChunk(c.start, data), ready, fp8_scales=self._fp8_scales)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._failed_chunks:

@@ -28,14 +28,14 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
         return await restore_tokens(parts, job, ComputeOnly())
     engine, spec = parts.engine, parts.backend.spec
     n_layers, prefix = spec.num_layers, refs[k - 1].end
-    progress = Progress([prefix] * n_layers, [True] * n_layers)
-    progress.prior_compute_s, progress.prior_link = parts.planner.layer_priors(prefix)
-    progress.free_load_lanes = engine.load_lanes
-    if k == len(refs) and policy.decide(progress).compute is None:
+    prior_compute_s, prior_link = parts.planner.layer_priors(prefix)
+    progress = Progress(
+        [prefix] * n_layers, [True] * n_layers, prior_compute_s=prior_compute_s, prior_link=prior_link
+    )
+    if k == len(refs) and policy.decide(progress.as_if(free_load_lanes=engine.load_lanes)).compute is None:
         # the loads are predicted to land every layer before the first could be computed: whole chunks
         # then land sooner still (one read each, not one per layer), so the prompt goes along tokens
         return await restore_tokens(parts, job, LoadOnly())
-    progress.free_load_lanes = 0
     t0 = time.perf_counter()
     kv = parts.buffer(out, len(tokens))
     reader = LayerReader(

@@ -20,9 +20,14 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     engine, backend, loader = parts.engine, parts.backend, parts.loader
     t0 = time.perf_counter()
     kv = parts.buffer(out, len(tokens))
-    progress = Progress([r.n_tokens for r in refs], list(stored))
-    progress.min_unit_chunks = parts.planner.min_unit_chunks()
-    progress.prior_compute_s, progress.prior_link = parts.planner.priors(refs)
+    prior_compute_s, prior_link = parts.planner.priors(refs)
+    progress = Progress(
+        [r.n_tokens for r in refs],
+        list(stored),
+        min_unit_chunks=parts.planner.min_unit_chunks(),
+        prior_compute_s=prior_compute_s,
+        prior_link=prior_link,
+    )
 
     def compute(a: int, b: int) -> None:
         prefill_into(engine, backend, kv, tokens, refs[a].start, refs[b - 1].end)

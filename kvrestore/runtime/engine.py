@@ -42,6 +42,7 @@ from kvrestore.core.errors import LOAD_FAULTS, check_int
 from kvrestore.core.streams import load_stream
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.policies.base import Decision
+from kvrestore.runtime.bookkeeping import set_capabilities
 from kvrestore.runtime.driver import PolicyStalledError, drive  # noqa: F401 - re-exported
 from kvrestore.runtime.lanes import LaneThreads
 from kvrestore.runtime.request import (
@@ -154,8 +155,7 @@ class Engine:
         if not _on_asyncio():
             fast = dataclasses.replace(fast, load_now=None)
         progress = request.progress
-        progress.can_race = fast.compute_apart is not None
-        progress.can_overtake = fast.load_aside is not None
+        set_capabilities(progress, fast.compute_apart is not None, fast.load_aside is not None)
         lanes = _RealLanes(self, request, fast)
         try:
             async with anyio.create_task_group() as tg:

@@ -39,6 +39,7 @@ from kvrestore.blend.controller import choose_ratio
 from kvrestore.blend.select import SelectionBounds, select_hkvd, selection_sizes, stacked_kv_deviation
 from kvrestore.chunkio.layers import ChunkLoadFailed
 from kvrestore.chunkio.pool import StagingPool
+from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.kv import KVCache
 from kvrestore.core.streams import load_stream as new_load_stream
@@ -108,15 +109,14 @@ async def restore_blend(
     suffix: torch.Tensor,
     policy: Blend | None = None,
     prefix: torch.Tensor | None = None,
-    load_stream: torch.cuda.Stream | None = None,
-    pool: StagingPool | None = None,
+    lane: TransferLane | None = None,
 ) -> BlendResult:
     """Blend stored chunk KV (any order, any neighbours) with a recomputed suffix; see the module doc.
 
     `chunks`, `suffix` and `prefix` are validated 1-D int64 token tensors (suffix and prefix may be
     empty). `prefix` is the shared prefix the chunks were saved after (`save_chunk(..., prefix=)`); it
     starts the prompt and is recomputed on every layer, like the suffix. On CUDA the layers are
-    uploaded on `load_stream` (a new stream if None) through pinned buffers from `pool`.
+    uploaded on `lane`'s stream (a new one if it has none) through pinned buffers from its pool.
     """
     t0 = time.perf_counter()
     policy = policy or Blend()
@@ -128,11 +128,10 @@ async def restore_blend(
     keys = [chunk_key(backend, c, prefix) for c in layout.chunks]
     lengths = [len(c) for c in layout.chunks]
     device = torch.device(backend.device)
-    if device.type == "cuda" and load_stream is None:
-        load_stream = new_load_stream(device)
-    source = StoreChunkSource(
-        backend, store, keys, layout.offsets, lengths, stored_at=len(prefix), stream=load_stream, pool=pool
-    )
+    if device.type == "cuda" and (lane is None or lane.stream is None):
+        pool = lane.pool if lane is not None else StagingPool(pinned=True)
+        lane = TransferLane(pool, new_load_stream(device))
+    source = StoreChunkSource(backend, store, keys, layout.offsets, lengths, stored_at=len(prefix), lane=lane)
     available = await source.open()
     missing = {j for j, ok in enumerate(available) if not ok}
     restarts = 0

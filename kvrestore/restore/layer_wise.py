@@ -42,8 +42,7 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
         spec,
         parts.store,
         [StoredChunk(r.key, r.start, r.start, r.n_tokens) for r in refs[:k]],
-        stream=engine.cuda_stream("load", kv.data.device),
-        pool=parts.loader.pool(pinned=True),
+        lane=parts.loader.lane(kv.data.device),
         encoding=parts.loader.encoding.name,
     )
     compute = LayerCompute(parts.backend, tokens[:prefix], kv, engine.cuda_stream("compute", kv.data.device))

@@ -39,7 +39,7 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
         return await load_chunk(loader, refs[i], kv)
 
     async def load_aside(i: int) -> tuple[int, Callable[[], None]]:
-        return await load_chunk_aside(loader, refs[i], kv, engine.cuda_stream("load", kv.data.device))
+        return await load_chunk_aside(loader, refs[i], kv)
 
     damaged: list[str] = []  # found damaged on a lane thread: deleted once the restore is over
 

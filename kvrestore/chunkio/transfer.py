@@ -40,7 +40,7 @@ def pinned_view(data: memoryview) -> torch.Tensor | None:
 class Transfer:
     """The staging buffers, stream and events of one host-to-device move (see the module doc).
 
-    `stage` and `pinned` take buffers; `running` enters the stream the copies go on; `copied` marks the
+    `stage`, `copy_in` and `pinned` take buffers (`give_back` returns one early); `running` enters the stream the copies go on; `copied` marks the
     copies out of every buffer held as queued (the buffers go back, busy until they are done); `wait`
     blocks until the stream has done everything queued; `close` gives back whatever is still held.
     Used from one thread at a time (a load lane's, or the event loop's around a thread hop).

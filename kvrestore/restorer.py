@@ -285,10 +285,9 @@ class Restorer:
         """CacheBlend: the KV of `prefix` + `chunks` (saved with `save_chunk`, in any order) + `suffix`,
         reusing the chunks' KV with selective recompute (`kvrestore.policies.Blend`). Returns a
         `kvrestore.blend.BlendResult`: `kv` and `tokens` go straight into `backend.generate()`."""
-        stream = self.engine.cuda_stream("load", self.backend.device)
-        pool = self.loader.pool(pinned=stream is not None)  # pinned for uploads to a GPU
+        lane = self.loader.lane(torch.device(self.backend.device))  # pinned buffers for a GPU, its stream
         store = self.bounded_store
-        return await blend_prompt(self.backend, store, chunks, suffix, policy, prefix, stream, pool)
+        return await blend_prompt(self.backend, store, chunks, suffix, policy, prefix, lane)
 
     async def choose_blend_store(
         self, candidates: Sequence[StoreCandidate], n_tokens: int, ratio: float = 0.15

@@ -13,12 +13,14 @@ from hypothesis import strategies as st
 from kvrestore import Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.bandwidth import BandwidthTrace, Link
+from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.policies import ComputeOnly, Progress
 from kvrestore.policies.base import ChunkStatus
 from kvrestore.policies.batch import BatchAware, BatchJob, FifoLanes
 from kvrestore.runtime.batch_engine import BatchEngine, EngineNotRunningError
+from kvrestore.runtime.request import FastPaths, RunRequest
 from kvrestore.sim.batch import sim_requests, simulate_batch, simulate_independent
 from kvrestore.sim.compare import batch_lower_bound
 from kvrestore.sim.workload import Request
@@ -280,8 +282,11 @@ def test_a_failing_compute_unit_fails_only_its_own_restore(deep_backend):
                 def boom(a, b):
                     raise RuntimeError("device lost")
 
+                async def no_load(i):
+                    raise AssertionError("nothing is stored")
+
                 try:
-                    await engine.run(Progress([16] * 4, [False] * 4), ComputeOnly(), boom, None)
+                    await engine.run(RunRequest(Progress([16] * 4, [False] * 4), ComputeOnly(), boom, no_load))
                 except RuntimeError as exc:
                     results["bad"] = exc
 
@@ -312,6 +317,17 @@ def test_batch_engine_errors_name_the_problem(deep_backend):
 
     with pytest.raises(ValueError, match="token budget"):
         anyio.run(too_big_chunks)
+
+    async def fast_paths():
+        async def load(i):
+            return 0
+
+        async with BatchEngine() as engine:
+            request = RunRequest(Progress([16] * 2, [True] * 2), ComputeOnly(), lambda a, b: None, load)
+            await engine.run(dataclasses.replace(request, fast_paths=FastPaths(load_now=lambda i: 0)))
+
+    with pytest.raises(InvalidInputError, match="runs no fast paths"):  # never silently ignored
+        anyio.run(fast_paths)
 
 
 def test_a_broken_policy_fails_its_restore_and_the_engine_serves_on(deep_backend):

@@ -13,6 +13,7 @@ from kvrestore.policies.batch import BatchAware
 from kvrestore.runtime.bookkeeping import PolicyError
 from kvrestore.runtime.driver import PolicyStalledError, run_sync
 from kvrestore.runtime.engine import Engine
+from kvrestore.runtime.request import RunRequest
 from kvrestore.sim.batch import sim_requests, simulate_batch, simulate_independent
 from kvrestore.sim.simulate import simulate
 from kvrestore.sim.workload import Request
@@ -40,7 +41,7 @@ def _link() -> Link:
 
 def test_a_stalled_policy_fails_alike_on_every_clock():
     with pytest.raises(PolicyStalledError):
-        anyio.run(lambda: Engine().run(Progress([1], [False]), Lazy(), lambda a, b: None, None))
+        anyio.run(lambda: Engine().run(RunRequest(Progress([1], [False]), Lazy(), lambda a, b: None, None)))
     with pytest.raises(PolicyStalledError, match="left chunks"):
         simulate(Lazy(), [16] * 3, [True] * 3, lambda a, b, t: 0.01, [100] * 3, _link())
     reqs = sim_requests([Request(0.0, "restore", 512, 16)], COST, 1000, 256, Lazy)

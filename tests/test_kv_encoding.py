@@ -417,13 +417,13 @@ def test_the_planner_plans_with_the_stored_bytes(llama_backend, name):
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
-def test_the_whole_chunk_upload_checks_the_stored_bytes_then_decodes(name, monkeypatch):
-    """`upload_checked`, the token-wise path into a CUDA cache, run on a CPU tensor (host events stand
-    in for CUDA events): the encoded body goes to a device buffer, its device checksums are compared,
-    and it is decoded into the cache rows; a flipped scale byte raises naming its layer."""
+def test_the_whole_chunk_upload_checks_the_stored_bytes_then_decodes(name):
+    """`upload_checked`, the token-wise path into a CUDA cache, run on a CPU tensor (a transfer to a
+    CPU tensor records no event): the encoded body goes to a device buffer, its device checksums are
+    compared, and it is decoded into the cache rows; a flipped scale byte raises naming its layer."""
     from kvrestore.chunkio.load import upload_checked
     from kvrestore.chunkio.pool import StagingPool
-    from kvrestore.core.streams import HostEvent
+    from kvrestore.chunkio.transfer import Transfer
 
     spec = _spec()
     kv = torch.randn(2, 2, 3, 40, 64)
@@ -431,13 +431,12 @@ def test_the_whole_chunk_upload_checks_the_stored_bytes_then_decodes(name, monke
     header, _ = codec.read_header(blob)
     enc = codec.spec_encoding(spec, name)
     pool = StagingPool(pinned=False)
-    monkeypatch.setattr(pool, "event", HostEvent)
     expected = [s.device_sum for s in header.layers]
     body = torch.frombuffer(bytearray(blob), dtype=torch.uint8)[header.layers[0].offset : header.end]
     cache = torch.zeros(2, 2, 3, 50, 64)
-    upload_checked(body, cache[:, :, :, 5:45], expected, None, pool, None, enc)
+    upload_checked(body, cache[:, :, :, 5:45], expected, Transfer(pool), enc)
     assert torch.equal(cache[:, :, :, 5:45], _roundtrip(enc, kv)) and not cache[:, :, :, :5].any()
     damaged = body.clone()
     damaged[header.layers[1].offset - header.layers[0].offset + header.layers[1].length - 16] ^= 0x40
     with pytest.raises(CorruptChunkError, match="layer 1: device checksum mismatch"):
-        upload_checked(damaged, cache[:, :, :, 5:45], expected, None, pool, None, enc)
+        upload_checked(damaged, cache[:, :, :, 5:45], expected, Transfer(pool), enc)

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvrestore.core.errors import CorruptChunkError
 from kvrestore.policies import ChunkStatus, ComputeOnly, Decision, LoadOnly, Policy, Progress
 from kvrestore.runtime.engine import Engine, PolicyStalledError
+from kvrestore.runtime.request import RunRequest
 
 
 def simulate(policy: Policy, stored: list[bool], broken: set[int], lanes: int = 3):
@@ -29,7 +30,7 @@ def simulate(policy: Policy, stored: list[bool], broken: set[int], lanes: int = 
         applied.append(("load", i))
         return 100
 
-    anyio.run(lambda: Engine(lanes).run(progress, policy, compute, load))
+    anyio.run(lambda: Engine(lanes).run(RunRequest(progress, policy, compute, load)))
     return applied, progress
 
 
@@ -74,7 +75,7 @@ def test_engine_refuses_a_policy_that_stalls():
             return Decision()
 
     with pytest.raises(PolicyStalledError):
-        anyio.run(lambda: Engine().run(Progress([1], [False]), Lazy(), lambda a, b: None, None))
+        anyio.run(lambda: Engine().run(RunRequest(Progress([1], [False]), Lazy(), lambda a, b: None, None)))
 
 
 def test_engine_refuses_compute_without_prefix():
@@ -83,7 +84,8 @@ def test_engine_refuses_compute_without_prefix():
             return Decision(compute=(1, 2))
 
     with pytest.raises(RuntimeError, match="needs every chunk before"):
-        anyio.run(lambda: Engine().run(Progress([1, 1], [False, False]), Skipper(), lambda a, b: None, None))
+        request = RunRequest(Progress([1, 1], [False, False]), Skipper(), lambda a, b: None, None)
+        anyio.run(lambda: Engine().run(request))
 
 
 def test_two_pointer_units_respect_the_lanes_floor():

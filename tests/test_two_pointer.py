@@ -15,6 +15,7 @@ from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.keys import chunk_keys
 from kvrestore.policies import ChunkStatus, Decision, Policy, Progress
 from kvrestore.runtime.engine import Engine
+from kvrestore.runtime.request import RunRequest
 from kvrestore.sim.simulate import simulate
 from kvrestore.stores import ThrottledStore
 from kvrestore.stores.memory import MemoryStore
@@ -100,7 +101,8 @@ def test_a_dropped_load_never_lands_over_the_computed_chunk(blocking):
     n = 6
     fake = Fake(n, compute_s=0.01, load_s=0.25, blocking_loads=blocking)
     progress = Progress([16] * n, [True] * n)
-    trace = anyio.run(lambda: Engine(load_lanes=n).run(progress, TokenTwoPointer(1), fake.compute, fake.load))
+    request = RunRequest(progress, TokenTwoPointer(1), fake.compute, fake.load)
+    trace = anyio.run(lambda: Engine(load_lanes=n).run(request))
     dropped = {e.first_chunk for e in trace.of_kind("load-dropped")}
     computed = {j for e in trace.of_kind("compute") for j in range(e.first_chunk, e.last_chunk + 1)}
     assert dropped and dropped <= computed
@@ -131,7 +133,7 @@ def test_waiting_policy_is_woken_without_an_event():
         return 1
 
     progress = Progress([1, 1], [True, True])
-    anyio.run(lambda: Engine().run(progress, policy, lambda a, b: None, slow_load))
+    anyio.run(lambda: Engine().run(RunRequest(progress, policy, lambda a, b: None, slow_load)))
     # woken by the clock, not by the load: asked again at wake_at while the load was still in flight
     assert any(t >= 0.05 and status == ChunkStatus.LOADING for t, status in policy.calls), policy.calls
 
@@ -298,7 +300,7 @@ def test_concurrent_restores_share_one_compute_lane():
         progresses = [Progress([16] * 6, [False, True] * 3) for _ in range(2)]
         async with anyio.create_task_group() as tg:
             for p in progresses:
-                tg.start_soon(engine.run, p, TokenTwoPointer(1), compute, load)
+                tg.start_soon(engine.run, RunRequest(p, TokenTwoPointer(1), compute, load))
         return progresses
 
     assert all(p.finished for p in anyio.run(main))

@@ -23,7 +23,7 @@ import torch
 
 from kvrestore import codec
 from kvrestore.chunkio.layers import LayerReader, StoredChunk
-from kvrestore.chunkio.pool import StagingPool
+from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.core.keys import content_key
 from kvrestore.core.kv import KVCache
 from kvrestore.core.streams import upload
@@ -91,16 +91,13 @@ class StoreChunkSource(LayerReader):
         offsets: Sequence[int],
         lengths: Sequence[int],
         stored_at: int = 0,
-        stream: torch.cuda.Stream | None = None,
-        pool: StagingPool | None = None,
+        lane: TransferLane | None = None,
         defer_checks: bool | None = None,
         **options: Any,
     ) -> None:
         """`options`: the rest of `LayerReader`'s (`ahead`, `layers_per_read`), passed on as they are."""
         chunks = [StoredChunk(k, stored_at, o, n) for k, o, n in zip(keys, offsets, lengths, strict=True)]
-        super().__init__(
-            backend.spec, store, chunks, stream=stream, pool=pool, defer_checks=defer_checks, **options
-        )
+        super().__init__(backend.spec, store, chunks, lane=lane, defer_checks=defer_checks, **options)
         self.backend = backend
         self._rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -15,7 +15,7 @@ from kvrestore.backends.base import ComputeBackend
 from kvrestore.backends.hf import HFBackend
 from kvrestore.blend.chunks import save_chunk
 from kvrestore.blend.fuse import BlendResult, restore_blend
-from kvrestore.chunkio.pool import StagingPool
+from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.tokens import TokenIds, check_length, model_tokens, optional_tokens
 from kvrestore.policies.blend import Blend
@@ -51,8 +51,7 @@ async def blend_prompt(
     suffix: TokenIds | None,
     policy: Blend | None,
     prefix: TokenIds | None,
-    load_stream: torch.cuda.Stream | None,
-    pool: StagingPool,
+    lane: TransferLane,
 ) -> BlendResult:
     """`Restorer.restore_blend`: checks the parts, then blends them (`fuse.restore_blend`)."""
     if isinstance(chunks, (str, bytes, torch.Tensor)) or not isinstance(chunks, Sequence):
@@ -70,6 +69,5 @@ async def blend_prompt(
         tail,
         policy,
         prefix=head,
-        load_stream=load_stream,
-        pool=pool,
+        lane=lane,
     )

@@ -39,6 +39,7 @@ from kvrestore.blend.controller import choose_ratio
 from kvrestore.blend.select import SelectionBounds, select_hkvd, selection_sizes, stacked_kv_deviation
 from kvrestore.chunkio.layers import ChunkLoadFailed
 from kvrestore.chunkio.pool import StagingPool
+from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.kv import KVCache
 from kvrestore.core.streams import load_stream as new_load_stream
@@ -100,6 +101,17 @@ class _Layout:
     def n(self) -> int:
         return len(self.tokens)
 
+    def forced(self, missing: set[int]) -> torch.Tensor:
+        """Which tokens are recomputed on every layer (bool [N]): the prefix, the suffix, the last token
+        and the tokens of the `missing` chunks."""
+        forced = torch.zeros(self.n, dtype=torch.bool)
+        forced[self.n - len(self.suffix) :] = True
+        forced[: len(self.prefix)] = True
+        forced[self.n - 1] = True
+        for j in missing:
+            forced[self.offsets[j] : self.offsets[j] + len(self.chunks[j])] = True
+        return forced
+
 
 async def restore_blend(
     backend: HFBackend,
@@ -108,15 +120,14 @@ async def restore_blend(
     suffix: torch.Tensor,
     policy: Blend | None = None,
     prefix: torch.Tensor | None = None,
-    load_stream: torch.cuda.Stream | None = None,
-    pool: StagingPool | None = None,
+    lane: TransferLane | None = None,
 ) -> BlendResult:
     """Blend stored chunk KV (any order, any neighbours) with a recomputed suffix; see the module doc.
 
     `chunks`, `suffix` and `prefix` are validated 1-D int64 token tensors (suffix and prefix may be
     empty). `prefix` is the shared prefix the chunks were saved after (`save_chunk(..., prefix=)`); it
     starts the prompt and is recomputed on every layer, like the suffix. On CUDA the layers are
-    uploaded on `load_stream` (a new stream if None) through pinned buffers from `pool`.
+    uploaded on `lane`'s stream (a new one if it has none) through pinned buffers from its pool.
     """
     t0 = time.perf_counter()
     policy = policy or Blend()
@@ -128,17 +139,16 @@ async def restore_blend(
     keys = [chunk_key(backend, c, prefix) for c in layout.chunks]
     lengths = [len(c) for c in layout.chunks]
     device = torch.device(backend.device)
-    if device.type == "cuda" and load_stream is None:
-        load_stream = new_load_stream(device)
-    source = StoreChunkSource(
-        backend, store, keys, layout.offsets, lengths, stored_at=len(prefix), stream=load_stream, pool=pool
-    )
+    if device.type == "cuda" and (lane is None or lane.stream is None):
+        pool = lane.pool if lane is not None else StagingPool(pinned=True)
+        lane = TransferLane(pool, new_load_stream(device))
+    source = StoreChunkSource(backend, store, keys, layout.offsets, lengths, stored_at=len(prefix), lane=lane)
     available = await source.open()
     missing = {j for j, ok in enumerate(available) if not ok}
     restarts = 0
     while True:
         try:
-            result = await _fuse(backend, layout, source, policy, missing)
+            result = await _Fusion(backend, layout, source, policy, missing).run()
             await source.verify()  # the device's checks of every layer (on CUDA they are read once, here)
             break
         except ChunkLoadFailed as exc:  # a layer failed part-way: its chunk's tokens are recomputed
@@ -156,105 +166,147 @@ async def restore_blend(
     return result
 
 
-async def _fuse(
-    backend: HFBackend, layout: _Layout, source: StoreChunkSource, policy: Blend, missing: set[int]
-) -> BlendResult:
-    spec = backend.spec
-    n_layers, n = spec.num_layers, layout.n
-    device = backend.device
-    kv = KVCache(
-        spec,
-        torch.zeros((n_layers, 2, spec.num_kv_heads, n, spec.head_dim), dtype=spec.dtype, device=device),
-    )
-    forced_host = torch.zeros(n, dtype=torch.bool)  # built on the host: its count needs no device sync
-    forced_host[n - len(layout.suffix) :] = True
-    forced_host[: len(layout.prefix)] = True
-    forced_host[n - 1] = True
-    for j in missing:
-        forced_host[layout.offsets[j] : layout.offsets[j] + len(layout.chunks[j])] = True
-    n_forced = int(forced_host.sum())
-    n_reused = n - n_forced
-    forced = upload(forced_host, torch.device(device))
-    # the zeros and the flags are queued on the caller's stream: the load stream and the compute lane
-    # start behind them (on the device: the host does not wait for whatever else that stream holds)
-    caller = torch.cuda.current_stream(kv.data.device) if kv.data.is_cuda else None
-    if caller is not None and source.stream is not None:
-        source.stream.wait_stream(caller)
+class _Fusion:
+    """One attempt at a blend: a loader task on the event loop and the compute lane (one worker-thread
+    call for the whole blend) over one KV buffer.
 
-    # The loader (a task on the event loop) sets ready[i] once layer i is in place; the compute lane (one
-    # worker-thread call for the whole blend) waits for it there, so a layer's compute never waits for a
-    # turn of the event loop. A loader that fails or is cancelled sets `halted`, then wakes every waiter.
-    ready = [threading.Event() for _ in range(n_layers)]
-    halted = threading.Event()
-    load_s = [0.0] * n_layers
-    failure: list[ChunkLoadFailed] = []
+    The loader sets `ready[i]` once layer i is in place; the compute lane waits for it there, so a
+    layer's compute never waits for a turn of the event loop. A loader that fails or is cancelled sets
+    `halted`, then wakes every waiter. What both sides note (each layer's load time, the loader's
+    failure, the compute lane's waits and selections) are attributes, read into `BlendStats` at the end.
+    """
 
-    async def loader() -> None:
+    def __init__(
+        self, backend: HFBackend, layout: _Layout, source: StoreChunkSource, policy: Blend, missing: set[int]
+    ) -> None:
+        spec = backend.spec
+        self.backend, self.layout, self.source, self.policy = backend, layout, source, policy
+        self.n_layers, self.n = spec.num_layers, layout.n
+        self.device = torch.device(backend.device)
+        n = self.n
+        self.kv = KVCache(
+            spec,
+            torch.zeros(
+                (self.n_layers, 2, spec.num_kv_heads, n, spec.head_dim), dtype=spec.dtype, device=self.device
+            ),
+        )
+        forced_host = layout.forced(missing)  # built on the host: its count needs no device sync
+        self.n_forced = int(forced_host.sum())
+        self.n_reused = n - self.n_forced
+        self.forced = upload(forced_host, self.device)
+        # the zeros and the flags are queued on the caller's stream: the load stream and the compute lane
+        # start behind them (on the device: the host does not wait for whatever else that stream holds)
+        self.caller = torch.cuda.current_stream(self.kv.data.device) if self.kv.data.is_cuda else None
+        if self.caller is not None and source.stream is not None:
+            source.stream.wait_stream(self.caller)
+        self.ready = [threading.Event() for _ in range(self.n_layers)]
+        self.halted = threading.Event()
+        self.load_s = [0.0] * self.n_layers
+        self.failure: list[ChunkLoadFailed] = []
+        self.timer = LayerTimer(self.device, self.n_layers)
+        self.bounds = SelectionBounds(n, self.device)
+        self.recomputed = [n]
+        self.hkvd: list[int] = []
+        self.wait_s = 0.0
+
+    async def run(self) -> BlendResult:
+        """Run the loader and the compute lane to the end: the blend, or the loader's failure raised."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._loader)
+            outcome = await anyio.to_thread.run_sync(self._compute_lane_on_device)
+        if self.failure:
+            raise self.failure[0]
+        if outcome is None:  # the loader was cancelled: raise that cancellation here
+            await anyio.lowlevel.checkpoint()
+            raise RuntimeError("the blend's loader stopped with no failure and no cancellation")
+        logits, ratio, schedule = outcome
+        for i in range(
+            1, self.n_layers
+        ):  # the loader's time (fetch, queue) plus the device's, where it queued
+            self.load_s[i] += self.source.placed_seconds(i) or 0.0
+        layout = self.layout
+        stats = BlendStats(
+            n_tokens=self.n,
+            n_chunks=len(layout.chunks),
+            n_suffix=len(layout.suffix),
+            n_prefix=len(layout.prefix),
+            ratio=ratio,
+            schedule=schedule,
+            recomputed=self.recomputed,
+            hkvd=self.hkvd,
+            loaded_chunks=0,
+            missing_chunks=[],
+            bytes_loaded=0,
+            seconds=0.0,
+            load_seconds=self.load_s,
+            compute_seconds=self.timer.seconds,
+            wait_seconds=self.wait_s + self.timer.device_wait,
+        )
+        return BlendResult(self.kv, layout.tokens, logits, stats)
+
+    async def _loader(self) -> None:
+        """Read layers 1.. (layer 1 alone, then a few at a time) and mark each ready as it lands."""
         try:
-            for layers in source.read_plan(1, n_layers, kv):  # layer 1 alone, then a few at a time
+            for layers in self.source.read_plan(1, self.n_layers, self.kv):
                 t = time.perf_counter()
-                await source.read_layers(layers, kv)
+                await self.source.read_layers(layers, self.kv)
                 share = (time.perf_counter() - t) / len(layers)  # each layer's part of the read
                 for i in layers:
-                    load_s[i] = share
-                    ready[i].set()
+                    self.load_s[i] = share
+                    self.ready[i].set()
         except ChunkLoadFailed as exc:
-            failure.append(exc)
+            self.failure.append(exc)
         finally:
-            if not all(ev.is_set() for ev in ready[1:]):
-                halted.set()
-                for ev in ready:
+            if not all(ev.is_set() for ev in self.ready[1:]):
+                self.halted.set()
+                for ev in self.ready:
                     ev.set()
 
-    timer = LayerTimer(torch.device(device), n_layers)
-    bounds = SelectionBounds(n, torch.device(device))
-    recomputed = [n]
-    hkvd: list[int] = []
-    wait_s = 0.0
-
-    def wait_for(i: int) -> bool:
+    def _wait_for(self, i: int) -> bool:
         """Wait until layer i is loaded (on CUDA: queued on the load stream, then the compute stream
         waits for it on the device); False if the blend must stop instead."""
-        nonlocal wait_s
         t = time.perf_counter()
-        ready[i].wait()
-        wait_s += time.perf_counter() - t
-        if halted.is_set():
+        self.ready[i].wait()
+        self.wait_s += time.perf_counter() - t
+        if self.halted.is_set():
             return False
-        timer.before_wait(i)
-        source.wait_placed(i)
+        self.timer.before_wait(i)
+        self.source.wait_placed(i)
         return True
 
-    def layer0() -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        mark = timer.start()
-        hidden = backend.embed(layout.tokens)
-        positions = torch.arange(n, device=device)
+    def _layer0(self) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Layer 0 recomputed for every token: (hidden states, the rotary cos and sin)."""
+        backend, kv = self.backend, self.kv
+        mark = self.timer.start()
+        hidden = backend.embed(self.layout.tokens)
+        positions = torch.arange(self.n, device=self.device)
         rope = backend.rotary(hidden, positions)
         hidden, k, v = backend.run_layer(0, hidden, None, None, positions, rope=rope)
         kv.data[0, 0].copy_(k)
         kv.data[0, 1].copy_(v)
-        timer.stop(0, mark, wait=policy.auto)  # the controller needs layer 0's time now
+        self.timer.stop(0, mark, wait=self.policy.auto)  # the controller needs layer 0's time now
         return hidden, rope
 
-    def layer(
-        i: int, hidden: torch.Tensor, cand: torch.Tensor, size: int, rope: torch.Tensor
+    def _layer(
+        self, i: int, hidden: torch.Tensor, cand: torch.Tensor, size: int, rope: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Selective recompute of layer i; queues its kernels and returns without waiting for them (the
         sizes are known on the host: every candidate set holds all `n_forced` forced tokens). `rope` is
         every token's rotary cos and sin stacked, [2, 1, N, D]."""
-        mark = timer.start()
+        backend, kv, policy, n_forced = self.backend, self.kv, self.policy, self.n_forced
+        mark = self.timer.start()
         k_layer, v_layer = kv.data[i, 0], kv.data[i, 1]
         rope_cand = rope.index_select(2, cand)  # cos and sin of the candidates: one gather
         x, k_new, v_new = backend.project_candidates(i, hidden, (rope_cand[0], rope_cand[1]))
         fresh = torch.stack((k_new, v_new))  # [2, H, T, D], as the cache holds them: one op each below
         loaded = kv.data[i].index_select(2, cand)  # their loaded K and V: one gather
         dev = stacked_kv_deviation(fresh, loaded, policy.deviation)
-        keep = select_hkvd(dev, forced[cand], size, n_forced=n_forced)
+        keep = select_hkvd(dev, self.forced[cand], size, n_forced=n_forced)
         sel = cand[keep]
         rope_sel = rope_cand.index_select(2, keep)
-        upper = bounds.upper(sel)  # where the kept rows can sit, for the attention's key prefixes
-        lower = bounds.lower(sel)  # and the keys all rows of a group see, attended without a mask
-        bounds.record(sel)
+        upper = self.bounds.upper(sel)  # where the kept rows can sit, for the attention's key prefixes
+        lower = self.bounds.lower(sel)  # and the keys all rows of a group see, attended without a mask
+        self.bounds.record(sel)
         if policy.update_candidates:  # every candidate's fresh K/V replaces its loaded K/V (no compute)
             kv.data[i].index_copy_(2, cand, fresh)
         hidden, _, _ = backend.run_layer_selective(  # the kept rows' K, V and normed inputs, not again
@@ -268,72 +320,43 @@ async def _fuse(
             upper=upper,
             lower=lower,
         )
-        timer.stop(i, mark)
+        self.timer.stop(i, mark)
         chosen = min(size, cand.numel() - n_forced)
-        recomputed.append(n_forced + chosen)
-        hkvd.append(chosen)
+        self.recomputed.append(n_forced + chosen)
+        self.hkvd.append(chosen)
         return hidden, sel
 
-    def compute_lane() -> tuple[torch.Tensor, float, list[float]] | None:
+    def _compute_lane(self) -> tuple[torch.Tensor, float, list[float]] | None:
         """Layer 0, the ratio, every selective layer as its load lands: (logits, ratio, per-layer
         ratios), or None if halted."""
-        hidden, rope = layer0()
+        policy, n_layers = self.policy, self.n_layers
+        hidden, rope = self._layer0()
         if policy.recompute_ratio is not None:
             ratio = policy.recompute_ratio
         elif n_layers > 1:  # the loading controller: measured layer-1 load vs a full layer's compute
-            if not wait_for(1):
+            if not self._wait_for(1):
                 return None
-            layer1 = load_s[1] + (source.placed_seconds(1) or 0.0)
-            ratio = choose_ratio(layer1, timer.seconds[0], policy.min_ratio, policy.max_ratio)
+            layer1 = self.load_s[1] + (self.source.placed_seconds(1) or 0.0)
+            ratio = choose_ratio(layer1, self.timer.seconds[0], policy.min_ratio, policy.max_ratio)
         else:
             ratio = policy.min_ratio
         schedule = policy.schedule(ratio, n_layers)
-        sizes = selection_sizes(schedule, n_reused)
-        cand = torch.arange(n, device=device)
+        sizes = selection_sizes(schedule, self.n_reused)
+        cand = torch.arange(self.n, device=self.device)
         rope_all = torch.stack(rope)
         for i in range(1, n_layers):
-            if not wait_for(i):
+            if not self._wait_for(i):
                 return None
-            hidden, cand = layer(i, hidden, cand, sizes[i - 1], rope_all)
-        logits = backend.final_logits(hidden)
-        timer.finish()
+            hidden, cand = self._layer(i, hidden, cand, sizes[i - 1], rope_all)
+        logits = self.backend.final_logits(hidden)
+        self.timer.finish()
         return logits, ratio, schedule
 
-    def compute_lane_on_device() -> tuple[torch.Tensor, float, list[float]] | None:
-        with on_device(torch.device(device)):  # its events and waits act on the model's device's stream
-            if caller is not None:
-                torch.cuda.current_stream(kv.data.device).wait_stream(caller)
-            return compute_lane()
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(loader)
-        outcome = await anyio.to_thread.run_sync(compute_lane_on_device)
-    if failure:
-        raise failure[0]
-    if outcome is None:  # the loader was cancelled: raise that cancellation here
-        await anyio.lowlevel.checkpoint()
-        raise RuntimeError("the blend's loader stopped with no failure and no cancellation")
-    logits, ratio, schedule = outcome
-    for i in range(1, n_layers):  # the loader's time (fetch, queue) plus the device's, where it queued
-        load_s[i] += source.placed_seconds(i) or 0.0
-    stats = BlendStats(
-        n_tokens=n,
-        n_chunks=len(layout.chunks),
-        n_suffix=len(layout.suffix),
-        n_prefix=len(layout.prefix),
-        ratio=ratio,
-        schedule=schedule,
-        recomputed=recomputed,
-        hkvd=hkvd,
-        loaded_chunks=0,
-        missing_chunks=[],
-        bytes_loaded=0,
-        seconds=0.0,
-        load_seconds=load_s,
-        compute_seconds=timer.seconds,
-        wait_seconds=wait_s + timer.device_wait,
-    )
-    return BlendResult(kv, layout.tokens, logits, stats)
+    def _compute_lane_on_device(self) -> tuple[torch.Tensor, float, list[float]] | None:
+        with on_device(self.device):  # its events and waits act on the model's device's stream
+            if self.caller is not None:
+                torch.cuda.current_stream(self.kv.data.device).wait_stream(self.caller)
+            return self._compute_lane()
 
 
 class LayerTimer:

@@ -28,6 +28,7 @@ from kvrestore import codec
 from kvrestore.chunkio.deferred import DeferredChecks
 from kvrestore.chunkio.pool import StagingPool
 from kvrestore.chunkio.stored import ChunkLoadFailed, StoredChunk, each, layers_name
+from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.chunkio.uploads import LayerUploads
 from kvrestore.core.errors import (
     LOAD_FAULTS,
@@ -53,8 +54,7 @@ class LayerReader:
         spec: ModelSpec,
         store: ChunkStore,
         chunks: Sequence[StoredChunk],
-        stream: torch.cuda.Stream | None = None,
-        pool: StagingPool | None = None,
+        lane: TransferLane | None = None,
         defer_checks: bool | None = False,
         ahead: int = 8,
         layers_per_read: int = 4,
@@ -64,8 +64,8 @@ class LayerReader:
         self.encoding = codec.spec_encoding(spec, encoding)  # the one it reads: another is foreign
         self.store = store
         self.chunks = list(chunks)
-        self.stream = stream  # where a CUDA cache's sections are uploaded (None: the current stream)
-        self.pool = pool or StagingPool(pinned=torch.cuda.is_available())
+        # where a CUDA cache's sections are uploaded: the staging pool and the stream (None: the current one)
+        self.lane = lane or TransferLane(StagingPool(pinned=torch.cuda.is_available()))
         self.headers: dict[int, codec.ChunkHeader] = {}  # of every chunk whose header checked out
         self.dropped: set[int] = set()  # chunks not read any more (a fault, or the caller's `drop`)
         self.opened = False
@@ -85,6 +85,11 @@ class LayerReader:
         await each(self._open_one, range(len(self.chunks)))
         self.opened = True
         return [self.readable(j) for j in range(len(self.chunks))]
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The stream a CUDA cache's sections are uploaded on (None: the device's current one)."""
+        return self.lane.stream
 
     def readable(self, j: int) -> bool:
         return j in self.headers and j not in self.dropped

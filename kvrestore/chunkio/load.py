@@ -13,7 +13,8 @@ The path a load lane runs for a chunk, and why each step is shaped so:
    * into a CUDA cache: the body (in pinned staging, or in a pinned `MemoryStore`'s own memory; other
      bytes from memory are first copied into pinned staging with one numpy copy) goes to the device on the load stream with one copy, then the device checksum of every
      layer runs there (`checksums.device_checksums`, two kernels) and only L sums come back. The
-     staging buffer is recycled once the upload's event has completed. A mismatch raises before the
+     staging buffers belong to the load's `Transfer` (`chunkio.transfer`), which recycles each once
+     the upload's event has completed, also when the load fails part-way. A mismatch raises before the
      chunk counts as loaded; its rows are then recomputed, so damaged bytes never survive in the cache.
 
 A store that reads without the event loop (`ChunkStore.reads_sync`: memory of this process, a local
@@ -44,17 +45,18 @@ import torch
 
 from kvrestore import codec
 from kvrestore.chunkio.pool import Staging, StagingPool
+from kvrestore.chunkio.transfer import Transfer, TransferLane
 from kvrestore.codec.checksums import device_checkable, device_checksums
 from kvrestore.codec.quant import Encoding
 from kvrestore.core.errors import CorruptChunkError, MissingChunkError, TruncatedChunkError
 from kvrestore.core.spec import ModelSpec
-from kvrestore.core.streams import on_stream
-from kvrestore.stores.base import ChunkStore, copy_into
+from kvrestore.stores.base import ChunkStore
 
 #: room for the header and its padding in a staging buffer sized from the chunk's KV bytes
 HEADER_ROOM = 64 * 1024
 #: the first read of a chunk that goes straight into a cache: its header (a few KiB for 100+ layers)
 PROBE_BYTES = 16 * 1024
+
 
 def zstd_bound(nbytes: int) -> int:
     """zstd's worst-case compressed size of `nbytes` (its ZSTD_COMPRESSBOUND): what a section of a
@@ -114,6 +116,17 @@ class ChunkLoader:
         """The staging buffers for CPU destinations (pageable) or uploads to a GPU (pinned)."""
         return self._pools[pinned]
 
+    def lane(self, device: torch.device) -> TransferLane:
+        """Where transfers to `device` run: the staging pool for it and the load lane's stream there."""
+        return TransferLane(self.pool(pinned=device.type == "cuda"), self.stream_for(device))
+
+    def transfer(self, dest: torch.Tensor) -> Transfer:
+        """A transfer of one chunk into `dest` (`Transfer`): its buffers from the pool for `dest`'s
+        device, its copies on the load lane's stream there."""
+        return Transfer(
+            self.pool(pinned=dest.device.type == "cuda"), self.stream_for(dest.device), dest.device
+        )
+
     def close(self) -> None:
         """Give the staging buffers back to the system (the loader stays usable: a later load takes
         new ones)."""
@@ -134,15 +147,13 @@ class ChunkLoader:
         if self.store.reads_in_memory:
             data = await self.store.get(key)
             return await anyio.to_thread.run_sync(self._place_object, key, start, dest, data)
-        pool = self.pool(pinned=dest.device.type == "cuda")
         limit = self.object_limit(dest)
-        staging = pool.acquire(limit)
-        try:
+        with self.transfer(dest) as transfer:
+            staging = transfer.stage(limit)
             size = self._within_limit(key, await self.store.read_into(key, staging.view[:limit]), limit)
-        except BaseException:
-            pool.release(staging)
-            raise
-        return await anyio.to_thread.run_sync(self._place_staged, key, start, dest, staging, size)
+            return await anyio.to_thread.run_sync(
+                self._place_staged, key, start, dest, transfer, staging, size
+            )
 
     def load_sync(self, key: str, start: int, dest: torch.Tensor) -> int:
         """`load`, blocking, from any thread (a load lane's), for a store that `reads_sync`: read, check,
@@ -155,15 +166,11 @@ class ChunkLoader:
                 placed = self._scatter_sync(key, start, dest, rows)
                 if placed is not None:
                     return placed
-        pool = self.pool(pinned=dest.device.type == "cuda")
         limit = self.object_limit(dest)
-        staging = pool.acquire(limit)
-        try:
+        with self.transfer(dest) as transfer:
+            staging = transfer.stage(limit)
             size = self._within_limit(key, self.store.read_into_sync(key, staging.view[:limit]), limit)
-        except BaseException:
-            pool.release(staging)
-            raise
-        return self._place_staged(key, start, dest, staging, size)
+            return self._place_staged(key, start, dest, transfer, staging, size)
 
     def _scatter_sync(
         self, key: str, start: int, dest: torch.Tensor, rows: list[list[memoryview]]
@@ -173,9 +180,8 @@ class ChunkLoader:
         bytes fewer than reading into staging and copying. The header comes first, from a small read.
         Returns the object's size, or None where this does not apply (compressed, an outsized header):
         then the chunk is read into staging instead."""
-        pool = self.pool(pinned=False)
-        probe = pool.acquire(PROBE_BYTES + 1)
-        try:
+        with Transfer(self.pool(pinned=False)) as transfer:  # the probe is read on the host only
+            probe = transfer.stage(PROBE_BYTES + 1)
             got = self.store.scatter_into_sync(key, 0, [probe.view[:PROBE_BYTES]])
             if got is None:
                 raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
@@ -190,9 +196,9 @@ class ChunkLoader:
             if any(head[header_end:body]):
                 raise CorruptChunkError("nonzero padding between header and sections")
             past_end = probe.view[PROBE_BYTES : PROBE_BYTES + 1]  # filled only if the object is too long
-            placed = self.store.scatter_into_sync(key, body, [b for layer in rows for b in layer] + [past_end])
-        finally:
-            pool.release(probe)
+            placed = self.store.scatter_into_sync(
+                key, body, [b for layer in rows for b in layer] + [past_end]
+            )
         if placed is None:
             raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
         want = header.end - body
@@ -229,53 +235,47 @@ class ChunkLoader:
             raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
         view = memoryview(data)
         header = codec.check_object(view, self.spec, key, start, int(dest.shape[3]), self.encoding.name)
-        self._verify_place(header, view, None, dest)
+        with self.transfer(dest) as transfer:
+            self._verify_place(header, view, None, dest, transfer)
         return len(view)
 
     def _place_staged(
-        self, key: str, start: int, dest: torch.Tensor, staging: Staging, size: int | None
+        self, key: str, start: int, dest: torch.Tensor, transfer: Transfer, staging: Staging, size: int | None
     ) -> int:
-        """Check, verify and place an object read into `staging` (`size` as `read_into` returned it);
-        hands `staging` back to its pool."""
-        try:
-            if size is None:
-                raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
-            data = staging.view[: min(size, staging.nbytes)]
-            header = codec.check_object(data, self.spec, key, start, int(dest.shape[3]), self.encoding.name)
-        except BaseException:
-            self.pool(staging.pinned).release(staging)
-            raise
-        self._verify_place(header, data, staging, dest)
+        """Check, verify and place an object read into `staging`, which `transfer` holds (`size` as
+        `read_into` returned it)."""
+        if size is None:
+            raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
+        data = staging.view[: min(size, staging.nbytes)]
+        header = codec.check_object(data, self.spec, key, start, int(dest.shape[3]), self.encoding.name)
+        self._verify_place(header, data, staging, dest, transfer)
         return len(data)
 
     def _verify_place(
-        self, header: codec.ChunkHeader, data: memoryview, staging: Staging | None, dest: torch.Tensor
+        self,
+        header: codec.ChunkHeader,
+        data: memoryview,
+        staging: Staging | None,
+        dest: torch.Tensor,
+        transfer: Transfer,
     ) -> None:
-        try:
-            if header.compression != "none":
-                self._place_decoded(header, data, dest)
-            elif dest.device.type != "cuda":
-                codec.verify_sections(header, data)
-                if self.encoding.native:
-                    rows = _byte_rows(dest)
-                    np.copyto(rows, np.frombuffer(codec.body(header, data), np.uint8).reshape(rows.shape))
-                else:
-                    self.encoding.decode(codec.body_sections(header, data), dest)
+        """Verify and place a checked object (`data`, lying in `staging` where it was read into one) in
+        `dest`; `transfer` holds the staging buffers and runs the upload to a CUDA cache."""
+        if header.compression != "none":
+            self._place_decoded(header, data, dest, transfer)
+        elif dest.device.type != "cuda":
+            codec.verify_sections(header, data)
+            if self.encoding.native:
+                rows = _byte_rows(dest)
+                np.copyto(rows, np.frombuffer(codec.body(header, data), np.uint8).reshape(rows.shape))
             else:
-                if not self._device_checkable(dest):
-                    codec.verify_sections(header, data)
-                if staging is not None and staging.pinned:
-                    host = staging.tensor
-                else:  # a pinned store's object as it is, or one GIL-free copy into pinned staging
-                    pageable = staging  # `data` lies in it: handed back only once copied out
-                    host, staging = pinned_host(data, self.pool(pinned=True))
-                    if pageable is not None:
-                        self.pool(False).release(pageable)
-                owned, staging = staging, None  # handed back by `upload_checked`, also when it raises
-                self._upload_verify(header, host, dest, owned)
-        finally:
-            if staging is not None:
-                self.pool(staging.pinned).release(staging)
+                self.encoding.decode(codec.body_sections(header, data), dest)
+        else:
+            if not self._device_checkable(dest):
+                codec.verify_sections(header, data)
+            # read into pinned staging, else a pinned store's object as it is or one GIL-free copy
+            host = staging.tensor if staging is not None else transfer.pinned(data)
+            self._upload_verify(header, host, dest, transfer)
 
     def _device_checkable(self, dest: torch.Tensor) -> bool:
         """Whether sections are checked on the device: encoded ones always (whole words), native ones
@@ -283,79 +283,50 @@ class ChunkLoader:
         return not self.encoding.native or device_checkable(self.spec.head_dim * dest.element_size())
 
     def _upload_verify(
-        self, header: codec.ChunkHeader, host: torch.Tensor, dest: torch.Tensor, staging: Staging | None
+        self, header: codec.ChunkHeader, host: torch.Tensor, dest: torch.Tensor, transfer: Transfer
     ) -> None:
-        """Copy the body (in pinned `host`, `staging`'s tensor or a pinned store's object) to the device
-        on the load stream, hand `staging` back to be reused after the copy, then compare every layer's
-        device checksum (and decode an encoded body into `dest` there)."""
+        """Copy the body (in pinned `host`: staged by `transfer`, or a pinned store's object) to the
+        device on the load stream, then compare every layer's device checksum (and decode an encoded
+        body into `dest` there)."""
         expected = [section.device_sum for section in header.layers] if self._device_checkable(dest) else None
-        upload_checked(
-            host[header.layers[0].offset : header.end],
-            dest,
-            expected,
-            self.stream_for(dest.device),
-            self.pool(pinned=True),
-            staging,
-            self.encoding,
-        )
+        upload_checked(host[header.layers[0].offset : header.end], dest, expected, transfer, self.encoding)
 
-    def _place_decoded(self, header: codec.ChunkHeader, data: memoryview, dest: torch.Tensor) -> None:
-        """A compressed chunk: verified and decompressed on the host, into `dest` or via pinned staging."""
+    def _place_decoded(
+        self, header: codec.ChunkHeader, data: memoryview, dest: torch.Tensor, transfer: Transfer
+    ) -> None:
+        """A compressed chunk: verified and decompressed on the host, into `dest` or into a buffer
+        `transfer` stages, then uploaded."""
         n_tokens = int(dest.shape[3])
         if dest.device.type != "cuda":
             codec.decode_chunk(
                 data, self.spec, header.key, header.start, n_tokens, out=dest, encoding=self.encoding.name
             )
             return
-        pool = self.pool(pinned=True)
-        staging = pool.acquire(dest.numel() * dest.element_size())
+        staging = transfer.stage(dest.numel() * dest.element_size())
         host = staging.tensor[: dest.numel() * dest.element_size()].view(dest.dtype).view(dest.shape)
-        try:
-            codec.decode_chunk(
-                data, self.spec, header.key, header.start, n_tokens, out=host, encoding=self.encoding.name
-            )
-        except BaseException:
-            pool.release(staging)
-            raise
-        stream = self.stream_for(dest.device)
-        with on_stream(stream, dest.device):
+        codec.decode_chunk(
+            data, self.spec, header.key, header.start, n_tokens, out=host, encoding=self.encoding.name
+        )
+        with transfer.running():
             dest.copy_(host, non_blocking=True)
-            done = pool.event()
-            done.record()
-        done.synchronize()
-        pool.release(staging)
-        pool.give_event(done)
-
-
-def pinned_host(data: memoryview, pool: StagingPool) -> tuple[torch.Tensor, Staging | None]:
-    """`data` as a page-locked uint8 tensor: itself when it already is (a pinned `MemoryStore`'s object),
-    else copied once, off the GIL, into a staging buffer from `pool` (returned with it, to hand back)."""
-    if not data.readonly:
-        host = torch.frombuffer(data, dtype=torch.uint8)
-        if host.is_pinned():
-            return host, None
-    staging = pool.acquire(len(data))
-    copy_into(staging.view, data)
-    return staging.tensor, staging
+        transfer.wait()
 
 
 def upload_checked(
     host: torch.Tensor,
     dest: torch.Tensor,
     expected: Sequence[int] | None,
-    stream: torch.cuda.Stream | None,
-    pool: StagingPool,
-    staging: Staging | None = None,
+    transfer: Transfer,
     encoding: Encoding | None = None,
 ) -> None:
     """Copy `host` (pinned bytes laid out as `dest`, e.g. a chunk's body or one layer's section) to the
-    CUDA tensor `dest` ([n, ...]: n layers) on `stream`, hand `staging` back to `pool` to be reused once
-    the copy has finished, then compare each of the n layers' device checksum with `expected` (None:
-    the bytes were verified on the host). With a quantized `encoding`, `host` holds the n encoded
-    sections: they go up to a device buffer, are checked there and decoded into `dest`, on `stream`.
-    Blocks until the stream has done all of it (the GIL is released meanwhile); raises
-    CorruptChunkError on a mismatch, naming the layer."""
-    with on_stream(stream, dest.device):
+    CUDA tensor `dest` ([n, ...]: n layers) on `transfer`'s stream, hand the buffers `transfer` staged
+    back to be reused once the copy has finished, then compare each of the n layers' device checksum
+    with `expected` (None: the bytes were verified on the host). With a quantized `encoding`, `host`
+    holds the n encoded sections: they go up to a device buffer, are checked there and decoded into
+    `dest`, on the stream. Blocks until the stream has done all of it (the GIL is released meanwhile);
+    raises CorruptChunkError on a mismatch, naming the layer."""
+    with transfer.running():
         if encoding is None or encoding.native:
             stored = dest
             dest.copy_(host.view(dest.dtype).view(dest.shape), non_blocking=True)
@@ -364,18 +335,12 @@ def upload_checked(
                 (dest.shape[0], host.numel() // dest.shape[0]), dtype=torch.uint8, device=dest.device
             )
             stored.copy_(host.view(stored.shape), non_blocking=True)
-        if staging is not None:
-            uploaded = pool.event()
-            uploaded.record()
-            pool.release(staging, busy_until=uploaded)
+        transfer.copied()
         sums = device_checksums(stored).to("cpu", non_blocking=True) if expected is not None else None
         if stored is not dest:
             assert encoding is not None
             encoding.decode(stored, dest)
-        done = pool.event()
-        done.record()
-    done.synchronize()
-    pool.give_event(done)
+    transfer.wait()
     if sums is not None and expected is not None:
         for i, (got, want) in enumerate(zip(sums.tolist(), expected, strict=True)):
             if got != want:

@@ -33,13 +33,12 @@ async def load_chunk(loader: ChunkLoader, ref: ChunkRef, kv: KVCache) -> int:
         raise
 
 
-async def load_chunk_aside(
-    loader: ChunkLoader, ref: ChunkRef, kv: KVCache, stream: torch.cuda.Stream | None
-) -> tuple[int, Callable[[], None]]:
+async def load_chunk_aside(loader: ChunkLoader, ref: ChunkRef, kv: KVCache) -> tuple[int, Callable[[], None]]:
     """`load_chunk` into a buffer of its own (a fetch that may overtake the compute unit writing the
-    chunk's rows); returns the stored bytes read and what copies the chunk into `kv` (on `stream`, the
-    load lane's), to call once nothing else writes those rows."""
+    chunk's rows); returns the stored bytes read and what copies the chunk into `kv` (on the loader's
+    stream, the load lane's), to call once nothing else writes those rows."""
     rows = kv.chunk(ref.start, ref.end).data
+    stream = loader.stream_for(rows.device)
     with on_stream(stream, rows.device):  # from the load stream's memory: only it writes the buffer
         aside = torch.empty_like(rows)
     try:

@@ -20,13 +20,11 @@ import torch
 
 from kvrestore import codec
 from kvrestore.chunkio.deferred import DeferredChecks
-from kvrestore.chunkio.load import pinned_host
-from kvrestore.chunkio.pool import Staging
 from kvrestore.chunkio.stored import layers_name
+from kvrestore.chunkio.transfer import Transfer, pinned_view
 from kvrestore.codec.checksums import device_checkable, segment_checksums
 from kvrestore.core.errors import LOAD_FAULTS, CorruptChunkError, MissingChunkError, TruncatedChunkError
 from kvrestore.core.kv import KVCache
-from kvrestore.core.streams import on_stream
 
 if TYPE_CHECKING:
     from kvrestore.chunkio.layers import LayerReader
@@ -43,20 +41,20 @@ class LayerUploads:
         self, layers: range, sections: dict[int, bytes | memoryview | None], kv: KVCache
     ) -> list[tuple[int, BaseException]]:
         """`layers` of chunks `sections` (their fetched spans, or None to read them here from a store
-        that `reads_sync`) into a CUDA cache, blocking, in a worker thread. Each chunk's span goes up to
-        one device buffer on `stream` (a pinned `MemoryStore`'s object as it lies, other bytes through
-        pinned staging); one `segment_checksums` checks every section there, then each chunk's span is
+        that `reads_sync`) into a CUDA cache, blocking, in a worker thread, as one `Transfer` on the
+        reader's lane. Each chunk's span goes up to one device buffer on its stream (a pinned
+        `MemoryStore`'s object as it lies, other bytes through pinned staging); one `segment_checksums` checks every section there, then each chunk's span is
         copied to its rows and `after_layers` runs, on the same stream. Returns the unusable chunks."""
         bad: list[tuple[int, BaseException]] = []
-        ups: list[tuple[int, torch.Tensor, Staging | None]] = []
+        ups: list[tuple[int, torch.Tensor, bool]] = []  # (chunk, its pinned span, whether it was staged)
         decoded: list[tuple[int, torch.Tensor]] = []  # compressed, or rows not whole words: host-checked
         checks = self.reader._deferred(kv)
-        if checks is not None:
-            checks.throttle(self.reader.ahead, len(layers))  # bounds the staging buffers and uploads in flight
-        try:
+        if checks is not None:  # bounds the staging buffers and uploads in flight
+            checks.throttle(self.reader.ahead, len(layers))
+        with self.reader.lane.open(kv.data.device) as transfer:
             for j, data in sections.items():
                 try:
-                    got = self._section_bytes(layers, j, data)
+                    got = self._section_bytes(layers, j, data, transfer)
                 except LOAD_FAULTS as exc:
                     bad.append((j, exc))
                     continue
@@ -64,34 +62,27 @@ class LayerUploads:
                     ups.append((j, *got))
                 else:
                     decoded.append((j, got))
-        except BaseException:
-            for _, _, staging in ups:
-                if staging is not None:
-                    self.reader.pool.release(staging)
-            raise
-        with on_stream(self.reader.stream, kv.data.device):
-            if checks is not None:
-                checks.start()
-            placed = self._place_uploads(layers, ups, kv, bad, checks)
-            for j, host in decoded:
-                self.reader._dest(layers, j, kv).copy_(host)
-                placed.append(j)
-            self.reader.after_layers(layers, placed, kv)
-            if checks is not None:
-                checks.placed(layers)
-                return bad
-            done = self.reader.pool.event()
-            done.record()
-        done.synchronize()
-        self.reader.pool.give_event(done)
+            with transfer.running():
+                if checks is not None:
+                    checks.start()
+                placed = self._place_uploads(layers, ups, kv, bad, transfer, checks)
+                for j, host in decoded:
+                    self.reader._dest(layers, j, kv).copy_(host)
+                    placed.append(j)
+                self.reader.after_layers(layers, placed, kv)
+                if checks is not None:
+                    checks.placed(layers)
+                    return bad
+            transfer.wait()
         return bad
 
     def _section_bytes(
-        self, layers: range, j: int, data: bytes | memoryview | None
-    ) -> tuple[torch.Tensor, Staging | None] | torch.Tensor:
-        """Chunk j's span of `layers` (`codec.layer_span`) in page-locked memory, as (uint8 tensor, its staging
-        buffer or None); for sections that must be checked on the host (compressed, rows not whole int64
-        words, not back to back), their verified and decoded KV [n, 2, H, T, D] instead."""
+        self, layers: range, j: int, data: bytes | memoryview | None, transfer: Transfer
+    ) -> tuple[torch.Tensor, bool] | torch.Tensor:
+        """Chunk j's span of `layers` (`codec.layer_span`) in page-locked memory, as (uint8 tensor,
+        whether `transfer` staged it); for sections that must be checked on the host (compressed, rows
+        not whole int64 words, not back to back), their verified and decoded KV [n, 2, H, T, D] instead.
+        A buffer staged for a span that goes no further is given back at once."""
         chunk, header = self.reader.chunks[j], self.reader.headers[j]
         a, b = codec.layer_span(header, layers)
         staging = None
@@ -99,10 +90,9 @@ class LayerUploads:
             whole = self.reader.store.get_sync(chunk.key)
             data = None if whole is None else memoryview(whole)[a:b]
         elif data is None:  # a local file: the span alone, into pinned staging
-            staging = self.reader.pool.acquire(b - a)
+            staging = transfer.stage(b - a)
             n = self.reader.store.scatter_into_sync(chunk.key, a, [staging.view[: b - a]])
             data = None if n is None else staging.view[:n]
-        handed_on = False
         try:
             if data is None:
                 raise MissingChunkError(f"chunk {chunk.key[:12]} disappeared from the store")
@@ -114,54 +104,45 @@ class LayerUploads:
                 or (self.reader.encoding.native and not device_checkable(word))
                 or not codec.back_to_back(header, layers)
             ):
-                return codec.decode_layers(
+                decoded = codec.decode_layers(
                     header, codec.span_sections(header, layers, data), self.reader.spec, list(layers)
                 )
-            if staging is None:
-                host, staging = pinned_host(memoryview(data), self.reader.pool)
-            else:
-                host = staging.tensor
-            handed_on = True
-            return host[: b - a], staging
-        finally:
-            if staging is not None and not handed_on:
-                self.reader.pool.release(staging)
+                transfer.give_back(staging)  # read on the host: no copy will read it
+                return decoded
+        except BaseException:
+            transfer.give_back(staging)
+            raise
+        if staging is None:
+            host = pinned_view(memoryview(data))
+            if host is not None:  # a pinned store's object as it lies
+                return host[: b - a], False
+            staging = transfer.copy_in(memoryview(data))
+        return staging.tensor[: b - a], True
 
     def _place_uploads(
         self,
         layers: range,
-        ups: list[tuple[int, torch.Tensor, Staging | None]],
+        ups: list[tuple[int, torch.Tensor, bool]],
         kv: KVCache,
         bad: list[tuple[int, BaseException]],
+        transfer: Transfer,
         checks: DeferredChecks | None = None,
     ) -> list[int]:
-        """On the current (upload) stream: the spans up to one device buffer, the checksums of every
+        """On `transfer`'s stream (entered): the spans up to one device buffer, the checksums of every
         section in it, then each good chunk's span to its rows. Notes the damaged chunks in `bad`;
         returns the chunks placed. With `checks`, every span is placed and the sums are compared on the
         device (`DeferredChecks`)."""
         if not ups:
             return []
         sizes = [host.numel() for _, host, _ in ups]
-        cuda = kv.data.device.type == "cuda"
-        uploaded, queued = None, False
-        try:
-            device_buf = torch.empty(sum(sizes), dtype=torch.uint8, device=kv.data.device)
-            at = 0
-            for (_, host, staging), n in zip(ups, sizes, strict=True):
-                device_buf[at : at + n].copy_(host, non_blocking=True)
-                at += n
-                if checks is not None and staging is None:
-                    checks.hold(host)
-            if cuda:  # off CUDA (the device path in tests) the copies are done already
-                uploaded = self.reader.pool.event()
-                uploaded.record()
-            queued = True
-        finally:
-            if cuda and not queued:  # a copy may have been queued: let it finish before reusing its buffer
-                torch.cuda.current_stream(kv.data.device).synchronize()
-            for _, _, staging in ups:
-                if staging is not None:
-                    self.reader.pool.release(staging, busy_until=uploaded)
+        device_buf = torch.empty(sum(sizes), dtype=torch.uint8, device=kv.data.device)
+        at = 0
+        for (_, host, staged), n in zip(ups, sizes, strict=True):
+            device_buf[at : at + n].copy_(host, non_blocking=True)
+            at += n
+            if checks is not None and not staged:
+                checks.hold(host)
+        transfer.copied()  # the staged spans are reused once these copies are done
         words = [self.reader.headers[j].layers[i].length // 8 for j, _, _ in ups for i in layers]
         sums = segment_checksums(device_buf.view(torch.int64), words)
         spans = list(zip(ups, itertools.accumulate(sizes), sizes, strict=True))
@@ -171,10 +152,7 @@ class LayerUploads:
                 self._place(layers, j, kv, device_buf[end - n : end])
             return [j for j, _, _ in ups]
         sums = sums.to("cpu", non_blocking=True)
-        synced = self.reader.pool.event()
-        synced.record()
-        synced.synchronize()
-        self.reader.pool.give_event(synced)
+        transfer.wait()
         got = sums.view(len(ups), len(layers)).tolist()
         placed = []
         for ((j, _, _), end, n), chunk_sums in zip(spans, got, strict=True):

@@ -40,6 +40,7 @@ from kvrestore.distributed.stage_backend import StageBackend
 from kvrestore.policies import LoadOnly, Policy, Progress, TokenTwoPointer
 from kvrestore.restorer import Restorer
 from kvrestore.runtime.engine import _single
+from kvrestore.runtime.request import RunRequest
 from kvrestore.stores.base import ChunkStore
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -268,9 +269,8 @@ class StageRestorer:
                 if not isinstance(policy, LoadOnly):  # it computes only failed loads: fetched on demand
                     reader.start(tg)  # before the first KV load asks the link for anything
                     await anyio.lowlevel.checkpoint()  # let the requests reach the link first
-                trace = await self.engine.run(
-                    progress, policy, compute, load, None, self.restorer.load_timeout_s
-                )
+                request = RunRequest(progress, policy, compute, load, None, self.restorer.load_timeout_s)
+                trace = await self.engine.run(request)
                 tg.cancel_scope.cancel()  # boundary prefetches nobody will use
         except BaseExceptionGroup as group:  # a unit's own error (a stage without its input), as itself
             raise _single(group) from None

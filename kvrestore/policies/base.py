@@ -1,7 +1,7 @@
 """The policy interface: a pure per-step decision, like vLLM's scheduler.
 
-The engine owns a `Progress` (what each chunk is doing, what was observed) and asks the policy, whenever
-a lane frees up or a unit finishes, what to start next. The policy answers with a `Decision`; it owns no
+A restore's `Progress` says what each chunk is doing and what was observed; the driver asks the policy,
+whenever a lane frees up or a unit finishes, what to start next. The policy answers with a `Decision`; it owns no
 thread, tensor or clock, so it can be driven by a simulated clock in property tests and simulators.
 """
 
@@ -28,7 +28,16 @@ class ChunkStatus(str, Enum):
 
 @dataclass
 class Progress:
-    """Live state of one restore, updated by the engine only."""
+    """Live state of one restore.
+
+    What is known before the restore starts is given to the constructor: the chunks, which are stored,
+    the compute lane's `min_unit_chunks`, the cost model's priors, and (for a driver made to take them)
+    `can_race` and `can_overtake`; an `Engine` sets the two capabilities from its request with
+    `runtime.bookkeeping.set_capabilities`. Every later change is made by `runtime.bookkeeping` alone:
+    `observe` (the clock and the free load lanes, before each decision), `begin` (a decision's units
+    started) and `apply_event` (a unit finished). Policies only read it; to ask what a policy would do
+    under other observations, `as_if` gives a copy.
+    """
 
     chunk_tokens: list[int]
     stored: list[bool]  # believed loadable; a failed load turns it False
@@ -75,6 +84,22 @@ class Progress:
     @property
     def n_chunks(self) -> int:
         return len(self.chunk_tokens)
+
+    def as_if(
+        self, now: float | None = None, free_load_lanes: int | None = None, compute_busy: bool | None = None
+    ) -> Progress:
+        """A copy that shows the given observations instead of this progress's, for a question put to a
+        policy (this progress does not change). Shallow: it shares the per-chunk lists, which a policy
+        only reads."""
+        view = object.__new__(Progress)  # a shallow copy without `__post_init__` (copy.copy is slower)
+        view.__dict__.update(self.__dict__)
+        if now is not None:
+            view.now = now
+        if free_load_lanes is not None:
+            view.free_load_lanes = free_load_lanes
+        if compute_busy is not None:
+            view.compute_busy = compute_busy
+        return view
 
     @property
     def finished(self) -> bool:

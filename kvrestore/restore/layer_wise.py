@@ -17,6 +17,7 @@ from kvrestore.policies import ComputeOnly, LoadOnly, Policy, Progress
 from kvrestore.restore.compute import LayerCompute, prefill_into
 from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
 from kvrestore.restore.token_wise import restore_tokens
+from kvrestore.runtime.request import RunRequest
 
 
 async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResult:
@@ -27,22 +28,21 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
         return await restore_tokens(parts, job, ComputeOnly())
     engine, spec = parts.engine, parts.backend.spec
     n_layers, prefix = spec.num_layers, refs[k - 1].end
-    progress = Progress([prefix] * n_layers, [True] * n_layers)
-    progress.prior_compute_s, progress.prior_link = parts.planner.layer_priors(prefix)
-    progress.free_load_lanes = engine.load_lanes
-    if k == len(refs) and policy.decide(progress).compute is None:
+    prior_compute_s, prior_link = parts.planner.layer_priors(prefix)
+    progress = Progress(
+        [prefix] * n_layers, [True] * n_layers, prior_compute_s=prior_compute_s, prior_link=prior_link
+    )
+    if k == len(refs) and policy.decide(progress.as_if(free_load_lanes=engine.load_lanes)).compute is None:
         # the loads are predicted to land every layer before the first could be computed: whole chunks
         # then land sooner still (one read each, not one per layer), so the prompt goes along tokens
         return await restore_tokens(parts, job, LoadOnly())
-    progress.free_load_lanes = 0
     t0 = time.perf_counter()
     kv = parts.buffer(out, len(tokens))
     reader = LayerReader(
         spec,
         parts.store,
         [StoredChunk(r.key, r.start, r.start, r.n_tokens) for r in refs[:k]],
-        stream=engine.cuda_stream("load", kv.data.device),
-        pool=parts.loader.pool(pinned=True),
+        lane=parts.loader.lane(kv.data.device),
         encoding=parts.loader.encoding.name,
     )
     compute = LayerCompute(parts.backend, tokens[:prefix], kv, engine.cuda_stream("compute", kv.data.device))
@@ -57,7 +57,7 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
             raise ChunkLoadFailed(reader.unusable, f"layer reads stopped: {error}")
         return await reader.read_layer(layer, kv)
 
-    trace = await engine.run(progress, policy, compute, load, on_event, parts.load_timeout_s)
+    trace = await engine.run(RunRequest(progress, policy, compute, load, on_event, parts.load_timeout_s))
     parts.planner.learn(trace, refs, layers_over=prefix)
     if k < len(refs):  # the chunks after the stored prefix, computed on top of it
         t_tail = time.perf_counter()

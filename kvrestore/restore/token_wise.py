@@ -10,6 +10,7 @@ from kvrestore.chunkio.read import forget, load_chunk, load_chunk_aside, load_ch
 from kvrestore.policies import Policy, Progress
 from kvrestore.restore.compute import prefill_apart, prefill_into
 from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
+from kvrestore.runtime.request import FastPaths, RunRequest
 
 
 async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResult:
@@ -19,9 +20,14 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     engine, backend, loader = parts.engine, parts.backend, parts.loader
     t0 = time.perf_counter()
     kv = parts.buffer(out, len(tokens))
-    progress = Progress([r.n_tokens for r in refs], list(stored))
-    progress.min_unit_chunks = parts.planner.min_unit_chunks()
-    progress.prior_compute_s, progress.prior_link = parts.planner.priors(refs)
+    prior_compute_s, prior_link = parts.planner.priors(refs)
+    progress = Progress(
+        [r.n_tokens for r in refs],
+        list(stored),
+        min_unit_chunks=parts.planner.min_unit_chunks(),
+        prior_compute_s=prior_compute_s,
+        prior_link=prior_link,
+    )
 
     def compute(a: int, b: int) -> None:
         prefill_into(engine, backend, kv, tokens, refs[a].start, refs[b - 1].end)
@@ -33,26 +39,18 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
         return await load_chunk(loader, refs[i], kv)
 
     async def load_aside(i: int) -> tuple[int, Callable[[], None]]:
-        return await load_chunk_aside(loader, refs[i], kv, engine.cuda_stream("load", kv.data.device))
+        return await load_chunk_aside(loader, refs[i], kv)
 
     damaged: list[str] = []  # found damaged on a lane thread: deleted once the restore is over
 
-    def load_sync(
-        i: int,
-    ) -> int:  # on a load-lane thread (`Engine.run`), for stores that read without the loop
+    def load_sync(i: int) -> int:  # on a load-lane thread, for a store that reads without the loop
         return load_chunk_sync(loader, refs[i], kv, damaged)
 
     try:
+        fast = FastPaths(load_sync if loader.reads_sync else None, compute_apart, load_aside)
+        fast_paths = fast if engine.takes_fast_paths else None
         trace = await engine.run(
-            progress,
-            policy,
-            compute,
-            load,
-            on_event,
-            parts.load_timeout_s,
-            load_now=load_sync if loader.reads_sync else None,
-            compute_apart=compute_apart,
-            load_aside=load_aside,
+            RunRequest(progress, policy, compute, load, on_event, parts.load_timeout_s, fast_paths)
         )
     finally:
         for key in damaged:

@@ -36,13 +36,15 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup
 
+from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.costs.compute import ChunkCost
-from kvrestore.policies.base import Policy, Progress
+from kvrestore.policies.base import Progress
 from kvrestore.policies.batch import BatchAware, BatchJob, BatchScheduler, ComputeStep, LoadGrant
 from kvrestore.policies.compute_only import ComputeOnly
 from kvrestore.runtime.driver import drive_batch
-from kvrestore.runtime.engine import ComputeFn, Engine, LoadAsideFn, LoadFn, LoadNowFn
+from kvrestore.runtime.engine import Engine
+from kvrestore.runtime.request import RunRequest
 from kvrestore.runtime.units import timed_load
 
 #: ranks chunks when no profile is given: tokens, each costing more the further along the prompt
@@ -56,13 +58,10 @@ class EngineNotRunningError(RuntimeError):
 
 @dataclass(eq=False)
 class _Live:
-    """A job and what the driver needs to run it."""
+    """A job and the request whose units the driver runs for it."""
 
     job: BatchJob
-    compute: ComputeFn
-    load: LoadFn
-    on_event: Callable[[TraceEvent], None] | None
-    load_timeout_s: float | None
+    request: RunRequest
     trace: Trace = field(default_factory=Trace)
     busy: int = 0  # units started whose result the driver has not taken yet
     loads: dict[int, tuple[anyio.CancelScope, anyio.Event]] = field(default_factory=dict)
@@ -81,6 +80,7 @@ class BatchEngine(Engine):
     times_restores_alone = False
     #: each request keeps its own token-wise two-pointer; the scheduler shares the lanes out
     plans_by_default = False
+    takes_fast_paths = False
 
     def __init__(
         self,
@@ -131,24 +131,19 @@ class BatchEngine(Engine):
 
     # -- what restores call --------------------------------------------------------------------------
 
-    async def run(
-        self,
-        progress: Progress,
-        policy: Policy,
-        compute: ComputeFn,
-        load: LoadFn,
-        on_event: Callable[[TraceEvent], None] | None = None,
-        load_timeout_s: float | None = None,
-        load_now: LoadNowFn | None = None,
-        compute_apart: Callable[[int, int], Callable[[], None]] | None = None,
-        load_aside: LoadAsideFn | None = None,
-    ) -> Trace:
+    async def run(self, request: RunRequest) -> Trace:
         """Hand one restore to the scheduler and wait for it; returns its trace. Its loads run as tasks
-        under the scheduler's grants (`load_now` is not used; nor are `compute_apart` and `load_aside`: a
-        batch step neither races its units against fetches nor lets fetches overtake them). A layer-axis restore (`LayerTwoPointer`) is scheduled like
-        any other: its units are layers, each priced as its share of a prefill of the prefix."""
-        kind = "restore" if any(progress.stored) else "prefill"
-        return await self._submit(kind, progress, policy, compute, load, on_event, load_timeout_s)
+        under the scheduler's grants. A layer-axis restore (`LayerTwoPointer`) is scheduled like any
+        other: its units are layers, each priced as its share of a prefill of the prefix. Raises
+        InvalidInputError for a request with `fast_paths`: a batch step neither runs loads on lane
+        threads, nor races its units against fetches, nor lets fetches overtake them."""
+        if request.fast_paths is not None:
+            raise InvalidInputError(
+                "a BatchEngine runs no fast paths (lane-thread loads, races, fetches aside): "
+                "hand it a RunRequest without `fast_paths` (see `Engine.takes_fast_paths`)"
+            )
+        kind = "restore" if any(request.progress.stored) else "prefill"
+        return await self._submit(kind, request)
 
     async def compute(self, fn: Callable[..., object], *args: object) -> object:
         """Blocking model work (a decode step) as the scheduler's highest-priority class."""
@@ -157,7 +152,7 @@ class BatchEngine(Engine):
         def unit(a: int, b: int) -> None:
             out.append(fn(*args))
 
-        await self._submit("decode", Progress([1], [False]), ComputeOnly(), unit, _no_load, None, None)
+        await self._submit("decode", RunRequest(Progress([1], [False]), ComputeOnly(), unit, _no_load))
         return out[0]
 
     def _unit_costs(self, progress: Progress, axis: str) -> tuple[list[float], list[int]]:
@@ -178,25 +173,17 @@ class BatchEngine(Engine):
             past += n
         return costs, list(progress.chunk_tokens)
 
-    async def _submit(
-        self,
-        kind: str,
-        progress: Progress,
-        policy: Policy,
-        compute: ComputeFn,
-        load: LoadFn,
-        on_event: Callable[[TraceEvent], None] | None,
-        load_timeout_s: float | None,
-    ) -> Trace:
+    async def _submit(self, kind: str, request: RunRequest) -> Trace:
         if self._stack is None:
             raise EngineNotRunningError(
                 "BatchEngine is not running: enter it first (`async with engine:`) for the lifetime of the "
                 "process that restores with it"
             )
-        costs, tokens = self._unit_costs(progress, policy.axis)
-        job = BatchJob(next(self._ids), kind, progress, policy, self._now(), costs, tokens)
+        progress = request.progress
+        costs, tokens = self._unit_costs(progress, request.policy.axis)
+        job = BatchJob(next(self._ids), kind, progress, request.policy, self._now(), costs, tokens)
         self.scheduler.check(job)
-        live = _Live(job, compute, load, on_event, load_timeout_s)
+        live = _Live(job, request)
         if progress.finished:
             return live.trace
         self._live[job.id] = live
@@ -282,8 +269,8 @@ class _Lanes:
         if live is None:
             return
         live.trace.add(event)
-        if live.on_event is not None:
-            live.on_event(event)
+        if live.request.on_event is not None:
+            live.request.on_event(event)
         if job.progress.finished:
             live.done.set()
             self._retire(live)
@@ -302,7 +289,7 @@ class _Lanes:
                 t0 = live.job.arrival_s
                 start = self.now()
                 try:
-                    await anyio.to_thread.run_sync(live.compute, u.a, u.b, abandon_on_cancel=False)
+                    await anyio.to_thread.run_sync(live.request.compute, u.a, u.b, abandon_on_cancel=False)
                 except Exception as exc:  # the unit's own error fails its restore only
                     send.send_nowait(("failed", u.job, exc))
                     continue
@@ -322,7 +309,7 @@ class _Lanes:
         event: TraceEvent | None = None
         try:
             with scope:
-                event = await timed_load(live.load, i, live.load_timeout_s, now)
+                event = await timed_load(live.request.load, i, live.request.load_timeout_s, now)
             if scope.cancel_called or event is None:  # dropped: whatever it read is not applied
                 event = TraceEvent("load-dropped", i, i, start, now())
             send.send_nowait(("event", live.job.id, event))

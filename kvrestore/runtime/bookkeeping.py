@@ -1,9 +1,10 @@
-"""Applying a policy's decisions and the finished units to a restore's `Progress`.
+"""Every change to a restore's `Progress` after it is made: what the driver observed, the decisions
+it began and the units that finished.
 
 Kept apart from both the policies (which only decide) and the drivers (the engine on a real clock, the
 simulator on a simulated one), so every driver enforces the same rules: a compute unit starts only at
 the end of the done prefix on a free lane; a chunk is loaded only while pending and stored; a dropped
-load never lands; each chunk is applied once.
+load never lands; each chunk is applied once. Nothing else writes a `Progress`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,21 @@ from kvrestore.policies.batch import BatchJob, ComputeStep, LoadGrant
 
 class PolicyError(RuntimeError):
     """A policy asked for something the rules of a restore do not allow."""
+
+
+def set_capabilities(progress: Progress, can_race: bool, can_overtake: bool) -> None:
+    """What the driver that runs the restore can do (`Decision.race`, `Decision.overtake`): set once,
+    before its first decision, by a driver that learns it from its request (`Engine.run`)."""
+    progress.can_race = can_race
+    progress.can_overtake = can_overtake
+
+
+def observe(progress: Progress, now: float, free_load_lanes: int | None = None) -> None:
+    """What the driver sees before it asks for a decision: its clock (seconds since the restore began)
+    and, where it hands the load lanes to this restore alone, how many are free."""
+    progress.now = now
+    if free_load_lanes is not None:
+        progress.free_load_lanes = free_load_lanes
 
 
 def begin(progress: Progress, decision: Decision, policy: Policy | None = None) -> None:

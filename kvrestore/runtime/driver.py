@@ -38,6 +38,7 @@ from kvrestore.runtime.bookkeeping import (
     begin_loads,
     begin_step,
     note_step,
+    observe,
     stalled,
 )
 
@@ -211,8 +212,7 @@ class _PolicyDecider(Decider[TraceEvent | BaseException], Phase[Decision]):
 
     def decide(self) -> Decision:
         progress, lanes = self.progress, self.lanes
-        progress.now = lanes.now()
-        progress.free_load_lanes = max(0, lanes.load_lanes - progress.loads_in_flight)
+        observe(progress, lanes.now(), max(0, lanes.load_lanes - progress.loads_in_flight))
         return self.policy.decide(progress)
 
     def stop(self, decision: Decision) -> None:
@@ -312,7 +312,7 @@ class _BatchDecider(Decider[tuple[BatchJob, TraceEvent]]):
             return
         now = lanes.now()
         for job in jobs.values():  # each job's progress on its own clock, as its policy sees it
-            job.progress.now = now - job.arrival_s
+            observe(job.progress, now - job.arrival_s)
         if not lanes.computing:
             yield _Step(self, now)
         free = lanes.load_lanes - lanes.loads_in_flight()

@@ -1,14 +1,15 @@
 """The async core: one compute lane and N load lanes, driven by a policy.
 
-The engine knows concurrency and nothing else: a restore hands it a `Progress`, a policy, a `compute`
-callable (blocking torch work: chunks [a, b) -> writes their KV) and a `load` coroutine (chunk i -> bytes
-read, raising on any fault). Compute runs in a worker thread behind the engine's compute limiter (one
-unit at a time across every restore sharing the engine; on CUDA its kernels go to the compute lane's
-own stream, see `cuda_stream`); loads run as tasks behind the load-lane limiter. A restore whose store
-reads without the event loop also hands over `load_now` (the same load as one blocking call): those
-loads run on the engine's lane threads (`lanes.LaneThreads`, at most `load_lanes` of them), and the
-loop only queues each one and hears back once, so its Python per chunk stays small (it holds the GIL
-that a compute lane launching kernels needs). `load_timeout_s` bounds the loads that wait on a remote
+The engine knows concurrency and nothing else: a restore hands it one `RunRequest` (`runtime.request`):
+a `Progress`, a policy, a `compute` callable (blocking torch work: chunks [a, b) -> writes their KV)
+and a `load` coroutine (chunk i -> bytes read, raising on any fault). Compute runs in a worker thread
+behind the engine's compute limiter (one unit at a time across every restore sharing the engine; on
+CUDA its kernels go to the compute lane's own stream, see `cuda_stream`); loads run as tasks behind the
+load-lane limiter. A restore whose store reads without the event loop also hands over
+`FastPaths.load_now` (the same load as one blocking call): those loads run on the engine's lane
+threads (`lanes.LaneThreads`, at most `load_lanes` of them), and the loop only queues each one and
+hears back once, so its Python per chunk stays small (it holds the GIL that a compute lane launching
+kernels needs). `load_timeout_s` bounds the loads that wait on a remote
 store; a blocking load from memory or a local file is not interrupted. The loop that asks the policy,
 begins its decision and applies each finished unit is `driver.drive`, the simulator's too; this module
 is its real-clock lanes (`_RealLanes`). After each finished unit the policy is asked again; a policy
@@ -24,10 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import anyio.lowlevel
@@ -39,21 +41,19 @@ from kvrestore.core.cancel import run_unit
 from kvrestore.core.errors import LOAD_FAULTS, check_int
 from kvrestore.core.streams import load_stream
 from kvrestore.core.trace import Trace, TraceEvent
-from kvrestore.policies.base import Decision, Policy, Progress
+from kvrestore.policies.base import Decision
+from kvrestore.runtime.bookkeeping import set_capabilities
 from kvrestore.runtime.driver import PolicyStalledError, drive  # noqa: F401 - re-exported
 from kvrestore.runtime.lanes import LaneThreads
+from kvrestore.runtime.request import (
+    FastPaths,
+    LoadFn,
+    RunRequest,
+)
 from kvrestore.runtime.units import Stoppable, ThreadLoad, Unit, timed_load
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
-
-ComputeFn = Callable[[int, int], None]
-#: computes chunks [a, b) without writing them; returns what writes them (called only if it won its race)
-ComputeApartFn = Callable[[int, int], Callable[[], None]]
-LoadFn = Callable[[int], Awaitable[int]]
-LoadNowFn = Callable[[int], int]
-#: fetches chunk i into a buffer of its own; returns the stored bytes read and what writes it in place
-LoadAsideFn = Callable[[int], Awaitable[tuple[int, Callable[[], None]]]]
 
 
 def _single(exc: BaseException) -> BaseException:
@@ -81,6 +81,8 @@ class Engine:
     #: whether a restore given no policy is planned (`Auto` predicts each strategy as if the restore had
     #: the lanes to itself, which on a plain engine it mostly has); else it runs the token-wise two-pointer
     plans_by_default = True
+    #: whether `run` takes a request's `FastPaths` (lane-thread loads, races, fetches aside)
+    takes_fast_paths = True
 
     def __init__(self, load_lanes: int = 4) -> None:
         self.load_lanes = check_int("load_lanes", load_lanes)
@@ -145,32 +147,21 @@ class Engine:
             out = await run_unit(fn, *args)
         return out
 
-    async def run(
-        self,
-        progress: Progress,
-        policy: Policy,
-        compute: ComputeFn,
-        load: LoadFn,
-        on_event: Callable[[TraceEvent], None] | None = None,
-        load_timeout_s: float | None = None,
-        load_now: LoadNowFn | None = None,
-        compute_apart: ComputeApartFn | None = None,
-        load_aside: LoadAsideFn | None = None,
-    ) -> Trace:
+    async def run(self, request: RunRequest) -> Trace:
         """Drive one restore to the end; returns its trace. A unit's own error propagates as itself.
-        With `load_now`, loads run on the lane threads (on asyncio; elsewhere `load` is used). With
-        `compute_apart`, a policy may race a compute unit against a fetch (`Decision.race`); with
-        `load_aside`, fetches may overtake a compute unit running in place (`Decision.overtake`)."""
-        if load_now is not None and not _on_asyncio():
-            load_now = None
-        progress.can_race = compute_apart is not None
-        progress.can_overtake = load_aside is not None
-        lanes = _RealLanes(self, progress, compute, load, load_timeout_s, load_now, compute_apart, load_aside)
+        The request's fast paths (`FastPaths`) are taken where given: `load_now` on asyncio (elsewhere
+        `load` is used), `compute_apart` lets the policy race, `load_aside` lets it overtake."""
+        fast = request.fast_paths or FastPaths()
+        if not _on_asyncio():
+            fast = dataclasses.replace(fast, load_now=None)
+        progress = request.progress
+        set_capabilities(progress, fast.compute_apart is not None, fast.load_aside is not None)
+        lanes = _RealLanes(self, request, fast)
         try:
             async with anyio.create_task_group() as tg:
                 lanes.tg = tg
                 try:
-                    trace = await drive(progress, policy, lanes, on_event)
+                    trace = await drive(progress, request.policy, lanes, request.on_event)
                 finally:
                     if lanes.thread_loads:  # failed or cancelled: nothing may write into its KV after it
                         await lanes.stop_thread_loads()
@@ -185,34 +176,24 @@ class _RealLanes:
 
     tg: TaskGroup
 
-    def __init__(
-        self,
-        engine: Engine,
-        progress: Progress,
-        compute: ComputeFn,
-        load: LoadFn,
-        load_timeout_s: float | None,
-        load_now: LoadNowFn | None = None,
-        compute_apart: ComputeApartFn | None = None,
-        load_aside: LoadAsideFn | None = None,
-    ) -> None:
+    def __init__(self, engine: Engine, request: RunRequest, fast: FastPaths) -> None:
         self.engine = engine
-        self.load_aside = load_aside
+        self.load_aside = fast.load_aside
         self.unit: Unit | None = None  # the compute unit running in place, while it may be overtaken
         self.load_lanes = engine.load_lanes
-        self.compute_apart = compute_apart
+        self.compute_apart = fast.compute_apart
         self.race_scope: anyio.CancelScope | None = None  # the racing compute unit's, while it races
         self.outcomes: dict[int, str] = {}  # how each chunk's latest load ended ("load", "load-dropped"...)
-        self.progress = progress
-        self.compute_fn = compute
-        self.load_fn = load
-        self.load_timeout_s = load_timeout_s
+        self.progress = request.progress
+        self.compute_fn = request.compute
+        self.load_fn = request.load
+        self.load_timeout_s = request.load_timeout_s
         self.compute_lane, self.load_lane = engine._lanes()
         self.t0 = time.perf_counter()
         self.send, self.receive = anyio.create_memory_object_stream[TraceEvent | BaseException](math.inf)
         self.loads: dict[int, tuple[Stoppable, anyio.Event]] = {}  # in flight, by chunk
         self.dropped: list[anyio.Event] = []  # the loads the next compute unit waits for to stop
-        self.load_now = load_now
+        self.load_now = fast.load_now
         self.thread_loads: set[ThreadLoad] = set()  # on lane threads, not yet heard back from
 
     def now(self) -> float:

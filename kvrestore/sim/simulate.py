@@ -45,11 +45,16 @@ def simulate(
     `min_unit_chunks` is the compute lane's floor on a unit (`Progress.min_unit_chunks`); `priors` what
     the policy is told before it observes anything (`Progress.prior_compute_s`, `Progress.prior_link`),
     as a restorer tells it from its cost model."""
-    progress = Progress(list(chunk_tokens), list(stored))
-    if priors is not None:
-        progress.prior_compute_s, progress.prior_link = list(priors[0]), priors[1]
-    progress.min_unit_chunks = min_unit_chunks
-    progress.can_race = progress.can_overtake = True
+    prior_compute_s, prior_link = (list(priors[0]), priors[1]) if priors is not None else ([], None)
+    progress = Progress(
+        list(chunk_tokens),
+        list(stored),
+        min_unit_chunks=min_unit_chunks,
+        can_race=True,
+        can_overtake=True,
+        prior_compute_s=prior_compute_s,
+        prior_link=prior_link,
+    )
     lanes = SimLanes(compute_cost, chunk_bytes, link, load_lanes, failing)
     trace = run_sync(drive(progress, policy, lanes, max_steps=max_steps))
     return SimResult(lanes.now(), trace, progress)

@@ -93,6 +93,7 @@ def test_run_unit_returns_the_result_and_raises_the_units_error():
 def test_checkpoint_outside_a_unit_does_nothing_and_inside_a_cancelled_one_raises():
     checkpoint()  # no unit on this thread
     seen: list[str] = []
+    started = threading.Event()
 
     def unit():
         for _ in range(200):
@@ -101,12 +102,21 @@ def test_checkpoint_outside_a_unit_does_nothing_and_inside_a_cancelled_one_raise
             except UnitCancelled:
                 seen.append("stopped")
                 raise
+            started.set()
             time.sleep(0.01)
         seen.append("ran to the end")
 
     async def main():
-        with anyio.move_on_after(0.05):
-            await run_unit(unit)
+        scope = anyio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                await run_unit(unit)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run)
+            await anyio.to_thread.run_sync(started.wait)  # cancelled once it runs, not after a time
+            scope.cancel()
 
     anyio.run(main)
     assert seen == ["stopped"]  # it did not run its 200 steps to the end

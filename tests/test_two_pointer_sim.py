@@ -173,6 +173,27 @@ def test_fetches_that_cannot_land_in_time_go_to_whole_compute_units():
     assert res.makespan == pytest.approx(alone.makespan)
 
 
+def test_without_priors_a_fetch_in_flight_is_guessed_to_need_as_long_again():
+    """The same slow link with nothing known before the restore: the first unit measures the lane (one
+    chunk), and from then on the fetches that have delivered nothing are taken to need as long again
+    as they have been in flight, so they go to units of `compute_chunks`, the last unit taking the
+    runt left after it."""
+    n = 8
+
+    def cost(a: int, b: int, _t: float) -> float:
+        return 0.01 + 0.2 * (b - a)
+
+    link = Link(BandwidthTrace.constant(0.1 * CHUNK_BYTES / 0.2))
+    res = simulate(TokenTwoPointer(2), [128] * n, [True] * n, cost, [CHUNK_BYTES] * n, link)
+    assert res.trace.computed() == list(range(n))
+    assert [(e.first_chunk, e.last_chunk) for e in res.trace.of_kind("compute")] == [
+        (0, 0),
+        (1, 2),
+        (3, 4),
+        (5, 7),
+    ]
+
+
 def test_a_unit_takes_the_fetches_it_would_finish_before_they_land():
     """Chunks 3 and 2 are fetched behind chunks 5 and 4 on a link that lands a chunk every 0.15 s (at
     0.24, 0.39, 0.545 and 0.695 s); computing a chunk takes 0.1 s. The unit from chunk 1 covers 1-3 and

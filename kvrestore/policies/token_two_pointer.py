@@ -92,12 +92,7 @@ class TokenTwoPointer(Policy):
             held = _loads_first(p, a)
             if held is not None:  # the loads land every chunk left before computing chunk a could
                 return None, (), held
-            unit = max(self.compute_chunks, p.min_unit_chunks)
-            b, drop = _extend(p, a, a + 1, a + self._unit_length(p, a))
-            end, rest = _extend(p, a, b, p.n_chunks)  # how far computing goes before a fetch meets it
-            if b < end < b + unit:  # what computing has left after this unit is less than a unit: take it
-                b, drop = end, drop + rest
-            return (a, b), drop, None
+            return self._unit(p, a, *_extend(p, a, a + 1, a + self._unit_length(p, a)))
         # the pointers met: chunk a is being fetched
         compute_s = _compute_estimate(p, a)
         landing = _landing_estimate(p, a)
@@ -111,7 +106,17 @@ class TokenTwoPointer(Policy):
                 # waiting is cheaper; look again when the fetch is due if it has not landed by then
                 return None, (), due
         b, drop = _extend(p, a, a + 1, a + max(self.compute_chunks, p.min_unit_chunks))
-        return (a, b), (a, *drop), None
+        return self._unit(p, a, b, (a, *drop))
+
+    def _unit(
+        self, p: Progress, a: int, b: int, drop: tuple[int, ...]
+    ) -> tuple[tuple[int, int], tuple[int, ...], None]:
+        """The unit [a, b) dropping `drop`, or to the end of the compute lane's run where less than a
+        unit would be left of it (a runt unit pays a unit's fixed cost for little work)."""
+        end, rest = _extend(p, a, b, p.n_chunks)  # how far computing goes before a fetch meets it
+        if b < end < b + max(self.compute_chunks, p.min_unit_chunks):
+            b, drop = end, drop + rest
+        return (a, b), drop, None
 
     def _unit_length(self, p: Progress, a: int) -> int:
         """`compute_chunks` (at least the lane's `min_unit_chunks`), or fewer near the meeting: only the
@@ -162,7 +167,7 @@ def _extend(p: Progress, a: int, b: int, limit: int) -> tuple[int, tuple[int, ..
         status = p.status[b]
         if status is ChunkStatus.LOADING:
             compute_s = _compute_estimate(p, b)
-            landing = _landing_estimate(p, b, floor=True)
+            landing = _landing_estimate(p, b, guess=True)
             if compute_s is None or landing is None or landing <= finish + compute_s:
                 break
             drop.append(b)
@@ -265,22 +270,24 @@ def _load_seconds_per_token(p: Progress, landed: list[tuple[float, int]] | None 
     return p.load_seconds[j] / p.chunk_tokens[j]  # type: ignore[operator]
 
 
-def _landing_estimate(p: Progress, a: int, floor: bool = False) -> float | None:
+def _landing_estimate(p: Progress, a: int, guess: bool = False) -> float | None:
     """When the fetch of chunk a should land, from the link's recent delivery rate.
 
     Fetches in flight are assumed served in the order they were issued (a link's queue), so chunk a
     lands once the fetches issued before it and its own bytes have crossed at the rate at which the
     latest fetches landed. Durations alone mislead: fetches issued together wait behind each other.
 
-    With `floor`, the rate is `_link`'s (the cost model's before two fetches have landed) and, before
-    anything is known, the slowest rate the fetch issued first cannot have beaten: it has delivered
-    nothing yet. That is a lower bound on the landing: a fetch that lands too late even by it is late.
+    With `guess`, the rate is `_link`'s (the cost model's before two fetches have landed) and, before
+    anything is known of the link, the fetch issued first is taken to need as long again as it has
+    been in flight without landing (the rate at which it would land right now is only a bound, which
+    says nothing of a fetch that has not landed yet).
     """
     landed = _landed(p)
     started = p.load_started[a]
-    if floor:
+    if guess:
         link = _link(p)
-        per_token = link[0] if link is not None else _overdue(p, landed)
+        overdue = _overdue(p, landed)
+        per_token = link[0] if link is not None else None if overdue is None else 2 * overdue
     else:
         per_token = _load_seconds_per_token(p, landed)
     if per_token is None or started is None:

@@ -60,7 +60,7 @@ class BlendStats:
     ratio: float  # the average recompute ratio used (chosen by the controller when the policy is auto)
     schedule: list[float]  # per-layer ratios of layers 1..L-1
     recomputed: list[int]  # tokens recomputed per layer (layer 0 first), forced ones included
-    hkvd: list[int]  # reused tokens recomputed per layer 1..L-1 (the HKVD tokens)
+    hkvd: list[int]  # the HKVD tokens: stored ones recomputed per layer 1..L-1
     loaded_chunks: int
     missing_chunks: list[int]  # recomputed instead: not stored, or unusable
     bytes_loaded: int

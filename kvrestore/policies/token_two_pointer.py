@@ -122,20 +122,22 @@ class TokenTwoPointer(Policy):
         """`compute_chunks` (at least the lane's `min_unit_chunks`), or fewer near the meeting: only the
         share of the chunks left before the load pointer that computing will cover at the current speeds
         (a larger unit would compute chunks the loads reach first, and make the meeting wait for the
-        whole unit)."""
+        whole unit). Never more: a unit cannot be cut short if the compute lane slows down, so a
+        larger one could hold the restore up by more than one unit. With nothing left to load, the
+        rest is one unit (nothing can overtake it, and one long prefill is the fastest)."""
         unit = max(self.compute_chunks, p.min_unit_chunks)
-        if unit == 1:
-            return 1
         if not any(p.stored[j] and not p.status[j].done for j in range(a + 1, p.n_chunks)):
-            return unit  # nothing left to load: compute runs alone
+            return p.n_chunks - a  # nothing left to load: compute runs alone
         compute_s = _compute_estimate(p, a)
         if compute_s is None:
             # nothing computed yet: measure the lane with one unit before committing to more (the
             # smallest unit that is not launch-bound, where the lane has such a floor)
             return p.min_unit_chunks
-        per_token = _load_seconds_per_token(p)
+        link = _link(p)
+        overdue = _overdue(p, _landed(p))
+        per_token = link[0] if link is not None else None if overdue is None else 2 * overdue
         if per_token is None:
-            return unit  # no fetch has landed in all that time: the loads are slow
+            return unit
         load_ptr = _extend(p, a, a, p.n_chunks)[0]  # the first fetch that lands before computing gets there
         load_s = per_token * p.chunk_tokens[a]
         share = int((load_ptr - a) * load_s / (compute_s + load_s))

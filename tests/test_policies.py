@@ -99,6 +99,6 @@ def test_two_pointer_units_respect_the_lanes_floor():
     first = TokenTwoPointer().decide(p)
     assert first.compute == (0, 8)  # not 1 chunk to measure with, nor the policy's 2
     assert Progress([256] * 4, [True] * 4).min_unit_chunks == 1  # the default floor changes nothing
-    q = Progress([256] * 32, [False] * 32)  # nothing stored: compute runs alone, in one unit
+    q = Progress([256] * 32, [False] * 32)  # nothing stored: compute runs alone, in floor-sized units
     q.min_unit_chunks = 8
-    assert TokenTwoPointer(compute_chunks=2).decide(q).compute == (0, 32)
+    assert TokenTwoPointer(compute_chunks=2).decide(q).compute == (0, 8)

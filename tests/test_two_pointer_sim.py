@@ -215,7 +215,7 @@ def test_loads_from_the_back_down_to_the_compute_frontier():
     assert d.loads == (5, 4, 3, 1)  # from the back; chunk 2 is not stored, chunk 0 is being computed
     p.compute_seconds[0], p.status[0] = 0.1, ChunkStatus.COMPUTED
     p.stored = [True, False, False, False, False, False]
-    assert TokenTwoPointer(compute_chunks=2).decide(p).compute == (1, 6)  # nothing to load: one unit
+    assert TokenTwoPointer(compute_chunks=2).decide(p).compute == (1, 3)  # nothing to load: full units
     p.status[0], p.stored = ChunkStatus.PENDING, [True, True, False, True, True, True]
     p.free_load_lanes = 1
     assert TokenTwoPointer(compute_chunks=2).decide(p).loads == (5,)

@@ -123,11 +123,11 @@ class TokenTwoPointer(Policy):
         share of the chunks left before the load pointer that computing will cover at the current speeds
         (a larger unit would compute chunks the loads reach first, and make the meeting wait for the
         whole unit). Never more: a unit cannot be cut short if the compute lane slows down, so a
-        larger one could hold the restore up by more than one unit. With nothing left to load, the
-        rest is one unit (nothing can overtake it, and one long prefill is the fastest)."""
+        larger one could hold the restore up by more than one unit, and restores sharing the compute
+        lane take turns between units."""
         unit = max(self.compute_chunks, p.min_unit_chunks)
         if not any(p.stored[j] and not p.status[j].done for j in range(a + 1, p.n_chunks)):
-            return p.n_chunks - a  # nothing left to load: compute runs alone
+            return unit  # nothing left to load: compute runs alone
         compute_s = _compute_estimate(p, a)
         if compute_s is None:
             # nothing computed yet: measure the lane with one unit before committing to more (the

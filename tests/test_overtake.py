@@ -72,6 +72,7 @@ def test_fetches_overtake_a_compute_unit_that_would_never_end(llama_backend):
     res = anyio.run(main)
     overtaken = res.trace.of_kind("compute-overtaken")
     assert len(overtaken) == 1 and held.stopped_early == 1
+    assert overtaken[0].partial is not None and overtaken[0].partial[0] >= 1  # how far it got
     assert res.trace.of_kind("aside") and not res.trace.of_kind("compute")
     assert _chunks_applied(res.trace) == list(range(res.stats.n_chunks))
     assert res.stats.loaded_chunks == res.stats.n_chunks and res.stats.computed_chunks == 0
@@ -185,27 +186,6 @@ def test_a_layer_wise_restore_whose_loads_win_before_any_layer_goes_along_tokens
     torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
 
 
-class SlowLayers:
-    """A backend whose decoder layers each take `layer_s` (a checkpoint before each, as `HFBackend`
-    has), then computes the real KV: a compute lane far slower than a memory store's fetches."""
-
-    def __init__(self, inner: Any, layer_s: float) -> None:
-        self.inner, self.layer_s = inner, layer_s
-        self.units = 0
-        self.running = threading.Event()  # set once a unit has begun its first layer
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def prefill_into(self, tokens: torch.Tensor, cache: torch.Tensor, start: int) -> None:
-        self.units += 1
-        for _ in range(self.inner.spec.num_layers):
-            checkpoint()
-            self.running.set()
-            threading.Event().wait(self.layer_s)
-        self.inner.prefill_into(tokens, cache, start)
-
-
 class GatedStore(WrapperStore):
     """`inner`, whose reads wait until `gate` is set."""
 
@@ -220,30 +200,3 @@ class GatedStore(WrapperStore):
     async def read_into(self, key: str, buffer: memoryview) -> int | None:
         await anyio.to_thread.run_sync(self.gate.wait)
         return await self.inner.read_into(key, buffer)
-
-
-def test_an_overtaken_unit_teaches_the_compute_cost_and_the_next_restore_only_loads(llama_backend):
-    """A fresh restorer (no profile) on a store far faster than computing: its first restore's unit is
-    overtaken part-way, and the cost model learns the compute time from the layers the unit ran. The
-    next restore knows, before it starts, that the loads land everything first: it starts no unit.
-    (The store's reads wait until the first unit has begun a layer, so that it is overtaken part-way
-    and not before its thread takes it up.)"""
-    tokens = random_tokens(160, llama_backend.spec.vocab_size)
-    slow = SlowLayers(llama_backend, layer_s=0.1)  # 0.1 s a layer; the fetches take microseconds
-
-    async def main():
-        store = MemoryStore()
-        await Restorer(llama_backend, store, chunk_size=32, learn=False).save(tokens)
-        r = Restorer(slow, GatedStore(store, slow.running), chunk_size=32, learn=False, profile=False)
-        first = await r.restore(tokens, TokenTwoPointer())
-        learned = r.planner.costs.compute_samples
-        second = await r.restore(tokens, TokenTwoPointer())
-        return first, learned, second
-
-    first, learned, second = anyio.run(main)
-    (overtaken,) = first.trace.of_kind("compute-overtaken")
-    assert overtaken.partial is not None and 1 <= overtaken.partial[0] < llama_backend.spec.num_layers
-    assert learned == 1 and slow.units == 1  # the second restore started no compute unit
-    assert second.stats.loaded_chunks == second.stats.n_chunks
-    assert not second.trace.of_kind("compute-overtaken") and not second.trace.of_kind("compute")
-    torch.testing.assert_close(second.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)

@@ -269,27 +269,12 @@ class Planner:
                     self.costs.observe_compute(refs[e.last_chunk].end - start, start, seconds)
                 else:
                     self.costs.observe_layers(layers_over, e.last_chunk - e.first_chunk + 1, seconds)
-            if layers_over is None:
-                self._learn_partial(trace, refs)
         if self._probing:
             self.link.reprobe()
         moved = self.link.observe(trace)
         if moved:
             self._unprobed = 0
         self.costs.observe_link(self.link.current, moved)
-
-    def _learn_partial(self, trace: Trace, refs: list[ChunkRef]) -> None:
-        """Token-wise units that fetches overtook, from the layers they ran: a unit that ran k of the
-        model's L layers in t seconds would have taken about t * L / k (the decoder layers cost alike).
-        On a store faster than computing, every unit is overtaken; without this the cost model would
-        never see a compute time there, and the two-pointers would start a unit every restore."""
-        num_layers = self.backend.spec.num_layers
-        for e in trace.of_kind("compute-overtaken"):
-            if e.partial is None or not 0 < e.partial[0] <= num_layers:
-                continue  # stopped before its first layer ended, or a backend whose checkpoints differ
-            layers, seconds = e.partial
-            start = refs[e.first_chunk].start
-            self.costs.observe_compute(refs[e.last_chunk].end - start, start, seconds * num_layers / layers)
 
     def learn_compute(self, n_tokens: int, start: int, seconds: float) -> None:
         """One compute unit timed outside the engine (a layer-wise restore's token-wise tail)."""

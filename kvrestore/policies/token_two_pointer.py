@@ -148,11 +148,22 @@ def _compute_estimate(p: Progress, a: int) -> float | None:
     """Seconds to compute chunk a: the latest computed chunk's time per token (compute cost grows with
     position, so the nearest chunk is the best guess; it also tracks the lane's current speed); before
     any, the cost model's prediction."""
+    return _estimate_at(p, a, _compute_rate(p, a))
+
+
+def _compute_rate(p: Progress, a: int) -> float | None:
+    """Seconds per token of the latest chunk computed before chunk a (None: none yet)."""
     for j in range(a - 1, -1, -1):
         s = p.compute_seconds[j]
         if s is not None and p.status[j] is ChunkStatus.COMPUTED:
-            return s * p.chunk_tokens[a] / p.chunk_tokens[j]
-    return p.prior_compute_s[a]
+            return s / p.chunk_tokens[j]
+    return None
+
+
+def _estimate_at(p: Progress, j: int, rate: float | None) -> float | None:
+    """`_compute_estimate` of chunk j from `_compute_rate` (the same for every chunk past the done
+    prefix: none of them is computed)."""
+    return rate * p.chunk_tokens[j] if rate is not None else p.prior_compute_s[j]
 
 
 def _extend(p: Progress, a: int, b: int, limit: int) -> tuple[int, tuple[int, ...]]:
@@ -160,22 +171,23 @@ def _extend(p: Progress, a: int, b: int, limit: int) -> tuple[int, tuple[int, ..
     pending chunks and over chunks whose fetch would land only after computing from a would have
     finished them (a fetch that cannot win: computing takes the chunk and the fetch is dropped, which
     also frees the link for the fetches that can)."""
+    rate = _compute_rate(p, a)  # a is the done prefix: no chunk from it on is computed
     finish = p.now
     for j in range(a, b):
-        finish += _compute_estimate(p, j) or 0.0
+        finish += _estimate_at(p, j, rate) or 0.0
     drop: list[int] = []
     limit = min(p.n_chunks, limit)
     while b < limit:
         status = p.status[b]
+        compute_s = _estimate_at(p, b, rate)
         if status is ChunkStatus.LOADING:
-            compute_s = _compute_estimate(p, b)
             landing = _landing_estimate(p, b, guess=True)
             if compute_s is None or landing is None or landing <= finish + compute_s:
                 break
             drop.append(b)
         elif status is not ChunkStatus.PENDING:
             break
-        finish += _compute_estimate(p, b) or 0.0
+        finish += compute_s or 0.0
         b += 1
     return b, tuple(drop)
 

@@ -58,6 +58,24 @@ def test_lane_threads_run_every_job_on_at_most_lanes_threads():
     assert got.wait(5)
 
 
+def test_reserved_lanes_start_before_their_jobs_and_no_more_start_for_them():
+    """`reserve(n)` starts the threads a batch of n jobs needs before any of them is queued (so no
+    start waits behind a running job), never past `lanes`; submitting the batch then starts none."""
+    lanes = LaneThreads(3, idle_s=5.0)
+    gate, done = threading.Event(), threading.Semaphore(0)
+    lanes.reserve(5)
+    assert lanes.threads == 3
+    for _ in range(5):
+        lanes.submit(lambda: (gate.wait(5), done.release()))
+    assert lanes.threads == 3
+    gate.set()
+    for _ in range(5):
+        assert done.acquire(timeout=5)
+    lanes.reserve(2)  # every lane has its thread: nothing more starts
+    assert lanes.threads == 3
+    lanes.close()
+
+
 def test_lane_threads_reject_zero_lanes():
     with pytest.raises(ValueError):
         LaneThreads(0)

@@ -345,6 +345,8 @@ class _RealLanes:
             self.dropped.append(stopped)
 
     def start(self, decision: Decision) -> None:
+        if self.load_now is not None and decision.loads:
+            self.engine.lane_threads().reserve(len(decision.loads))
         for i in decision.loads:
             self.outcomes.pop(i, None)
             if self.load_now is not None:

@@ -46,6 +46,19 @@ class LaneThreads:
         """Lane threads alive now."""
         return self._threads
 
+    def reserve(self, jobs: int) -> None:
+        """Start the threads that `jobs` submissions about to be made will need, before any of them is
+        queued. A thread's start waits until the new thread holds the GIL; started while the jobs of the
+        same batch already run on the other lanes, each start waits behind them (milliseconds apiece on
+        a busy machine, measured: 9 ms for four lanes beside a compute unit), started first it does not."""
+        with self._lock:
+            idle = self._threads - self._busy - self._queued
+            start = max(0, min(jobs - idle, self.lanes - self._threads))
+            first = self._threads
+            self._threads += start
+        for k in range(start):
+            threading.Thread(target=self._work, name=f"{self.name}-{first + k + 1}", daemon=True).start()
+
     def submit(self, job: Job) -> None:
         """Queue `job` (it must not raise: report results and errors from inside it)."""
         self._jobs.put(job)

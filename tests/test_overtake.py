@@ -186,6 +186,27 @@ def test_a_layer_wise_restore_whose_loads_win_before_any_layer_goes_along_tokens
     torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
 
 
+class SlowLayers:
+    """A backend whose decoder layers each take `layer_s` (a checkpoint before each, as `HFBackend`
+    has), then computes the real KV: a compute lane far slower than a memory store's fetches."""
+
+    def __init__(self, inner: Any, layer_s: float) -> None:
+        self.inner, self.layer_s = inner, layer_s
+        self.units = 0
+        self.running = threading.Event()  # set once a unit has begun its first layer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def prefill_into(self, tokens: torch.Tensor, cache: torch.Tensor, start: int) -> None:
+        self.units += 1
+        for _ in range(self.inner.spec.num_layers):
+            checkpoint()
+            self.running.set()
+            threading.Event().wait(self.layer_s)
+        self.inner.prefill_into(tokens, cache, start)
+
+
 class GatedStore(WrapperStore):
     """`inner`, whose reads wait until `gate` is set."""
 
@@ -200,3 +221,34 @@ class GatedStore(WrapperStore):
     async def read_into(self, key: str, buffer: memoryview) -> int | None:
         await anyio.to_thread.run_sync(self.gate.wait)
         return await self.inner.read_into(key, buffer)
+
+
+@pytest.mark.parametrize("policy", [TokenTwoPointer, LayerTwoPointer])
+def test_an_overtaken_unit_teaches_the_two_pointers_to_only_load(llama_backend, policy):
+    """A fresh restorer (no profile) on a store far faster than computing: its first restore's unit is
+    overtaken part-way, and the planner keeps the compute time the layers it ran imply, apart from
+    the cost model (which learned nothing). The next restore, token-wise or layer-wise, knows before it
+    starts that the loads land everything first: it starts no unit. (The store's reads wait until the
+    first unit has begun a layer, so that it is overtaken part-way and not before its thread takes it
+    up.)"""
+    tokens = random_tokens(160, llama_backend.spec.vocab_size)
+    slow = SlowLayers(llama_backend, layer_s=0.1)  # 0.1 s a layer; the fetches take microseconds
+
+    async def main():
+        store = MemoryStore()
+        await Restorer(llama_backend, store, chunk_size=32, learn=False).save(tokens)
+        r = Restorer(slow, GatedStore(store, slow.running), chunk_size=32, learn=False, profile=False)
+        first = await r.restore(tokens, TokenTwoPointer())
+        hint, samples = r.planner.overtaken_s_per_token, r.planner.costs.compute_samples
+        second = await r.restore(tokens, policy())
+        return first, hint, samples, second
+
+    first, hint, samples, second = anyio.run(main)
+    (overtaken,) = first.trace.of_kind("compute-overtaken")
+    layers, seconds = overtaken.partial
+    assert 1 <= layers < llama_backend.spec.num_layers
+    unit_tokens = 32 * (overtaken.last_chunk - overtaken.first_chunk + 1)
+    assert hint == pytest.approx(seconds * llama_backend.spec.num_layers / layers / unit_tokens)
+    assert samples == 0 and slow.units == 1  # the cost model is untouched; the second started no unit
+    assert second.stats.loaded_chunks == second.stats.n_chunks and second.stats.computed_chunks == 0
+    torch.testing.assert_close(second.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)

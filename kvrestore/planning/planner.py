@@ -119,6 +119,9 @@ class Planner:
         self._unprobed = 0  # restores since the link was last measured by loads
         self._probe: Plan | None = None  # the last plan that probes the link
         self._probing = False  # the restore running now probes it: its loads replace the estimate
+        #: seconds per token of compute, from the units fetches overtook (`_learn_overtaken`): a hint
+        #: for the two-pointers' priors only, while the cost model has seen no unit run to its end
+        self.overtaken_s_per_token: float | None = None
 
     @property
     def cost_model(self) -> Profile | None:
@@ -181,6 +184,8 @@ class Planner:
             return compute, None
         if model is not None:
             compute = [model.chunk.seconds(r.n_tokens, r.start) for r in refs]
+        elif self.overtaken_s_per_token is not None:
+            compute = [self.overtaken_s_per_token * r.n_tokens for r in refs]
         if link is None:
             return compute, None
         return compute, (self.backend.spec.kv_bytes_per_token / link.bytes_per_s, link.latency_s)
@@ -191,9 +196,10 @@ class Planner:
         model, link, spec = self.cost_model, self.link.current, self.backend.spec
         if not self.engine.times_restores_alone:  # a batch engine shares the lanes: no such costs apply
             model = link = None
-        compute: list[float | None] = [
-            model.layer.seconds(n_tokens) if model is not None else None
-        ] * spec.num_layers
+        layer_s = model.layer.seconds(n_tokens) if model is not None else None
+        if layer_s is None and self.overtaken_s_per_token is not None:
+            layer_s = self.overtaken_s_per_token * n_tokens / spec.num_layers
+        compute: list[float | None] = [layer_s] * spec.num_layers
         if link is None:
             return compute, None
         return compute, (spec.kv_bytes_per_token / spec.num_layers / link.bytes_per_s, link.latency_s)
@@ -269,12 +275,35 @@ class Planner:
                     self.costs.observe_compute(refs[e.last_chunk].end - start, start, seconds)
                 else:
                     self.costs.observe_layers(layers_over, e.last_chunk - e.first_chunk + 1, seconds)
+            if layers_over is None:
+                self._learn_overtaken(trace, refs)
         if self._probing:
             self.link.reprobe()
         moved = self.link.observe(trace)
         if moved:
             self._unprobed = 0
         self.costs.observe_link(self.link.current, moved)
+
+    def _learn_overtaken(self, trace: Trace, refs: list[ChunkRef]) -> None:
+        """Token-wise units that fetches overtook, from the layers they ran: a unit that ran k of the
+        model's L layers in t seconds would have taken about t * L / k. On a store faster than
+        computing every unit is overtaken, so without this the two-pointers would know no compute cost
+        and start a unit in every restore, paying a layer's compute and the CPU it takes from the loads.
+
+        Kept apart from the cost model (`overtaken_s_per_token`, the lowest such rate seen): such a
+        unit ran beside every load lane at once (on a 2-core CPU, measured about 3x its time alone),
+        so it would bias the fitted per-unit cost, the unit sizes and `Auto`'s predictions. It serves
+        only as the two-pointers' prior, where too high a compute cost errs towards loading, which is
+        the lane that overtook it."""
+        num_layers = self.backend.spec.num_layers
+        for e in trace.of_kind("compute-overtaken"):
+            if e.partial is None or not 0 < e.partial[0] <= num_layers:
+                continue  # stopped before its first layer ended, or a backend whose checkpoints differ
+            layers, seconds = e.partial
+            n_tokens = refs[e.last_chunk].end - refs[e.first_chunk].start
+            rate = seconds * num_layers / layers / n_tokens
+            known = self.overtaken_s_per_token
+            self.overtaken_s_per_token = rate if known is None else min(known, rate)
 
     def learn_compute(self, n_tokens: int, start: int, seconds: float) -> None:
         """One compute unit timed outside the engine (a layer-wise restore's token-wise tail)."""

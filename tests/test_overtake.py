@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from kvrestore import ComputeOnly, LayerTwoPointer, Restorer, TokenTwoPointer
+from kvrestore.backends.floor import ComputeFloor, measure_floor
 from kvrestore.core.cancel import checkpoint
 from kvrestore.core.trace import TraceEvent
 from kvrestore.costs.compute import ChunkCost, LayerCost
 from kvrestore.costs.links import LinkCost
 from kvrestore.policies import ChunkStatus, Decision, Progress
+from kvrestore.policies.token_two_pointer import PROBE_SHARE
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.memory import MemoryStore
@@ -153,6 +155,32 @@ def test_the_two_pointer_waits_for_loads_predicted_to_land_everything_first():
     assert d.compute is not None and d.compute[0] == 0
 
 
+def test_knowing_only_the_compute_floor_it_waits_for_the_first_fetch_to_judge():
+    """A fresh restorer knows no link and no compute cost, only the floor of computing (its FLOPs at
+    the device's rate): the compute lane waits for the first fetch to land, at most `PROBE_SHARE` of
+    the floor of computing everything; once one has landed, the hold rule judges with the floor."""
+    p = Progress([256] * 4, [True] * 4, compute_floor_s=[1.0] * 4)
+    p.free_load_lanes = 4
+    d = TokenTwoPointer().decide(p)
+    assert d.compute is None and sorted(d.loads) == [0, 1, 2, 3]
+    assert d.wake_at == pytest.approx(PROBE_SHARE * 4.0)
+    begin(p, d)
+    p.now = 0.01  # chunk 3 landed after 10 ms: everything lands long before chunk 0's floor of 1 s
+    apply_event(p, TraceEvent("load", 3, 3, 0.0, 0.01, 100))
+    d = TokenTwoPointer().decide(p)
+    assert d.compute is None and d.wake_at is not None and d.wake_at < 1.0
+
+
+def test_a_probe_that_sees_no_fetch_land_in_time_computes():
+    p = Progress([256] * 4, [True] * 4, compute_floor_s=[1.0] * 4)
+    p.free_load_lanes = 4
+    begin(p, TokenTwoPointer().decide(p))
+    p.now = PROBE_SHARE * 4.0  # the probe's time is up and no fetch has landed: a slow link
+    p.free_load_lanes = 0
+    d = TokenTwoPointer().decide(p)
+    assert d.compute is not None and d.compute[0] == 0
+
+
 def test_stats_seconds_is_the_whole_call(llama_backend):
     """The lookup's round trip counts: a store whose every request waits 50 ms."""
     tokens = random_tokens(64, llama_backend.spec.vocab_size)
@@ -175,13 +203,7 @@ def test_a_layer_wise_restore_whose_loads_win_before_any_layer_goes_along_tokens
         llama_backend, chunk=ChunkCost(1.0, 1e-2, 0.0), layer=LayerCost(1.0, 1e-2, 0.0), link=LinkCost(1e12, 0.0)
     )
 
-    async def main():
-        store = MemoryStore()
-        await Restorer(llama_backend, store, chunk_size=32, learn=False).save(tokens)
-        r = Restorer(llama_backend, store, chunk_size=32, learn=False, profile=slow_compute)
-        return await r.restore(tokens, LayerTwoPointer())
-
-    res = anyio.run(main)
+    res = _saved_then_restored(llama_backend, llama_backend, tokens, LayerTwoPointer(), profile=slow_compute)
     assert res.stats.axis == "tokens" and res.stats.loaded_chunks == 3 and res.stats.computed_chunks == 0
     torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
 
@@ -205,6 +227,18 @@ class SlowLayers:
             self.running.set()
             threading.Event().wait(self.layer_s)
         self.inner.prefill_into(tokens, cache, start)
+
+
+def _saved_then_restored(backend: Any, restoring: Any, tokens: torch.Tensor, policy: Any, **kwargs: Any) -> Any:
+    """`tokens` saved by `backend` into a fresh memory store, then restored through a fresh restorer
+    of `restoring` (32-token chunks, nothing learned kept; `kwargs` go to that restorer)."""
+
+    async def main():
+        store = MemoryStore()
+        await Restorer(backend, store, chunk_size=32, learn=False).save(tokens)
+        return await Restorer(restoring, store, chunk_size=32, learn=False, **kwargs).restore(tokens, policy)
+
+    return anyio.run(main)
 
 
 class GatedStore(WrapperStore):
@@ -252,3 +286,34 @@ def test_an_overtaken_unit_teaches_the_two_pointers_to_only_load(llama_backend, 
     assert samples == 0 and slow.units == 1  # the cost model is untouched; the second started no unit
     assert second.stats.loaded_chunks == second.stats.n_chunks and second.stats.computed_chunks == 0
     torch.testing.assert_close(second.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+class SlowFloored(SlowLayers):
+    """`SlowLayers` whose compute floor says so too (a layer of `layer_s` at the least)."""
+
+    def compute_floor_s(self, n_tokens: int) -> float:
+        return self.layer_s * self.inner.spec.num_layers
+
+
+def test_a_fresh_restorer_that_knows_the_floor_starts_no_unit_on_a_fast_store(llama_backend):
+    """No profile, nothing learned, but a compute floor far above what the store needs: the first
+    restore waits for the first fetch, sees the loads will land everything first, and only loads."""
+    tokens = random_tokens(160, llama_backend.spec.vocab_size)
+    slow = SlowFloored(llama_backend, layer_s=0.1)
+
+    res = _saved_then_restored(llama_backend, slow, tokens, TokenTwoPointer(), profile=False)
+    assert slow.units == 0 and res.stats.loaded_chunks == res.stats.n_chunks
+    torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
+
+
+def test_the_compute_floor_counts_two_flops_a_weight_at_the_measured_rate(llama_backend):
+    layers = llama_backend._layers
+    floor = measure_floor(layers, llama_backend.dtype, llama_backend.device)
+    weights = sum(p.numel() for layer in layers for p in layer.parameters() if p.dim() == 2)
+    assert floor.flops_per_token == 2 * weights and floor.flops_per_s > 0
+    assert floor.seconds(256) == pytest.approx(2 * floor.seconds(128))
+    assert ComputeFloor(1e9, 1e12).seconds(1000) == pytest.approx(0.5)  # 1 s of FLOPs, halved: a floor
+    llama_backend.compute_floor_s(1)
+    kept = llama_backend._floor
+    llama_backend.compute_floor_s(64)
+    assert llama_backend._floor is kept  # measured once per backend

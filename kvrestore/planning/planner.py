@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal
@@ -122,6 +122,9 @@ class Planner:
         #: seconds per token of compute, from the units fetches overtook (`_learn_overtaken`): a hint
         #: for the two-pointers' priors only, while the cost model has seen no unit run to its end
         self.overtaken_s_per_token: float | None = None
+        floor = self._floor()
+        if floor is not None:  # measured once per backend, here rather than inside a first restore
+            floor(1)
 
     @property
     def cost_model(self) -> Profile | None:
@@ -203,6 +206,21 @@ class Planner:
         if link is None:
             return compute, None
         return compute, (spec.kv_bytes_per_token / spec.num_layers / link.bytes_per_s, link.latency_s)
+
+    def floors(self, refs: list[ChunkRef]) -> list[float | None]:
+        """`Progress.compute_floor_s` of a token-wise restore: the least each chunk's compute can take
+        (the backend's `compute_floor_s`, where it has one), where the restore has the lanes to itself."""
+        floor = self._floor()
+        return [floor(r.n_tokens) if floor is not None else None for r in refs]
+
+    def layer_floors(self, n_tokens: int) -> list[float | None]:
+        """`floors` of a layer-axis restore over a prefix of `n_tokens`: one layer's share, per layer."""
+        floor, n_layers = self._floor(), self.backend.spec.num_layers
+        return [floor(n_tokens) / n_layers if floor is not None else None] * n_layers
+
+    def _floor(self) -> Callable[[int], float] | None:
+        floor = getattr(self.backend, "compute_floor_s", None)
+        return floor if callable(floor) and self.engine.times_restores_alone else None
 
     def min_unit_chunks(self) -> int:
         """`Progress.min_unit_chunks` of the token-wise restores (see `min_unit_tokens`)."""

@@ -31,7 +31,7 @@ class Progress:
     """Live state of one restore.
 
     What is known before the restore starts is given to the constructor: the chunks, which are stored,
-    the compute lane's `min_unit_chunks`, the cost model's priors, and (for a driver made to take them)
+    the compute lane's `min_unit_chunks`, the cost model's priors, the compute floor, and (for a driver made to take them)
     `can_race` and `can_overtake`; an `Engine` sets the two capabilities from its request with
     `runtime.bookkeeping.set_capabilities`. Every later change is made by `runtime.bookkeeping` alone:
     `observe` (the clock and the free load lanes, before each decision), `begin` (a decision's units
@@ -70,6 +70,9 @@ class Progress:
     #: delivered, seconds of latency per request)
     prior_compute_s: list[float | None] = field(default_factory=list)
     prior_link: tuple[float, float] | None = None
+    #: seconds below which computing each chunk cannot end (its matmul FLOPs at the device's measured
+    #: rate, `backends.floor`): all a restorer knows of computing before any unit ran (None: not known)
+    compute_floor_s: list[float | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.chunk_tokens)
@@ -80,6 +83,7 @@ class Progress:
         self.load_seconds = self.load_seconds or [None] * n
         self.load_started = self.load_started or [None] * n
         self.prior_compute_s = self.prior_compute_s or [None] * n
+        self.compute_floor_s = self.compute_floor_s or [None] * n
 
     @property
     def n_chunks(self) -> int:

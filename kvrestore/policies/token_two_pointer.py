@@ -25,6 +25,9 @@ DEFAULT_COMPUTE_CHUNKS = 2
 RECENT_LOADS = 4
 #: how far past its estimated landing (as a fraction of computing the chunk) a fetch is still awaited
 GRACE = 0.1
+#: how long a restore that knows nothing of its link waits for the first fetch before computing, as a
+#: fraction of the floor of computing every chunk left (`Progress.compute_floor_s`)
+PROBE_SHARE = 0.05
 
 
 class TokenTwoPointer(Policy):
@@ -90,11 +93,15 @@ class TokenTwoPointer(Policy):
             return None, (), None
         if p.status[a] is ChunkStatus.PENDING:
             held = _loads_first(p, a)
+            if held is None:
+                held = _probe(p, a)
             if held is not None:  # the loads land every chunk left before computing chunk a could
                 return None, (), held
             return self._unit(p, a, *_extend(p, a, a + 1, a + self._unit_length(p, a)))
         # the pointers met: chunk a is being fetched
         compute_s = _compute_estimate(p, a)
+        if compute_s is None:  # nothing computed or learned yet: the least computing it can take
+            compute_s = p.compute_floor_s[a]
         landing = _landing_estimate(p, a)
         if compute_s is None:
             if p.can_race:  # nothing computed yet to compare with: compute it too, the first wins
@@ -213,10 +220,10 @@ def _loads_first(p: Progress, a: int) -> float | None:
     waits until that time instead of taking CPU, GIL or link time from the loads, and is asked again."""
     link = _link(p)
     compute_s = _compute_estimate(p, a)
-    if link is None or compute_s is None or not p.stored[a]:
+    if compute_s is None:  # nothing computed or learned yet: the least computing it can take
+        compute_s = p.compute_floor_s[a]
+    if link is None or compute_s is None or not _all_loadable(p, a):
         return None
-    if any(not p.stored[j] and not p.status[j].done for j in range(p.n_chunks)):
-        return None  # chunks only computing can restore: the lane has work regardless
     per_token, latency = link
     left = sum(
         n
@@ -225,6 +232,25 @@ def _loads_first(p: Progress, a: int) -> float | None:
     )
     done = p.now + latency + left * per_token
     return done + GRACE * compute_s if done < p.now + compute_s else None
+
+
+def _all_loadable(p: Progress, a: int) -> bool:
+    """Chunk a and every chunk not yet done are stored (else computing has work regardless)."""
+    return p.stored[a] and all(p.stored[j] or p.status[j].done for j in range(p.n_chunks))
+
+
+def _probe(p: Progress, a: int) -> float | None:
+    """Before anything is known of the link (no prior, no fetch landed) or of computing (only its
+    floor): the compute lane waits for the first fetch to land, so that `_loads_first` can judge, but
+    no longer than `PROBE_SHARE` of the floor of computing every chunk left (the most a restore
+    whose loads turn out useless loses). Returns until when, or None (no waiting)."""
+    if _compute_estimate(p, a) is not None or _link(p) is not None or not _all_loadable(p, a):
+        return None
+    floors = [p.compute_floor_s[j] for j in range(a, p.n_chunks) if not p.status[j].done]
+    if None in floors:
+        return None
+    until = PROBE_SHARE * sum(floors)  # type: ignore[arg-type]
+    return until if p.now < until else None
 
 
 def _overtake(

@@ -18,7 +18,7 @@ from kvrestore.core.trace import TraceEvent
 from kvrestore.costs.compute import ChunkCost, LayerCost
 from kvrestore.costs.links import LinkCost
 from kvrestore.policies import ChunkStatus, Decision, Progress
-from kvrestore.policies.token_two_pointer import PROBE_SHARE
+from kvrestore.policies.token_two_pointer import GRACE, PROBE_SHARE
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.memory import MemoryStore
@@ -155,20 +155,29 @@ def test_the_two_pointer_waits_for_loads_predicted_to_land_everything_first():
     assert d.compute is not None and d.compute[0] == 0
 
 
-def test_knowing_only_the_compute_floor_it_waits_for_the_first_fetch_to_judge():
+def test_knowing_only_the_compute_floor_it_waits_for_two_fetches_to_judge():
     """A fresh restorer knows no link and no compute cost, only the floor of computing (its FLOPs at
-    the device's rate): the compute lane waits for the first fetch to land, at most `PROBE_SHARE` of
-    the floor of computing everything; once one has landed, the hold rule judges with the floor."""
-    p = Progress([256] * 4, [True] * 4, compute_floor_s=[1.0] * 4)
+    the device's rate): the compute lane waits for two fetches to land (one fetch's own time ignores
+    the lanes beside it), at most `PROBE_SHARE` of the floor of computing everything; then the hold
+    rule judges with the floor."""
+    n = 32
+    p = Progress([256] * n, [True] * n, compute_floor_s=[1.0] * n)
     p.free_load_lanes = 4
     d = TokenTwoPointer().decide(p)
-    assert d.compute is None and sorted(d.loads) == [0, 1, 2, 3]
-    assert d.wake_at == pytest.approx(PROBE_SHARE * 4.0)
+    assert d.compute is None and d.loads == (31, 30, 29, 28)
+    assert d.wake_at == pytest.approx(PROBE_SHARE * n)
     begin(p, d)
-    p.now = 0.01  # chunk 3 landed after 10 ms: everything lands long before chunk 0's floor of 1 s
-    apply_event(p, TraceEvent("load", 3, 3, 0.0, 0.01, 100))
+    # chunk 31 took 0.1 s: alone, that says 3.2 s for everything, more than chunk 0's floor of 1 s
+    p.now, p.free_load_lanes = 0.1, 1
+    apply_event(p, TraceEvent("load", 31, 31, 0.0, 0.1, 100))
     d = TokenTwoPointer().decide(p)
-    assert d.compute is None and d.wake_at is not None and d.wake_at < 1.0
+    assert d.compute is None and d.wake_at == pytest.approx(PROBE_SHARE * (n - 1))  # still probing
+    begin(p, d)
+    # chunk 30 landed 10 ms later: the link delivers a chunk every 10 ms, all by 0.41 s
+    p.now = 0.11
+    apply_event(p, TraceEvent("load", 30, 30, 0.0, 0.11, 100))
+    d = TokenTwoPointer().decide(p)
+    assert d.compute is None and d.wake_at == pytest.approx(0.11 + 30 * 0.01 + GRACE * 1.0)
 
 
 def test_a_probe_that_sees_no_fetch_land_in_time_computes():
@@ -312,7 +321,7 @@ def test_the_compute_floor_counts_two_flops_a_weight_at_the_measured_rate(llama_
     weights = sum(p.numel() for layer in layers for p in layer.parameters() if p.dim() == 2)
     assert floor.flops_per_token == 2 * weights and floor.flops_per_s > 0
     assert floor.seconds(256) == pytest.approx(2 * floor.seconds(128))
-    assert ComputeFloor(1e9, 1e12).seconds(1000) == pytest.approx(0.5)  # 1 s of FLOPs, halved: a floor
+    assert ComputeFloor(1e9, 1e12).seconds(1000) == pytest.approx(1.0)
     llama_backend.compute_floor_s(1)
     kept = llama_backend._floor
     llama_backend.compute_floor_s(64)

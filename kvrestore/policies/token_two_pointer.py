@@ -240,11 +240,14 @@ def _all_loadable(p: Progress, a: int) -> bool:
 
 
 def _probe(p: Progress, a: int) -> float | None:
-    """Before anything is known of the link (no prior, no fetch landed) or of computing (only its
-    floor): the compute lane waits for the first fetch to land, so that `_loads_first` can judge, but
-    no longer than `PROBE_SHARE` of the floor of computing every chunk left (the most a restore
-    whose loads turn out useless loses). Returns until when, or None (no waiting)."""
-    if _compute_estimate(p, a) is not None or _link(p) is not None or not _all_loadable(p, a):
+    """Before anything is known of the link (no prior, fewer than two fetches landed: one fetch's own
+    time ignores the lanes beside it) or of computing (only its floor): the compute lane waits for two
+    fetches to land, so that `_loads_first` can judge, but no longer than `PROBE_SHARE` of the floor
+    of computing every chunk left (the most a restore whose loads turn out useless loses). Returns
+    until when, or None (no waiting)."""
+    if _compute_estimate(p, a) is not None or p.prior_link is not None or not _all_loadable(p, a):
+        return None
+    if len(_landed(p)) >= min(2, sum(p.stored)):
         return None
     floors = [p.compute_floor_s[j] for j in range(a, p.n_chunks) if not p.status[j].done]
     if None in floors:

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from _common import format_table, machine_info, median, write_json
+from _provenance import code_version
 
 from kvrestore import Auto, ComputeOnly, LayerTwoPointer, LoadOnly, Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
@@ -255,6 +256,7 @@ async def run(args: argparse.Namespace) -> dict:
         "lengths": lengths,
         "targets": summary,
         "machine": machine_info(),
+        "code": code_version(),
     }
 
 

@@ -25,8 +25,8 @@ DEFAULT_COMPUTE_CHUNKS = 2
 RECENT_LOADS = 4
 #: how far past its estimated landing (as a fraction of computing the chunk) a fetch is still awaited
 GRACE = 0.1
-#: how long a restore that knows nothing of its link waits for the first fetch before computing, as a
-#: fraction of the floor of computing every chunk left (`Progress.compute_floor_s`)
+#: how long a restore that knows nothing of its link waits for two fetches to land before computing, as
+#: a fraction of the floor of computing every chunk left (`Progress.compute_floor_s`)
 PROBE_SHARE = 0.05
 
 

@@ -36,11 +36,10 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
         prior_link=prior_link,
         compute_floor_s=parts.planner.layer_floors(prefix),
     )
-    first = policy.decide(progress.as_if(free_load_lanes=engine.load_lanes))
-    if k == len(refs) and prior_link is not None and first.compute is None:
+    whole = k == len(refs) and prior_link is not None  # (no link known: a policy waits to see fetches land)
+    if whole and policy.decide(progress.as_if(free_load_lanes=engine.load_lanes)).compute is None:
         # the loads are predicted to land every layer before the first could be computed: whole chunks
         # then land sooner still (one read each, not one per layer), so the prompt goes along tokens
-        # (with no link known, a policy that starts no unit is waiting to see the first fetch land)
         return await restore_tokens(parts, job, LoadOnly())
     t0 = time.perf_counter()
     kv = parts.buffer(out, len(tokens))

@@ -92,9 +92,7 @@ class TokenTwoPointer(Policy):
         if a >= p.n_chunks:
             return None, (), None
         if p.status[a] is ChunkStatus.PENDING:
-            held = _loads_first(p, a)
-            if held is None:
-                held = _probe(p, a)
+            held = _hold(p, a)
             if held is not None:  # the loads land every chunk left before computing chunk a could
                 return None, (), held
             return self._unit(p, a, *_extend(p, a, a + 1, a + self._unit_length(p, a)))
@@ -199,11 +197,11 @@ def _extend(p: Progress, a: int, b: int, limit: int) -> tuple[int, tuple[int, ..
     return b, tuple(drop)
 
 
-def _link(p: Progress) -> tuple[float, float] | None:
-    """(seconds per token delivered, latency): what this restore's loads show, else the cost model's;
-    at least as slow as the wait for the fetch due next says (a link that has delivered nothing for a
-    while is not the link it was)."""
-    landed = _landed(p)
+def _link(p: Progress, landed: list[tuple[float, int]] | None = None) -> tuple[float, float] | None:
+    """(seconds per token delivered, latency): what this restore's loads show (`landed`, if the caller
+    has it), else the cost model's; at least as slow as the wait for the fetch due next says (a link
+    that has delivered nothing for a while is not the link it was)."""
+    landed = _landed(p) if landed is None else landed
     if p.prior_link is not None and len(landed) < 2:  # one fetch's own time ignores the other lanes
         link = p.prior_link
     elif landed:
@@ -214,15 +212,27 @@ def _link(p: Progress) -> tuple[float, float] | None:
     return link if overdue is None else (max(link[0], overdue), link[1])
 
 
-def _loads_first(p: Progress, a: int) -> float | None:
-    """With chunk a next to compute and stored: when the loads would have landed every stored chunk left
-    (a included), if that comes before computing chunk a would end, else None. The compute lane then
+def _hold(p: Progress, a: int) -> float | None:
+    """Until when the compute lane waits before chunk a, stored and next to compute (None: it computes
+    now): while the loads would land every chunk left first (`_loads_first`), or, with nothing known
+    of computing but its floor, while it probes a link it knows nothing of (`_probe`)."""
+    if not _all_loadable(p, a):
+        return None  # chunks only computing can restore: the lane has work regardless
+    estimate = _compute_estimate(p, a)
+    compute_s = estimate if estimate is not None else p.compute_floor_s[a]
+    landed = _landed(p)
+    held = _loads_first(p, compute_s, landed)
+    if held is None and estimate is None:
+        held = _probe(p, a, landed)
+    return held
+
+
+def _loads_first(p: Progress, compute_s: float | None, landed: list[tuple[float, int]]) -> float | None:
+    """When the loads would have landed every stored chunk left, if that comes before computing the
+    next chunk (`compute_s`: its estimate, else its floor) would end, else None. The compute lane then
     waits until that time instead of taking CPU, GIL or link time from the loads, and is asked again."""
-    link = _link(p)
-    compute_s = _compute_estimate(p, a)
-    if compute_s is None:  # nothing computed or learned yet: the least computing it can take
-        compute_s = p.compute_floor_s[a]
-    if link is None or compute_s is None or not _all_loadable(p, a):
+    link = _link(p, landed)
+    if link is None or compute_s is None:
         return None
     per_token, latency = link
     left = sum(
@@ -235,19 +245,16 @@ def _loads_first(p: Progress, a: int) -> float | None:
 
 
 def _all_loadable(p: Progress, a: int) -> bool:
-    """Chunk a and every chunk not yet done are stored (else computing has work regardless)."""
+    """Chunk a and every chunk not yet done are stored."""
     return p.stored[a] and all(p.stored[j] or p.status[j].done for j in range(p.n_chunks))
 
 
-def _probe(p: Progress, a: int) -> float | None:
-    """Before anything is known of the link (no prior, fewer than two fetches landed: one fetch's own
-    time ignores the lanes beside it) or of computing (only its floor): the compute lane waits for two
-    fetches to land, so that `_loads_first` can judge, but no longer than `PROBE_SHARE` of the floor
-    of computing every chunk left (the most a restore whose loads turn out useless loses). Returns
-    until when, or None (no waiting)."""
-    if _compute_estimate(p, a) is not None or p.prior_link is not None or not _all_loadable(p, a):
-        return None
-    if len(_landed(p)) >= min(2, sum(p.stored)):
+def _probe(p: Progress, a: int, landed: list[tuple[float, int]]) -> float | None:
+    """Before anything is known of the link (no prior, fewer than two fetches `landed`: one fetch's own
+    time ignores the lanes beside it): the compute lane waits for two fetches to land, so that
+    `_loads_first` can judge, but no longer than `PROBE_SHARE` of the floor of computing every chunk
+    left (the most a restore whose loads turn out useless loses). Returns until when, or None."""
+    if p.prior_link is not None or len(landed) >= min(2, sum(p.stored)):
         return None
     floors = [p.compute_floor_s[j] for j in range(a, p.n_chunks) if not p.status[j].done]
     if None in floors:

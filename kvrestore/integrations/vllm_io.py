@@ -36,6 +36,7 @@ log = logging.getLogger("kvrestore.vllm")
 
 T = TypeVar("T")
 
+
 class IOThread:
     """One anyio event loop in a daemon thread; coroutines are submitted from any other thread."""
 
@@ -213,6 +214,18 @@ class LoadChunk:
     end: int
 
 
+def covering(chunks: Sequence[LoadChunk], k: int) -> list[LoadChunk]:
+    """`chunks`, checked to cover tokens [0, k) (a load's chunks)."""
+    if not chunks or chunks[0].start != 0 or chunks[-1].end < k:
+        raise InvalidInputError(f"chunks must cover tokens [0, {k})")
+    return list(chunks)
+
+
+def failed_token_ranges(chunks: Sequence[LoadChunk], failed: set[int], k: int) -> list[tuple[int, int]]:
+    """Token ranges, within [0, k), of the `failed` chunks (indices into `chunks`)."""
+    return [(chunks[j].start, min(chunks[j].end, k)) for j in sorted(failed) if chunks[j].start < k]
+
+
 class Piece(NamedTuple):
     """One chunk's part of one layer that a load places: tokens [start, start + n_tokens).
 
@@ -308,11 +321,9 @@ class LayerLoad:
         layers_per_read: int = 4,
         encoding: str = "native",
     ) -> None:
-        if not chunks or chunks[0].start != 0 or chunks[-1].end < k:
-            raise InvalidInputError(f"chunks must cover tokens [0, {k})")
         self.spec = spec
         self.store = store
-        self.chunks = list(chunks)
+        self.chunks = covering(chunks, k)
         self.k = k
         self.place = place
         self.layers_per_read = max(1, layers_per_read)
@@ -407,8 +418,4 @@ class LayerLoad:
 
     def failed_ranges(self) -> list[tuple[int, int]]:
         """Token ranges, within [0, k), whose KV did not load."""
-        return [
-            (self.chunks[j].start, min(self.chunks[j].end, self.k))
-            for j in sorted(self.failed)
-            if self.chunks[j].start < self.k
-        ]
+        return failed_token_ranges(self.chunks, self.failed, self.k)

@@ -1,8 +1,9 @@
 """The worker side of the vLLM connector (`kvrestore.integrations.vllm.KVRestoreConnector`).
 
 The worker registers vLLM's paged KV caches (and works out their layout), starts each step's loads layer by
-layer in the background (`vllm_io.LayerLoad`), waits only for the layer about to run, copies computed
-chunks out of the pages for the saver, and reports blocks that did not load so vLLM recomputes them.
+layer (`vllm_io.LayerLoad` in the background; `vllm_pages.HostPageLoad` on the step thread, straight into
+host pages), waits only for the layer about to run, copies computed chunks out of the pages for the
+saver, and reports blocks that did not load so vLLM recomputes them.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kvrestore.integrations.vllm_meta import (
     LoadSpec,
     SaveSpec,
 )
+from kvrestore.integrations.vllm_pages import HostPageLoad, applies
 from kvrestore.integrations.vllm_plan import ConnectorContext
 from kvrestore.integrations.vllm_stats import Counters, emit
 from kvrestore.stores.base import ChunkStore
@@ -51,10 +53,13 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 class WorkerSide:
     """The connector's worker-role calls, over `ctx`: its own store, I/O thread and saver.
 
-    Loaded layers reach vLLM's pages two ways. On CUDA the I/O thread writes them on a stream of the
-    connector's own as they arrive, and vLLM's stream waits on the device for each layer. On the CPU the
-    step's own thread writes each layer when vLLM asks for it (`wait_for_layer_load`), straight from the
-    bytes read: the copy then runs on vLLM's own threads instead of beside them.
+    Loaded layers reach vLLM's pages three ways. On CUDA the I/O thread writes them on a stream of the
+    connector's own as they arrive, and vLLM's stream waits on the device for each layer. On the CPU,
+    from a store that reads without the event loop (a local directory, memory) and chunks saved
+    uncompressed and native, the step's own thread reads each layer when vLLM asks for it
+    (`wait_for_layer_load`) straight into the pages (`HostPageLoad`): one copy, and no thread of ours
+    beside vLLM's compute threads. From any other store the I/O thread reads in the background and the
+    step's thread writes each layer when vLLM asks for it, straight from the bytes read.
     """
 
     def __init__(
@@ -85,7 +90,7 @@ class WorkerSide:
         self._layer_of: dict[str, int] = {}
         self._layout = "cpu"
         self._meta: KVRestoreConnectorMetadata | None = None
-        self._loads: list[tuple[LoadSpec, LayerLoad]] = []
+        self._loads: list[tuple[LoadSpec, LayerLoad | HostPageLoad]] = []
         self._pending: dict[int, list[tuple[list[int], Pieces]]] = {}  # CPU: layer -> pieces to write
         self._pending_lock = threading.Lock()
         self._load_errors: set[int] = set()
@@ -194,15 +199,22 @@ class WorkerSide:
             return
         if meta.loads and self._load_stream is not None:  # the pages are written after what vLLM queued
             self._load_stream.wait_stream(torch.cuda.current_stream(self._caches[0].device))
+        direct = self._fp8_scales is None and applies(
+            self.store, self._layout, self.config.kv_encoding, self.config.compression
+        )
         for spec in meta.loads:
-            load = LayerLoad(
-                self.spec,
-                self.store,
-                spec.chunks,
-                spec.k,
-                self._placer(spec.block_ids),
-                encoding=self.config.kv_encoding,
-            )
+            load: LayerLoad | HostPageLoad
+            if direct:  # read on this thread as vLLM asks for each layer, straight into the pages
+                load = HostPageLoad(self.spec, self.store, spec.chunks, spec.k, self._caches, spec.block_ids)
+            else:
+                load = LayerLoad(
+                    self.spec,
+                    self.store,
+                    spec.chunks,
+                    spec.k,
+                    self._placer(spec.block_ids),
+                    encoding=self.config.kv_encoding,
+                )
             load.start(self.io, self.config.load_timeout_s)
             self._loads.append((spec, load))
 
@@ -233,7 +245,9 @@ class WorkerSide:
         decoded where the pages are (on CUDA their small bytes go up and are decoded on the stream)."""
         H, D = self.spec.num_kv_heads, self.spec.head_dim
         cache = self._caches[layer]
-        if cache.is_cuda and self._fp8_scales is None and all(p.encoding.native for p in pieces):  # one copy into pinned memory,
+        if (
+            cache.is_cuda and self._fp8_scales is None and all(p.encoding.native for p in pieces)
+        ):  # one copy into pinned memory,
             # single-threaded and GIL-free (numpy's): torch's would spread over every core and starve
             # vLLM's thread, which launches the step's kernels. The pieces cover [0, n) in order.
             n = pieces[-1].start + pieces[-1].n_tokens

@@ -1,0 +1,254 @@
+"""Loading stored chunks straight into vLLM's host pages (its CPU backend), without vLLM.
+
+`HostPageLoad` is the vLLM connector's load on the CPU from a store that reads without the event loop
+(`ChunkStore.reads_sync`: a local directory, memory of this process) when the chunks are stored
+uncompressed in the native encoding. Each layer is read when vLLM asks for it (`wait`), on vLLM's own
+step thread, so no thread of ours competes with vLLM's compute threads (pinned to the host's cores,
+they stall at every barrier while another thread holds one of them):
+
+* a chunk's values go from the file into the pages with one `preadv` (`ChunkStore.scatter_into_sync`):
+  the "cpu" layout keeps a page's values row-major, as a stored section does, so the pages take the
+  bytes directly;
+* its keys, which the pages keep column-major, go into a small staging buffer and are transposed into
+  the pages once verified;
+* every section is checked against its xxh3-64 where its bytes landed (`host_checksum_parts`).
+
+A chunk whose header or section does not check out is failed: vLLM recomputes its blocks (and, with the
+connector's recompute policy, everything after them), so damaged bytes written into the values of its
+pages are never used. `LayerLoad` (`vllm_io`) is the load for every other store, encoding and device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvrestore import codec
+from kvrestore.chunkio.load import PROBE_BYTES
+from kvrestore.codec.checksums import host_checksum_parts
+from kvrestore.core.errors import (
+    LOAD_FAULTS,
+    STORE_FAULTS,
+    ChunkDecodeError,
+    CorruptChunkError,
+    MissingChunkError,
+    TruncatedChunkError,
+)
+from kvrestore.core.spec import ModelSpec
+from kvrestore.integrations.vllm_io import IOThread, LoadChunk, covering, failed_token_ranges
+from kvrestore.integrations.vllm_layout import _pages
+from kvrestore.stores.base import ChunkStore
+
+log = logging.getLogger("kvrestore.vllm")
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class CompressedChunkError(ChunkDecodeError):
+    """A chunk stored compressed, which a load straight into the pages cannot read (it is not damaged:
+    it stays in the store)."""
+
+
+def applies(store: ChunkStore, layout: str, encoding: str, compression: str) -> bool:
+    """Whether a load can go straight into the pages: vLLM's host layout, a store that reads without
+    the event loop, chunks saved uncompressed in the native encoding."""
+    return layout == "cpu" and store.reads_sync and encoding == "native" and compression == "none"
+
+
+class _HostLayer:
+    """One layer's host cache (``[num_blocks, H, block_size, 2 * D]``, "cpu" layout) as bytes: per
+    (page, head) the keys as ``[D, block_size]``, then the values as ``[block_size, D]``."""
+
+    def __init__(self, cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
+        nb, _, bs, _ = cache.shape
+        self.block_size = int(bs)
+        self.row = head_dim * cache.element_size()  # one token's K (or V) of one head, in bytes
+        self.half = self.block_size * self.row  # a page's keys (or values) of one head
+        nbytes = cache.numel() * cache.element_size()
+        self.bytes = memoryview((ctypes.c_ubyte * nbytes).from_address(cache.data_ptr())).cast("B")
+        self.heads = num_kv_heads
+        # the keys as numpy [num_blocks, H, block_size, D] (a transposed view) of same-sized integers
+        # (numpy has no bfloat16), for the transposing copy
+        words = cache.view(_INT_OF_SIZE[cache.element_size()]).view(nb, num_kv_heads, 2, head_dim, bs)
+        self.keys = words[:, :, 0].transpose(2, 3).numpy()
+
+    def values(self, block: int, head: int, a: int, b: int) -> memoryview:
+        """The bytes of tokens [a, b) of `head`'s values in page `block`."""
+        at = ((block * self.heads + head) * 2 + 1) * self.half + a * self.row
+        return self.bytes[at : at + (b - a) * self.row]
+
+
+class HostPageLoad:
+    """Loads tokens [0, k) of one request straight into vLLM's host pages, layer by layer as vLLM asks
+    for them (`wait`, on the step thread). The same interface as `vllm_io.LayerLoad`: `failed` (indices
+    into `chunks`), `errors`, `bytes_read`, `seconds` (the time spent reading: what the link took)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        store: ChunkStore,
+        chunks: Sequence[LoadChunk],
+        k: int,
+        caches: Sequence[torch.Tensor],
+        block_ids: Sequence[int],
+        layers_per_read: int = 4,
+    ) -> None:
+        self.spec = spec
+        self.store = store
+        self.chunks = covering(chunks, k)
+        self.k = k
+        self.caches = list(caches)
+        self.block_ids = list(block_ids)
+        self.layers_per_read = max(1, layers_per_read)
+        self.failed: set[int] = set()
+        self.errors: list[str] = []
+        self.bytes_read = 0
+        self.seconds: float | None = None
+        self.cancelled = False
+        self._headers: dict[int, codec.ChunkHeader] = {}
+        self._read_upto = 0  # layers below this one are read
+        self._spent = 0.0
+        self._hosts: dict[int, _HostLayer] = {}
+        self._damaged: list[str] = []  # keys of damaged objects, deleted by `start`'s I/O thread
+        self._io: IOThread | None = None
+
+    def start(self, io: IOThread, timeout: float | None = None) -> None:
+        """Check every chunk's header (a small read each); the sections are read by `wait`. `io` deletes
+        damaged objects in the background; reads are local, so `timeout` does not apply."""
+        self._io = io
+        t = time.perf_counter()
+        self.store.prefetch([c.key for c in self.chunks])
+        for j, c in enumerate(self.chunks):
+            if c.start >= self.k:
+                continue
+            try:
+                self._headers[j] = self._header(c)
+            except STORE_FAULTS as exc:
+                self._fail(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
+                break
+            except LOAD_FAULTS as exc:
+                self._fail([j], f"chunk {c.key[:12]}: {type(exc).__name__}: {exc}", exc, c.key)
+        self._spent += time.perf_counter() - t
+
+    def _header(self, c: LoadChunk) -> codec.ChunkHeader:
+        probe = bytearray(PROBE_BYTES)
+        got = self.store.scatter_into_sync(c.key, 0, [memoryview(probe)])
+        if got is None:
+            raise MissingChunkError("not in the store")
+        head = memoryview(probe)[:got]
+        if codec.header_length(head) > got:
+            raise CorruptChunkError(f"header longer than {PROBE_BYTES} bytes")
+        header, header_end = codec.read_header(head)
+        codec.check_header(header, self.spec, c.key, c.start, c.end - c.start, "native")
+        if header.compression != "none":
+            raise CompressedChunkError(f"stored {header.compression}-compressed, read here uncompressed only")
+        body = header.layers[0].offset
+        if any(head[header_end : min(body, got)]):
+            raise CorruptChunkError("nonzero padding between header and sections")
+        return header
+
+    def wait(self, layer: int) -> bool:
+        """Read every layer up to `layer`'s group that is not read yet; True (a read cannot outlast a
+        deadline: the store is local)."""
+        L = self.spec.num_layers
+        while self._read_upto <= layer < L and not self.cancelled:
+            a = self._read_upto
+            b = (
+                1 if a == 0 else min(a + self.layers_per_read, L)
+            )  # the first layer alone: compute starts sooner
+            t = time.perf_counter()
+            for j, c in enumerate(self.chunks):
+                if j in self.failed or c.start >= self.k:
+                    continue
+                try:
+                    self._read(j, range(a, b))
+                except STORE_FAULTS as exc:
+                    self._fail(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
+                except LOAD_FAULTS as exc:
+                    self._fail([j], f"chunk {c.key[:12]}: {type(exc).__name__}: {exc}", exc, c.key)
+                except Exception as exc:  # a bug: fail the load (vLLM recomputes), never vLLM's step
+                    log.exception("kvrestore: loading into host pages failed")
+                    self._fail(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
+            self._spent += time.perf_counter() - t
+            self._read_upto = b
+            if b == L:
+                self.seconds = self._spent
+        return True
+
+    def _host(self, layer: int) -> _HostLayer:
+        host = self._hosts.get(layer)
+        if host is None:
+            host = self._hosts[layer] = _HostLayer(
+                self.caches[layer], self.spec.num_kv_heads, self.spec.head_dim
+            )
+        return host
+
+    def _read(self, j: int, layers: range) -> None:
+        """Chunk j's sections of `layers`: values into the pages, keys into staging, in one scatter read;
+        verified there, then the keys transposed into the pages."""
+        c, header = self.chunks[j], self._headers[j]
+        H, T = self.spec.num_kv_heads, header.n_tokens
+        n = min(c.end, self.k) - c.start  # tokens placed; the rest of the section is read to be verified
+        first, end = codec.layer_span(header, layers)
+        if not codec.back_to_back(header, layers):
+            raise CorruptChunkError("sections are not back to back")
+        staged: list[tuple[np.ndarray, _HostLayer]] = []
+        buffers: list[memoryview] = []
+        parts: list[list[memoryview]] = []
+        for layer in layers:
+            host = self._host(layer)
+            keys = np.empty((H, T, self.spec.head_dim), dtype=host.keys.dtype)
+            staged.append((keys, host))
+            mine = [keys.data.cast("B")]
+            for h in range(H):
+                for block, a, b, _ in _pages(self.block_ids, c.start, c.start + n, host.block_size):
+                    mine.append(host.values(block, h, a, b))
+                if n < T:
+                    mine.append(memoryview(bytearray((T - n) * host.row)))
+            parts.append(mine)
+            buffers.extend(mine)
+        past_end = memoryview(bytearray(1))  # filled only if the object is longer than its header says
+        placed = self.store.scatter_into_sync(c.key, first, [*buffers, past_end])
+        if placed is None:
+            raise MissingChunkError("disappeared from the store")
+        if placed < end - first:
+            raise TruncatedChunkError(f"object is {first + placed} bytes, its header says {end} or more")
+        if layers[-1] == len(header.layers) - 1 and placed > end - first:
+            raise CorruptChunkError(f"object has bytes past the last section (at byte {end})")
+        self.bytes_read += end - first
+        for layer, mine in zip(layers, parts, strict=True):
+            if host_checksum_parts(mine) != header.layers[layer].checksum:
+                raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
+        for keys, host in staged:
+            for h in range(H):
+                for block, a, b, at in _pages(self.block_ids, c.start, c.start + n, host.block_size):
+                    np.copyto(host.keys[block, h, a:b], keys[h, at : at + b - a])
+
+    def _fail(
+        self, indices: Sequence[int] | range, error: str, exc: BaseException | None = None, key: str = ""
+    ) -> None:
+        new = set(indices) - self.failed
+        if new:
+            self.failed |= new
+            self.errors.append(error)
+        damaged = isinstance(exc, ChunkDecodeError) and not isinstance(
+            exc, (MissingChunkError, CompressedChunkError)
+        )
+        if damaged and self._io is not None:  # as `LayerReader` does: never served again
+            self._io.submit(self.store.delete, key)
+
+    def cancel(self, why: str) -> None:
+        """Stop reading; unless every layer was read, every chunk counts as failed."""
+        if not self.cancelled:
+            self.cancelled = True
+            if self._read_upto < self.spec.num_layers:
+                self._fail(range(len(self.chunks)), why)
+
+    def failed_ranges(self) -> list[tuple[int, int]]:
+        """Token ranges, within [0, k), whose KV did not load."""
+        return failed_token_ranges(self.chunks, self.failed, self.k)

@@ -1,0 +1,160 @@
+"""`vllm_pages.HostPageLoad`: stored chunks read straight into vLLM's host pages ("cpu" layout), checked
+against the pages `scatter_tokens` writes and the backend reads. No vLLM needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrestore import codec
+from kvrestore.core.keys import chunk_keys
+from kvrestore.core.kv import KVChunk
+from kvrestore.core.spec import ModelSpec
+from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LoadChunk
+from kvrestore.integrations.vllm_layout import gather_tokens
+from kvrestore.integrations.vllm_pages import CompressedChunkError, HostPageLoad, applies
+from kvrestore.stores import LocalStore, MemoryStore, ThrottledStore
+
+H, D, BS, NB, L = 2, 4, 8, 12, 5
+
+
+def _spec(dtype: torch.dtype = torch.float32) -> ModelSpec:
+    return ModelSpec("tiny", L, H, D, 100, dtype, fingerprint="ef" * 16)
+
+
+@pytest.fixture
+def io():
+    t = IOThread()
+    yield t
+    t.close()
+
+
+def _saved(store, io, spec, n=44, chunk=16, compression="none"):
+    """A prompt of `n` tokens saved in chunks (the last one partial); (chunks, its KV [L, 2, H, n, D])."""
+    kv = torch.randn(L, 2, H, n, D).to(spec.dtype)
+    refs = chunk_keys(list(range(n)), spec.fingerprint, chunk)
+    saver = ChunkSaver(spec, store, io, compression=compression)
+    for r in refs:
+        assert saver.submit(r.key, KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()))
+    assert saver.flush(timeout=10) and saver.written == len(refs)
+    return [LoadChunk(r.key, r.start, r.end) for r in refs], kv
+
+
+def _pages(spec):
+    return [torch.zeros(NB, H, BS, 2 * D, dtype=spec.dtype) for _ in range(L)]
+
+
+def _load(store, io, spec, chunks, k, pages, ids):
+    load = HostPageLoad(spec, store, chunks, k, pages, ids, layers_per_read=2)
+    load.start(io)
+    for layer in range(L):  # as vLLM asks: layer by layer
+        assert load.wait(layer)
+    load.cancel("the step ended")  # what the worker does after every step: a no-op once all is read
+    return load
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [40, 32, 8])
+def test_a_load_puts_each_token_where_the_backend_reads_it_and_nothing_else(tmp_path, io, dtype, k):
+    """Tokens [0, k) land in the request's pages (out of order, the last chunk partial and cut at k),
+    keys transposed as the backend keeps them; no other slot is written, and the bytes read are the
+    chunks' whole sections (each verified)."""
+    spec = _spec(dtype)
+    store = LocalStore(str(tmp_path))
+    chunks, kv = _saved(store, io, spec)
+    ids = [9, 3, 11, 0, 5, 7]  # 6 pages of 8 for the 44 tokens
+    pages = _pages(spec)
+    load = _load(store, io, spec, chunks, k, pages, ids)
+    assert not load.failed and load.failed_ranges() == [] and load.seconds is not None
+    used = [c for c in chunks if c.start < k]
+    assert load.bytes_read == sum(c.end - c.start for c in used) * spec.kv_bytes_per_token
+    for layer in range(L):
+        assert torch.equal(gather_tokens(pages[layer], "cpu", ids, 0, k, H, D), kv[layer, :, :, :k])
+        untouched = [b for b in range(NB) if b not in ids[: -(-k // BS)]]
+        assert not pages[layer][untouched].any()
+        if k % BS:  # the rest of the last page holds nothing loaded
+            assert not gather_tokens(pages[layer], "cpu", ids, k, -(-k // BS) * BS, H, D).any()
+
+
+def test_a_memory_store_loads_the_same(io):
+    spec = _spec()
+    store = MemoryStore()
+    chunks, kv = _saved(store, io, spec)
+    ids = list(range(NB))[::-1]
+    pages = _pages(spec)
+    load = _load(store, io, spec, chunks, 40, pages, ids)
+    assert not load.failed
+    for layer in range(L):
+        assert torch.equal(gather_tokens(pages[layer], "cpu", ids, 0, 40, H, D), kv[layer, :, :, :40])
+
+
+@pytest.mark.parametrize("where", ["header", "first layer", "last layer", "truncated"])
+def test_a_damaged_chunk_fails_its_tokens_only_and_is_deleted(tmp_path, io, where):
+    spec = _spec()
+    store = LocalStore(str(tmp_path))
+    chunks, kv = _saved(store, io, spec)
+    blob = bytearray(io.call(store.get, chunks[1].key))
+    first = codec.read_header(bytes(blob))[0].layers[0].offset
+    if where == "truncated":
+        blob = blob[:-3]
+    elif where == "header":
+        blob[10] ^= 0xFF
+    else:
+        blob[-5 if where == "last layer" else first + 3] ^= 0xFF
+    io.call(store.put, chunks[1].key, bytes(blob))
+    ids = list(range(NB))
+    pages = _pages(spec)
+    load = _load(store, io, spec, chunks, 40, pages, ids)
+    assert load.failed == {1} and load.failed_ranges() == [(16, 32)]
+    for layer in range(L):  # the chunks before and after it are placed
+        assert torch.equal(gather_tokens(pages[layer], "cpu", ids, 0, 16, H, D), kv[layer, :, :, :16])
+        assert torch.equal(gather_tokens(pages[layer], "cpu", ids, 32, 40, H, D), kv[layer, :, :, 32:40])
+    assert io.call(store.contains, [c.key for c in chunks]) == [True, False, True]
+
+
+def test_a_missing_chunk_and_a_store_fault_fail_without_raising(tmp_path, io):
+    spec = _spec()
+    store = LocalStore(str(tmp_path))
+    chunks, _ = _saved(store, io, spec)
+    io.call(store.delete, chunks[0].key)
+    load = _load(store, io, spec, chunks, 40, _pages(spec), list(range(NB)))
+    assert load.failed == {0} and "MissingChunkError" in load.errors[0]
+
+    class Broken(LocalStore):
+        def scatter_into_sync(self, key, offset, buffers):
+            raise OSError("input/output error")
+
+    broken = Broken(str(tmp_path))
+    load = _load(broken, io, spec, chunks, 40, _pages(spec), list(range(NB)))
+    assert load.failed == {0, 1, 2} and "input/output error" in load.errors[0]
+
+
+def test_a_compressed_chunk_is_left_for_the_other_load(tmp_path, io):
+    """A chunk stored compressed is not read straight into pages: it fails (recomputed) and stays."""
+    spec = _spec()
+    store = LocalStore(str(tmp_path))
+    chunks, _ = _saved(store, io, spec, compression="zstd")
+    load = _load(store, io, spec, chunks, 40, _pages(spec), list(range(NB)))
+    assert load.failed == {0, 1, 2}
+    assert CompressedChunkError.__name__ in load.errors[0]
+    assert all(io.call(store.contains, [c.key for c in chunks]))
+
+
+def test_a_load_not_read_to_the_end_fails_every_chunk(tmp_path, io):
+    spec = _spec()
+    store = LocalStore(str(tmp_path))
+    chunks, _ = _saved(store, io, spec)
+    load = HostPageLoad(spec, store, chunks, 40, _pages(spec), list(range(NB)))
+    load.start(io)
+    assert load.wait(0)
+    load.cancel("the step ended")
+    assert load.failed == {0, 1, 2} and load.seconds is None
+
+
+def test_where_it_applies(tmp_path):
+    local, memory = LocalStore(str(tmp_path)), MemoryStore()
+    assert applies(local, "cpu", "native", "none") and applies(memory, "cpu", "native", "none")
+    assert not applies(local, "cuda", "native", "none")
+    assert not applies(local, "cpu", "int8", "none")
+    assert not applies(local, "cpu", "native", "zstd")
+    assert not applies(ThrottledStore(local, 1e9), "cpu", "native", "none")  # reads through its loop

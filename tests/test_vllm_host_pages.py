@@ -12,7 +12,7 @@ from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LoadChunk
 from kvrestore.integrations.vllm_layout import gather_tokens
-from kvrestore.integrations.vllm_pages import CompressedChunkError, HostPageLoad, applies
+from kvrestore.integrations.vllm_pages import CompressedChunkError, HostLayer, HostPageLoad, applies
 from kvrestore.stores import LocalStore, MemoryStore, ThrottledStore
 
 H, D, BS, NB, L = 2, 4, 8, 12, 5
@@ -45,7 +45,8 @@ def _pages(spec):
 
 
 def _load(store, io, spec, chunks, k, pages, ids):
-    load = HostPageLoad(spec, store, chunks, k, pages, ids, layers_per_read=2)
+    layers = [HostLayer(p, H, D) for p in pages]
+    load = HostPageLoad(spec, store, chunks, k, layers, ids, layers_per_read=2)
     load.start(io)
     for layer in range(L):  # as vLLM asks: layer by layer
         assert load.wait(layer)
@@ -55,14 +56,15 @@ def _load(store, io, spec, chunks, k, pages, ids):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [40, 32, 8])
-def test_a_load_puts_each_token_where_the_backend_reads_it_and_nothing_else(tmp_path, io, dtype, k):
-    """Tokens [0, k) land in the request's pages (out of order, the last chunk partial and cut at k),
+@pytest.mark.parametrize("ids", [[9, 3, 11, 0, 5, 7], [2, 3, 4, 5, 6, 7]], ids=["scattered", "consecutive"])
+def test_a_load_puts_each_token_where_the_backend_reads_it_and_nothing_else(tmp_path, io, dtype, k, ids):
+    """Tokens [0, k) land in the request's pages (in or out of order, the last chunk partial, cut at k),
     keys transposed as the backend keeps them; no other slot is written, and the bytes read are the
     chunks' whole sections (each verified)."""
     spec = _spec(dtype)
     store = LocalStore(str(tmp_path))
     chunks, kv = _saved(store, io, spec)
-    ids = [9, 3, 11, 0, 5, 7]  # 6 pages of 8 for the 44 tokens
+    # 6 pages of 8 for the 44 tokens; consecutive whole pages take their keys in one copy
     pages = _pages(spec)
     load = _load(store, io, spec, chunks, k, pages, ids)
     assert not load.failed and load.failed_ranges() == [] and load.seconds is not None
@@ -144,7 +146,8 @@ def test_a_load_not_read_to_the_end_fails_every_chunk(tmp_path, io):
     spec = _spec()
     store = LocalStore(str(tmp_path))
     chunks, _ = _saved(store, io, spec)
-    load = HostPageLoad(spec, store, chunks, 40, _pages(spec), list(range(NB)))
+    layers = [HostLayer(p, H, D) for p in _pages(spec)]
+    load = HostPageLoad(spec, store, chunks, 40, layers, list(range(NB)))
     load.start(io)
     assert load.wait(0)
     load.cancel("the step ended")

@@ -60,8 +60,8 @@ def applies(store: ChunkStore, layout: str, encoding: str, compression: str) -> 
     return layout == "cpu" and store.reads_sync and encoding == "native" and compression == "none"
 
 
-class _HostLayer:
-    """One layer's host cache (``[num_blocks, H, block_size, 2 * D]``, "cpu" layout) as bytes: per
+class HostLayer:
+    """One layer of vLLM's host cache (``[num_blocks, H, block_size, 2 * D]``, "cpu" layout) as bytes: per
     (page, head) the keys as ``[D, block_size]``, then the values as ``[block_size, D]``."""
 
     def __init__(self, cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> None:
@@ -83,6 +83,47 @@ class _HostLayer:
         return self.bytes[at : at + (b - a) * self.row]
 
 
+class _ChunkPlan:
+    """Where one chunk's tokens [start, start + n) go in a request's pages, the same for every layer:
+    its values as byte ranges of a layer's cache (in the order a section holds them: head by head,
+    page by page), and its keys as one transposing copy where the pages are whole and consecutive."""
+
+    def __init__(self, n: int, stored: int, pages: list[tuple[int, int, int, int]], host: HostLayer) -> None:
+        self.n, self.stored, self.pages = n, stored, pages
+        tail = (stored - n) * host.row
+        self.values: list[tuple[int, int]] = []  # (offset, length) in a layer's bytes; length < 0: a tail
+        for h in range(host.heads):
+            for block, a, b, _ in pages:
+                self.values.append(
+                    (((block * host.heads + h) * 2 + 1) * host.half + a * host.row, (b - a) * host.row)
+                )
+            if tail:
+                self.values.append((h * tail, -tail))
+        bs = host.block_size
+        blocks = [block for block, _, _, _ in pages]
+        whole = all(a == 0 and b == bs for _, a, b, _ in pages)
+        self.run = (
+            blocks[0]
+            if pages and whole and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+            else None
+        )
+
+    def value_views(self, layer_bytes: memoryview, tails: memoryview) -> list[memoryview]:
+        return [layer_bytes[o : o + n] if n > 0 else tails[o : o - n] for o, n in self.values]
+
+    def place_keys(self, dest: np.ndarray, keys: np.ndarray) -> None:
+        """Copy staged keys (``[H, T, D]``) into a layer's keys (`HostLayer.keys`), transposing."""
+        if self.run is not None:  # [H, P * bs, D] -> [P, H, bs, D]: one copy
+            P = len(self.pages)
+            H, _, D = keys.shape
+            src = keys[:, : self.n].reshape(H, P, self.n // P, D).transpose(1, 0, 2, 3)
+            np.copyto(dest[self.run : self.run + P], src)
+            return
+        for h in range(keys.shape[0]):
+            for block, a, b, at in self.pages:
+                np.copyto(dest[block, h, a:b], keys[h, at : at + b - a])
+
+
 class HostPageLoad:
     """Loads tokens [0, k) of one request straight into vLLM's host pages, layer by layer as vLLM asks
     for them (`wait`, on the step thread). The same interface as `vllm_io.LayerLoad`: `failed` (indices
@@ -94,7 +135,7 @@ class HostPageLoad:
         store: ChunkStore,
         chunks: Sequence[LoadChunk],
         k: int,
-        caches: Sequence[torch.Tensor],
+        layers: Sequence[HostLayer],
         block_ids: Sequence[int],
         layers_per_read: int = 4,
     ) -> None:
@@ -102,7 +143,7 @@ class HostPageLoad:
         self.store = store
         self.chunks = covering(chunks, k)
         self.k = k
-        self.caches = list(caches)
+        self.layers = list(layers)
         self.block_ids = list(block_ids)
         self.layers_per_read = max(1, layers_per_read)
         self.failed: set[int] = set()
@@ -113,16 +154,22 @@ class HostPageLoad:
         self._headers: dict[int, codec.ChunkHeader] = {}
         self._read_upto = 0  # layers below this one are read
         self._spent = 0.0
-        self._hosts: dict[int, _HostLayer] = {}
-        self._damaged: list[str] = []  # keys of damaged objects, deleted by `start`'s I/O thread
+        self._plans: dict[int, _ChunkPlan] = {}
+        self._staging: list[tuple[np.ndarray, memoryview]] = []  # per layer of a read: keys, tails
         self._io: IOThread | None = None
 
     def start(self, io: IOThread, timeout: float | None = None) -> None:
-        """Check every chunk's header (a small read each); the sections are read by `wait`. `io` deletes
-        damaged objects in the background; reads are local, so `timeout` does not apply."""
+        """Check every chunk's header (a small read each); the sections are read by `wait`. `io` passes
+        the store a prefetch hint and deletes damaged objects, in the background; reads are local, so
+        `timeout` does not apply."""
         self._io = io
+        keys = [c.key for c in self.chunks if c.start < self.k]
+
+        async def prefetch() -> None:  # a hint (a local directory's read-ahead), off the step thread
+            self.store.prefetch(keys)
+
+        io.submit(prefetch)
         t = time.perf_counter()
-        self.store.prefetch([c.key for c in self.chunks])
         for j, c in enumerate(self.chunks):
             if c.start >= self.k:
                 continue
@@ -162,54 +209,65 @@ class HostPageLoad:
                 1 if a == 0 else min(a + self.layers_per_read, L)
             )  # the first layer alone: compute starts sooner
             t = time.perf_counter()
-            for j, c in enumerate(self.chunks):
-                if j in self.failed or c.start >= self.k:
-                    continue
-                try:
-                    self._read(j, range(a, b))
-                except STORE_FAULTS as exc:
-                    self._fail(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
-                except LOAD_FAULTS as exc:
-                    self._fail([j], f"chunk {c.key[:12]}: {type(exc).__name__}: {exc}", exc, c.key)
-                except Exception as exc:  # a bug: fail the load (vLLM recomputes), never vLLM's step
-                    log.exception("kvrestore: loading into host pages failed")
-                    self._fail(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
+            todo = [j for j, c in enumerate(self.chunks) if j not in self.failed and c.start < self.k]
+            self._read_each(todo, range(a, b))
             self._spent += time.perf_counter() - t
             self._read_upto = b
             if b == L:
                 self.seconds = self._spent
         return True
 
-    def _host(self, layer: int) -> _HostLayer:
-        host = self._hosts.get(layer)
-        if host is None:
-            host = self._hosts[layer] = _HostLayer(
-                self.caches[layer], self.spec.num_kv_heads, self.spec.head_dim
-            )
-        return host
+    def _read_each(self, todo: list[int], layers: range) -> None:
+        for j in todo:
+            c = self.chunks[j]
+            if j in self.failed:  # a store fault on an earlier chunk failed them all
+                continue
+            try:
+                self._read(j, layers)
+            except STORE_FAULTS as exc:
+                self._fail(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
+            except LOAD_FAULTS as exc:
+                self._fail([j], f"chunk {c.key[:12]}: {type(exc).__name__}: {exc}", exc, c.key)
+            except Exception as exc:  # a bug: fail the load (vLLM recomputes), never vLLM's step
+                log.exception("kvrestore: loading into host pages failed")
+                self._fail(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
+
+    def _plan(self, j: int) -> _ChunkPlan:
+        plan = self._plans.get(j)
+        if plan is None:
+            c, host = self.chunks[j], self.layers[0]
+            n = min(c.end, self.k) - c.start  # tokens placed; the rest of the section is read to be verified
+            pages = list(_pages(self.block_ids, c.start, c.start + n, host.block_size))
+            plan = self._plans[j] = _ChunkPlan(n, self._headers[j].n_tokens, pages, host)
+        return plan
+
+    def _stage(self, i: int, plan: _ChunkPlan, host: HostLayer) -> tuple[np.ndarray, memoryview]:
+        """Staging for the keys of the i-th layer of a read (``[H, T, D]``), and room for its tokens past
+        k (a part per head: they are hashed after the read), made once per load for the longest chunk."""
+        H, D = self.spec.num_kv_heads, self.spec.head_dim
+        staging = self._staging
+        if i == len(staging):
+            most = max(h.n_tokens for h in self._headers.values())
+            keys = np.empty(H * most * D, dtype=host.keys.dtype)
+            staging.append((keys, memoryview(bytearray(H * most * host.row))))
+        keys, tails = staging[i]
+        return keys[: H * plan.stored * D].reshape(H, plan.stored, D), tails
 
     def _read(self, j: int, layers: range) -> None:
         """Chunk j's sections of `layers`: values into the pages, keys into staging, in one scatter read;
         verified there, then the keys transposed into the pages."""
-        c, header = self.chunks[j], self._headers[j]
-        H, T = self.spec.num_kv_heads, header.n_tokens
-        n = min(c.end, self.k) - c.start  # tokens placed; the rest of the section is read to be verified
+        c, header, plan = self.chunks[j], self._headers[j], self._plan(j)
         first, end = codec.layer_span(header, layers)
         if not codec.back_to_back(header, layers):
             raise CorruptChunkError("sections are not back to back")
-        staged: list[tuple[np.ndarray, _HostLayer]] = []
+        staged: list[tuple[np.ndarray, HostLayer]] = []
         buffers: list[memoryview] = []
         parts: list[list[memoryview]] = []
-        for layer in layers:
-            host = self._host(layer)
-            keys = np.empty((H, T, self.spec.head_dim), dtype=host.keys.dtype)
+        for i, layer in enumerate(layers):
+            host = self.layers[layer]
+            keys, tails = self._stage(i, plan, host)
             staged.append((keys, host))
-            mine = [keys.data.cast("B")]
-            for h in range(H):
-                for block, a, b, _ in _pages(self.block_ids, c.start, c.start + n, host.block_size):
-                    mine.append(host.values(block, h, a, b))
-                if n < T:
-                    mine.append(memoryview(bytearray((T - n) * host.row)))
+            mine = [keys.data.cast("B"), *plan.value_views(host.bytes, tails)]
             parts.append(mine)
             buffers.extend(mine)
         past_end = memoryview(bytearray(1))  # filled only if the object is longer than its header says
@@ -225,9 +283,7 @@ class HostPageLoad:
             if host_checksum_parts(mine) != header.layers[layer].checksum:
                 raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
         for keys, host in staged:
-            for h in range(H):
-                for block, a, b, at in _pages(self.block_ids, c.start, c.start + n, host.block_size):
-                    np.copyto(host.keys[block, h, a:b], keys[h, at : at + b - a])
+            plan.place_keys(host.keys, keys)
 
     def _fail(
         self, indices: Sequence[int] | range, error: str, exc: BaseException | None = None, key: str = ""

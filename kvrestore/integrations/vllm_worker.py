@@ -313,8 +313,11 @@ class WorkerSide:
             _, n_new, past = meta.steps[0]
             load_s = loads[0][1].seconds if len(loads) == 1 else None
             if not loads or load_s is not None:
+                # a load read on this thread (`HostPageLoad`) ran before each layer, not beside it: the
+                # step is a sample of computing (less its waits, the reads), not of computing beside one
+                beside = load_s if loads and not isinstance(loads[0][1], HostPageLoad) else None
                 self._timed_steps.append(
-                    (n_new, past, self._step_start, self._mark(), self._waited_s, load_s)
+                    (n_new, past, self._step_start, self._mark(), self._waited_s, beside)
                 )
         self._add_timed_steps()
         for spec in meta.saves:

@@ -95,6 +95,12 @@ class TokenTwoPointer(Policy):
             held = _hold(p, a)
             if held is not None:  # the loads land every chunk left before computing chunk a could
                 return None, (), held
+            last = _last_stored(p, a)
+            if last > a and _loads_too_late(p, a):
+                # smaller units would only add a unit's fixed cost each: one unit up to the last stored
+                # chunk, which is left to a fetch that keeps the link's estimate honest
+                b, drop = _extend(p, a, a + 1, last)
+                return (a, b), drop, None
             return self._unit(p, a, *_extend(p, a, a + 1, a + self._unit_length(p, a)))
         # the pointers met: chunk a is being fetched
         compute_s = _compute_estimate(p, a)
@@ -147,6 +153,36 @@ class TokenTwoPointer(Policy):
         load_s = per_token * p.chunk_tokens[a]
         share = int((load_ptr - a) * load_s / (compute_s + load_s))
         return max(1, min(unit, share))
+
+
+def _last_stored(p: Progress, a: int) -> int:
+    """The last stored chunk not done, from chunk a on (a if none is)."""
+    return max((j for j in range(a, p.n_chunks) if p.stored[j] and not p.status[j].done), default=a)
+
+
+def _loads_too_late(p: Progress, a: int) -> bool:
+    """Whether no fetch could land before computing every chunk left from chunk a would end (by the
+    link's estimate and the compute estimates, else their floors): the loads cannot help this restore,
+    so the compute lane takes all but the last stored chunk as one unit. Fetches that turn out faster
+    still overtake it; the last chunk's fetch measures the link (an estimate that is wrong is then
+    corrected, not trusted for ever)."""
+    link = _link(p)
+    left = [j for j in range(a, p.n_chunks) if not p.status[j].done]
+    rate = _compute_rate(p, a)
+    estimates = [_estimate_at(p, j, rate) for j in left]
+    if None in estimates:
+        estimates = [p.compute_floor_s[j] for j in left]
+    stored = [p.chunk_tokens[j] for j in left if p.stored[j] and p.status[j] is ChunkStatus.PENDING]
+    if link is None or None in estimates:
+        return False
+    per_token, latency = link
+    landings = [
+        _landing_estimate(p, j, guess=True) for j in range(p.n_chunks) if p.status[j] is ChunkStatus.LOADING
+    ]
+    if stored:  # a fetch issued now
+        landings.append(p.now + latency + per_token * min(stored))
+    known = [t for t in landings if t is not None]
+    return bool(known) and min(known) >= p.now + sum(estimates)  # type: ignore[arg-type]
 
 
 def _compute_estimate(p: Progress, a: int) -> float | None:

@@ -133,9 +133,9 @@ class TokenTwoPointer(Policy):
         """`compute_chunks` (at least the lane's `min_unit_chunks`), or fewer near the meeting: only the
         share of the chunks left before the load pointer that computing will cover at the current speeds
         (a larger unit would compute chunks the loads reach first, and make the meeting wait for the
-        whole unit). Never more: a unit cannot be cut short if the compute lane slows down, so a
-        larger one could hold the restore up by more than one unit, and restores sharing the compute
-        lane take turns between units."""
+        whole unit). Never more, except where no fetch can land in time (`_loads_too_late`): a unit
+        cannot be cut short if the compute lane slows down, so a larger one could hold the restore up
+        by more than one unit, and restores sharing the compute lane take turns between units."""
         unit = max(self.compute_chunks, p.min_unit_chunks)
         if not any(p.stored[j] and not p.status[j].done for j in range(a + 1, p.n_chunks)):
             return unit  # nothing left to load: compute runs alone

@@ -78,7 +78,6 @@ class LayerReader:
         self.ahead = ahead
         self.layers_per_read = max(1, layers_per_read)
         self.checks: DeferredChecks | None = None
-        self.uploads = LayerUploads(self)  # the device path of a read
 
     async def open(self) -> list[bool]:
         """Fetch and check every chunk's header, concurrently; which chunks can be read."""
@@ -177,7 +176,8 @@ class LayerReader:
         self, layers: range, sections: dict[int, bytes | memoryview | None], kv: KVCache
     ) -> list[tuple[int, BaseException]]:
         """A read of `layers` to a CUDA cache (`LayerUploads.upload`); returns the unusable chunks."""
-        return self.uploads.upload(layers, sections, kv)
+        # the device path of a read, made per read: kept on the reader it would be a reference cycle
+        return LayerUploads(self).upload(layers, sections, kv)
 
     def _dest(self, layers: range, j: int, kv: KVCache) -> torch.Tensor:
         chunk = self.chunks[j]

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 class LayerUploads:
-    """The device path of a `LayerReader` (its part `reader.uploads`; see the module doc): the reader
+    """The device path of a `LayerReader` (made for each read; see the module doc): the reader
     decides which layers of which chunks to read, and hands each read that goes to a CUDA cache here."""
 
     def __init__(self, reader: LayerReader) -> None:

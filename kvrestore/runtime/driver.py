@@ -198,7 +198,6 @@ class _PolicyDecider(Decider[TraceEvent | BaseException], Phase[Decision]):
         self.progress, self.policy, self.lanes, self.on_event = progress, policy, lanes, on_event
         self.trace = Trace()
         self.wait = lanes.wait
-        self._phases = (self,)
 
     @property
     def who(self) -> str:
@@ -208,7 +207,7 @@ class _PolicyDecider(Decider[TraceEvent | BaseException], Phase[Decision]):
         return not self.progress.finished
 
     def phases(self) -> Iterable[Phase[Any]]:
-        return self._phases
+        return (self,)  # made per call: a tuple kept on self would be a reference cycle
 
     def decide(self) -> Decision:
         progress, lanes = self.progress, self.lanes

@@ -90,6 +90,8 @@ class LaneThreads:
             try:
                 job()  # type: ignore[operator]
             finally:
+                # an idle lane must not keep its last job (and the restore it closes over) alive
+                job = None
                 with self._lock:
                     self._busy -= 1
 

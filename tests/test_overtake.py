@@ -326,3 +326,30 @@ def test_the_compute_floor_counts_two_flops_a_weight_at_the_measured_rate(llama_
     kept = llama_backend._floor
     llama_backend.compute_floor_s(64)
     assert llama_backend._floor is kept  # measured once per backend
+
+
+def test_a_link_no_fetch_lands_on_is_learned_as_a_bound(llama_backend):
+    """A store so slow that no fetch lands while the prompt computes (100 bytes/s): the first restore
+    computes in several units while it waits for fetches; the planner keeps the bound their time in
+    flight sets on the link (`silent_s_per_token`), and the next restore, knowing from the start that
+    no fetch can land in time, computes every chunk in one unit, the last stored chunk fetched aside
+    meanwhile to keep that bound current."""
+    tokens = random_tokens(256, llama_backend.spec.vocab_size)
+    slow = SlowLayers(llama_backend, layer_s=0.02)  # a unit takes 3 layers x 20 ms, whatever its length
+
+    async def main():
+        store = MemoryStore()
+        await Restorer(llama_backend, store, chunk_size=32, learn=False).save(tokens)
+        r = Restorer(slow, ThrottledStore(store, 100.0), chunk_size=32, learn=False, profile=False)
+        first = await r.restore(tokens, TokenTwoPointer())
+        bound = r.planner.silent_s_per_token
+        second = await r.restore(tokens, TokenTwoPointer())
+        return first, bound, second
+
+    first, bound, second = anyio.run(main)
+    assert first.stats.loaded_chunks == 0 and len(first.trace.of_kind("compute")) > 1
+    dropped = first.trace.of_kind("load-dropped")
+    assert bound is not None and bound >= max(e.seconds for e in dropped) / (32 * len(dropped))
+    assert [(e.first_chunk, e.last_chunk) for e in second.trace.of_kind("compute")] == [(0, 7)]
+    assert [e.first_chunk for e in second.trace.events if e.kind.startswith("aside")] == [7]
+    torch.testing.assert_close(second.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)

@@ -122,6 +122,9 @@ class Planner:
         #: seconds per token of compute, from the units fetches overtook (`_learn_overtaken`): a hint
         #: for the two-pointers' priors only, while the cost model has seen no unit run to its end
         self.overtaken_s_per_token: float | None = None
+        #: seconds per token the link took at least, from a restore none of whose fetches landed
+        #: (`_learn_silent`): the two-pointers' link prior while no load has measured the link
+        self.silent_s_per_token: float | None = None
         floor = self._floor()
         if floor is not None:  # measured once per backend, here rather than inside a first restore
             floor(1)
@@ -180,8 +183,9 @@ class Planner:
     def priors(self, refs: list[ChunkRef]) -> tuple[list[float | None], tuple[float, float] | None]:
         """What the cost model predicts before a restore has observed anything (`Progress.prior_*`):
         seconds to compute each chunk on top of the chunks before it (None where unknown), and the
-        link as (seconds per token delivered, latency)."""
-        model, link = self.cost_model, self.link.current
+        link as (seconds per token delivered, latency); none while the restore probes the link it
+        doubts (`plan`), so its policy judges the link from its own fetches."""
+        model, link = self.cost_model, None if self._probing else self.link.current
         compute: list[float | None] = [None] * len(refs)
         if not self.engine.times_restores_alone:  # a batch engine shares the lanes: no such costs apply
             return compute, None
@@ -190,13 +194,20 @@ class Planner:
         elif self.overtaken_s_per_token is not None:
             compute = [self.overtaken_s_per_token * r.n_tokens for r in refs]
         if link is None:
-            return compute, None
+            silent = None if self._probing else self.silent_s_per_token
+            return compute, None if silent is None else (silent, 0.0)
         return compute, (self.backend.spec.kv_bytes_per_token / link.bytes_per_s, link.latency_s)
+
+    def unit_fixed_s(self) -> float:
+        """`Progress.prior_unit_fixed_s`: the cost model's fixed cost of a token-wise unit (0 where the
+        priors do not come from a cost model)."""
+        model = self.cost_model
+        return model.chunk.fixed_s if model is not None and self.engine.times_restores_alone else 0.0
 
     def layer_priors(self, n_tokens: int) -> tuple[list[float | None], tuple[float, float] | None]:
         """`priors` of a layer-axis restore over a prefix of `n_tokens`: seconds to compute each layer,
         and the link per token of one layer."""
-        model, link, spec = self.cost_model, self.link.current, self.backend.spec
+        model, link, spec = self.cost_model, None if self._probing else self.link.current, self.backend.spec
         if not self.engine.times_restores_alone:  # a batch engine shares the lanes: no such costs apply
             model = link = None
         layer_s = model.layer.seconds(n_tokens) if model is not None else None
@@ -300,7 +311,27 @@ class Planner:
         moved = self.link.observe(trace)
         if moved:
             self._unprobed = 0
+            self.silent_s_per_token = None
+        elif layers_over is None:
+            self._learn_silent(trace, refs)
         self.costs.observe_link(self.link.current, moved)
+
+    def _learn_silent(self, trace: Trace, refs: list[ChunkRef]) -> None:
+        """A token-wise restore in which no fetch landed: a fetch dropped after t seconds in flight
+        had not delivered its own n tokens nor the m tokens of the fetches issued before it, so the link
+        takes at least t / (n + m) seconds a token (fetches are taken to be served in the order they
+        were issued, as the two-pointers' landing estimates take them). The largest such bound is
+        kept, over restores too (no restore can show the link faster without landing a fetch). Without
+        it a link too slow for any fetch to land is never learned, and every restore over it
+        starts in small units while it waits for fetches that will not land, each unit paying a unit's
+        fixed cost. The first fetch that lands replaces it."""
+        silent = [e for e in trace.events if e.kind in ("load-dropped", "aside-dropped") and e.seconds > 0]
+        bounds = [
+            e.seconds / sum(refs[f.first_chunk].n_tokens for f in silent if f.start_s <= e.start_s)
+            for e in silent
+        ]
+        if bounds:
+            self.silent_s_per_token = max(bounds + [self.silent_s_per_token or 0.0])
 
     def _learn_overtaken(self, trace: Trace, refs: list[ChunkRef]) -> None:
         """Token-wise units that fetches overtook, from the layers they ran: a unit that ran k of the

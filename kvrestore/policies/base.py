@@ -70,6 +70,10 @@ class Progress:
     #: delivered, seconds of latency per request)
     prior_compute_s: list[float | None] = field(default_factory=list)
     prior_link: tuple[float, float] | None = None
+    #: the part of each chunk's `prior_compute_s` that a compute unit pays once however many chunks it
+    #: covers (the cost model's fixed cost of a unit): k chunks in one unit cost the sum of their
+    #: priors less k - 1 times this
+    prior_unit_fixed_s: float = 0.0
     #: seconds below which computing each chunk cannot end (its matmul FLOPs at the device's measured
     #: rate, `backends.floor`): all a restorer knows of computing before any unit ran (None: not known)
     compute_floor_s: list[float | None] = field(default_factory=list)

@@ -55,7 +55,8 @@ class TokenTwoPointer(Policy):
             return Decision(compute=compute, race=True)
         frontier = compute[1] if compute else progress.compute_frontier()
         loads = self._loads(progress, frontier)
-        overtake = _overtake(progress, progress.free_load_lanes - len(loads), compute, loads)
+        free = progress.free_load_lanes - len(loads)
+        overtake = _overtake(progress, free, compute, loads) or _probe_aside(progress, free, compute)
         return Decision(compute=compute, loads=loads, drop=drop, wake_at=wake_at, overtake=overtake)
 
     @staticmethod
@@ -95,11 +96,10 @@ class TokenTwoPointer(Policy):
             held = _hold(p, a)
             if held is not None:  # the loads land every chunk left before computing chunk a could
                 return None, (), held
-            last = _last_stored(p, a)
-            if last > a and _loads_too_late(p, a):
-                # smaller units would only add a unit's fixed cost each: one unit up to the last stored
-                # chunk, which is left to a fetch that keeps the link's estimate honest
-                b, drop = _extend(p, a, a + 1, last)
+            if _last_stored(p, a) > a and _loads_too_late(p, a):
+                # smaller units would only add a unit's fixed cost each: one unit to the end (the last
+                # stored chunk is fetched aside meanwhile, `_probe_aside`)
+                b, drop = _extend(p, a, a + 1, p.n_chunks)
                 return (a, b), drop, None
             return self._unit(p, a, *_extend(p, a, a + 1, a + self._unit_length(p, a)))
         # the pointers met: chunk a is being fetched
@@ -163,15 +163,17 @@ def _last_stored(p: Progress, a: int) -> int:
 def _loads_too_late(p: Progress, a: int) -> bool:
     """Whether no fetch could land before computing every chunk left from chunk a would end (by the
     link's estimate and the compute estimates, else their floors): the loads cannot help this restore,
-    so the compute lane takes all but the last stored chunk as one unit. Fetches that turn out faster
-    still overtake it; the last chunk's fetch measures the link (an estimate that is wrong is then
-    corrected, not trusted for ever)."""
+    so the compute lane takes every chunk left as one unit. The last stored chunk's fetch aside
+    (`_probe_aside`) measures the link meanwhile (an estimate that is wrong is then corrected by the
+    next restore, not trusted for ever)."""
     link = _link(p)
     left = [j for j in range(a, p.n_chunks) if not p.status[j].done]
     rate = _compute_rate(p, a)
     estimates = [_estimate_at(p, j, rate) for j in left]
     if None in estimates:
         estimates = [p.compute_floor_s[j] for j in left]
+    elif rate is None:  # the cost model's: every chunk left as one unit pays its fixed cost once
+        estimates.append(-p.prior_unit_fixed_s * (len(left) - 1))
     stored = [p.chunk_tokens[j] for j in left if p.stored[j] and p.status[j] is ChunkStatus.PENDING]
     if link is None or None in estimates:
         return False
@@ -328,6 +330,17 @@ def _overtake(
         if landing >= started + sum(estimates):  # type: ignore[arg-type]
             return ()
     return tuple(todo[:free])
+
+
+def _probe_aside(p: Progress, free: int, starting: tuple[int, int] | None) -> tuple[int, ...]:
+    """The last stored chunk of a unit `starting` now that runs to the end of the prompt, fetched aside
+    where no fetch aside could overtake the unit (`_overtake` gave none): it cannot stop the unit, but
+    it is the one fetch this restore still makes, so its landing (or its time in flight without
+    landing) keeps what the restorer knows of the link current for the next restore."""
+    if starting is None or not p.can_overtake or free < 1 or starting[1] != p.n_chunks:
+        return ()
+    last = _last_stored(p, starting[0])
+    return (last,) if p.stored[last] and last not in p.aside else ()
 
 
 def _landed(p: Progress) -> list[tuple[float, int]]:

@@ -27,6 +27,7 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
         min_unit_chunks=parts.planner.min_unit_chunks(),
         prior_compute_s=prior_compute_s,
         prior_link=prior_link,
+        prior_unit_fixed_s=parts.planner.unit_fixed_s(),
         compute_floor_s=parts.planner.floors(refs),
     )
 

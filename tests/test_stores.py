@@ -13,7 +13,7 @@ import pytest
 from fsspec.implementations.asyn_wrapper import AsyncFileSystemWrapper
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvrestore.core.errors import StoreError, UnsupportedURLError
@@ -377,3 +377,25 @@ def test_a_listing_is_trusted_only_after_the_directory_has_been_still():
     assert _trusted(fine, now) and not _trusted(whole, now)  # whole seconds: a coarse filesystem
     assert not _trusted(int((now - RACY_FINE_S / 2) * 1e9) + 1, now)
     assert _trusted(int(now - RACY_COARSE_S - 1) * 10**9, now)
+
+
+@settings(max_examples=50, deadline=None)
+@example(sizes=[7] * 1300 + [0, 3], file_len=5000, offset=3)  # three batches, the file ending in one
+@example(sizes=[0, 5, 0, 0, 9] * 300, file_len=30000, offset=0)
+@given(
+    sizes=st.lists(st.integers(0, 40), min_size=1, max_size=1300),
+    file_len=st.integers(0, 30000),
+    offset=st.integers(0, 100),
+)
+def test_a_scatter_read_fills_many_buffers_in_order(tmp_path_factory, sizes, file_len, offset):
+    """`LocalStore.scatter_into_sync` over more buffers than one `preadv` takes (`IOV_BATCH`), empty
+    ones among them, from a file that may end part-way: every byte lands where it belongs, in order,
+    and the count says how many did."""
+    store = LocalStore(str(tmp_path_factory.mktemp("scatter")))
+    data = bytes(i % 251 for i in range(file_len))
+    anyio.run(store.put, "ab" * 16, data)
+    buffers = [memoryview(bytearray(n)) for n in sizes]
+    placed = store.scatter_into_sync("ab" * 16, offset, buffers)
+    expect = data[offset:][: sum(sizes)]
+    assert placed == len(expect)
+    assert b"".join(bytes(b) for b in buffers)[:placed] == expect

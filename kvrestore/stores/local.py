@@ -18,9 +18,11 @@ import re
 import socket
 import time
 import uuid
+from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from contextlib import suppress
 from functools import partial
+from itertools import accumulate
 from typing import Any, TypeVar
 
 import anyio.to_thread
@@ -107,18 +109,19 @@ def _read_all(fd: int, buffer: memoryview) -> int:
 
 def _scatter_read(fd: int, offset: int, buffers: Sequence[memoryview]) -> int:
     """Fill `buffers` one after another from byte `offset` of the file with as few `preadv` calls as the
-    kernel allows (the GIL released for each); returns the bytes placed (fewer where the file ends)."""
-    placed, i, first = 0, 0, 0  # buffers[i][first:] is where the next byte goes
+    kernel allows (the GIL released for each); returns the bytes placed (fewer where the file ends).
+    A read of thousands of small buffers (a layer's pages) does no Python work per buffer beyond the
+    batch it is passed in: where the next read starts is found among the buffers' running ends."""
+    ends = list(accumulate(map(len, buffers)))  # ends[i]: bytes up to the end of buffers[i]
+    placed, i = 0, 0  # buffers[i] is where the next byte goes
     while i < len(buffers):
-        batch = [buffers[i][first:], *buffers[i + 1 : i + IOV_BATCH]]
+        first = placed - (ends[i - 1] if i else 0)
+        batch = [buffers[i][first:], *buffers[i + 1 : i + IOV_BATCH]] if first else buffers[i : i + IOV_BATCH]
         n = os.preadv(fd, batch, offset + placed)
         if n == 0:
             break
         placed += n
-        while i < len(buffers) and n >= len(buffers[i]) - first:  # step past the buffers it filled
-            n -= len(buffers[i]) - first
-            i, first = i + 1, 0
-        first += n
+        i = bisect_right(ends, placed, i)  # past every buffer now full
     return placed
 
 

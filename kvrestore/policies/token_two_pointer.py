@@ -49,14 +49,16 @@ class TokenTwoPointer(Policy):
         contested = self._contested(progress)
         if contested is not None:  # the last chunk, stored: fetch it and compute it, the first wins
             return Decision(compute=(contested, contested + 1), loads=(contested,), race=True)
-        compute, drop, wake_at = self._compute_step(progress)
+        compute, drop, wake_at, hopeless = self._compute_step(progress)
         if drop and compute == (drop[0], drop[0] + 1) and progress.can_race:
             # the meeting chunk alone: race its fetch instead of dropping it, it may still land first
             return Decision(compute=compute, race=True)
         frontier = compute[1] if compute else progress.compute_frontier()
         loads = self._loads(progress, frontier)
         free = progress.free_load_lanes - len(loads)
-        overtake = _overtake(progress, free, compute, loads) or _probe_aside(progress, free, compute)
+        overtake = _overtake(progress, free, compute, loads)
+        if hopeless and not overtake:
+            overtake = _probe_aside(progress, free, compute)
         return Decision(compute=compute, loads=loads, drop=drop, wake_at=wake_at, overtake=overtake)
 
     @staticmethod
@@ -85,23 +87,26 @@ class TokenTwoPointer(Policy):
 
     # -- the compute pointer ---------------------------------------------------------------------
 
-    def _compute_step(self, p: Progress) -> tuple[tuple[int, int] | None, tuple[int, ...], float | None]:
-        """(compute unit, loads to drop, when to ask again) for the compute lane."""
+    def _compute_step(
+        self, p: Progress
+    ) -> tuple[tuple[int, int] | None, tuple[int, ...], float | None, bool]:
+        """(compute unit, loads to drop, when to ask again, whether the unit takes every chunk left
+        because no fetch can land in time) for the compute lane."""
         if p.compute_busy:
-            return None, (), None
+            return None, (), None, False
         a = p.done_prefix()
         if a >= p.n_chunks:
-            return None, (), None
+            return None, (), None, False
         if p.status[a] is ChunkStatus.PENDING:
             held = _hold(p, a)
             if held is not None:  # the loads land every chunk left before computing chunk a could
-                return None, (), held
+                return None, (), held, False
             if _last_stored(p, a) > a and _loads_too_late(p, a):
                 # smaller units would only add a unit's fixed cost each: one unit to the end (the last
                 # stored chunk is fetched aside meanwhile, `_probe_aside`)
                 b, drop = _extend(p, a, a + 1, p.n_chunks)
-                return (a, b), drop, None
-            return self._unit(p, a, *_extend(p, a, a + 1, a + self._unit_length(p, a)))
+                return (a, b), drop, None, True
+            return *self._unit(p, a, *_extend(p, a, a + 1, a + self._unit_length(p, a))), False
         # the pointers met: chunk a is being fetched
         compute_s = _compute_estimate(p, a)
         if compute_s is None:  # nothing computed or learned yet: the least computing it can take
@@ -109,15 +114,15 @@ class TokenTwoPointer(Policy):
         landing = _landing_estimate(p, a)
         if compute_s is None:
             if p.can_race:  # nothing computed yet to compare with: compute it too, the first wins
-                return (a, a + 1), (a,), None
-            return None, (), None  # the fetch will say
+                return (a, a + 1), (a,), None, False
+            return None, (), None, False  # the fetch will say
         if landing is not None and landing - p.now < compute_s:
             due = landing + GRACE * compute_s  # a fetch landing right on time is not late
             if p.now < due:
                 # waiting is cheaper; look again when the fetch is due if it has not landed by then
-                return None, (), due
+                return None, (), due, False
         b, drop = _extend(p, a, a + 1, a + max(self.compute_chunks, p.min_unit_chunks))
-        return self._unit(p, a, b, (a, *drop))
+        return *self._unit(p, a, b, (a, *drop)), False
 
     def _unit(
         self, p: Progress, a: int, b: int, drop: tuple[int, ...]
@@ -333,10 +338,10 @@ def _overtake(
 
 
 def _probe_aside(p: Progress, free: int, starting: tuple[int, int] | None) -> tuple[int, ...]:
-    """The last stored chunk of a unit `starting` now that runs to the end of the prompt, fetched aside
-    where no fetch aside could overtake the unit (`_overtake` gave none): it cannot stop the unit, but
-    it is the one fetch this restore still makes, so its landing (or its time in flight without
-    landing) keeps what the restorer knows of the link current for the next restore."""
+    """The last stored chunk of a unit `starting` now that takes every chunk left because no fetch can
+    land in time (`_loads_too_late`), fetched aside: it cannot stop the unit, but it is the one fetch
+    this restore still makes, so its landing (or its time in flight without landing) keeps what the
+    restorer knows of the link current for the next restore."""
     if starting is None or not p.can_overtake or free < 1 or starting[1] != p.n_chunks:
         return ()
     last = _last_stored(p, starting[0])

@@ -23,6 +23,7 @@ from kvrestore.policies.base import next_compute_run
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens
+from .test_kv_encoding import ComputeFirstLayer
 from .waiting import wait_until
 
 
@@ -38,19 +39,8 @@ class FrontComputed(Policy):
         return Decision(compute=run if run is not None and run[1] <= half else None, loads=loads)
 
 
-class FirstLayerComputed(Policy):
-    """Along layers: layer 0 computed, every other layer loaded (a `LayerReader` reads them)."""
-
-    name = "first-layer"
-    axis = "layers"
-
-    def decide(self, progress: Progress) -> Decision:
-        loads = tuple(i for i in progress.pending() if i > 0)[: progress.free_load_lanes]
-        run = next_compute_run(progress, max_chunks=1)
-        return Decision(compute=run if run == (0, 1) else None, loads=loads)
-
-
-POLICIES = [LoadOnly, ComputeOnly, FrontComputed, FirstLayerComputed]
+#: along layers, ComputeFirstLayer: layer 0 computed, every other layer loaded (a `LayerReader` reads them)
+POLICIES = [LoadOnly, ComputeOnly, FrontComputed, ComputeFirstLayer]
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.__name__)

@@ -185,7 +185,7 @@ class Planner:
         seconds to compute each chunk on top of the chunks before it (None where unknown), and the
         link as (seconds per token delivered, latency); none while the restore probes the link it
         doubts (`plan`), so its policy judges the link from its own fetches."""
-        model, link = self.cost_model, None if self._probing else self.link.current
+        model, link = self.cost_model, self.link.current
         compute: list[float | None] = [None] * len(refs)
         if not self.engine.times_restores_alone:  # a batch engine shares the lanes: no such costs apply
             return compute, None
@@ -193,8 +193,10 @@ class Planner:
             compute = [model.chunk.seconds(r.n_tokens, r.start) for r in refs]
         elif self.overtaken_s_per_token is not None:
             compute = [self.overtaken_s_per_token * r.n_tokens for r in refs]
+        if self._probing:
+            return compute, None
         if link is None:
-            silent = None if self._probing else self.silent_s_per_token
+            silent = self.silent_s_per_token
             return compute, None if silent is None else (silent, 0.0)
         return compute, (self.backend.spec.kv_bytes_per_token / link.bytes_per_s, link.latency_s)
 

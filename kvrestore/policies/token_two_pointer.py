@@ -175,13 +175,15 @@ def _loads_too_late(p: Progress, a: int) -> bool:
     left = [j for j in range(a, p.n_chunks) if not p.status[j].done]
     rate = _compute_rate(p, a)
     estimates = [_estimate_at(p, j, rate) for j in left]
+    from_model = rate is None and None not in estimates
     if None in estimates:
         estimates = [p.compute_floor_s[j] for j in left]
-    elif rate is None:  # the cost model's: every chunk left as one unit pays its fixed cost once
-        estimates.append(-p.prior_unit_fixed_s * (len(left) - 1))
     stored = [p.chunk_tokens[j] for j in left if p.stored[j] and p.status[j] is ChunkStatus.PENDING]
     if link is None or None in estimates:
         return False
+    computing_s: float = sum(estimates)  # type: ignore[arg-type]
+    if from_model:  # the cost model's: every chunk left as one unit pays its fixed cost once
+        computing_s -= p.prior_unit_fixed_s * (len(left) - 1)
     per_token, latency = link
     landings = [
         _landing_estimate(p, j, guess=True) for j in range(p.n_chunks) if p.status[j] is ChunkStatus.LOADING
@@ -189,7 +191,7 @@ def _loads_too_late(p: Progress, a: int) -> bool:
     if stored:  # a fetch issued now
         landings.append(p.now + latency + per_token * min(stored))
     known = [t for t in landings if t is not None]
-    return bool(known) and min(known) >= p.now + sum(estimates)  # type: ignore[arg-type]
+    return bool(known) and min(known) >= p.now + computing_s
 
 
 def _compute_estimate(p: Progress, a: int) -> float | None:

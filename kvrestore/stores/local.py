@@ -116,7 +116,7 @@ def _scatter_read(fd: int, offset: int, buffers: Sequence[memoryview]) -> int:
     placed, i = 0, 0  # buffers[i] is where the next byte goes
     while i < len(buffers):
         first = placed - (ends[i - 1] if i else 0)
-        batch = [buffers[i][first:], *buffers[i + 1 : i + IOV_BATCH]] if first else buffers[i : i + IOV_BATCH]
+        batch = [buffers[i][first:], *buffers[i + 1 : i + IOV_BATCH]]
         n = os.preadv(fd, batch, offset + placed)
         if n == 0:
             break

@@ -284,6 +284,7 @@ def test_the_restorer_is_a_thin_facade():
     doc_lines = sum((d.end_lineno or d.lineno) - d.lineno + 1 for d in docs)
     assert cls.end_lineno - cls.lineno + 1 - doc_lines < 200
 
+
 if __name__ == "__main__":
     for name, n in sorted(long_modules().items(), key=lambda kv: -kv[1]):
         print(f"{n:5d}  {name}")

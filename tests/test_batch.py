@@ -286,7 +286,9 @@ def test_a_failing_compute_unit_fails_only_its_own_restore(deep_backend):
                     raise AssertionError("nothing is stored")
 
                 try:
-                    await engine.run(RunRequest(Progress([16] * 4, [False] * 4), ComputeOnly(), boom, no_load))
+                    await engine.run(
+                        RunRequest(Progress([16] * 4, [False] * 4), ComputeOnly(), boom, no_load)
+                    )
                 except RuntimeError as exc:
                     results["bad"] = exc
 

@@ -102,7 +102,12 @@ def test_gpu_blend_tiny(tmp_path: Path) -> None:
         assert case["median_s"] > 0, name
         assert case["new_segments_timed"] == 0, name  # no CUDA here: no device segments at all
     assert data["config"]["split_attention"] is True
-    for name in ("blend@0.15", "blend@0.15 one-call", "blend@0.15 checked-per-layer", "blend@0.15 one-layer-per-read"):
+    for name in (
+        "blend@0.15",
+        "blend@0.15 one-call",
+        "blend@0.15 checked-per-layer",
+        "blend@0.15 one-layer-per-read",
+    ):
         assert layout["cases"][name]["loaded_chunks"] == 4
         layers = data["config"]["shape"]["num_hidden_layers"]
         assert len(layout["cases"][name]["layer_ms"]) == layers and min(layout["cases"][name]["layer_ms"]) > 0
@@ -165,15 +170,25 @@ def test_gpu_suite_tiny(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.iterdir()) == ["logs.txt", "results.json", "summary.json", "summary.md"]
     summary = json.loads((out / "summary.json").read_text())
     status = {name: b["status"] for name, b in summary["benchmarks"].items()}
-    assert set(status) == {"cuda-tests", "gpu_restore", "gpu_blend", "never_slower", "data_path", "kv_encoding",
-                           "vllm_gpu"}
+    assert set(status) == {
+        "cuda-tests",
+        "gpu_restore",
+        "gpu_blend",
+        "never_slower",
+        "data_path",
+        "kv_encoding",
+        "vllm_gpu",
+    }
     for name in ("cuda-tests", "gpu_restore", "gpu_blend", "data_path"):
         assert status[name] == "ok", (name, summary["benchmarks"][name])
     expected_never_slower = "ok" if (BENCH / "never_slower.py").exists() else "missing"
     assert status["never_slower"] == expected_never_slower
     assert status["kv_encoding"] == status["vllm_gpu"] == "skipped"  # no smoke run of theirs in --tiny
     results = json.loads((out / "results.json").read_text())
-    assert results["gpu_restore"]["benchmark"] == "gpu_restore" and results["gpu_blend"]["benchmark"] == "gpu_blend"
+    assert (
+        results["gpu_restore"]["benchmark"] == "gpu_restore"
+        and results["gpu_blend"]["benchmark"] == "gpu_blend"
+    )
     assert results["cuda-tests"]["failures"] == results["cuda-tests"]["errors"] == 0
     rows = summary["rows"]
     blend = [r for r in rows if r["source"] == "gpu_blend"]
@@ -221,6 +236,11 @@ def test_gpu_suite_records_failures_and_timeouts(tmp_path: Path, monkeypatch: py
     assert outcomes["fails"].rc == 3 and "boom" in outcomes["fails"].log
     assert outcomes["sleeps"].rc is None
     written = [r for r in rows if r.source == "writes"]
-    assert [(r.target, r.figure, r.met) for r in written] == [("x/value", 2.0, True), ("y <= 1", False, False)]
+    assert [(r.target, r.figure, r.met) for r in written] == [
+        ("x/value", 2.0, True),
+        ("y <= 1", False, False),
+    ]
     results = json.loads((out / "results.json").read_text())
-    assert results == {"writes": {"targets": {"x": {"value": 2.0, "meets": {"value": True}}, "y <= 1": False}}}
+    assert results == {
+        "writes": {"targets": {"x": {"value": 2.0, "meets": {"value": True}}, "y <= 1": False}}
+    }

@@ -184,7 +184,9 @@ def test_grouped_attention_equals_one_masked_call(picks, groups, rows, slack):
 
 
 @settings(max_examples=30, deadline=None)
-@given(picks=st.lists(st.booleans(), min_size=1, max_size=70), extra=st.integers(0, 20), cut=st.integers(0, 70))
+@given(
+    picks=st.lists(st.booleans(), min_size=1, max_size=70), extra=st.integers(0, 20), cut=st.integers(0, 70)
+)
 def test_the_additive_mask_is_the_boolean_one_in_aligned_rows(picks, extra, cut):
     """CUDA's additive mask of the selected rows sees exactly what the boolean one sees, gives the
     same attention, and every slice of it the groups take keeps an aligned row stride (so SDPA's
@@ -201,7 +203,9 @@ def test_the_additive_mask_is_the_boolean_one_in_aligned_rows(picks, extra, cut)
     g = torch.Generator().manual_seed(len(picks))
     q, k, v = (torch.randn(1, 4, n, 8, generator=g) for n in (index.numel(), n_keys, n_keys))
     with_bias = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
-    torch.testing.assert_close(with_bias, F.scaled_dot_product_attention(q, k, v, attn_mask=seen), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        with_bias, F.scaled_dot_product_attention(q, k, v, attn_mask=seen), atol=1e-6, rtol=0
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -517,7 +521,12 @@ def test_deferred_checks_give_the_same_blend(llama_backend, kind, ratio, tmp_pat
     want = run_blend(llama_backend, order, suffix, Blend(recompute_ratio=ratio), saved=chunks)
     _defer_checks(monkeypatch)
     got = run_blend(
-        llama_backend, order, suffix, Blend(recompute_ratio=ratio), store=_cuda_store(kind, tmp_path), saved=chunks
+        llama_backend,
+        order,
+        suffix,
+        Blend(recompute_ratio=ratio),
+        store=_cuda_store(kind, tmp_path),
+        saved=chunks,
     )
     assert got.stats.loaded_chunks == 3 and not got.stats.errors and got.stats.restarts == 0
     torch.testing.assert_close(got.kv.data, want.kv.data, atol=ATOL, rtol=0)
@@ -682,7 +691,9 @@ class HandshakeStore(MemoryStore):
         self.armed = False
         self.section_layer: dict[int, int] = {}  # a section's offset in a chunk object -> its layer
         self.loading: collections.defaultdict[int, threading.Event] = collections.defaultdict(threading.Event)
-        self.computing: collections.defaultdict[int, threading.Event] = collections.defaultdict(threading.Event)
+        self.computing: collections.defaultdict[int, threading.Event] = collections.defaultdict(
+            threading.Event
+        )
 
     async def get_range(self, key, start, end):
         layer = self.section_layer.get(start) if self.armed else None
@@ -717,7 +728,9 @@ def test_loading_next_layer_overlaps_recompute(monkeypatch):
     store.armed = True
     anyio.run(_blend, b, store, [], chunks, no_suffix, Blend(recompute_ratio=1.0))
     assert [layer for layer, _ in overlapped] == list(range(1, b.spec.num_layers - 1))
-    assert all(ok for _, ok in overlapped), f"a layer's load did not start during the layer before: {overlapped}"
+    assert all(ok for _, ok in overlapped), (
+        f"a layer's load did not start during the layer before: {overlapped}"
+    )
 
 
 class HangingLayers(MemoryStore):
@@ -769,7 +782,15 @@ def test_a_cancelled_blend_stops_its_compute_lane(monkeypatch):
 
 
 # ops that make the host wait for the device on CUDA (a scalar read, or a result whose size is data)
-_SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive"}
+_SYNCING_OPS = {
+    "_local_scalar_dense",
+    "item",
+    "nonzero",
+    "masked_select",
+    "unique",
+    "_unique2",
+    "unique_consecutive",
+}
 
 
 class _OpLog(TorchDispatchMode):
@@ -782,7 +803,10 @@ class _OpLog(TorchDispatchMode):
         name = func.overloadpacket.__name__
         self.ops.append(name)
         if name.startswith("index") and any(
-            isinstance(t, torch.Tensor) and t.dtype == torch.bool for a in args if isinstance(a, list | tuple) for t in a
+            isinstance(t, torch.Tensor) and t.dtype == torch.bool
+            for a in args
+            if isinstance(a, list | tuple)
+            for t in a
         ):
             self.bool_indexing += 1  # indexing with a boolean mask is a nonzero inside
         return func(*args, **(kwargs or {}))
@@ -815,7 +839,9 @@ def test_selective_layers_never_wait_for_the_device(backend, monkeypatch, split_
     assert len(logs) == backend.spec.num_layers and res.stats.hkvd[0] > 0
     for i, log in enumerate(logs[1:], start=1):
         assert "sdpa" in " ".join(log.ops) or "scaled_dot_product" in " ".join(log.ops)
-        assert not _SYNCING_OPS & set(log.ops), f"layer {i} waits for the device: {_SYNCING_OPS & set(log.ops)}"
+        assert not _SYNCING_OPS & set(log.ops), (
+            f"layer {i} waits for the device: {_SYNCING_OPS & set(log.ops)}"
+        )
         assert log.bool_indexing == 0, f"layer {i} indexes with a boolean mask"
     merged = any("lerp" in log.ops for log in logs[1:])  # merge_attention: a split group ran
     assert merged == (split_min_work == 1)
@@ -841,6 +867,7 @@ def test_a_backend_that_cannot_blend_is_refused_before_any_work(backend):
     with pytest.raises(InvalidInputError, match="CacheBlend needs a backend"):
         anyio.run(restorer.restore_blend, [chunk], [1, 2])
     assert anyio.run(store.scan) == []  # nothing was computed or written
+
 
 def test_auto_ratio_stays_within_bounds(backend):
     chunks = _chunks([16, 16], seed=70)
@@ -919,7 +946,9 @@ def test_select_hkvd_keeps_forced_and_the_highest_deviation(dev, forced_bits, si
 @pytest.mark.parametrize("kind", ["kv", "k", "v"])
 def test_stacked_deviation_is_the_squared_distance_of_the_parts(kind):
     g = torch.Generator().manual_seed(3)
-    new, old = (torch.randn(2, 3, 11, 8, generator=g, dtype=torch.float64).to(torch.bfloat16) for _ in range(2))
+    new, old = (
+        torch.randn(2, 3, 11, 8, generator=g, dtype=torch.float64).to(torch.bfloat16) for _ in range(2)
+    )
     diff = (new - old).double().square().sum(dim=(1, 3))  # [2, T]: K's, then V's (differenced in bf16)
     want = {"kv": diff[0] + diff[1], "k": diff[0], "v": diff[1]}[kind]
     got = stacked_kv_deviation(new, old, kind)
@@ -948,7 +977,9 @@ def test_selection_sizes_are_monotone_and_bounded(schedule, n_reused):
 # -- the loading controller ---------------------------------------------------------------------------
 
 
-@given(load=st.floats(0.0, 10.0, allow_subnormal=False), prefill=st.floats(1e-6, 10.0), floor=st.floats(0.0, 1.0))
+@given(
+    load=st.floats(0.0, 10.0, allow_subnormal=False), prefill=st.floats(1e-6, 10.0), floor=st.floats(0.0, 1.0)
+)
 def test_choose_ratio_hides_recompute_behind_loading_above_the_floor(load, prefill, floor):
     r = choose_ratio(load, prefill, floor=floor)
     assert floor <= r <= 1.0
@@ -1212,7 +1243,9 @@ def test_split_attention_on_cuda_equals_the_masked_call(dtype):
     with without_cudnn_attention():
         want = b.blend._attention_masked(q, k, v, mask)
         got = b.blend._attention_split(q, k, v, mask, 688)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+    torch.testing.assert_close(
+        got.float(), want.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -1223,7 +1256,9 @@ def test_split_blend_on_cuda_equals_the_unsplit_one(dtype):
     recompute, and in float32 at partial recompute too (in bf16 a rounding may pick another token)."""
     b = HFBackend(tiny_model("llama", layers=4).to("cuda", dtype), name="tiny-llama-cuda")
     b.blend.attention_groups, b.blend.group_rows = 4, 4
-    assert b.blend._split_attention_works(torch.device("cuda"), dtype)  # else every group takes the masked call
+    assert b.blend._split_attention_works(
+        torch.device("cuda"), dtype
+    )  # else every group takes the masked call
     chunks = _chunks([48, 40, 56], seed=60)
     suffix = random_tokens(9, 256, seed=61)
     ratios = (1.0, 0.3) if dtype == torch.float32 else (1.0,)
@@ -1233,5 +1268,7 @@ def test_split_blend_on_cuda_equals_the_unsplit_one(dtype):
         got[split] = {r: run_blend(b, chunks, suffix, Blend(recompute_ratio=r)) for r in ratios}
     atol = ATOL if dtype == torch.float32 else 5e-2
     for r in ratios:
-        torch.testing.assert_close(got[True][r].kv.data.float(), got[False][r].kv.data.float(), atol=atol, rtol=0)
+        torch.testing.assert_close(
+            got[True][r].kv.data.float(), got[False][r].kv.data.float(), atol=atol, rtol=0
+        )
         assert got[True][r].stats.recomputed == got[False][r].stats.recomputed

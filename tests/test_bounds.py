@@ -276,7 +276,9 @@ def test_learned_costs_out_of_bounds_are_ignored_and_auto_restores(llama_backend
             return r, await r.restore(tokens)
 
     r, res = run(main)
-    assert r.planner.costs.state.restores == 1  # learning started again: the file's state (5 restores) was not taken
+    assert (
+        r.planner.costs.state.restores == 1
+    )  # learning started again: the file's state (5 restores) was not taken
     torch.testing.assert_close(res.kv.data, b.prefill_chunk(tokens, None, 0).data, atol=ATOL, rtol=0)
 
 
@@ -289,7 +291,7 @@ def test_learned_costs_in_bounds_are_taken(llama_backend, tmp_path):
     assert r.planner.costs.state.restores == 7 and r.planner.link.current == LinkCost(1e8, 1e-4)
 
 
-@pytest.mark.parametrize("content", [b"", b"{\"machine\": ", b"\x00garbage\xff", b"[1, 2, 3]"])
+@pytest.mark.parametrize("content", [b"", b'{"machine": ', b"\x00garbage\xff", b"[1, 2, 3]"])
 def test_an_unreadable_saved_profile_never_stops_a_restorer(llama_backend, tmp_path, monkeypatch, content):
     b = llama_backend
     monkeypatch.setenv("KVRESTORE_CACHE_DIR", str(tmp_path))
@@ -304,8 +306,14 @@ def test_a_saved_profile_out_of_bounds_is_ignored(llama_backend, tmp_path, monke
     b = llama_backend
     monkeypatch.setenv("KVRESTORE_CACHE_DIR", str(tmp_path))
     good = Profile(
-        machine_id(), b.spec.name, b.spec.fingerprint, dtype_name(b.spec.dtype), torch.device(b.device).type,
-        ChunkCost(1e-3, 1e-5, 0.0), LayerCost(1e-4, 1e-6, 0.0), LinkCost(1e8, 1e-4),
+        machine_id(),
+        b.spec.name,
+        b.spec.fingerprint,
+        dtype_name(b.spec.dtype),
+        torch.device(b.device).type,
+        ChunkCost(1e-3, 1e-5, 0.0),
+        LayerCost(1e-4, 1e-6, 0.0),
+        LinkCost(1e8, 1e-4),
     )
     good.save()
     assert Restorer(b, MemoryStore(), chunk_size=32).planner.profile == good
@@ -334,7 +342,9 @@ def test_a_poisoned_learned_link_traps_auto_for_one_restore_at_most(llama_backen
 
     r, results = run(main)
     assert "probing" in results[0].plan.reason and results[0].stats.loaded_chunks > 0
-    assert r.planner.link.current.bytes_per_s > 1e6 and r.planner.link.current.latency_s < 1.0  # measured, not mixed
+    assert (
+        r.planner.link.current.bytes_per_s > 1e6 and r.planner.link.current.latency_s < 1.0
+    )  # measured, not mixed
     for res in results[1:]:
         assert res.plan.choice.name != "compute-only" and res.stats.loaded_chunks > 0
     for res in results:
@@ -421,7 +431,9 @@ def test_a_missing_bucket_is_a_store_error_at_save_and_a_miss_at_restore(llama_b
     names = lambda: [x["Name"] for x in s3_server.client().list_buckets()["Buckets"]]  # noqa: E731
 
     async def main(**options):
-        async with Restorer(b, open_store(f"s3://{bucket}/p", **s3_server.options(**options)), chunk_size=32) as r:
+        async with Restorer(
+            b, open_store(f"s3://{bucket}/p", **s3_server.options(**options)), chunk_size=32
+        ) as r:
             res = await r.restore(tokens)
             try:
                 saved = await r.save(tokens)
@@ -431,7 +443,9 @@ def test_a_missing_bucket_is_a_store_error_at_save_and_a_miss_at_restore(llama_b
 
     res, saved = run(main)
     assert res.stats.computed_chunks == 2 and res.stats.failed_loads == 0  # a miss, not a fault
-    assert isinstance(saved, StoreError) and "bucket does not exist" in str(saved.failed[next(iter(saved.failed))])
+    assert isinstance(saved, StoreError) and "bucket does not exist" in str(
+        saved.failed[next(iter(saved.failed))]
+    )
     assert bucket not in names()  # nothing created behind the caller's back
     _, created = run(partial(main, create_bucket=True))  # an explicit option
     assert created.written_chunks == 2 and bucket in names()
@@ -453,7 +467,12 @@ def test_save_refuses_kv_with_nan_or_inf_or_of_another_shape_or_device(llama_bac
     async def main():
         async with Restorer(b, store, chunk_size=32, learn=False) as r:
             errors = []
-            for data, match in ((nan, "NaN"), (inf, "NaN or infinite"), (wide, "shape"), (good.to("meta"), "on meta")):
+            for data, match in (
+                (nan, "NaN"),
+                (inf, "NaN or infinite"),
+                (wide, "shape"),
+                (good.to("meta"), "on meta"),
+            ):
                 with pytest.raises(InvalidInputError, match=match) as exc:
                     await r.save(tokens, KVCache(b.spec, data))
                 errors.append(exc.value)

@@ -43,7 +43,9 @@ def test_weights_are_heads_of_one_cached_tensor():
     """Any length is the head of the longest made so far: one tensor per device, not one per length."""
     with np.errstate(over="ignore"):
         idx = np.arange(1000, dtype=np.uint64)
-        want = ((idx * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x632BE59BD9B4E019)) | np.uint64(1)).view(np.int64)
+        want = ((idx * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x632BE59BD9B4E019)) | np.uint64(1)).view(
+            np.int64
+        )
     short = weights(5)
     long = weights(1000)
     assert np.array_equal(short.numpy(), want[:5]) and np.array_equal(long.numpy(), want)
@@ -191,8 +193,12 @@ def stores(tmp_path):
 
 def load_into(spec, store, blob, device="cpu", n_tokens=6, start=12, fill=7.0, put=True):
     """Put `blob` (unless `put` is False) and load it into a cache filled with `fill`; (result, cache)."""
-    cache = KVCache(spec, torch.full((spec.num_layers, 2, spec.num_kv_heads, 30, spec.head_dim), fill)
-                    .to(spec.dtype).to(device))
+    cache = KVCache(
+        spec,
+        torch.full((spec.num_layers, 2, spec.num_kv_heads, 30, spec.head_dim), fill)
+        .to(spec.dtype)
+        .to(device),
+    )
     loader = ChunkLoader(spec, store)
 
     async def body():

@@ -33,7 +33,9 @@ def run_blocks(path: Path) -> None:
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("doc", sorted(p.name for p in DOCS.glob("*.md") if p.name not in OTHER_TIERS | NOT_TUTORIALS))
+@pytest.mark.parametrize(
+    "doc", sorted(p.name for p in DOCS.glob("*.md") if p.name not in OTHER_TIERS | NOT_TUTORIALS)
+)
 def test_doc_runs(doc, smollm2):
     run_blocks(DOCS / doc)
 

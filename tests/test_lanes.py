@@ -116,7 +116,9 @@ def test_restores_through_lane_threads_equal_a_full_prefill(llama_backend, tmp_p
 def test_loads_run_on_the_engines_lane_threads(llama_backend):
     tokens = random_tokens(160, llama_backend.spec.vocab_size)
     store = CountingStore()
-    assert store.reads_sync  # get_sync is its own, get / read_into are MemoryStore's: it still reads synchronously
+    assert (
+        store.reads_sync
+    )  # get_sync is its own, get / read_into are MemoryStore's: it still reads synchronously
 
     async def main():
         r = Restorer(llama_backend, store, chunk_size=32, load_lanes=2)

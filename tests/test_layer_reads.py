@@ -55,7 +55,9 @@ def test_grouped_reads_give_the_same_blend(deep, kind, per_read, ahead, tmp_path
     order = [chunks[2], chunks[0], chunks[1]]
     want = run_blend(deep, order, suffix, Blend(recompute_ratio=0.3), saved=chunks)
     _defer_checks(monkeypatch, layers_per_read=per_read, ahead=ahead)
-    got = run_blend(deep, order, suffix, Blend(recompute_ratio=0.3), store=_cuda_store(kind, tmp_path), saved=chunks)
+    got = run_blend(
+        deep, order, suffix, Blend(recompute_ratio=0.3), store=_cuda_store(kind, tmp_path), saved=chunks
+    )
     assert got.stats.loaded_chunks == 3 and not got.stats.errors and got.stats.restarts == 0
     torch.testing.assert_close(got.kv.data, want.kv.data, atol=ATOL, rtol=0)
     torch.testing.assert_close(got.logits, want.logits, atol=ATOL, rtol=0)
@@ -115,7 +117,9 @@ def test_read_layers_places_what_read_layer_places(deep, defer):
         for layer in range(2, 7):
             await a.read_layer(layer, one)
         opened = b.bytes_read
-        assert await b.read_layers(range(2, 7), many) == a.bytes_read - opened and b.bytes_read == a.bytes_read
+        assert (
+            await b.read_layers(range(2, 7), many) == a.bytes_read - opened and b.bytes_read == a.bytes_read
+        )
         await store.put(keys[1], _damage_layer(await store.get(keys[1]), 5))
         c = LayerReader(deep.spec, store, stored, defer_checks=defer)
         await c.open()
@@ -127,10 +131,11 @@ def test_read_layers_places_what_read_layer_places(deep, defer):
 
     one, many, failed, damaged = anyio.run(go)
     torch.testing.assert_close(many.data, one.data, atol=0, rtol=0)
-    assert many.data[2:7].abs().sum() > 0 and many.data[7:].abs().sum() == 0 and many.data[:2].abs().sum() == 0
+    assert (
+        many.data[2:7].abs().sum() > 0 and many.data[7:].abs().sum() == 0 and many.data[:2].abs().sum() == 0
+    )
     assert failed.indices == [1] and "layer 5" in failed.error
     torch.testing.assert_close(damaged.data[3:7, :, :, :12], one.data[3:7, :, :, :12], atol=0, rtol=0)
-
 
 
 def test_a_store_that_drops_out_inside_a_read_degrades_to_recompute(deep, monkeypatch):

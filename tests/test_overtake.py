@@ -209,7 +209,10 @@ def test_a_layer_wise_restore_whose_loads_win_before_any_layer_goes_along_tokens
     chunks instead (one read each, not one per layer): the token axis, loads only, exact."""
     tokens = random_tokens(96, llama_backend.spec.vocab_size)
     slow_compute = make_profile(
-        llama_backend, chunk=ChunkCost(1.0, 1e-2, 0.0), layer=LayerCost(1.0, 1e-2, 0.0), link=LinkCost(1e12, 0.0)
+        llama_backend,
+        chunk=ChunkCost(1.0, 1e-2, 0.0),
+        layer=LayerCost(1.0, 1e-2, 0.0),
+        link=LinkCost(1e12, 0.0),
     )
 
     res = _saved_then_restored(llama_backend, llama_backend, tokens, LayerTwoPointer(), profile=slow_compute)
@@ -238,7 +241,9 @@ class SlowLayers:
         self.inner.prefill_into(tokens, cache, start)
 
 
-def _saved_then_restored(backend: Any, restoring: Any, tokens: torch.Tensor, policy: Any, **kwargs: Any) -> Any:
+def _saved_then_restored(
+    backend: Any, restoring: Any, tokens: torch.Tensor, policy: Any, **kwargs: Any
+) -> Any:
     """`tokens` saved by `backend` into a fresh memory store, then restored through a fresh restorer
     of `restoring` (32-token chunks, nothing learned kept; `kwargs` go to that restorer)."""
 

@@ -24,14 +24,23 @@ from .test_two_pointer import ATOL, full_prefill
 
 def _sim(policy, n_chunks: int, compute_s: float, load_s: float):
     link = Link(BandwidthTrace.constant(1.0 / load_s))  # one chunk is one byte: a fetch takes load_s
-    return simulate(policy, [256] * n_chunks, [True] * n_chunks, lambda a, b, _t: (b - a) * compute_s, [1] * n_chunks, link)
+    return simulate(
+        policy,
+        [256] * n_chunks,
+        [True] * n_chunks,
+        lambda a, b, _t: (b - a) * compute_s,
+        [1] * n_chunks,
+        link,
+    )
 
 
 @settings(max_examples=60, deadline=None)
 @given(compute_s=st.floats(0.01, 1.0), load_s=st.floats(0.01, 1.0))
 def test_a_one_chunk_restore_takes_the_faster_of_its_two_ways(compute_s, load_s):
     res = _sim(TokenTwoPointer(), 1, compute_s, load_s)
-    alone = min(_sim(ComputeOnly(), 1, compute_s, load_s).makespan, _sim(LoadOnly(), 1, compute_s, load_s).makespan)
+    alone = min(
+        _sim(ComputeOnly(), 1, compute_s, load_s).makespan, _sim(LoadOnly(), 1, compute_s, load_s).makespan
+    )
     assert res.makespan == pytest.approx(alone)
     kinds = sorted(e.kind for e in res.trace.events)
     assert kinds in (["compute", "load-dropped"], ["compute-dropped", "load"])  # applied once

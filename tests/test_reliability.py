@@ -183,7 +183,7 @@ FULL_DISK = textwrap.dedent(
 
 def _tmpfs_command(disk: Path, script: str) -> list[str] | None:
     """How to run `script` with `disk` a fresh 2 MB tmpfs: as root directly, else in a user namespace."""
-    mount = f"mount -t tmpfs -o size=2m tmpfs {disk} && {sys.executable} -c \"$0\""
+    mount = f'mount -t tmpfs -o size=2m tmpfs {disk} && {sys.executable} -c "$0"'
     if os.geteuid() == 0:
         probe = subprocess.run(["sh", "-c", f"mount -t tmpfs -o size=2m tmpfs {disk} && umount {disk}"])
         if probe.returncode == 0:

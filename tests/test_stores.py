@@ -63,6 +63,9 @@ def test_contract(store: ChunkStore):
             assert await store.get(K1) == data
             assert await store.get(K2) == b"second"
             assert await store.contains([K1, K3, K2]) == [True, False, True]
+            # the blocking face answers alike where the store reads without its loop
+            sync = store.contains_sync([K1, K3, K2])
+            assert sync == ([True, False, True] if store.reads_sync else None)
             assert await store.get_range(K1, 0, 4) == data[:4]
             assert await store.get_range(K1, 1000, 5000) == data[1000:]  # clamped at the end
             assert await store.get_range(K1, 7, 7) == b""
@@ -88,6 +91,24 @@ def test_contract(store: ChunkStore):
                 await store.get_range(K2, -1, 2)
 
     run(body)
+
+
+def test_contains_sync_is_only_where_contains_is_the_store_own(tmp_path):
+    """A subclass or a wrapper that answers `contains` its own way is never bypassed by the blocking
+    face: it answers None (ask `contains`); a deadline around a local store passes it on."""
+    from kvrestore.stores import ThrottledStore
+    from kvrestore.stores.deadline import Deadlines, DeadlineStore
+
+    class Counting(LocalStore):
+        async def contains(self, keys):
+            return await super().contains(keys)
+
+    local = LocalStore(str(tmp_path))
+    run(local.put, K1, b"x")
+    assert local.contains_sync([K1, K2]) == [True, False]
+    assert Counting(str(tmp_path)).contains_sync([K1]) is None
+    assert ThrottledStore(local, 1e9).contains_sync([K1]) is None
+    assert DeadlineStore(local, Deadlines()).contains_sync([K1, K2]) == [True, False]
 
 
 @pytest.mark.parametrize("bad", BAD_KEYS)

@@ -140,9 +140,14 @@ def test_every_layer_read_gives_its_buffers_back_once(tmp_path, monkeypatch, com
     spec = make_spec()
     store = FsspecStore(str(tmp_path / "dir"))
     g = torch.Generator().manual_seed(3)
-    kvs = [torch.randn(spec.num_layers, 2, spec.num_kv_heads, 6, spec.head_dim, generator=g) for _ in range(3)]
+    kvs = [
+        torch.randn(spec.num_layers, 2, spec.num_kv_heads, 6, spec.head_dim, generator=g) for _ in range(3)
+    ]
     keys = [f"{j:02d}" * 16 for j in range(3)]
-    blobs = [codec.encode_chunk(KVChunk(0, kv), spec, k, compression=compression) for kv, k in zip(kvs, keys, strict=True)]
+    blobs = [
+        codec.encode_chunk(KVChunk(0, kv), spec, k, compression=compression)
+        for kv, k in zip(kvs, keys, strict=True)
+    ]
     header, _ = codec.read_header(blobs[1])
     damaged = bytearray(blobs[1])
     damaged[header.layers[2].offset + 1] ^= 0x20

@@ -59,7 +59,9 @@ def test_faster_link_loads_more():
 
     def loaded(bytes_per_s: float) -> int:
         link = Link(BandwidthTrace.constant(bytes_per_s))
-        res = simulate(TokenTwoPointer(), [16] * 20, [True] * 20, lambda a, b, _t: 0.01 * (b - a), [1000] * 20, link)
+        res = simulate(
+            TokenTwoPointer(), [16] * 20, [True] * 20, lambda a, b, _t: 0.01 * (b - a), [1000] * 20, link
+        )
         assert sorted(res.trace.loaded() + res.trace.computed()) == list(range(20))
         return len(res.trace.loaded())
 

@@ -212,6 +212,7 @@ def test_how_much_slower_steps_that_load_compute_is_learned_and_slows_a_split(tm
     book.add_compute(2000, 0, 2.0)
     for row in samples:
         book.add_loading_step(*row[:4], num_layers=L)  # type: ignore[call-arg]
+    book.flush()  # written behind the step; here, for another process to read
     assert CostBook(tmp_path / "c.json").loading_factor() == pytest.approx(3.0)  # another process
     balance_bw = 2000 * KV_PER_TOKEN / COMPUTE.seconds(2000)
     alone, beside = _split(LinkCost(balance_bw)), _split(LinkCost(balance_bw), loading=3.0)
@@ -238,6 +239,7 @@ def test_cost_book_persists_across_processes(tmp_path):
     book = CostBook(tmp_path / "c.json")
     book.add_compute(2000, 0, 6.0)
     book.add_load("file:///kv", 90_000_000, 3.0)
+    book.flush()  # the book writes on a thread of its own: this waits for the file
     again = CostBook(tmp_path / "c.json")  # another process reading the same file
     assert again.compute == [[2000.0, 0.0, 6.0]]
     assert again.link("file:///kv").bytes_per_s == pytest.approx(3e7)

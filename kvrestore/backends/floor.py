@@ -42,7 +42,9 @@ class ComputeFloor:
         return f"ComputeFloor({self.flops_per_token / 1e9:.3f} GFLOP/token at {self.flops_per_s / 1e9:.1f} GFLOP/s)"
 
 
-def measure_floor(layers: Sequence[torch.nn.Module], dtype: torch.dtype, device: torch.device) -> ComputeFloor:
+def measure_floor(
+    layers: Sequence[torch.nn.Module], dtype: torch.dtype, device: torch.device
+) -> ComputeFloor:
     """The floor of a decoder stack `layers` on `device` in `dtype` (one matmul, a few milliseconds)."""
     weights = [p for layer in layers for p in layer.parameters() if p.dim() == 2]
     widest = max(weights, key=lambda w: w.numel())

@@ -341,8 +341,12 @@ class HFBlend:
         except Exception as exc:  # an internal op missing or changed in this torch: no split, not a failure
             ok, why = False, f"{type(exc).__name__}: {exc}"
         if not ok:
-            log.warning("block-causal split attention unavailable on %s %s (%s): masked calls only", device,
-                        dtype, why)
+            log.warning(
+                "block-causal split attention unavailable on %s %s (%s): masked calls only",
+                device,
+                dtype,
+                why,
+            )
         return ok
 
     def _attention_masked(

@@ -41,7 +41,9 @@ def as_token_tensor(token_ids: TokenIds) -> torch.Tensor:
     except (TypeError, ValueError, RuntimeError, NotImplementedError, OverflowError) as exc:
         if isinstance(exc, InvalidInputError):
             raise
-        raise InvalidInputError(f"token_ids must be a sequence of integers: {type(exc).__name__}: {exc}") from None
+        raise InvalidInputError(
+            f"token_ids must be a sequence of integers: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _dense_ids(token_ids: TokenIds) -> torch.Tensor:

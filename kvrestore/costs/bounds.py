@@ -47,7 +47,9 @@ def link_problem(link: LinkCost | None) -> str | None:
     return None
 
 
-def samples_problem(name: str, rows: Sequence[Sequence[float]], bounds: Sequence[tuple[float, float]]) -> str | None:
+def samples_problem(
+    name: str, rows: Sequence[Sequence[float]], bounds: Sequence[tuple[float, float]]
+) -> str | None:
     """What is wrong with [x, ..., seconds] samples read from a file (each of len(bounds) values, the
     last one seconds > 0), or None."""
     for i, row in enumerate(rows):

@@ -97,7 +97,9 @@ class Profile(msgspec.Struct, frozen=True):
             )
         problem = profile_problem(profile)
         if problem is not None:
-            raise InvalidInputError(f"{path} holds a value no machine has ({problem}): run `kvrestore profile` again")
+            raise InvalidInputError(
+                f"{path} holds a value no machine has ({problem}): run `kvrestore profile` again"
+            )
         return profile
 
     @classmethod
@@ -184,4 +186,3 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
-

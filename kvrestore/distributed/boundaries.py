@@ -24,6 +24,7 @@ from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.distributed")
 
+
 @dataclass
 class BoundarySaveStats:
     n_chunks: int

@@ -3,6 +3,7 @@ and how much slower vLLM computes while a load runs beside it (`CostBook`, `load
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -80,6 +81,10 @@ class CostBook:
         self._mtime = 0.0
         self._written_at = 0.0
         self._lock = threading.Lock()
+        self._due = False  # learned since the last write
+        self._wake = threading.Event()
+        self._flush_lock = threading.Lock()
+        self._writer: threading.Thread | None = None
         self.refresh()
 
     @classmethod
@@ -151,19 +156,45 @@ class CostBook:
             return link_from_loads(self.links.get(link_key, []))
 
     def _write(self) -> None:
+        """Persist the book on its writer thread: the step that learned goes on at once (`flush` writes
+        and waits)."""
         if self.path is None:
             return
         with self._lock:
-            data = json.dumps({"compute": self.compute, "links": self.links, "loading": self.loading})
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=".costs-", dir=self.path.parent)
-            with os.fdopen(fd, "w") as f:
-                f.write(data)
-            os.replace(tmp, self.path)
-            self._mtime = self.path.stat().st_mtime
-            self._written_at = time.monotonic()
-        except OSError as exc:  # learning is best effort
-            log.debug("could not persist learned costs to %s: %s", self.path, exc)
-            with contextlib.suppress(OSError, UnboundLocalError):
-                os.unlink(tmp)
+            self._due = True
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._write_behind, name="kvrestore-costs", daemon=True
+                )
+                self._writer.start()
+                atexit.register(self.flush)  # the thread is a daemon: what it had not written yet
+        self._wake.set()
+
+    def _write_behind(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            self.flush()
+
+    def flush(self) -> None:
+        """Write what was learned since the last write, now (at shutdown, or for another process)."""
+        if self.path is None:
+            return
+        with self._flush_lock:
+            with self._lock:
+                if not self._due:
+                    return
+                self._due = False
+                data = json.dumps({"compute": self.compute, "links": self.links, "loading": self.loading})
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=".costs-", dir=self.path.parent)
+                with os.fdopen(fd, "w") as f:
+                    f.write(data)
+                os.replace(tmp, self.path)
+                self._mtime = self.path.stat().st_mtime
+                self._written_at = time.monotonic()
+            except OSError as exc:  # learning is best effort
+                log.debug("could not persist learned costs to %s: %s", self.path, exc)
+                with contextlib.suppress(OSError, UnboundLocalError):
+                    os.unlink(tmp)

@@ -153,6 +153,9 @@ class SchedulerSide:
             return [False] * len(keys)
         self.counters.add(lookups=1)
         try:
+            found = self.store.contains_sync(keys)  # a local store: no event loop, no thread
+            if found is not None:
+                return found
             return list(self.loop.call(self.store.contains, keys, timeout=self.config.lookup_timeout_s))
         except STORE_FAULTS as exc:
             self._down_until = time.monotonic() + self.config.retry_after_s

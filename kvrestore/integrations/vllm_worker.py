@@ -462,3 +462,4 @@ class WorkerSide:
         with contextlib.suppress(*STORE_FAULTS):  # on the loop its client was made on
             self.io.call(self.store.close, timeout=self.config.lookup_timeout_s)
         self.io.close()
+        self.costs.flush()

@@ -160,7 +160,12 @@ class Planner:
             untried_margin=1.0 if self.profile is not None else UNTRIED_MARGIN,
         )
         stale = self.link.observations == 0 or self._unprobed >= PROBE_EVERY
-        if plan.choice.name == "compute-only" and plan.predicted_s and stale and (auto is None or auto.candidates is None):
+        if (
+            plan.choice.name == "compute-only"
+            and plan.predicted_s
+            and stale
+            and (auto is None or auto.candidates is None)
+        ):
             why = "never checked by a load here" if self.link.observations == 0 else "not checked for a while"
             plan = replace(
                 plan, choice=explore(work), reason=f"probing the store's link ({why}); else {plan.reason}"

@@ -143,6 +143,11 @@ class ChunkStore(ABC):
         data = await self.get(key)
         return None if data is None else await copy_object(buffer, data)
 
+    def contains_sync(self, keys: Sequence[str]) -> list[bool] | None:
+        """`contains` from any thread, blocking, for a store that answers without its event loop (a local
+        directory, memory of this process); None for every other store (ask `contains`)."""
+        return None
+
     def get_sync(self, key: str) -> bytes | memoryview | None:
         """`get` from any thread, blocking, where `reads_sync` (else NotImplementedError)."""
         raise NotImplementedError(f"{type(self).__name__} reads through its event loop")

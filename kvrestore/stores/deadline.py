@@ -158,6 +158,9 @@ class DeadlineStore(WrapperStore):
     def reads_sync(self) -> bool:  # type: ignore[override]
         return self.inner.reads_sync
 
+    def contains_sync(self, keys: Sequence[str]) -> list[bool] | None:
+        return self.inner.contains_sync(keys)
+
     def get_sync(self, key: str) -> bytes | memoryview | None:
         return self.inner.get_sync(key)
 
@@ -176,7 +179,9 @@ def bound_store(store: ChunkStore, deadlines: Deadlines) -> ChunkStore:
 
     if isinstance(store, TieredStore):
         # in place: the store's tier moves hold the same list
-        store.tiers[:] = [t if isinstance(t, DeadlineStore) else DeadlineStore(t, deadlines) for t in store.tiers]
+        store.tiers[:] = [
+            t if isinstance(t, DeadlineStore) else DeadlineStore(t, deadlines) for t in store.tiers
+        ]
         store.inner = store.tiers[0]
         return store
     return DeadlineStore(store, deadlines)

@@ -235,7 +235,9 @@ class LocalStore(ChunkStore):
 
     def _sweep_temp(self) -> None:
         cutoff = time.time() - STALE_TMP_SECONDS
-        sweep_temp(self.root, lambda e: e.stat(follow_symlinks=False).st_mtime < cutoff or _dead_writer(e.name))
+        sweep_temp(
+            self.root, lambda e: e.stat(follow_symlinks=False).st_mtime < cutoff or _dead_writer(e.name)
+        )
 
     def _write(self, path: str, data: bytes) -> None:
         d = os.path.dirname(path)
@@ -310,6 +312,11 @@ class LocalStore(ChunkStore):
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         paths = [self.path(k) for k in keys]
         return await _thread(lambda: [os.path.exists(p) for p in paths])
+
+    def contains_sync(self, keys: Sequence[str]) -> list[bool] | None:
+        if type(self).contains is not LocalStore.contains:  # a subclass answers its own way
+            return None
+        return [os.path.exists(self.path(k)) for k in keys]
 
     async def scan(self) -> list[StoredObject]:
         """Every object under the root (temp files and foreign names skipped)."""

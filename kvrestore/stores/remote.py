@@ -64,7 +64,9 @@ def _empty_range(exc: BaseException) -> bool:
     """Whether `exc` is an object store's answer that a range starting at byte 0 cannot be served
     (HTTP 416, InvalidRange): what a ranged read of an empty object gets."""
     text = f"{type(exc).__name__} {exc}".lower()
-    return any(m in text for m in ("invalidrange", "416", "range not satisfiable", "range is not satisfiable"))
+    return any(
+        m in text for m in ("invalidrange", "416", "range not satisfiable", "range is not satisfiable")
+    )
 
 
 class FsspecStore(ChunkStore):
@@ -88,7 +90,12 @@ class FsspecStore(ChunkStore):
     unreachable_cooloff_s: float = 2.0
 
     def __new__(
-        cls, url: str | None = None, *, fsync: bool = False, create_bucket: bool = False, **storage_options: Any
+        cls,
+        url: str | None = None,
+        *,
+        fsync: bool = False,
+        create_bucket: bool = False,
+        **storage_options: Any,
     ) -> Any:
         # url None: copy and pickle make an empty instance to fill in
         if cls is FsspecStore and url is not None and is_local(filesystem_class(url)):

@@ -62,7 +62,8 @@ class CostBook:
     """What the connector has measured, kept across processes in one small JSON file per model and
     machine: vLLM's prefill steps ([n, past, seconds]) and, per store link, whole loads ([bytes,
     seconds]). A scheduler and a worker in one process share one book (`CostBook.shared`); in separate
-    processes the scheduler re-reads the file when the worker has written it."""
+    processes the scheduler re-reads the file when the worker has written it: at once for the first
+    sample of a kind, then at most every `WRITE_EVERY_S`, and at `flush` (shutdown, exit)."""
 
     MAX_PREFILLS = 32
     MAX_SMALL = 8
@@ -82,9 +83,6 @@ class CostBook:
         self._written_at = 0.0
         self._lock = threading.Lock()
         self._due = False  # learned since the last write
-        self._wake = threading.Event()
-        self._flush_lock = threading.Lock()
-        self._writer: threading.Thread | None = None
         self.refresh()
 
     @classmethod
@@ -95,6 +93,7 @@ class CostBook:
             book = cls._shared.get(str(path))
             if book is None:
                 book = cls._shared[str(path)] = cls(path)
+                atexit.register(book.flush)  # what a process that is not shut down learned last
             return book
 
     def refresh(self) -> None:
@@ -120,25 +119,25 @@ class CostBook:
             same = [s for s in self.compute if (s[0] < 16) == small]
             if len(same) >= (self.MAX_SMALL if small else self.MAX_PREFILLS):
                 self.compute.remove(same[0])
+            first = not small and not any(s[0] >= 16 for s in self.compute)
             self.compute.append([float(n_tokens), float(past), float(seconds)])
-            # a prefill is worth keeping at once; decode steps (several a second) at most every few seconds
-            due = not small or time.monotonic() - self._written_at > self.WRITE_EVERY_S
-        if due:
-            self._write()
+        self._learned(first)
 
     def add_load(self, link_key: str, nbytes: int, seconds: float) -> None:
         with self._lock:
             rows = self.links.setdefault(link_key, [])
+            first = not rows
             rows.append([float(nbytes), float(seconds)])
             del rows[: -self.MAX_LOADS]
-        self._write()
+        self._learned(first)
 
     def add_loading_step(self, n_new: int, past: int, load_s: float, step_s: float, num_layers: int) -> None:
         """A step that computed `n_new` tokens after a `past` it loaded in `load_s`, taking `step_s`."""
         with self._lock:
+            first = not self.loading
             self.loading.append([float(n_new), float(past), float(load_s), float(step_s), float(num_layers)])
             del self.loading[: -self.MAX_LOADING]
-        self._write()
+        self._learned(first)
 
     def loading_factor(self) -> float | None:
         """How much slower vLLM computes beside a load than the compute model says (`loading_factor`)."""
@@ -155,46 +154,34 @@ class CostBook:
         with self._lock:
             return link_from_loads(self.links.get(link_key, []))
 
-    def _write(self) -> None:
-        """Persist the book on its writer thread: the step that learned goes on at once (`flush` writes
-        and waits)."""
-        if self.path is None:
-            return
+    def _learned(self, first: bool) -> None:
+        """Note a new sample: written at once if it is the first of its kind (another process's planner
+        has nothing to go on without it), else at most every `WRITE_EVERY_S` (each write is a file
+        replaced on the step's thread) and at `flush`."""
         with self._lock:
             self._due = True
-            if self._writer is None:
-                self._writer = threading.Thread(
-                    target=self._write_behind, name="kvrestore-costs", daemon=True
-                )
-                self._writer.start()
-                atexit.register(self.flush)  # the thread is a daemon: what it had not written yet
-        self._wake.set()
-
-    def _write_behind(self) -> None:
-        while True:
-            self._wake.wait()
-            self._wake.clear()
+            due = first or time.monotonic() - self._written_at > self.WRITE_EVERY_S
+        if due:
             self.flush()
 
     def flush(self) -> None:
         """Write what was learned since the last write, now (at shutdown, or for another process)."""
         if self.path is None:
             return
-        with self._flush_lock:
-            with self._lock:
-                if not self._due:
-                    return
-                self._due = False
-                data = json.dumps({"compute": self.compute, "links": self.links, "loading": self.loading})
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=".costs-", dir=self.path.parent)
-                with os.fdopen(fd, "w") as f:
-                    f.write(data)
-                os.replace(tmp, self.path)
-                self._mtime = self.path.stat().st_mtime
-                self._written_at = time.monotonic()
-            except OSError as exc:  # learning is best effort
-                log.debug("could not persist learned costs to %s: %s", self.path, exc)
-                with contextlib.suppress(OSError, UnboundLocalError):
-                    os.unlink(tmp)
+        with self._lock:
+            if not self._due:
+                return
+            self._due = False
+            data = json.dumps({"compute": self.compute, "links": self.links, "loading": self.loading})
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=".costs-", dir=self.path.parent)
+            with os.fdopen(fd, "w") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+            self._mtime = self.path.stat().st_mtime
+            self._written_at = time.monotonic()
+        except OSError as exc:  # learning is best effort
+            log.debug("could not persist learned costs to %s: %s", self.path, exc)
+            with contextlib.suppress(OSError, UnboundLocalError):
+                os.unlink(tmp)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 #: rounds of each restore from the local disk that takes a fraction of a second (the table shows the
 #: median one); computing everything takes seconds and runs once
-LOCAL_ROUNDS = 5
+LOCAL_ROUNDS = 9
 QUESTION = "What does the with statement guarantee about the __exit__() method?"
 
 

@@ -45,11 +45,14 @@ async def copy_object(buffer: memoryview, data: bytes | bytearray | memoryview) 
     return len(data)
 
 
-def mirrors_reads_of(store: ChunkStore, owner: type[ChunkStore]) -> bool:
+def mirrors_reads_of(
+    store: ChunkStore, owner: type[ChunkStore], methods: Sequence[str] = ("get", "read_into")
+) -> bool:
     """Whether `store` reads as `owner` does: a subclass that overrides `get` or `read_into` (to delay,
-    count or transform reads) must not be bypassed by `owner`'s blocking `*_sync` reads."""
+    count or transform reads; or whichever `methods` a blocking face stands for, e.g. `contains`) must
+    not be bypassed by `owner`'s blocking `*_sync` faces."""
     cls = type(store)
-    return all(getattr(cls, m) is getattr(owner, m) for m in ("get", "read_into"))
+    return all(getattr(cls, m) is getattr(owner, m) for m in methods)
 
 
 def check_key(key: str) -> str:

@@ -310,12 +310,12 @@ class LocalStore(ChunkStore):
         await _thread(partial(self._write, self.path(key), data))
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
-        paths = [self.path(k) for k in keys]
-        return await _thread(lambda: [os.path.exists(p) for p in paths])
+        return await _thread(partial(self._exists, keys))
 
     def contains_sync(self, keys: Sequence[str]) -> list[bool] | None:
-        if type(self).contains is not LocalStore.contains:  # a subclass answers its own way
-            return None
+        return self._exists(keys) if mirrors_reads_of(self, LocalStore, ("contains",)) else None
+
+    def _exists(self, keys: Sequence[str]) -> list[bool]:
         return [os.path.exists(self.path(k)) for k in keys]
 
     async def scan(self) -> list[StoredObject]:

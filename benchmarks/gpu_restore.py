@@ -540,11 +540,49 @@ async def measure_length(
         "all_passed": all(e["passed"] for e in exact.values()),
     }
     out["errors"] = errors
+    if args.profile:  # where a layer-wise restore's time goes, beside compute-only's
+        out["profile"] = {
+            "compute-only": await profile_restore(restore, plain, ComputeOnly(), device),
+            f"layer-wise@{m1}": await profile_restore(restore, throttled[m1], LayerTwoPointer(), device),
+        }
     if device.type == "cuda":
         out["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
 
     print_length(args, out, backend)
     return out  # the KV, the buffers and the store go with this frame (run() then frees the memory)
+
+
+async def profile_restore(restore: Any, restorer: Restorer, policy: Any, device: torch.device) -> dict:
+    """One restore under torch.profiler: its trace (units, start and end), the top ops by host and by
+    device time, and the kernel launch count."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    try:  # the compute lane and the loaders run in worker threads
+        config = {"experimental_config": torch._C._profiler._ExperimentalConfig(profile_all_threads=True)}
+    except TypeError:
+        config = {}
+    try:
+        with torch.profiler.profile(activities=activities, **config) as prof:
+            sample, res = await restore(restorer, policy)
+        events = prof.key_averages()
+    except Exception as exc:  # a profiler that fails here must not lose the length's figures
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    by_host = events.table(sort_by="self_cpu_time_total", row_limit=20)
+    by_device = events.table(sort_by="self_device_time_total", row_limit=20) if device.type == "cuda" else ""
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"))
+    syncs = sum(e.count for e in events if "Synchronize" in e.key)
+    log(res.trace.table())
+    log(by_host)
+    log(by_device)
+    return {
+        "wall_s_profiled": sample.seconds,
+        "trace": res.trace.table(),
+        "top_by_host": by_host,
+        "top_by_device": by_device,
+        "kernel_launches": launches,
+        "synchronize_calls": syncs,
+    }
 
 
 def print_length(args: argparse.Namespace, out: dict[str, Any], backend: HFBackend) -> None:
@@ -735,6 +773,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="default cuda (--tiny: cpu)")
     p.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU, 512 tokens: a smoke test")
     p.add_argument("--out", type=Path, default=None, help=f"JSON path (default {DEFAULT_OUT})")
+    p.add_argument(
+        "--profile", action="store_true", help="profile one compute-only and one layer-wise@1x (torch.profiler)"
+    )
     args = p.parse_args(argv)
     args.tokens = args.tokens or ([512] if args.tiny else [16384, 32768])
     args.chunk = args.chunk or (64 if args.tiny else 256)

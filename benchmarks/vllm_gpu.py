@@ -71,6 +71,9 @@ TINY = {
     "rope_theta": 10000.0,
     "max_position_embeddings": 4096,
 }
+#: the GPU host's vLLM bundle leaves FlashInfer out (GPU.md); vLLM's sampler then imports it unless told
+#: not to use it (a user's own setting wins)
+GPU_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -194,7 +197,7 @@ def child(spec: dict[str, Any]) -> None:
 
 def run_child(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run `child(spec)` in a new process; its rows by prompt size and its records."""
-    env = {**os.environ, **(CPU_ENV if spec["cpu"] else {})}
+    env = {**os.environ, **CPU_ENV} if spec["cpu"] else {**GPU_ENV, **os.environ}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -242,7 +245,13 @@ def cases(args: argparse.Namespace, work: Path, fingerprint: str, kv_bytes: int)
         for split in ("load_all", "planned"):
             name = f"kvrestore {split.replace('_', '-')} @ {f:g}x"
             out.append(Case(name, "kvrestore", {**files, "split": split}, factor=f))
-    return out
+    return [c for c in out if c.name not in args.skip]
+
+
+def files_of(all_cases: list[Case]) -> dict[str, Any]:
+    """The file store's options, as the loading cases read it (the saver writes it for them)."""
+    extra = next(c.extra for c in reversed(all_cases) if c.extra.get("store_url", "").startswith("/"))
+    return {k: extra[k] for k in ("store_url", "cost_dir", "fingerprint")}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -272,7 +281,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     balance = {n: n * kv_bytes / warm["rows"][n]["ttft_s"] for n in args.tokens}
     log(f"balance bandwidth: { {n: f'{b / 1e6:.1f} MB/s' for n, b in balance.items()} }")
     all_cases = cases(args, work, fingerprint, kv_bytes)
-    saver = Case("kvrestore save", "kvrestore", all_cases[-1].extra | {"split": "compute_all"})
+    saver = Case("kvrestore save", "kvrestore", {**files_of(all_cases), "split": "compute_all"})
     runs: dict[str, list[dict[str, Any]]] = {c.name: [] for c in all_cases}
     skipped: dict[str, str] = {}
     for r in range(args.rounds):
@@ -342,7 +351,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         alone = per_case["vllm alone"]["ttft_s"]
         ratios: dict[str, float] = {}
         off = per_case.get("OffloadingConnector")
-        if off:
+        if off and "kvrestore load-all (memory)" in per_case:
             ratios["load_all_memory_vs_offloading"] = (
                 per_case["kvrestore load-all (memory)"]["ttft_s"] / off["ttft_s"]
             )
@@ -372,6 +381,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "tokens": args.tokens,
             "rounds": args.rounds,
             "factors": args.factors,
+            "skipped_cases": args.skip,
             "smoke": args.smoke,
             "eager": args.eager,
             "shape": shape,
@@ -398,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logprob-tol", type=float, default=None, help="default 1e-2 (bf16), 1e-3 (CPU fp32)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per process")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--skip", nargs="+", default=[], metavar="CASE", help="cases left out, by name")
     args = p.parse_args(argv)
     if args.child:
         child(json.loads(args.child))

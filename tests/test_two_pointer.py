@@ -250,8 +250,9 @@ def test_bandwidth_trace_arithmetic():
 def test_two_pointer_on_cuda_streams_is_exact(through):
     """On CUDA: compute on the compute lane's stream, loads through pinned memory on the load stream,
     from a store read on the lane threads (memory) and from one read by async tasks (a fast throttle).
-    Compute is slowed in proportion to its tokens (as a real model's is) so that loads land on a tiny
-    model too."""
+    Only the first half of the prompt is stored, so the second half is computed whatever the race
+    does; compute is slowed in proportion to its tokens (as a real model's is), so the stored half's
+    small in-memory loads land while it runs."""
     from kvrestore.backends.hf import HFBackend
 
     from .conftest import tiny_model
@@ -268,7 +269,7 @@ def test_two_pointer_on_cuda_streams_is_exact(through):
 
     async def main():
         inner = MemoryStore()
-        await Restorer(backend, inner, chunk_size=32).save(tokens)
+        await Restorer(backend, inner, chunk_size=32).save(tokens[:256])
         store = inner if through == "lane-threads" else ThrottledStore(inner, 2e8)
         r = Restorer(backend, store, chunk_size=32)
         res = await r.restore(tokens, TokenTwoPointer())
@@ -276,7 +277,7 @@ def test_two_pointer_on_cuda_streams_is_exact(through):
         return res
 
     res = anyio.run(main)
-    assert res.kv.data.is_cuda and res.stats.loaded_chunks >= 1 and res.stats.computed_chunks >= 1
+    assert res.kv.data.is_cuda and res.stats.computed_chunks >= 8 and res.stats.loaded_chunks >= 1
     torch.testing.assert_close(res.kv.data, full_prefill(backend, tokens), atol=1e-4, rtol=0)
 
 

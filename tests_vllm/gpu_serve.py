@@ -11,7 +11,12 @@ Prints ``{"ids": [...], "logprobs": [...], "records": [...]}``.
 from __future__ import annotations
 
 import json
+import os
 import sys
+
+# the GPU host's vLLM bundle leaves FlashInfer out (GPU.md), which vLLM's sampler imports unless told not
+# to use it
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
 
 
 def main() -> None:

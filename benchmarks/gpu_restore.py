@@ -570,7 +570,9 @@ async def profile_restore(restore: Any, restorer: Restorer, policy: Any, device:
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
     by_host = events.table(sort_by="self_cpu_time_total", row_limit=20)
     by_device = events.table(sort_by="self_device_time_total", row_limit=20) if device.type == "cuda" else ""
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"))
+    launches = sum(
+        e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel")
+    )
     syncs = sum(e.count for e in events if "Synchronize" in e.key)
     log(res.trace.table())
     log(by_host)
@@ -764,7 +766,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default 256; --tiny 64)")
     p.add_argument("--lanes", type=int, default=4, help="load lanes (default 4)")
     p.add_argument(
-        "--compute-chunks", type=int, default=None, help="chunks per two-pointer compute unit (policy default)"
+        "--compute-chunks",
+        type=int,
+        default=None,
+        help="chunks per two-pointer compute unit (policy default)",
     )
     p.add_argument("--multipliers", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="x balance")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
@@ -774,7 +779,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU, 512 tokens: a smoke test")
     p.add_argument("--out", type=Path, default=None, help=f"JSON path (default {DEFAULT_OUT})")
     p.add_argument(
-        "--profile", action="store_true", help="profile one compute-only and one layer-wise@1x (torch.profiler)"
+        "--profile",
+        action="store_true",
+        help="profile one compute-only and one layer-wise@1x (torch.profiler)",
     )
     args = p.parse_args(argv)
     args.tokens = args.tokens or ([512] if args.tiny else [16384, 32768])

@@ -176,3 +176,45 @@ def test_a_truncated_object_inside_a_read_degrades_to_recompute(deep, monkeypatc
     assert anyio.run(store.contains, [key]) == [False]
     full = deep.prefill_chunk(res.tokens, None, 0).data
     torch.testing.assert_close(res.kv.data, full, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("where", ["memory", "file"])
+def test_a_device_read_of_many_chunks_places_what_the_host_path_places(deep, where, tmp_path: Path):
+    """The device path (run here on a CPU cache) stages every span of a read in one buffer, sends it up
+    in one copy, and places each run of consecutive chunks of one length with one copy: four chunks of
+    8 tokens and a partial one of 5, one of them damaged in the middle of the run, from memory (the
+    spans fetched) and from a file (read into the staging buffer), place exactly what the host-checked
+    path places; the damaged chunk is named and its rows are left as they were."""
+    from kvrestore.stores.local import LocalStore
+
+    store = MemoryStore() if where == "memory" else LocalStore(str(tmp_path))
+    lengths = [8, 8, 8, 8, 5]
+    chunks = _chunks(lengths, seed=90)
+    offsets = [0, 8, 16, 24, 32]
+
+    async def go(defer: bool, damage: bool) -> tuple[KVCache, list[int]]:
+        keys = [(await save_chunk(deep, store, c, overwrite=True))[0] for c in chunks]
+        if damage:
+            await store.put(keys[2], _damage_layer(await store.get(keys[2]), 4))
+        stored = [StoredChunk(k, 0, o, n) for k, o, n in zip(keys, offsets, lengths, strict=True)]
+        kv = _cache(deep, 37)
+        reader = LayerReader(deep.spec, store, stored, defer_checks=defer)
+        await reader.open()
+        failed: list[int] = []
+        try:
+            await reader.read_layers(range(3, 7), kv)
+            await reader.verify()
+        except ChunkLoadFailed as exc:
+            failed = exc.indices
+        return kv, failed
+
+    host, none = anyio.run(go, False, False)
+    device, also_none = anyio.run(go, True, False)
+    assert none == also_none == []
+    torch.testing.assert_close(device.data, host.data, atol=0, rtol=0)
+    assert all(host.data[3:7, :, :, o].abs().sum() > 0 for o in [0, 8, 16, 24, 32, 36])
+    assert host.data[:3].abs().sum() == 0 and host.data[7:].abs().sum() == 0
+    damaged, failed = anyio.run(go, True, True)
+    assert failed == [2]
+    for a, b in [(0, 16), (24, 37)]:  # the chunks around it, placed as one run each side
+        torch.testing.assert_close(damaged.data[3:7, :, :, a:b], host.data[3:7, :, :, a:b], atol=0, rtol=0)

@@ -180,8 +180,13 @@ class LayerReader:
         return LayerUploads(self).upload(layers, sections, kv)
 
     def _dest(self, layers: range, j: int, kv: KVCache) -> torch.Tensor:
+        """Where chunk j's rows of `layers` go in `kv`: ``[len(layers), 2, H, n_tokens, D]``."""
         chunk = self.chunks[j]
-        return kv.data[layers.start : layers.stop, :, :, chunk.offset : chunk.offset + chunk.n_tokens]
+        return self._rows(layers, chunk.offset, chunk.n_tokens, kv)
+
+    def _rows(self, layers: range, start: int, n_tokens: int, kv: KVCache) -> torch.Tensor:
+        """Tokens [start, start + n_tokens) of `layers` in `kv` (a subclass may map them elsewhere)."""
+        return kv.data[layers.start : layers.stop, :, :, start : start + n_tokens]
 
     def _defers(self, kv: KVCache) -> bool:
         """Whether reads into `kv` defer their checks (`defer_checks`: None means on a CUDA cache)."""

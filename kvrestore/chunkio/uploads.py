@@ -3,7 +3,10 @@
 Each chunk's span of the layers read (`codec.layer_span`: its sections back to back) goes up to one
 device buffer on the reader's stream -- a pinned `MemoryStore`'s object as it lies, a file's bytes read
 straight into pinned staging, anything else copied into pinned staging -- and one `segment_checksums`
-call checks every section there. Then either each good chunk's span is copied to its rows once the
+call checks every section there. The spans that need staging share one pinned buffer, in read order,
+and go up in one copy; consecutive chunks of the same length are placed with one copy too. A read
+costs the host a few calls whatever the number of chunks: the loader shares the host with a compute
+lane bound by its kernel launches. Then either each good chunk's span is copied to its rows once the
 sums were read back (a host round trip per read), or, with deferred checks (`chunkio.deferred`), every
 span is placed at once and the sums are compared on the device. Quantized sections (`codec.quant`) are
 checked as stored and decoded into their rows there, on the same stream. Sections that cannot be
@@ -20,11 +23,13 @@ import torch
 
 from kvrestore import codec
 from kvrestore.chunkio.deferred import DeferredChecks
+from kvrestore.chunkio.pool import Staging
 from kvrestore.chunkio.stored import layers_name
 from kvrestore.chunkio.transfer import Transfer, pinned_view
 from kvrestore.codec.checksums import device_checkable, segment_checksums
 from kvrestore.core.errors import LOAD_FAULTS, CorruptChunkError, MissingChunkError, TruncatedChunkError
 from kvrestore.core.kv import KVCache
+from kvrestore.stores.base import copy_into
 
 if TYPE_CHECKING:
     from kvrestore.chunkio.layers import LayerReader
@@ -42,9 +47,10 @@ class LayerUploads:
     ) -> list[tuple[int, BaseException]]:
         """`layers` of chunks `sections` (their fetched spans, or None to read them here from a store
         that `reads_sync`) into a CUDA cache, blocking, in a worker thread, as one `Transfer` on the
-        reader's lane. Each chunk's span goes up to one device buffer on its stream (a pinned
-        `MemoryStore`'s object as it lies, other bytes through pinned staging); one `segment_checksums` checks every section there, then each chunk's span is
-        copied to its rows and `after_layers` runs, on the same stream. Returns the unusable chunks."""
+        reader's lane. The spans go up to one device buffer on its stream (a pinned `MemoryStore`'s
+        object as it lies, other bytes through one shared pinned staging buffer); one
+        `segment_checksums` checks every section there, then the chunks' spans are copied to their rows
+        and `after_layers` runs, on the same stream. Returns the unusable chunks."""
         bad: list[tuple[int, BaseException]] = []
         ups: list[tuple[int, torch.Tensor, bool]] = []  # (chunk, its pinned span, whether it was staged)
         decoded: list[tuple[int, torch.Tensor]] = []  # compressed, or rows not whole words: host-checked
@@ -52,16 +58,40 @@ class LayerUploads:
         if checks is not None:  # bounds the staging buffers and uploads in flight
             checks.throttle(self.reader.ahead, len(layers))
         with self.reader.lane.open(kv.data.device) as transfer:
+            found: list[tuple[int, memoryview | torch.Tensor | None]] = []
+            need = 0  # bytes of the spans that go through staging
             for j, data in sections.items():
                 try:
-                    got = self._section_bytes(layers, j, data, transfer)
+                    got = self._span(layers, j, data)
                 except LOAD_FAULTS as exc:
                     bad.append((j, exc))
                     continue
-                if isinstance(got, tuple):
-                    ups.append((j, *got))
-                else:
-                    decoded.append((j, got))
+                if isinstance(got, memoryview) and self._host_checked(layers, j):
+                    try:
+                        decoded.append((j, self._decode(layers, j, got)))
+                    except LOAD_FAULTS as exc:
+                        bad.append((j, exc))
+                    continue
+                found.append((j, got))
+                if not isinstance(got, torch.Tensor):
+                    need += self._span_length(layers, j)
+            staging = transfer.stage(need) if need else None
+            at = 0
+            for j, got in found:
+                if isinstance(got, torch.Tensor):  # a pinned store's object as it lies
+                    ups.append((j, got, False))
+                    continue
+                assert staging is not None
+                n = self._span_length(layers, j)
+                try:
+                    host = self._staged(layers, j, got, staging, at, n)
+                    if got is None and self._host_checked(layers, j):  # a file's span, checked here
+                        decoded.append((j, self._decode(layers, j, staging.view[at : at + n])))
+                    else:
+                        ups.append((j, host, True))
+                except LOAD_FAULTS as exc:
+                    bad.append((j, exc))
+                at += n
             with transfer.running():
                 if checks is not None:
                     checks.start()
@@ -76,48 +106,66 @@ class LayerUploads:
             transfer.wait()
         return bad
 
-    def _section_bytes(
-        self, layers: range, j: int, data: bytes | memoryview | None, transfer: Transfer
-    ) -> tuple[torch.Tensor, bool] | torch.Tensor:
-        """Chunk j's span of `layers` (`codec.layer_span`) in page-locked memory, as (uint8 tensor,
-        whether `transfer` staged it); for sections that must be checked on the host (compressed, rows
-        not whole int64 words, not back to back), their verified and decoded KV [n, 2, H, T, D] instead.
-        A buffer staged for a span that goes no further is given back at once."""
+    def _span_length(self, layers: range, j: int) -> int:
+        a, b = codec.layer_span(self.reader.headers[j], layers)
+        return b - a
+
+    def _span(
+        self, layers: range, j: int, data: bytes | memoryview | None
+    ) -> memoryview | torch.Tensor | None:
+        """Chunk j's span of `layers` where it lies: a pinned uint8 tensor over a pinned store's object,
+        the bytes fetched or held by an in-memory store, or None for a file read into staging later.
+        Raises MissingChunkError or TruncatedChunkError."""
         chunk, header = self.reader.chunks[j], self.reader.headers[j]
         a, b = codec.layer_span(header, layers)
-        staging = None
         if data is None and self.reader.store.reads_in_memory:
             whole = self.reader.store.get_sync(chunk.key)
-            data = None if whole is None else memoryview(whole)[a:b]
-        elif data is None:  # a local file: the span alone, into pinned staging
-            staging = transfer.stage(b - a)
-            n = self.reader.store.scatter_into_sync(chunk.key, a, [staging.view[: b - a]])
-            data = None if n is None else staging.view[:n]
-        try:
-            if data is None:
+            if whole is None:
                 raise MissingChunkError(f"chunk {chunk.key[:12]} disappeared from the store")
-            if len(data) != b - a:
-                raise TruncatedChunkError(f"{layers_name(layers)}: {len(data)} bytes, header says {b - a}")
-            word = self.reader.spec.head_dim * self.reader.spec.dtype.itemsize
-            if (
-                header.compression != "none"
-                or (self.reader.encoding.native and not device_checkable(word))
-                or not codec.back_to_back(header, layers)
-            ):
-                decoded = codec.decode_layers(
-                    header, codec.span_sections(header, layers, data), self.reader.spec, list(layers)
-                )
-                transfer.give_back(staging)  # read on the host: no copy will read it
-                return decoded
-        except BaseException:
-            transfer.give_back(staging)
-            raise
-        if staging is None:
-            host = pinned_view(memoryview(data))
-            if host is not None:  # a pinned store's object as it lies
-                return host[: b - a], False
-            staging = transfer.copy_in(memoryview(data))
-        return staging.tensor[: b - a], True
+            data = memoryview(whole)[a:b]
+        elif data is None:  # a local file: the span alone, read into staging
+            return None
+        if len(data) != b - a:
+            raise TruncatedChunkError(f"{layers_name(layers)}: {len(data)} bytes, header says {b - a}")
+        view = memoryview(data)
+        host = None if self._host_checked(layers, j) else pinned_view(view)
+        return host if host is not None else view
+
+    def _host_checked(self, layers: range, j: int) -> bool:
+        """Whether chunk j's sections of `layers` are checked and decoded on the host: compressed, native
+        rows not whole int64 words, or not back to back."""
+        header = self.reader.headers[j]
+        word = self.reader.spec.head_dim * self.reader.spec.dtype.itemsize
+        return (
+            header.compression != "none"
+            or (self.reader.encoding.native and not device_checkable(word))
+            or not codec.back_to_back(header, layers)
+        )
+
+    def _decode(self, layers: range, j: int, data: memoryview) -> torch.Tensor:
+        """Chunk j's span, verified and decoded on the host: KV [n, 2, H, T, D]."""
+        header = self.reader.headers[j]
+        return codec.decode_layers(
+            header, codec.span_sections(header, layers, data), self.reader.spec, list(layers)
+        )
+
+    def _staged(
+        self, layers: range, j: int, data: memoryview | None, staging: Staging, at: int, n: int
+    ) -> torch.Tensor:
+        """Chunk j's span in the shared staging buffer at [at, at + n): copied there (one copy, off the
+        GIL), or read there from a file (`data` None)."""
+        slot = staging.view[at : at + n]
+        if data is not None:
+            copy_into(slot, data)
+            return staging.tensor[at : at + n]
+        chunk = self.reader.chunks[j]
+        a, b = codec.layer_span(self.reader.headers[j], layers)
+        got = self.reader.store.scatter_into_sync(chunk.key, a, [slot])
+        if got is None:
+            raise MissingChunkError(f"chunk {chunk.key[:12]} disappeared from the store")
+        if got != n:
+            raise TruncatedChunkError(f"{layers_name(layers)}: {got} bytes, header says {n}")
+        return staging.tensor[at : at + n]
 
     def _place_uploads(
         self,
@@ -128,34 +176,36 @@ class LayerUploads:
         transfer: Transfer,
         checks: DeferredChecks | None = None,
     ) -> list[int]:
-        """On `transfer`'s stream (entered): the spans up to one device buffer, the checksums of every
-        section in it, then each good chunk's span to its rows. Notes the damaged chunks in `bad`;
-        returns the chunks placed. With `checks`, every span is placed and the sums are compared on the
-        device (`DeferredChecks`)."""
+        """On `transfer`'s stream (entered): the spans up to one device buffer (staged spans that lie
+        back to back in one copy), the checksums of every section in it, then the good chunks' spans to
+        their rows. Notes the damaged chunks in `bad`; returns the chunks placed. With `checks`, every
+        span is placed and the sums are compared on the device (`DeferredChecks`)."""
         if not ups:
             return []
         sizes = [host.numel() for _, host, _ in ups]
         device_buf = torch.empty(sum(sizes), dtype=torch.uint8, device=kv.data.device)
-        at = 0
-        for (_, host, staged), n in zip(ups, sizes, strict=True):
-            device_buf[at : at + n].copy_(host, non_blocking=True)
-            at += n
-            if checks is not None and not staged:
-                checks.hold(host)
+        for at, host in _coalesced(ups, sizes):
+            device_buf[at : at + host.numel()].copy_(host, non_blocking=True)
+        if checks is not None:
+            for _, host, staged in ups:
+                if not staged:
+                    checks.hold(host)
         transfer.copied()  # the staged spans are reused once these copies are done
         words = [self.reader.headers[j].layers[i].length // 8 for j, _, _ in ups for i in layers]
         sums = segment_checksums(device_buf.view(torch.int64), words)
-        spans = list(zip(ups, itertools.accumulate(sizes), sizes, strict=True))
+        spans = [
+            (j, end - n, n) for (j, _, _), end, n in zip(ups, itertools.accumulate(sizes), sizes, strict=True)
+        ]
         if checks is not None:
             checks.note(layers, [j for j, _, _ in ups], sums)
-            for (j, _, _), end, n in spans:
-                self._place(layers, j, kv, device_buf[end - n : end])
+            self._place_runs(layers, spans, kv, device_buf)
             return [j for j, _, _ in ups]
         sums = sums.to("cpu", non_blocking=True)
         transfer.wait()
         got = sums.view(len(ups), len(layers)).tolist()
-        placed = []
-        for ((j, _, _), end, n), chunk_sums in zip(spans, got, strict=True):
+        good = []
+        for span, chunk_sums in zip(spans, got, strict=True):
+            j = span[0]
             wrong = [
                 i
                 for i, g in zip(layers, chunk_sums, strict=True)
@@ -164,9 +214,37 @@ class LayerUploads:
             if wrong:
                 bad.append((j, CorruptChunkError(f"layer {wrong[0]}: device checksum mismatch")))
             else:
-                self._place(layers, j, kv, device_buf[end - n : end])
-                placed.append(j)
-        return placed
+                good.append(span)
+        self._place_runs(layers, good, kv, device_buf)
+        return [j for j, _, _ in good]
+
+    def _place_runs(
+        self, layers: range, spans: list[tuple[int, int, int]], kv: KVCache, device_buf: torch.Tensor
+    ) -> None:
+        """Copy each chunk's uploaded span (`spans`: chunk, start and length in `device_buf`) to its rows:
+        in the native encoding a run of chunks of one length, consecutive in the cache and in the
+        buffer, with one copy; otherwise one chunk at a time."""
+        chunks, i = self.reader.chunks, 0
+        while i < len(spans):
+            run = [spans[i]]
+            while self.reader.encoding.native and i + len(run) < len(spans):
+                (pj, pat, pn), (j, at, n) = run[-1], spans[i + len(run)]
+                prev, chunk = chunks[pj], chunks[j]
+                if (n, chunk.n_tokens) != (pn, prev.n_tokens) or at != pat + pn:
+                    break
+                if chunk.offset != prev.offset + prev.n_tokens:
+                    break
+                run.append((j, at, n))
+            i += len(run)
+            j0, at0, n0 = run[0]
+            if len(run) == 1:
+                self._place(layers, j0, kv, device_buf[at0 : at0 + n0])
+                continue
+            T = chunks[j0].n_tokens
+            dest = self.reader._rows(layers, chunks[j0].offset, len(run) * T, kv)  # [L', 2, H, J*T, D]
+            Lp, _, H, _, D = dest.shape
+            src = device_buf[at0 : at0 + len(run) * n0].view(dest.dtype).view(len(run), Lp, 2, H, T, D)
+            dest.unflatten(3, (len(run), T)).copy_(src.permute(1, 2, 3, 0, 4, 5))
 
     def _place(self, layers: range, j: int, kv: KVCache, span: torch.Tensor) -> None:
         """Copy chunk j's uploaded span (uint8, its sections of `layers` laid out as its rows) to its rows,
@@ -176,3 +254,24 @@ class LayerUploads:
             dest.copy_(span.view(dest.dtype).view(dest.shape))
         else:
             self.reader.encoding.decode(span.view(len(layers), -1), dest)
+
+
+def _coalesced(ups: list[tuple[int, torch.Tensor, bool]], sizes: list[int]) -> list[tuple[int, torch.Tensor]]:
+    """The host-to-device copies of `ups` (their spans back to back in the device buffer): staged spans
+    that also lie back to back in one staging buffer go up as one copy; each other span alone."""
+    copies: list[tuple[int, torch.Tensor]] = []
+    at = 0
+    for (_, host, staged), n in zip(ups, sizes, strict=True):
+        if copies and staged and copies[-1][0] + copies[-1][1].numel() == at:
+            last_at, last = copies[-1]
+            if last.untyped_storage().data_ptr() == host.untyped_storage().data_ptr() and (
+                last.data_ptr() + last.numel() == host.data_ptr()
+            ):
+                base = torch.empty(0, dtype=torch.uint8, device=host.device)
+                merged = base.set_(host.untyped_storage(), last.storage_offset(), (last.numel() + n,), (1,))
+                copies[-1] = (last_at, merged)
+                at += n
+                continue
+        copies.append((at, host))
+        at += n
+    return copies

@@ -578,3 +578,62 @@ def test_chunks_saved_the_connector_way_are_a_restorers_and_back(io):
     assert not load.failed
     for layer in range(spec.num_layers):
         assert torch.allclose(placed[layer], full.data[layer, :, :, :32], atol=1e-5)
+
+
+@pytest.mark.parametrize("start, n", [(0, 24), (0, 21), (3, 21), (3, 5), (0, 8)], ids=str)
+def test_the_device_scatter_writes_what_the_host_scatter_writes(start, n):
+    """The device path of `scatter_tokens` (run here on host tensors): whole pages in one indexed copy,
+    a partial first or last page alone; the same pages as the host path, slot for slot."""
+    from kvrestore.integrations.vllm_layout import _scatter_device, kv_views
+
+    blocks = [7, 2, 5]
+    data = torch.randn(2, H, n, D)
+    host, device = _paged("cuda"), _paged("cuda")
+    scatter_tokens(host, "cuda", blocks, start, data, H, D)
+    _scatter_device(*kv_views(device, "cuda", H, D), blocks, start, data)
+    assert torch.equal(device, host) and host.abs().sum() > 0
+
+
+@pytest.mark.parametrize("k", [24, 40])
+def test_a_device_layer_load_places_each_layer_as_rows_up_to_the_first_failed_chunk(io, k):
+    """`DeviceLayerLoad` (run here on a host buffer): each layer's rows [2, H, T, D] as the prompt's KV,
+    a read of two layers at a time after the first alone; a damaged chunk in the middle stops the rows
+    of the layers read from then on at its first token, names it, and the object is deleted."""
+    from kvrestore.chunkio.pool import StagingPool
+    from kvrestore.chunkio.transfer import TransferLane
+    from kvrestore.integrations.vllm_device import DeviceLayerLoad
+
+    def load(store, chunks):
+        placed: dict[int, torch.Tensor] = {}
+        lane = TransferLane(StagingPool())
+        load = DeviceLayerLoad(
+            SPEC,
+            store,
+            chunks,
+            k,
+            lambda layer, rows: placed.__setitem__(layer, rows.clone()),
+            lane,
+            torch.device("cpu"),
+        )
+        load.start(io, 10.0)
+        assert all(load.wait(layer) for layer in range(SPEC.num_layers))
+        load.future.result(timeout=10)
+        return load, placed
+
+    store = MemoryStore()
+    chunks, kv = _stored_prompt(store, io)
+    good, placed = load(store, chunks)
+    assert not good.failed and sorted(placed) == [0, 1, 2]
+    for layer in range(3):
+        assert torch.equal(placed[layer], kv[layer, :, :, :k])
+    blob = bytearray(io.call(store.get, chunks[1].key))
+    blob[-5] ^= 0xFF  # the last layer's section
+    io.call(store.put, chunks[1].key, bytes(blob))
+    bad, placed = load(store, chunks)
+    assert bad.failed == {1} and bad.failed_ranges() == [(16, min(32, k))]
+    # layer 0 was read (whole) before the damage showed in the read of layers 1-2: vLLM recomputes
+    # the failed range whatever its pages hold
+    assert torch.equal(placed[0], kv[0, :, :, :k])
+    for layer in (1, 2):
+        assert torch.equal(placed[layer], kv[layer, :, :, :16])
+    assert io.call(store.get, chunks[1].key) is None

@@ -299,35 +299,18 @@ class _SectionReader(LayerReader):
         return Piece(start, n_tokens, data, enc, self.headers[j].n_tokens)
 
 
-class LayerLoad:
-    """Loads tokens [0, k) of one request from stored chunks, layer by layer, in the background.
+class BackgroundLoad:
+    """Loads tokens [0, k) of one request from stored chunks, layer by layer, on the I/O thread (`run`,
+    a subclass's): what every such load shares. Chunks that are missing, damaged or of another model end
+    in `failed` (indices into `chunks`); a store fault or a timeout fails every chunk. `wait(layer)`
+    blocks until the layer is placed (or given up); `cancel` stops placing layers: once it returns,
+    nothing more is placed (placing runs under the lock it takes)."""
 
-    `place(layer, pieces)` gets each layer's verified KV as `Pieces` covering tokens [0, T) (T = k, or
-    the start of the first failed chunk), each over the bytes read where the chunk is stored
-    uncompressed (decoded by `Piece.kv` where its `encoding` is not native), and writes it where the
-    engine wants it; it runs on the I/O thread, under a lock that
-    `cancel` takes too, so once `cancel` returns nothing more is placed. Chunks that are missing, damaged
-    or of another model end in `failed` (indices into `chunks`); a store fault or a timeout fails every
-    chunk. `wait(layer)` blocks until the layer is placed (or given up).
-    """
-
-    def __init__(
-        self,
-        spec: ModelSpec,
-        store: ChunkStore,
-        chunks: Sequence[LoadChunk],
-        k: int,
-        place: Callable[[int, Pieces], None],
-        layers_per_read: int = 4,
-        encoding: str = "native",
-    ) -> None:
+    def __init__(self, spec: ModelSpec, store: ChunkStore, chunks: Sequence[LoadChunk], k: int) -> None:
         self.spec = spec
         self.store = store
         self.chunks = covering(chunks, k)
         self.k = k
-        self.place = place
-        self.layers_per_read = max(1, layers_per_read)
-        self.encoding = encoding
         self.failed: set[int] = set()
         self.errors: list[str] = []
         self.bytes_read = 0
@@ -341,42 +324,25 @@ class LayerLoad:
     def start(self, io: IOThread, timeout: float | None = None) -> None:
         """Run the load on `io`'s loop; every layer must be placed within `timeout` seconds."""
         self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.future = io.submit(self.run)
+        self.future = io.submit(self._guarded)
 
     async def run(self) -> None:
+        """Read and place every layer, setting each layer's event once it is placed."""
+        raise NotImplementedError
+
+    def _stored(self) -> list[StoredChunk]:
+        return [StoredChunk(c.key, c.start, c.start, c.end - c.start) for c in self.chunks]
+
+    def _upto(self) -> int:
+        """Tokens placed: up to the first failed chunk (vLLM recomputes from there on)."""
+        return min([self.k] + [self.chunks[j].start for j in self.failed])
+
+    async def _guarded(self) -> None:
+        """`run`, with every fault failing the load (vLLM then recomputes) and every layer's event set at
+        the end, so the step loop is never left waiting."""
         t0 = time.perf_counter()
         try:
-            reader = _SectionReader(
-                self.spec,
-                self.store,
-                [StoredChunk(c.key, c.start, c.start, c.end - c.start) for c in self.chunks],
-                self.encoding,
-            )
-            ok = await reader.open()
-            self._fail([j for j, good in enumerate(ok) if not good], reader.errors)
-            nowhere = KVCache.empty(self.spec, 0)  # the sections stay in `reader.sections`
-            L, step = self.spec.num_layers, self.layers_per_read
-            for layers in [range(0, 1), *(range(a, min(a + step, L)) for a in range(1, L, step))]:
-                if self.cancelled:
-                    break
-                reader.sections = {}
-                if len(self.failed) < len(self.chunks):
-                    try:
-                        await reader.read_layers(layers, nowhere)
-                    except ChunkLoadFailed as exc:
-                        self._fail(exc.indices, [exc.error])
-                for layer in layers:
-                    with self._lock:  # up to the first failed chunk: vLLM recomputes from there on
-                        upto = min([self.k] + [self.chunks[j].start for j in self.failed])
-                        pieces = [
-                            reader.piece(j, layer, c.start, min(c.end, upto) - c.start)
-                            for j, c in enumerate(self.chunks)
-                            if c.start < upto
-                        ]
-                        if not self.cancelled and pieces:
-                            self.place(layer, pieces)
-                    self._events[layer].set()
-            self.bytes_read = reader.bytes_read
+            await self.run()
             self.seconds = time.perf_counter() - t0
         except (*LOAD_FAULTS, *STORE_FAULTS) as exc:
             self._fail(range(len(self.chunks)), [f"{type(exc).__name__}: {exc}"])
@@ -388,6 +354,11 @@ class LayerLoad:
         finally:
             for ev in self._events:
                 ev.set()
+
+    def _layer_groups(self, step: int) -> list[range]:
+        """The reads: the first layer alone (compute starts sooner), then `step` layers at a time."""
+        L = self.spec.num_layers
+        return [range(0, 1), *(range(a, min(a + step, L)) for a in range(1, L, step))]
 
     def _fail(self, indices: Sequence[int] | range, errors: Sequence[str]) -> None:
         new = set(indices) - self.failed
@@ -419,3 +390,53 @@ class LayerLoad:
     def failed_ranges(self) -> list[tuple[int, int]]:
         """Token ranges, within [0, k), whose KV did not load."""
         return failed_token_ranges(self.chunks, self.failed, self.k)
+
+
+class LayerLoad(BackgroundLoad):
+    """A `BackgroundLoad` that hands each layer's verified KV to `place(layer, pieces)` as `Pieces`
+    covering tokens [0, T) (T = k, or the start of the first failed chunk), each over the bytes read
+    where the chunk is stored uncompressed (decoded by `Piece.kv` where its `encoding` is not native);
+    `place` writes it where the engine wants it, on the I/O thread. The load for a host cache and for
+    caches `DeviceLayerLoad` does not take (`vllm_device`)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        store: ChunkStore,
+        chunks: Sequence[LoadChunk],
+        k: int,
+        place: Callable[[int, Pieces], None],
+        layers_per_read: int = 4,
+        encoding: str = "native",
+    ) -> None:
+        super().__init__(spec, store, chunks, k)
+        self.place = place
+        self.layers_per_read = max(1, layers_per_read)
+        self.encoding = encoding
+
+    async def run(self) -> None:
+        reader = _SectionReader(self.spec, self.store, self._stored(), self.encoding)
+        ok = await reader.open()
+        self._fail([j for j, good in enumerate(ok) if not good], reader.errors)
+        nowhere = KVCache.empty(self.spec, 0)  # the sections stay in `reader.sections`
+        for layers in self._layer_groups(self.layers_per_read):
+            if self.cancelled:
+                break
+            reader.sections = {}
+            if len(self.failed) < len(self.chunks):
+                try:
+                    await reader.read_layers(layers, nowhere)
+                except ChunkLoadFailed as exc:
+                    self._fail(exc.indices, [exc.error])
+            for layer in layers:
+                with self._lock:
+                    upto = self._upto()
+                    pieces = [
+                        reader.piece(j, layer, c.start, min(c.end, upto) - c.start)
+                        for j, c in enumerate(self.chunks)
+                        if c.start < upto
+                    ]
+                    if not self.cancelled and pieces:
+                        self.place(layer, pieces)
+                self._events[layer].set()
+        self.bytes_read = reader.bytes_read

@@ -157,9 +157,9 @@ def scatter_tokens(
     A host cache is written page by page through numpy: one single-threaded copy per page, K and V,
     with the GIL released. torch's copies split each page over its intra-op threads, whose barriers
     stall whenever another process holds one of the cores vLLM pinned them to: on a shared 2-core host
-    the same 180 MB took 0.4-3.6 s that way and 0.04-0.12 s this way. On a device, whole pages (a
-    range on page boundaries, as a load's usually is) go in one indexed copy for K and one for V,
-    otherwise one copy per page; host data goes up through pinned memory (from pageable memory the
+    the same 180 MB took 0.4-3.6 s that way and 0.04-0.12 s this way. On a device, the whole pages go
+    in one indexed copy for K and one for V, and a partial first or last page with a copy of its own;
+    host data goes up through pinned memory (from pageable memory the
     host would wait for the stream)."""
     k, v = kv_views(cache, layout, num_kv_heads, head_dim)
     if data.dim() != 4 or data.shape[0] != 2 or data.shape[1] != num_kv_heads or data.shape[3] != head_dim:
@@ -170,14 +170,26 @@ def scatter_tokens(
         return
     if data.device != k.device:
         data = upload(data.contiguous(), k.device)
+    _scatter_device(k, v, block_ids, start, data)
+
+
+def _scatter_device(
+    k: torch.Tensor, v: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, start: int, data: torch.Tensor
+) -> None:
+    """`scatter_tokens` into K and V views `k`, `v` (``[num_blocks, H, block_size, D]``) from `data` on
+    their device, with torch's copies: the whole pages at once, a partial one alone."""
+    _, num_kv_heads, _, head_dim = data.shape
     n, bs = int(data.shape[2]), int(k.shape[2])
     pages = list(_pages(block_ids, start, start + n, bs))
-    if n and start % bs == 0 and n % bs == 0:
-        ids = _page_index(pages, k.device)
-        by_page = data.reshape(2, num_kv_heads, len(pages), bs, head_dim).transpose(1, 2)  # [2, P, H, bs, D]
+    whole = [p for p in pages if p[2] - p[1] == bs]  # consecutive: only the first and last may be partial
+    if len(whole) > 1:
+        ids = _page_index(whole, k.device)
+        at = whole[0][3]
+        rows = data[:, :, at : at + len(whole) * bs]
+        by_page = rows.reshape(2, num_kv_heads, len(whole), bs, head_dim).transpose(1, 2)  # [2, P, H, bs, D]
         k.index_copy_(0, ids, by_page[0])
         v.index_copy_(0, ids, by_page[1])
-        return
+        pages = [p for p in pages if p[2] - p[1] != bs]
     for block, a, b, at in pages:
         k[block, :, a:b].copy_(data[0, :, at : at + b - a])
         v[block, :, a:b].copy_(data[1, :, at : at + b - a])

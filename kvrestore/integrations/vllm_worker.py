@@ -1,8 +1,8 @@
 """The worker side of the vLLM connector (`kvrestore.integrations.vllm.KVRestoreConnector`).
 
 The worker registers vLLM's paged KV caches (and works out their layout), starts each step's loads layer by
-layer (`vllm_io.LayerLoad` in the background; `vllm_pages.HostPageLoad` on the step thread, straight into
-host pages), waits only for the layer about to run, copies computed chunks out of the pages for the
+layer (`vllm_device.DeviceLayerLoad` into CUDA pages and `vllm_io.LayerLoad` otherwise, in the background;
+`vllm_pages.HostPageLoad` on the step thread, straight into host pages), waits only for the layer about to run, copies computed chunks out of the pages for the
 saver, and reports blocks that did not load so vLLM recomputes them.
 """
 
@@ -21,9 +21,12 @@ import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from kvrestore.chunkio.pool import StagingPool
+from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.streams import HostEvent, on_stream, timing_event
+from kvrestore.integrations.vllm_device import DeviceLayerLoad
 from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, Piece, Pieces
 from kvrestore.integrations.vllm_layout import (
     blocks_of,
@@ -53,8 +56,10 @@ _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 class WorkerSide:
     """The connector's worker-role calls, over `ctx`: its own store, I/O thread and saver.
 
-    Loaded layers reach vLLM's pages three ways. On CUDA the I/O thread writes them on a stream of the
-    connector's own as they arrive, and vLLM's stream waits on the device for each layer. On the CPU,
+    Loaded layers reach vLLM's pages three ways. On CUDA the I/O thread sends a few layers of every
+    chunk up at a time, checks them on the GPU and writes them into the pages on a stream of the
+    connector's own (`DeviceLayerLoad`; an fp8 cache's through the host, `LayerLoad`), and vLLM's
+    stream waits on the device for each layer. On the CPU,
     from a store that reads without the event loop (a local directory, memory) and chunks saved
     uncompressed and native, the step's own thread reads each layer when vLLM asks for it
     (`wait_for_layer_load`) straight into the pages (`HostPageLoad`): one copy, and no thread of ours
@@ -90,7 +95,7 @@ class WorkerSide:
         self._layer_of: dict[str, int] = {}
         self._layout = "cpu"
         self._meta: KVRestoreConnectorMetadata | None = None
-        self._loads: list[tuple[LoadSpec, LayerLoad | HostPageLoad]] = []
+        self._loads: list[tuple[LoadSpec, LayerLoad | DeviceLayerLoad | HostPageLoad]] = []
         self._pending: dict[int, list[tuple[list[int], Pieces]]] = {}  # CPU: layer -> pieces to write
         self._pending_lock = threading.Lock()
         self._load_errors: set[int] = set()
@@ -99,6 +104,7 @@ class WorkerSide:
         self._bound_at: float | None = None
         self._waited_s = 0.0  # this step's time in wait_for_layer_load: the step minus it is compute
         self._load_stream: torch.cuda.Stream | None = None  # set with the caches, on CUDA
+        self._lane: TransferLane | None = None  # `DeviceLayerLoad`'s staging pool and stream, on CUDA
         self._host_layers: list[HostLayer] | None = None  # the caches as `HostPageLoad` writes them
         self._layer_placed: dict[int, torch.cuda.Event] = {}
         self._fp8_scales: torch.Tensor | None = None  # [L, 2] bf16: an fp8 cache's K and V scales
@@ -156,6 +162,8 @@ class WorkerSide:
         # on CUDA the pages are written on a stream of the connector's own, ordered on the device against
         # vLLM's (which need not be the default stream, and does not sync with it)
         self._load_stream = torch.cuda.Stream(first.device) if first.is_cuda else None
+        if self._load_stream is not None:
+            self._lane = TransferLane(StagingPool(pinned=True), self._load_stream)
         if self._layout == "cpu":
             self._check_cpu_kernels(int(first.shape[2]))
         log.info("kvrestore: %d KV layers, layout %s %s", len(ordered), self._layout, tuple(first.shape))
@@ -205,13 +213,24 @@ class WorkerSide:
             self.store, self._layout, self.config.kv_encoding, self.config.compression
         )
         for spec in meta.loads:
-            load: LayerLoad | HostPageLoad
+            load: LayerLoad | DeviceLayerLoad | HostPageLoad
             if direct:  # read on this thread as vLLM asks for each layer, straight into the pages
                 if self._host_layers is None:
                     H, D = self.spec.num_kv_heads, self.spec.head_dim
                     self._host_layers = [HostLayer(c, H, D) for c in self._caches]
                 load = HostPageLoad(
                     self.spec, self.store, spec.chunks, spec.k, self._host_layers, spec.block_ids
+                )
+            elif self._lane is not None and self._fp8_scales is None:  # CUDA pages: checked on the GPU
+                load = DeviceLayerLoad(
+                    self.spec,
+                    self.store,
+                    spec.chunks,
+                    spec.k,
+                    self._device_placer(spec.block_ids),
+                    self._lane,
+                    self._caches[0].device,
+                    encoding=self.config.kv_encoding,
                 )
             else:
                 load = LayerLoad(
@@ -234,17 +253,33 @@ class WorkerSide:
 
             return keep
 
-        stream = self._load_stream
-
         def place(layer: int, pieces: Pieces) -> None:
-            with on_stream(stream):
-                self._write(layer, block_ids, pieces)
-                # the newest event for the layer covers every load's copies of it
-                placed = torch.cuda.Event()
-                placed.record(stream)
-                self._layer_placed[layer] = placed
+            self._on_load_stream(layer, lambda: self._write(layer, block_ids, pieces))
 
         return place
+
+    def _device_placer(self, block_ids: list[int]) -> Callable[[int, torch.Tensor], None]:
+        """`DeviceLayerLoad`'s `place`: a layer's rows ``[2, H, T, D]``, already on the device, into the
+        request's pages (whole pages with one indexed copy for K and one for V)."""
+        H, D = self.spec.num_kv_heads, self.spec.head_dim
+
+        def place(layer: int, rows: torch.Tensor) -> None:
+            self._on_load_stream(
+                layer, lambda: scatter_tokens(self._caches[layer], self._layout, block_ids, 0, rows, H, D)
+            )
+
+        return place
+
+    def _on_load_stream(self, layer: int, write: Callable[[], None]) -> None:
+        """Run `write` (a layer's pages) on the load stream, then mark the layer placed there: vLLM's
+        stream waits for that event before it runs the layer."""
+        stream = self._load_stream
+        with on_stream(stream):
+            write()
+            # the newest event for the layer covers every load's copies of it
+            placed = torch.cuda.Event()
+            placed.record(stream)
+            self._layer_placed[layer] = placed
 
     def _write(self, layer: int, block_ids: list[int], pieces: Pieces) -> None:
         """Write one layer's pieces into its pages. Native pieces: on CUDA gathered once into pinned
@@ -462,4 +497,6 @@ class WorkerSide:
         with contextlib.suppress(*STORE_FAULTS):  # on the loop its client was made on
             self.io.call(self.store.close, timeout=self.config.lookup_timeout_s)
         self.io.close()
+        if self._lane is not None:
+            self._lane.pool.close()
         self.costs.flush()

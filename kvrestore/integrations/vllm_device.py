@@ -1,0 +1,93 @@
+"""Loading stored chunks into vLLM's pages on a GPU, checked on the GPU, without a host copy where the
+store holds the bytes in page-locked memory.
+
+`DeviceLayerLoad` is the vLLM connector's load into CUDA pages (any store, any encoding but an fp8
+cache's). It reads a few layers of every chunk at a time through `LayerReader`'s device path
+(`chunkio.uploads`): a pinned `MemoryStore`'s objects go up as they lie, any other bytes through one
+shared pinned staging buffer, one copy per read; one `segment_checksums` call checks every section
+there, against the checksums the chunk's header carries, and the sums come back to the I/O thread
+before anything is placed. The good chunks land in a device buffer of the read's layers (runs of chunks
+of one length in one copy), and each layer goes into the request's pages with one indexed copy for K
+and one for V (`scatter_tokens`), on the connector's load stream; vLLM's stream waits on the device for
+the layer (an event per layer), so the host never waits for a layer it does not compute yet.
+
+The host does a few calls per read whatever the number of chunks: no per-layer pinned allocation, no
+host checksum, no copy out of a pinned store. A chunk that fails its checks is failed as in every load:
+vLLM recomputes from its first token on, and the object is deleted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader
+from kvrestore.chunkio.transfer import TransferLane
+from kvrestore.core.kv import KVCache
+from kvrestore.core.spec import ModelSpec
+from kvrestore.core.streams import on_stream
+from kvrestore.integrations.vllm_io import BackgroundLoad, LoadChunk
+from kvrestore.stores.base import ChunkStore
+
+
+class _ReadLayersReader(LayerReader):
+    """A `LayerReader` whose cache holds only the layers of one read: the read's first layer is row 0."""
+
+    def _rows(self, layers: range, start: int, n_tokens: int, kv: KVCache) -> torch.Tensor:
+        return kv.data[: len(layers), :, :, start : start + n_tokens]
+
+
+class DeviceLayerLoad(BackgroundLoad):
+    """Loads tokens [0, k) of one request into a device's pages (see the module doc): each read of
+    `layers_per_read` layers lands checked in a device buffer of those layers, and `place(layer, rows)`
+    writes each layer's ``[2, H, T, D]`` rows (T = k, or the start of the first failed chunk) into the
+    pages, on the I/O thread, under the load's lock (after `cancel` returns nothing more is placed).
+    `lane` is where the bytes go up: its pinned staging pool (shared by the worker's loads) and its
+    stream, the one `place` writes the pages on, so a read's buffer is reused only once the layers
+    placed from it are written."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        store: ChunkStore,
+        chunks: Sequence[LoadChunk],
+        k: int,
+        place: Callable[[int, torch.Tensor], None],
+        lane: TransferLane,
+        device: torch.device,
+        layers_per_read: int = 2,
+        encoding: str = "native",
+    ) -> None:
+        super().__init__(spec, store, chunks, k)
+        self.place = place
+        self.lane = lane
+        self.device = device
+        self.layers_per_read = max(1, layers_per_read)
+        self.encoding = encoding
+
+    async def run(self) -> None:
+        reader = _ReadLayersReader(
+            self.spec, self.store, self._stored(), lane=self.lane, defer_checks=False, encoding=self.encoding
+        )
+        ok = await reader.open()
+        self._fail([j for j, good in enumerate(ok) if not good], reader.errors)
+        s = self.spec
+        shape = (self.layers_per_read, 2, s.num_kv_heads, self.chunks[-1].end, s.head_dim)
+        with on_stream(self.lane.stream, self.device):  # freed once the stream's copies out of it are done
+            rows = KVCache(s, torch.empty(shape, dtype=s.dtype, device=self.device))
+        for layers in self._layer_groups(self.layers_per_read):
+            if self.cancelled:
+                break
+            if len(self.failed) < len(self.chunks):
+                try:
+                    await reader.read_layers(layers, rows)
+                except ChunkLoadFailed as exc:
+                    self._fail(exc.indices, [exc.error])
+            for i, layer in enumerate(layers):
+                with self._lock:
+                    upto = self._upto()
+                    if not self.cancelled and upto > 0:
+                        self.place(layer, rows.data[i, :, :, :upto])
+                self._events[layer].set()
+        self.bytes_read = reader.bytes_read

@@ -72,8 +72,10 @@ TINY = {
     "max_position_embeddings": 4096,
 }
 #: the GPU host's vLLM bundle leaves FlashInfer out (GPU.md); vLLM's sampler then imports it unless told
-#: not to use it (a user's own setting wins)
-GPU_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+#: not to use it. The engine runs in the case's process (as on the CPU), so the connector's records (the
+#: split it planned) are read there: on a GPU vLLM otherwise starts an engine-core process. Every case
+#: runs the same way. A user's own settings win.
+GPU_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",

@@ -594,14 +594,21 @@ def test_the_device_scatter_writes_what_the_host_scatter_writes(start, n):
     assert torch.equal(device, host) and host.abs().sum() > 0
 
 
+@pytest.mark.parametrize("device_path", [False, True], ids=["host-checked", "device-path"])
+@pytest.mark.parametrize("where", ["memory", "file"])
 @pytest.mark.parametrize("k", [24, 40])
-def test_a_device_layer_load_places_each_layer_as_rows_up_to_the_first_failed_chunk(io, k):
+def test_a_device_layer_load_places_each_layer_as_rows_up_to_the_first_failed_chunk(
+    io, k, where, device_path, tmp_path
+):
     """`DeviceLayerLoad` (run here on a host buffer): each layer's rows [2, H, T, D] as the prompt's KV,
     a read of two layers at a time after the first alone; a damaged chunk in the middle stops the rows
-    of the layers read from then on at its first token, names it, and the object is deleted."""
+    of the layers read from then on at its first token, names it, and the object is deleted. The
+    device path (shared staging, one upload, device checksums read back per read, runs of chunks placed
+    at once) and the host-checked one, from memory and from files."""
     from kvrestore.chunkio.pool import StagingPool
     from kvrestore.chunkio.transfer import TransferLane
     from kvrestore.integrations.vllm_device import DeviceLayerLoad
+    from kvrestore.stores.local import LocalStore
 
     def load(store, chunks):
         placed: dict[int, torch.Tensor] = {}
@@ -614,13 +621,14 @@ def test_a_device_layer_load_places_each_layer_as_rows_up_to_the_first_failed_ch
             lambda layer, rows: placed.__setitem__(layer, rows.clone()),
             lane,
             torch.device("cpu"),
+            device_path=device_path,
         )
         load.start(io, 10.0)
         assert all(load.wait(layer) for layer in range(SPEC.num_layers))
         load.future.result(timeout=10)
         return load, placed
 
-    store = MemoryStore()
+    store = MemoryStore() if where == "memory" else LocalStore(str(tmp_path))
     chunks, kv = _stored_prompt(store, io)
     good, placed = load(store, chunks)
     assert not good.failed and sorted(placed) == [0, 1, 2]

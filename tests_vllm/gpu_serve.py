@@ -17,6 +17,9 @@ import sys
 # the GPU host's vLLM bundle leaves FlashInfer out (GPU.md), which vLLM's sampler imports unless told not
 # to use it
 os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+# the engine in this process: the connector's records and its worker's pages are read from here (on a
+# GPU vLLM otherwise runs its engine core in a process of its own)
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def main() -> None:

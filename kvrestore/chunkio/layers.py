@@ -59,6 +59,7 @@ class LayerReader:
         ahead: int = 8,
         layers_per_read: int = 4,
         encoding: str = "native",
+        device_path: bool = False,
     ) -> None:
         self.spec = spec
         self.encoding = codec.spec_encoding(spec, encoding)  # the one it reads: another is foreign
@@ -75,6 +76,9 @@ class LayerReader:
         # path on a CPU cache too (tests of the same code, without streams). At most `ahead` layers
         # are queued on the device at once, read `layers_per_read` at a time (`read_plan`).
         self.defer_checks = defer_checks
+        # the device path (`chunkio.uploads`) is taken on a CUDA cache or with deferred checks; True
+        # takes it on a CPU cache too, checked per read (tests of the same code, without streams)
+        self.device_path = device_path
         self.ahead = ahead
         self.layers_per_read = max(1, layers_per_read)
         self.checks: DeferredChecks | None = None
@@ -119,7 +123,7 @@ class LayerReader:
         call, one placement per chunk and one `after_layers` serve them all. A chunk with any section
         missing or damaged is named in `ChunkLoadFailed`; its rows of `layers` are then not to be used
         (they may hold part of what was read)."""
-        device_path = kv.data.device.type == "cuda" or bool(self.defer_checks)
+        device_path = kv.data.device.type == "cuda" or bool(self.defer_checks) or self.device_path
         js = [j for j in self.headers if j not in self.dropped]
         sections: dict[int, bytes | memoryview | None] = dict.fromkeys(js)
         failed: list[int] = []

@@ -82,7 +82,9 @@ _FLUSH_AT_EXIT_S = 60.0
 def flush_saves(timeout: float | None = 60.0) -> bool:
     """Wait until every chunk the connectors of this process queued is written (saves run in the
     background); False if some were still being written after `timeout` seconds. For a script that
-    reads the store right after vLLM served a prompt (a `Restorer`, a test), or before it exits."""
+    reads the store right after vLLM served a prompt (a `Restorer`, a test), or before it exits. Where
+    vLLM runs its engine core in another process (on a GPU, by default), that process's connectors
+    flush as it shuts down."""
     return all(w.saver.flush(timeout) for w in list(_WORKERS))
 
 

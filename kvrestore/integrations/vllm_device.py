@@ -58,6 +58,7 @@ class DeviceLayerLoad(BackgroundLoad):
         device: torch.device,
         layers_per_read: int = 2,
         encoding: str = "native",
+        device_path: bool = False,
     ) -> None:
         super().__init__(spec, store, chunks, k)
         self.place = place
@@ -65,10 +66,17 @@ class DeviceLayerLoad(BackgroundLoad):
         self.device = device
         self.layers_per_read = max(1, layers_per_read)
         self.encoding = encoding
+        self.device_path = device_path  # on a host buffer too (`LayerReader.device_path`: tests)
 
     async def run(self) -> None:
         reader = _ReadLayersReader(
-            self.spec, self.store, self._stored(), lane=self.lane, defer_checks=False, encoding=self.encoding
+            self.spec,
+            self.store,
+            self._stored(),
+            lane=self.lane,
+            defer_checks=False,
+            encoding=self.encoding,
+            device_path=self.device_path,
         )
         ok = await reader.open()
         self._fail([j for j, good in enumerate(ok) if not good], reader.errors)

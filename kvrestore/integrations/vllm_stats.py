@@ -75,6 +75,9 @@ def emit(level: int, event: str, message: str, **fields: Any) -> dict[str, Any]:
 
 
 def records(event: str | None = None) -> list[dict[str, Any]]:
-    """The records kept in this process, oldest first (those of one `event` if given)."""
+    """The records kept in this process, oldest first (those of one `event` if given). The worker's
+    records are kept where the worker runs: on a GPU, vLLM runs its engine core in a process of its own
+    unless `VLLM_ENABLE_V1_MULTIPROCESSING=0`, and there they reach the serving process only as the
+    `kvrestore` logger's lines and vLLM's KV connector stats."""
     with _records_lock:
         return [dict(r) for r in _records if event is None or r["event"] == event]

@@ -95,7 +95,9 @@ class LayerUploads:
             with transfer.running():
                 if checks is not None:
                     checks.start()
-                placed = self._place_uploads(layers, ups, kv, bad, transfer, checks)
+                placed = self._place_uploads(
+                    layers, ups, kv, bad, transfer, checks, None if staging is None else staging.tensor
+                )
                 for j, host in decoded:
                     self.reader._dest(layers, j, kv).copy_(host)
                     placed.append(j)
@@ -175,16 +177,17 @@ class LayerUploads:
         bad: list[tuple[int, BaseException]],
         transfer: Transfer,
         checks: DeferredChecks | None = None,
+        staging: torch.Tensor | None = None,
     ) -> list[int]:
         """On `transfer`'s stream (entered): the spans up to one device buffer (staged spans that lie
-        back to back in one copy), the checksums of every section in it, then the good chunks' spans to
+        back to back in `staging` in one copy), the checksums of every section in it, then the good chunks' spans to
         their rows. Notes the damaged chunks in `bad`; returns the chunks placed. With `checks`, every
         span is placed and the sums are compared on the device (`DeferredChecks`)."""
         if not ups:
             return []
         sizes = [host.numel() for _, host, _ in ups]
         device_buf = torch.empty(sum(sizes), dtype=torch.uint8, device=kv.data.device)
-        for at, host in _coalesced(ups, sizes):
+        for at, host in _coalesced(ups, sizes, staging):
             device_buf[at : at + host.numel()].copy_(host, non_blocking=True)
         if checks is not None:
             for _, host, staged in ups:
@@ -256,22 +259,31 @@ class LayerUploads:
             self.reader.encoding.decode(span.view(len(layers), -1), dest)
 
 
-def _coalesced(ups: list[tuple[int, torch.Tensor, bool]], sizes: list[int]) -> list[tuple[int, torch.Tensor]]:
-    """The host-to-device copies of `ups` (their spans back to back in the device buffer): staged spans
-    that also lie back to back in one staging buffer go up as one copy; each other span alone."""
-    copies: list[tuple[int, torch.Tensor]] = []
+def _coalesced(
+    ups: list[tuple[int, torch.Tensor, bool]], sizes: list[int], staging: torch.Tensor | None
+) -> list[tuple[int, torch.Tensor]]:
+    """The host-to-device copies of `ups` (their spans back to back in the device buffer), as (where in
+    the device buffer, what): staged spans that also lie back to back in `staging` go up as one copy
+    (one slice of it), each other span alone."""
+    runs: list[tuple[int, int, int]] = []  # (device offset, staging offset or -1, length)
     at = 0
     for (_, host, staged), n in zip(ups, sizes, strict=True):
-        if copies and staged and copies[-1][0] + copies[-1][1].numel() == at:
-            last_at, last = copies[-1]
-            if last.untyped_storage().data_ptr() == host.untyped_storage().data_ptr() and (
-                last.data_ptr() + last.numel() == host.data_ptr()
-            ):
-                base = torch.empty(0, dtype=torch.uint8, device=host.device)
-                merged = base.set_(host.untyped_storage(), last.storage_offset(), (last.numel() + n,), (1,))
-                copies[-1] = (last_at, merged)
-                at += n
-                continue
-        copies.append((at, host))
+        here = host.data_ptr() - staging.data_ptr() if staged and staging is not None else -1
+        if here >= 0 and runs and runs[-1][1] >= 0 and runs[-1][1] + runs[-1][2] == here:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+        else:
+            runs.append((at, here, n))
         at += n
+    hosts = iter(host for _, host, _ in ups)
+    copies: list[tuple[int, torch.Tensor]] = []
+    for at, here, n in runs:
+        first = next(hosts)
+        if here >= 0:
+            assert staging is not None
+            copies.append((at, staging[here : here + n]))
+            taken = first.numel()
+            while taken < n:  # the other spans of the run
+                taken += next(hosts).numel()
+        else:
+            copies.append((at, first))
     return copies

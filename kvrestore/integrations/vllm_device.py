@@ -97,5 +97,4 @@ class DeviceLayerLoad(BackgroundLoad):
                     upto = self._upto()
                     if not self.cancelled and upto > 0:
                         self.place(layer, rows.data[i, :, :, :upto])
-                self._events[layer].set()
-        self.bytes_read = reader.bytes_read
+                self._placed(layer, reader.bytes_read)

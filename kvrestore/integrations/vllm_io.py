@@ -320,6 +320,7 @@ class BackgroundLoad:
         self._events = [threading.Event() for _ in range(spec.num_layers)]
         self.future: concurrent.futures.Future[None] | None = None
         self.deadline: float | None = None  # time.monotonic() by which every layer must be placed
+        self._t0 = time.perf_counter()
 
     def start(self, io: IOThread, timeout: float | None = None) -> None:
         """Run the load on `io`'s loop; every layer must be placed within `timeout` seconds."""
@@ -340,10 +341,9 @@ class BackgroundLoad:
     async def _guarded(self) -> None:
         """`run`, with every fault failing the load (vLLM then recomputes) and every layer's event set at
         the end, so the step loop is never left waiting."""
-        t0 = time.perf_counter()
+        self._t0 = time.perf_counter()
         try:
             await self.run()
-            self.seconds = time.perf_counter() - t0
         except (*LOAD_FAULTS, *STORE_FAULTS) as exc:
             self._fail(range(len(self.chunks)), [f"{type(exc).__name__}: {exc}"])
         except BaseException as exc:  # a bug: still never leave the step loop waiting
@@ -354,6 +354,14 @@ class BackgroundLoad:
         finally:
             for ev in self._events:
                 ev.set()
+
+    def _placed(self, layer: int, bytes_read: int) -> None:
+        """Layer `layer` is placed: wake whoever waits for it. Before the last layer's wake-up, the
+        load's `bytes_read` and `seconds` are set: the step loop reads them once every layer is placed."""
+        if layer == self.spec.num_layers - 1:
+            self.bytes_read = bytes_read
+            self.seconds = time.perf_counter() - self._t0
+        self._events[layer].set()
 
     def _layer_groups(self, step: int) -> list[range]:
         """The reads: the first layer alone (compute starts sooner), then `step` layers at a time."""
@@ -438,5 +446,4 @@ class LayerLoad(BackgroundLoad):
                     ]
                     if not self.cancelled and pieces:
                         self.place(layer, pieces)
-                self._events[layer].set()
-        self.bytes_read = reader.bytes_read
+                self._placed(layer, reader.bytes_read)

@@ -90,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-tokens", type=int, default=32, help="tokens per chunk (default 32)")
     p.add_argument("--layers", type=int, default=8, help="model layers (default 8)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--tiny", action="store_true", help="8 chunks: a smoke test")
     args = p.parse_args(argv)
+    if args.tiny:
+        args.chunks = 8
     rows = {"whole chunks": count(args, 0), "a partial last chunk": count(args, args.chunk_tokens // 2)}
     print_table(
         ["prompt", "tokens", "reads", "launching ops", "per loaded layer", "max |diff| vs stored"],

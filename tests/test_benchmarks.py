@@ -128,6 +128,14 @@ def test_blend_ops_tiny(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_load_ops_tiny(tmp_path: Path) -> None:
+    data = run_script("load_ops.py", tmp_path / "load_ops-tiny.json")
+    for row in data["results"].values():
+        assert row["reads"] == data["config"]["layers"] and row["max_abs_diff_vs_stored"] == 0
+        assert row["by_op"]["copy_"] <= 3 * row["reads"]  # an upload and a placement or two per read
+
+
+@pytest.mark.slow
 def test_cancel_tiny(tmp_path: Path) -> None:
     data = run_script("cancel.py", tmp_path / "cancel-tiny.json")
     assert data["layer_s"] > 0 and len(data["deadlines_s"]) == 2

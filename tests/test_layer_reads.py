@@ -218,3 +218,40 @@ def test_a_device_read_of_many_chunks_places_what_the_host_path_places(deep, whe
     assert failed == [2]
     for a, b in [(0, 16), (24, 37)]:  # the chunks around it, placed as one run each side
         torch.testing.assert_close(damaged.data[3:7, :, :, a:b], host.data[3:7, :, :, a:b], atol=0, rtol=0)
+
+
+def test_a_read_launches_as_many_copies_for_sixteen_chunks_as_for_four(deep):
+    """The device path's host calls do not grow with the chunks of a read: their spans share one staging
+    buffer and one upload, and consecutive chunks of one length are placed with one copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.n += func.overloadpacket.__name__ == "copy_"
+            return func(*args, **(kwargs or {}))
+
+    counted: list[int] = []
+
+    class Counting(LayerReader):
+        def _upload_layers(self, layers, sections, kv):  # type: ignore[no-untyped-def]
+            with Copies() as mode:
+                bad = super()._upload_layers(layers, sections, kv)
+            counted.append(mode.n)
+            return bad
+
+    async def read(n_chunks: int) -> int:
+        store = MemoryStore()
+        chunks = _chunks([8] * n_chunks, seed=100)
+        keys = [(await save_chunk(deep, store, c))[0] for c in chunks]
+        stored = [StoredChunk(k, 0, 8 * i, 8) for i, k in enumerate(keys)]
+        reader = Counting(deep.spec, store, stored, defer_checks=True)
+        await reader.open()
+        await reader.read_layers(range(2, 4), _cache(deep, 8 * n_chunks))
+        await reader.verify()
+        return counted[-1]
+
+    assert anyio.run(read, 4) == anyio.run(read, 16) == 2  # one upload, one placement

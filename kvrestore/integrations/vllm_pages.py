@@ -113,11 +113,13 @@ class _ChunkPlan:
 
     def place_keys(self, dest: np.ndarray, keys: np.ndarray) -> None:
         """Copy staged keys (``[H, T, D]``) into a layer's keys (`HostLayer.keys`), transposing."""
-        if self.run is not None:  # [H, P * bs, D] -> [P, H, bs, D]: one copy
+        if self.run is not None:  # [H, P * bs, D] -> [P, H, bs, D]: one copy per head
             P = len(self.pages)
             H, _, D = keys.shape
-            src = keys[:, : self.n].reshape(H, P, self.n // P, D).transpose(1, 0, 2, 3)
-            np.copyto(dest[self.run : self.run + P], src)
+            src = keys[:, : self.n].reshape(H, P, self.n // P, D)
+            out = dest[self.run : self.run + P]
+            for h in range(H):  # a 3-D copy per head, which numpy walks better than one 4-D copy
+                np.copyto(out[:, h], src[h])
             return
         for h in range(keys.shape[0]):
             for block, a, b, at in self.pages:

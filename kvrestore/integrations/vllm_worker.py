@@ -17,7 +17,6 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
@@ -27,7 +26,7 @@ from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.streams import HostEvent, on_stream, timing_event
 from kvrestore.integrations.vllm_device import DeviceLayerLoad
-from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, Piece, Pieces
+from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, Pieces
 from kvrestore.integrations.vllm_layout import (
     blocks_of,
     fp8_layer_scales,
@@ -282,22 +281,11 @@ class WorkerSide:
             self._layer_placed[layer] = placed
 
     def _write(self, layer: int, block_ids: list[int], pieces: Pieces) -> None:
-        """Write one layer's pieces into its pages. Native pieces: on CUDA gathered once into pinned
-        memory and sent up in one copy, on the CPU each straight from the bytes read. Encoded pieces are
-        decoded where the pages are (on CUDA their small bytes go up and are decoded on the stream)."""
+        """Write one layer's pieces into its pages: on the CPU each straight from the bytes read (a CUDA
+        cache loads through `DeviceLayerLoad`, but an fp8 one, whose pieces are quantized with the
+        layer's scales on the device). Encoded pieces are decoded where the pages are."""
         H, D = self.spec.num_kv_heads, self.spec.head_dim
         cache = self._caches[layer]
-        if (
-            cache.is_cuda and self._fp8_scales is None and all(p.encoding.native for p in pieces)
-        ):  # one copy into pinned memory,
-            # single-threaded and GIL-free (numpy's): torch's would spread over every core and starve
-            # vLLM's thread, which launches the step's kernels. The pieces cover [0, n) in order.
-            n = pieces[-1].start + pieces[-1].n_tokens
-            host = torch.empty((2, H, n, D), dtype=pieces[0].data.dtype, pin_memory=True)
-            for p in pieces:
-                dst = host[:, :, p.start : p.start + p.n_tokens]
-                np.copyto(dst.view(torch.uint8).numpy(), p.kv().view(torch.uint8).numpy())
-            pieces = [Piece(0, n, host, pieces[0].encoding, n)]
         for p in pieces:
             if self._fp8_scales is not None:
                 data = fp8_values(p, self._fp8_scales[layer], cache.device)

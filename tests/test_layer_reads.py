@@ -255,3 +255,67 @@ def test_a_read_launches_as_many_copies_for_sixteen_chunks_as_for_four(deep):
         return counted[-1]
 
     assert anyio.run(read, 4) == anyio.run(read, 16) == 2  # one upload, one placement
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["pinned-memory", "file"])
+def test_a_device_layer_load_on_cuda_places_the_stored_kv(deep, kind, tmp_path: Path):
+    """The vLLM connector's load into CUDA pages (`DeviceLayerLoad`) on a CUDA stream of its own, from a
+    pinned memory store (its objects go up as they lie) and from files (through the shared staging):
+    each layer's rows equal the stored KV, and a damaged chunk stops the rows of the layers read after
+    the damage showed at its first token."""
+    from kvrestore.chunkio.pool import StagingPool
+    from kvrestore.chunkio.transfer import TransferLane
+    from kvrestore.core.keys import chunk_keys
+    from kvrestore.core.kv import KVChunk
+    from kvrestore.integrations.vllm_device import DeviceLayerLoad
+    from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LoadChunk
+
+    spec, n, chunk = deep.spec, 72, 16
+    store = _cuda_store("pinned-memory" if kind == "pinned-memory" else "file", tmp_path)
+    io = IOThread()
+    try:
+        kv = torch.randn(spec.num_layers, 2, spec.num_kv_heads, n, spec.head_dim)
+        refs = chunk_keys(list(range(n)), spec.fingerprint, chunk)
+        saver = ChunkSaver(spec, store, io)
+        for r in refs:
+            assert saver.submit(r.key, KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()))
+        assert saver.flush(timeout=30) and saver.written == len(refs)
+        chunks = [LoadChunk(r.key, r.start, r.end) for r in refs]
+        stream = torch.cuda.Stream()
+
+        def load() -> tuple[DeviceLayerLoad, dict[int, torch.Tensor]]:
+            placed: dict[int, torch.Tensor] = {}
+
+            def place(layer: int, rows: torch.Tensor) -> None:
+                with torch.cuda.stream(stream):
+                    placed[layer] = rows.clone()
+
+            got = DeviceLayerLoad(
+                spec,
+                store,
+                chunks,
+                n,
+                place,
+                TransferLane(StagingPool(pinned=True), stream),
+                torch.device("cuda"),
+            )
+            got.start(io, 30.0)
+            assert all(got.wait(layer) for layer in range(spec.num_layers))
+            got.future.result(timeout=30)
+            stream.synchronize()
+            return got, placed
+
+        good, placed = load()
+        assert not good.failed and sorted(placed) == list(range(spec.num_layers))
+        for layer, rows in placed.items():
+            assert torch.equal(rows.cpu(), kv[layer])
+        blob = bytearray(io.call(store.get, refs[2].key))
+        blob[-5] ^= 0xFF  # the last layer's section
+        io.call(store.put, refs[2].key, bytes(blob))
+        bad, placed = load()
+        assert bad.failed == {2}
+        last = spec.num_layers - 1
+        assert torch.equal(placed[last].cpu(), kv[last, :, :, :32])
+    finally:
+        io.close()

@@ -106,7 +106,9 @@ class TokenTwoPointer(Policy):
                 # stored chunk is fetched aside meanwhile, `_probe_aside`)
                 b, drop = _extend(p, a, a + 1, p.n_chunks)
                 return (a, b), drop, None, True
-            return *self._unit(p, a, *_extend(p, a, a + 1, a + self._unit_length(p, a))), False
+            # the stored chunks past the unit are the loads' to take: the unit is not grown over them
+            b, drop = _extend(p, a, a + 1, a + self._unit_length(p, a))
+            return *self._unit(p, a, b, drop, over_stored=False), False
         # the pointers met: chunk a is being fetched
         compute_s = _compute_estimate(p, a)
         if compute_s is None:  # nothing computed or learned yet: the least computing it can take
@@ -125,11 +127,16 @@ class TokenTwoPointer(Policy):
         return *self._unit(p, a, b, (a, *drop)), False
 
     def _unit(
-        self, p: Progress, a: int, b: int, drop: tuple[int, ...]
+        self, p: Progress, a: int, b: int, drop: tuple[int, ...], over_stored: bool = True
     ) -> tuple[tuple[int, int], tuple[int, ...], None]:
         """The unit [a, b) dropping `drop`, or to the end of the compute lane's run where less than a
-        unit would be left of it (a runt unit pays a unit's fixed cost for little work)."""
+        unit would be left of it (a runt unit pays a unit's fixed cost for little work). Not
+        `over_stored`: the run ends at the first stored chunk not fetched yet (a unit shortened because
+        the loads are to take the chunks past it is not grown back over them)."""
         end, rest = _extend(p, a, b, p.n_chunks)  # how far computing goes before a fetch meets it
+        if not over_stored:
+            end = next((j for j in range(b, end) if p.stored[j] and p.status[j] is ChunkStatus.PENDING), end)
+            rest = tuple(j for j in rest if j < end)
         if b < end < b + max(self.compute_chunks, p.min_unit_chunks):
             b, drop = end, drop + rest
         return (a, b), drop, None

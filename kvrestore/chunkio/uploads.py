@@ -23,7 +23,6 @@ import torch
 
 from kvrestore import codec
 from kvrestore.chunkio.deferred import DeferredChecks
-from kvrestore.chunkio.pool import Staging
 from kvrestore.chunkio.stored import layers_name
 from kvrestore.chunkio.transfer import Transfer, pinned_view
 from kvrestore.codec.checksums import device_checkable, segment_checksums
@@ -58,37 +57,38 @@ class LayerUploads:
         if checks is not None:  # bounds the staging buffers and uploads in flight
             checks.throttle(self.reader.ahead, len(layers))
         with self.reader.lane.open(kv.data.device) as transfer:
-            found: list[tuple[int, memoryview | torch.Tensor | None]] = []
+            # (chunk, its span where it lies -- None: a file's, read into staging --, its offset in the
+            # object and length, whether it is checked on the host)
+            found: list[tuple[int, memoryview | torch.Tensor | None, int, int, bool]] = []
             need = 0  # bytes of the spans that go through staging
             for j, data in sections.items():
+                a, b = codec.layer_span(self.reader.headers[j], layers)
+                checked = self._host_checked(layers, j)
                 try:
-                    got = self._span(layers, j, data)
+                    got = self._span(j, data, a, b, layers)
+                    if isinstance(got, memoryview) and checked:
+                        decoded.append((j, self._decode(layers, j, got)))
+                        continue
                 except LOAD_FAULTS as exc:
                     bad.append((j, exc))
                     continue
-                if isinstance(got, memoryview) and self._host_checked(layers, j):
-                    try:
-                        decoded.append((j, self._decode(layers, j, got)))
-                    except LOAD_FAULTS as exc:
-                        bad.append((j, exc))
-                    continue
-                found.append((j, got))
-                if not isinstance(got, torch.Tensor):
-                    need += self._span_length(layers, j)
+                host = pinned_view(got) if isinstance(got, memoryview) else None
+                found.append((j, got if host is None else host, a, b - a, checked))
+                if host is None:
+                    need += b - a
             staging = transfer.stage(need) if need else None
             at = 0
-            for j, got in found:
-                if isinstance(got, torch.Tensor):  # a pinned store's object as it lies
-                    ups.append((j, got, False))
+            for j, span, a, n, checked in found:
+                if isinstance(span, torch.Tensor):  # a pinned store's object as it lies
+                    ups.append((j, span, False))
                     continue
                 assert staging is not None
-                n = self._span_length(layers, j)
                 try:
-                    host = self._staged(layers, j, got, staging, at, n)
-                    if got is None and self._host_checked(layers, j):  # a file's span, checked here
+                    self._stage(j, span, a, staging.view[at : at + n], layers)
+                    if checked:  # a file's span that cannot be checked on the device
                         decoded.append((j, self._decode(layers, j, staging.view[at : at + n])))
                     else:
-                        ups.append((j, host, True))
+                        ups.append((j, staging.tensor[at : at + n], True))
                 except LOAD_FAULTS as exc:
                     bad.append((j, exc))
                 at += n
@@ -108,30 +108,23 @@ class LayerUploads:
             transfer.wait()
         return bad
 
-    def _span_length(self, layers: range, j: int) -> int:
-        a, b = codec.layer_span(self.reader.headers[j], layers)
-        return b - a
-
     def _span(
-        self, layers: range, j: int, data: bytes | memoryview | None
-    ) -> memoryview | torch.Tensor | None:
-        """Chunk j's span of `layers` where it lies: a pinned uint8 tensor over a pinned store's object,
-        the bytes fetched or held by an in-memory store, or None for a file read into staging later.
-        Raises MissingChunkError or TruncatedChunkError."""
-        chunk, header = self.reader.chunks[j], self.reader.headers[j]
-        a, b = codec.layer_span(header, layers)
+        self, j: int, data: bytes | memoryview | None, a: int, b: int, layers: range
+    ) -> memoryview | None:
+        """Chunk j's span [a, b) of its object where it lies: the bytes fetched or held by an in-memory
+        store, or None for a local file (read into staging later). Raises MissingChunkError or
+        TruncatedChunkError."""
+        chunk = self.reader.chunks[j]
         if data is None and self.reader.store.reads_in_memory:
             whole = self.reader.store.get_sync(chunk.key)
             if whole is None:
                 raise MissingChunkError(f"chunk {chunk.key[:12]} disappeared from the store")
             data = memoryview(whole)[a:b]
-        elif data is None:  # a local file: the span alone, read into staging
+        elif data is None:
             return None
         if len(data) != b - a:
             raise TruncatedChunkError(f"{layers_name(layers)}: {len(data)} bytes, header says {b - a}")
-        view = memoryview(data)
-        host = None if self._host_checked(layers, j) else pinned_view(view)
-        return host if host is not None else view
+        return memoryview(data)
 
     def _host_checked(self, layers: range, j: int) -> bool:
         """Whether chunk j's sections of `layers` are checked and decoded on the host: compressed, native
@@ -151,23 +144,18 @@ class LayerUploads:
             header, codec.span_sections(header, layers, data), self.reader.spec, list(layers)
         )
 
-    def _staged(
-        self, layers: range, j: int, data: memoryview | None, staging: Staging, at: int, n: int
-    ) -> torch.Tensor:
-        """Chunk j's span in the shared staging buffer at [at, at + n): copied there (one copy, off the
-        GIL), or read there from a file (`data` None)."""
-        slot = staging.view[at : at + n]
+    def _stage(self, j: int, data: memoryview | None, a: int, slot: memoryview, layers: range) -> None:
+        """Fill `slot` (chunk j's place in the shared staging buffer) with its span: copied there (one
+        copy, off the GIL), or read there from the file (`data` None) at offset `a`."""
         if data is not None:
             copy_into(slot, data)
-            return staging.tensor[at : at + n]
+            return
         chunk = self.reader.chunks[j]
-        a, b = codec.layer_span(self.reader.headers[j], layers)
         got = self.reader.store.scatter_into_sync(chunk.key, a, [slot])
         if got is None:
             raise MissingChunkError(f"chunk {chunk.key[:12]} disappeared from the store")
-        if got != n:
-            raise TruncatedChunkError(f"{layers_name(layers)}: {got} bytes, header says {n}")
-        return staging.tensor[at : at + n]
+        if got != len(slot):
+            raise TruncatedChunkError(f"{layers_name(layers)}: {got} bytes, header says {len(slot)}")
 
     def _place_uploads(
         self,
@@ -265,25 +253,16 @@ def _coalesced(
     """The host-to-device copies of `ups` (their spans back to back in the device buffer), as (where in
     the device buffer, what): staged spans that also lie back to back in `staging` go up as one copy
     (one slice of it), each other span alone."""
-    runs: list[tuple[int, int, int]] = []  # (device offset, staging offset or -1, length)
+    runs: list[list] = []  # [device offset, staging offset (None: not staged), length, host span]
     at = 0
     for (_, host, staged), n in zip(ups, sizes, strict=True):
-        here = host.data_ptr() - staging.data_ptr() if staged and staging is not None else -1
-        if here >= 0 and runs and runs[-1][1] >= 0 and runs[-1][1] + runs[-1][2] == here:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + n)
+        here = host.data_ptr() - staging.data_ptr() if staged and staging is not None else None
+        if here is not None and runs and runs[-1][1] is not None and runs[-1][1] + runs[-1][2] == here:
+            runs[-1][2] += n
         else:
-            runs.append((at, here, n))
+            runs.append([at, here, n, host])
         at += n
-    hosts = iter(host for _, host, _ in ups)
     copies: list[tuple[int, torch.Tensor]] = []
-    for at, here, n in runs:
-        first = next(hosts)
-        if here >= 0:
-            assert staging is not None
-            copies.append((at, staging[here : here + n]))
-            taken = first.numel()
-            while taken < n:  # the other spans of the run
-                taken += next(hosts).numel()
-        else:
-            copies.append((at, first))
+    for a, here, n, host in runs:
+        copies.append((a, host if here is None or staging is None else staging[here : here + n]))
     return copies

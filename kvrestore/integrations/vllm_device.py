@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader
+from kvrestore.chunkio.layers import LayerReader
 from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
@@ -78,23 +78,13 @@ class DeviceLayerLoad(BackgroundLoad):
             encoding=self.encoding,
             device_path=self.device_path,
         )
-        ok = await reader.open()
-        self._fail([j for j, good in enumerate(ok) if not good], reader.errors)
         s = self.spec
         shape = (self.layers_per_read, 2, s.num_kv_heads, self.chunks[-1].end, s.head_dim)
         with on_stream(self.lane.stream, self.device):  # freed once the stream's copies out of it are done
             rows = KVCache(s, torch.empty(shape, dtype=s.dtype, device=self.device))
-        for layers in self._layer_groups(self.layers_per_read):
-            if self.cancelled:
-                break
-            if len(self.failed) < len(self.chunks):
-                try:
-                    await reader.read_layers(layers, rows)
-                except ChunkLoadFailed as exc:
-                    self._fail(exc.indices, [exc.error])
-            for i, layer in enumerate(layers):
-                with self._lock:
-                    upto = self._upto()
-                    if not self.cancelled and upto > 0:
-                        self.place(layer, rows.data[i, :, :, :upto])
-                self._placed(layer, reader.bytes_read)
+        await self._read_and_place(
+            reader,
+            rows,
+            self.layers_per_read,
+            lambda i, layer, upto: self.place(layer, rows.data[i, :, :, :upto]),
+        )

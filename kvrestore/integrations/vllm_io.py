@@ -291,6 +291,10 @@ class _SectionReader(LayerReader):
                 flat = torch.frombuffer(stored, dtype=torch.uint8)
             self.sections[j, layer] = flat.view(spec.dtype).view(shape) if enc.native else flat
 
+    async def read_layers(self, layers: range, kv: KVCache) -> int:
+        self.sections = {}  # the last read's were placed
+        return await super().read_layers(layers, kv)
+
     def piece(self, j: int, layer: int, start: int, n_tokens: int) -> Piece:
         """Tokens [start, start + n_tokens) of chunk j's section of `layer`, as read."""
         data = self.sections[j, layer]
@@ -363,10 +367,31 @@ class BackgroundLoad:
             self.seconds = time.perf_counter() - self._t0
         self._events[layer].set()
 
-    def _layer_groups(self, step: int) -> list[range]:
-        """The reads: the first layer alone (compute starts sooner), then `step` layers at a time."""
+    async def _read_and_place(
+        self, reader: LayerReader, kv: KVCache, step: int, place_layer: Callable[[int, int, int], None]
+    ) -> None:
+        """Open `reader`'s chunks (failing those that do not check out), then read the first layer
+        alone (compute starts sooner) and `step` layers at a time after it into `kv`, failing the chunks
+        a read names; after each read, `place_layer(i, layer, upto)` for its layers (`i`: the layer's
+        place in the read, `upto`: the tokens to place), under the lock and unless cancelled, and wake
+        the layer's waiter."""
+        ok = await reader.open()
+        self._fail([j for j, good in enumerate(ok) if not good], reader.errors)
         L = self.spec.num_layers
-        return [range(0, 1), *(range(a, min(a + step, L)) for a in range(1, L, step))]
+        for layers in [range(0, 1), *(range(a, min(a + step, L)) for a in range(1, L, step))]:
+            if self.cancelled:
+                break
+            if len(self.failed) < len(self.chunks):
+                try:
+                    await reader.read_layers(layers, kv)
+                except ChunkLoadFailed as exc:
+                    self._fail(exc.indices, [exc.error])
+            for i, layer in enumerate(layers):
+                with self._lock:
+                    upto = self._upto()
+                    if not self.cancelled and upto > 0:
+                        place_layer(i, layer, upto)
+                self._placed(layer, reader.bytes_read)
 
     def _fail(self, indices: Sequence[int] | range, errors: Sequence[str]) -> None:
         new = set(indices) - self.failed
@@ -424,26 +449,14 @@ class LayerLoad(BackgroundLoad):
 
     async def run(self) -> None:
         reader = _SectionReader(self.spec, self.store, self._stored(), self.encoding)
-        ok = await reader.open()
-        self._fail([j for j, good in enumerate(ok) if not good], reader.errors)
-        nowhere = KVCache.empty(self.spec, 0)  # the sections stay in `reader.sections`
-        for layers in self._layer_groups(self.layers_per_read):
-            if self.cancelled:
-                break
-            reader.sections = {}
-            if len(self.failed) < len(self.chunks):
-                try:
-                    await reader.read_layers(layers, nowhere)
-                except ChunkLoadFailed as exc:
-                    self._fail(exc.indices, [exc.error])
-            for layer in layers:
-                with self._lock:
-                    upto = self._upto()
-                    pieces = [
-                        reader.piece(j, layer, c.start, min(c.end, upto) - c.start)
-                        for j, c in enumerate(self.chunks)
-                        if c.start < upto
-                    ]
-                    if not self.cancelled and pieces:
-                        self.place(layer, pieces)
-                self._placed(layer, reader.bytes_read)
+
+        def place(_: int, layer: int, upto: int) -> None:
+            pieces = [
+                reader.piece(j, layer, c.start, min(c.end, upto) - c.start)
+                for j, c in enumerate(self.chunks)
+                if c.start < upto
+            ]
+            self.place(layer, pieces)
+
+        # the sections stay in `reader.sections`, not in a cache
+        await self._read_and_place(reader, KVCache.empty(self.spec, 0), self.layers_per_read, place)

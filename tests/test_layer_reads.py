@@ -319,3 +319,41 @@ def test_a_device_layer_load_on_cuda_places_the_stored_kv(deep, kind, tmp_path: 
         assert torch.equal(placed[last].cpu(), kv[last, :, :, :32])
     finally:
         io.close()
+
+
+def test_a_device_read_from_files_fails_a_cut_or_vanished_chunk_and_places_the_rest(deep, tmp_path: Path):
+    """Files read into the shared staging buffer: one object cut short inside the read's span and one
+    deleted after the headers were read are named (the cut one deleted from the store); the chunks
+    around them are placed exactly."""
+    from kvrestore.stores.local import LocalStore
+
+    store = LocalStore(str(tmp_path))
+    chunks = _chunks([8] * 5, seed=110)
+
+    async def go(damage: bool) -> tuple[KVCache, list[int], list[str], bool]:
+        keys = [(await save_chunk(deep, store, c, overwrite=True))[0] for c in chunks]
+        stored = [StoredChunk(k, 0, 8 * i, 8) for i, k in enumerate(keys)]
+        reader = LayerReader(deep.spec, store, stored, device_path=True)
+        await reader.open()
+        if damage:
+            blob = await store.get(keys[1])
+            section = codec.read_header(blob)[0].layers[4]
+            await store.put(keys[1], blob[: section.offset + section.length // 2])
+            await store.delete(keys[3])
+        kv = _cache(deep, 40)
+        failed: list[int] = []
+        try:
+            await reader.read_layers(range(3, 6), kv)
+        except ChunkLoadFailed as exc:
+            failed = exc.indices
+        return kv, failed, reader.errors, (await store.contains([keys[1]]))[0]
+
+    whole, none, _, _ = anyio.run(go, False)
+    assert none == [] and whole.data[3:6].abs().sum() > 0
+    kv, failed, errors, cut_kept = anyio.run(go, True)
+    assert failed == [1, 3] and not cut_kept
+    assert any("TruncatedChunkError" in e for e in errors) and any("MissingChunkError" in e for e in errors)
+    for j in (0, 2, 4):
+        torch.testing.assert_close(
+            kv.data[3:6, :, :, 8 * j : 8 * j + 8], whole.data[3:6, :, :, 8 * j : 8 * j + 8]
+        )

@@ -17,7 +17,7 @@ from kvrestore.policies import ChunkStatus, Decision, Policy, Progress
 from kvrestore.runtime.engine import Engine
 from kvrestore.runtime.request import RunRequest
 from kvrestore.sim.simulate import simulate
-from kvrestore.stores import ThrottledStore
+from kvrestore.stores import BoundedStore, ThrottledStore
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens
@@ -235,6 +235,55 @@ def test_throttled_store_validates_its_arguments():
         BandwidthTrace(((0.0, 1.0), (0.0, 2.0)))
     with pytest.raises(ValueError, match="last one > 0"):
         BandwidthTrace(((0.0, 1.0), (1.0, 0.0)))
+
+
+def test_a_link_counts_the_bytes_of_the_transfer_crossing_it():
+    """`Link.delivered`: transfers cross one after another after their latency, and the one crossing
+    now counts the part that has arrived, at the trace's rate."""
+    link = Link(BandwidthTrace(((0.0, 100.0), (1.0, 10.0))), latency_s=0.5)
+    assert link.reserve(0.0, 50) == pytest.approx(1.0)  # 0.5 s of latency, then 50 bytes at 100/s
+    assert link.reserve(0.0, 20) == pytest.approx(3.0)  # behind it, at 10/s
+    assert link.delivered(0.5) == 0.0
+    assert link.delivered(0.75) == pytest.approx(25.0)
+    assert link.delivered(2.0) == pytest.approx(60.0)
+    assert link.delivered(5.0) == pytest.approx(70.0)
+    link.reset()
+    assert link.delivered(5.0) == 0.0
+
+
+def test_a_throttled_store_says_what_its_link_has_delivered():
+    async def main():
+        inner = MemoryStore()
+        for k in ("aa" * 8, "bb" * 8):
+            await inner.put(k, b"x" * 50_000)
+        store = SimulatedThrottledStore(inner, 1e6)
+        assert inner.delivered_bytes() is None  # a store that sees bytes only once a read is done
+        async with anyio.create_task_group() as tg:
+            for k in ("aa" * 8, "bb" * 8):
+                tg.start_soon(store.get, k)
+        return store.delivered_bytes(), BoundedStore(store, 10**9).delivered_bytes()
+
+    assert anyio.run(main) == (100_000, 100_000)  # a wrapper passes its inner store's count on
+
+
+def test_a_fresh_restore_over_a_hopeless_link_computes_in_few_units(tiny_backend):
+    """Nothing known of a link too slow for any fetch to land before computing ends: the bytes the
+    store shows arriving give the link's rate within the first units, and the compute lane then takes
+    every chunk left in one unit (judged on the guess that a fetch needs as long again as it has been
+    in flight, it would go on in units of two: seven units for thirteen chunks). Exact."""
+    tokens = random_tokens(200, tiny_backend.spec.vocab_size)
+
+    async def main():
+        inner = MemoryStore()
+        await Restorer(tiny_backend, inner, chunk_size=16).save(tokens)
+        chunk_bytes = len(await inner.get(chunk_keys(tokens, tiny_backend.spec.fingerprint, 16)[0].key))
+        store = ThrottledStore(inner, chunk_bytes / 100.0)  # 100 s a chunk
+        return await Restorer(tiny_backend, store, chunk_size=16).restore(tokens, TokenTwoPointer(2))
+
+    res = anyio.run(main)
+    assert res.stats.computed_chunks == res.stats.n_chunks == 13
+    assert len(res.trace.of_kind("compute")) <= 3
+    torch.testing.assert_close(res.kv.data, full_prefill(tiny_backend, tokens), atol=ATOL, rtol=0)
 
 
 def test_bandwidth_trace_arithmetic():

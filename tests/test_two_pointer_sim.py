@@ -176,25 +176,34 @@ def test_fetches_that_cannot_land_in_time_go_to_whole_compute_units():
     assert res.makespan == pytest.approx(whole.makespan)
 
 
-def test_without_priors_a_fetch_in_flight_is_guessed_to_need_as_long_again():
-    """The same slow link with nothing known before the restore: the first unit measures the lane (one
-    chunk), and from then on the fetches that have delivered nothing are taken to need as long again
-    as they have been in flight, so they go to units of `compute_chunks`, the last unit taking the
-    runt left after it."""
+def _slow_fresh_restore(sees_arrivals: bool) -> list[tuple[int, int]]:
+    """The compute units of a restore of 8 chunks over a link at 0.1x the balance, nothing known."""
     n = 8
 
     def cost(a: int, b: int, _t: float) -> float:
         return 0.01 + 0.2 * (b - a)
 
     link = Link(BandwidthTrace.constant(0.1 * CHUNK_BYTES / 0.2))
-    res = simulate(TokenTwoPointer(2), [128] * n, [True] * n, cost, [CHUNK_BYTES] * n, link)
+    res = simulate(
+        TokenTwoPointer(2), [128] * n, [True] * n, cost, [CHUNK_BYTES] * n, link, sees_arrivals=sees_arrivals
+    )
     assert res.trace.computed() == list(range(n))
-    assert [(e.first_chunk, e.last_chunk) for e in res.trace.of_kind("compute")] == [
-        (0, 0),
-        (1, 2),
-        (3, 4),
-        (5, 7),
-    ]
+    return [(e.first_chunk, e.last_chunk) for e in res.trace.of_kind("compute")]
+
+
+def test_without_priors_a_fetch_in_flight_is_guessed_to_need_as_long_again():
+    """The same slow link with nothing known before the restore, from a store that shows a fetch only
+    once it has landed: the first unit measures the lane (one chunk), and from then on the fetches that
+    have delivered nothing are taken to need as long again as they have been in flight, so they go to
+    units of `compute_chunks`, the last unit taking the runt left after it."""
+    assert _slow_fresh_restore(sees_arrivals=False) == [(0, 0), (1, 2), (3, 4), (5, 7)]
+
+
+def test_without_priors_the_bytes_seen_arriving_give_the_link_rate():
+    """The same restore from a store that shows its bytes arriving: by the end of the second unit two
+    looks have seen bytes arrive, their rate says no fetch can land before computing ends, and every
+    chunk left is one unit."""
+    assert _slow_fresh_restore(sees_arrivals=True) == [(0, 0), (1, 2), (3, 7)]
 
 
 def test_a_unit_takes_the_fetches_it_would_finish_before_they_land():

@@ -102,16 +102,32 @@ class Link:
         self.latency_s = latency_s
         self.free_at = 0.0
         self.bytes_sent = 0
+        self._crossing: list[tuple[float, float, int]] = []  # (start, end, bytes) not yet all across
+        self._landed = 0  # bytes of the transfers that have crossed
 
     def reserve(self, now: float, nbytes: int) -> float:
         start = max(now + self.latency_s, self.free_at)
         self.free_at = self.trace.finish_time(start, nbytes)
         self.bytes_sent += nbytes
+        if nbytes > 0:
+            self._crossing.append((start, self.free_at, nbytes))
         return self.free_at
+
+    def delivered(self, now: float) -> float:
+        """Bytes that have crossed the link by `now`, of every transfer booked so far (part of the one
+        crossing it now): what a reader watching its bytes arrive would have counted."""
+        while self._crossing and self._crossing[0][1] <= now:  # transfers cross one after another
+            self._landed += self._crossing.pop(0)[2]
+        if not self._crossing or self._crossing[0][0] >= now:
+            return float(self._landed)
+        start, _, nbytes = self._crossing[0]
+        return self._landed + min(float(nbytes), self.trace.bytes_between(start, now))
 
     def reset(self) -> None:
         self.free_at = 0.0
         self.bytes_sent = 0
+        self._crossing = []
+        self._landed = 0
 
 
 def suffix_times(load_s: Sequence[float]) -> list[float]:

@@ -104,7 +104,7 @@ class TokenTwoPointer(Policy):
             if _last_stored(p, a) > a and _loads_too_late(p, a):
                 # smaller units would only add a unit's fixed cost each: one unit to the end (the last
                 # stored chunk is fetched aside meanwhile, `_probe_aside`)
-                b, drop = _extend(p, a, a + 1, p.n_chunks)
+                b, drop = _extend(p, a, a + 1, p.n_chunks, floors=True)
                 return (a, b), drop, None, True
             # the stored chunks past the unit are the loads' to take: the unit is not grown over them
             b, drop = _extend(p, a, a + 1, a + self._unit_length(p, a))
@@ -223,20 +223,26 @@ def _estimate_at(p: Progress, j: int, rate: float | None) -> float | None:
     return rate * p.chunk_tokens[j] if rate is not None else p.prior_compute_s[j]
 
 
-def _extend(p: Progress, a: int, b: int, limit: int) -> tuple[int, tuple[int, ...]]:
+def _extend(p: Progress, a: int, b: int, limit: int, floors: bool = False) -> tuple[int, tuple[int, ...]]:
     """(end, fetches to drop) of a compute unit from chunk a, grown from [a, b) up to `limit` over
     pending chunks and over chunks whose fetch would land only after computing from a would have
     finished them (a fetch that cannot win: computing takes the chunk and the fetch is dropped, which
-    also frees the link for the fetches that can)."""
+    also frees the link for the fetches that can). With `floors`, a chunk with no compute estimate is
+    taken to need its floor (`_loads_too_late` judged so)."""
     rate = _compute_rate(p, a)  # a is the done prefix: no chunk from it on is computed
+
+    def estimate(j: int) -> float | None:
+        s = _estimate_at(p, j, rate)
+        return p.compute_floor_s[j] if s is None and floors else s
+
     finish = p.now
     for j in range(a, b):
-        finish += _estimate_at(p, j, rate) or 0.0
+        finish += estimate(j) or 0.0
     drop: list[int] = []
     limit = min(p.n_chunks, limit)
     while b < limit:
         status = p.status[b]
-        compute_s = _estimate_at(p, b, rate)
+        compute_s = estimate(b)
         if status is ChunkStatus.LOADING:
             landing = _landing_estimate(p, b, guess=True)
             if compute_s is None or landing is None or landing <= finish + compute_s:
@@ -251,15 +257,19 @@ def _extend(p: Progress, a: int, b: int, limit: int) -> tuple[int, tuple[int, ..
 
 def _link(p: Progress, landed: list[tuple[float, int]] | None = None) -> tuple[float, float] | None:
     """(seconds per token delivered, latency): what this restore's loads show (`landed`, if the caller
-    has it), else the cost model's; at least as slow as the wait for the fetch due next says (a link
-    that has delivered nothing for a while is not the link it was)."""
+    has it), else the cost model's, else, before any fetch has landed, the rate its bytes arrive at
+    (`_arrival_rate`); at least as slow as the wait for the fetch due next says (a link that has
+    delivered nothing for a while is not the link it was)."""
     landed = _landed(p) if landed is None else landed
     if p.prior_link is not None and len(landed) < 2:  # one fetch's own time ignores the other lanes
         link = p.prior_link
     elif landed:
         link = (_load_seconds_per_token(p, landed), 0.0)  # type: ignore[assignment]
     else:
-        return None
+        arriving = _arrival_rate(p)
+        if arriving is None:
+            return None
+        link = (arriving, 0.0)
     overdue = _overdue(p, landed)
     return link if overdue is None else (max(link[0], overdue), link[1])
 
@@ -303,16 +313,21 @@ def _all_loadable(p: Progress, a: int) -> bool:
 
 def _probe(p: Progress, a: int, landed: list[tuple[float, int]]) -> float | None:
     """Before anything is known of the link (no prior, fewer than two fetches `landed`: one fetch's own
-    time ignores the lanes beside it): the compute lane waits for two fetches to land, so that
-    `_loads_first` can judge, but no longer than `PROBE_SHARE` of the floor of computing every chunk
-    left (the most a restore whose loads turn out useless loses). Returns until when, or None."""
-    if p.prior_link is not None or len(landed) >= min(2, sum(p.stored)):
+    time ignores the lanes beside it; no rate from bytes seen arriving, `_arrival_rate`): the compute
+    lane waits for two fetches to land, or for the store's arrivals to give a rate, so that
+    `_loads_first` and `_loads_too_late` can judge, but no longer than `PROBE_SHARE` of the floor of
+    computing every chunk left (the most a restore whose loads turn out useless loses). Returns until
+    when, or None."""
+    if p.prior_link is not None or len(landed) >= min(2, sum(p.stored)) or _arrival_rate(p) is not None:
         return None
     floors = [p.compute_floor_s[j] for j in range(a, p.n_chunks) if not p.status[j].done]
     if None in floors:
         return None
     until = PROBE_SHARE * sum(floors)  # type: ignore[arg-type]
-    return until if p.now < until else None
+    if p.now >= until:
+        return None
+    # a store that shows its bytes arriving is looked at once more halfway: two looks give its rate
+    return min(until, p.now + until / 2) if p.delivered else until
 
 
 def _overtake(
@@ -355,6 +370,22 @@ def _probe_aside(p: Progress, free: int, starting: tuple[int, int] | None) -> tu
         return ()
     last = _last_stored(p, starting[0])
     return (last,) if p.stored[last] and last not in p.aside else ()
+
+
+def _arrival_rate(p: Progress) -> float | None:
+    """Seconds per token at which the store's bytes arrive (`Progress.delivered`), before any fetch has
+    landed: from the first decision that saw bytes arriving to the latest (not from the restore's
+    start, so that a request's latency is no part of the rate). Until a fetch lands, this restore's
+    fetches keep the link busy throughout. None: fewer than two such looks."""
+    samples = p.delivered
+    if len(samples) < 2:
+        return None
+    base = samples[0][1]
+    first = next((k for k, (_, d) in enumerate(samples) if d > base), len(samples))
+    if first >= len(samples) - 1:
+        return None
+    (t0, d0), (t1, d1) = samples[first], samples[-1]
+    return (t1 - t0) / (d1 - d0) if d1 > d0 and t1 > t0 else None
 
 
 def _landed(p: Progress) -> list[tuple[float, int]]:

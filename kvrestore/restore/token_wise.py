@@ -48,11 +48,17 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     def load_sync(i: int) -> int:  # on a load-lane thread, for a store that reads without the loop
         return load_chunk_sync(loader, refs[i], kv, damaged)
 
+    meter, bytes_per_token = parts.store.delivered_bytes, backend.spec.kv_bytes_per_token
+
+    def delivered() -> float | None:  # tokens' worth of bytes the store has delivered
+        nbytes = meter()
+        return None if nbytes is None else nbytes / bytes_per_token
+
     try:
         fast = FastPaths(load_sync if loader.reads_sync else None, compute_apart, load_aside)
         fast_paths = fast if engine.takes_fast_paths else None
         trace = await engine.run(
-            RunRequest(progress, policy, compute, load, on_event, parts.load_timeout_s, fast_paths)
+            RunRequest(progress, policy, compute, load, on_event, parts.load_timeout_s, fast_paths, delivered)
         )
     finally:
         for key in damaged:

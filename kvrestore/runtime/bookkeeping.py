@@ -27,12 +27,19 @@ def set_capabilities(progress: Progress, can_race: bool, can_overtake: bool) -> 
     progress.can_overtake = can_overtake
 
 
-def observe(progress: Progress, now: float, free_load_lanes: int | None = None) -> None:
-    """What the driver sees before it asks for a decision: its clock (seconds since the restore began)
-    and, where it hands the load lanes to this restore alone, how many are free."""
+def observe(
+    progress: Progress, now: float, free_load_lanes: int | None = None, delivered: float | None = None
+) -> None:
+    """What the driver sees before it asks for a decision: its clock (seconds since the restore began),
+    where it hands the load lanes to this restore alone how many are free, and where its store sees
+    bytes arrive, the tokens' worth delivered so far (`Progress.delivered`)."""
     progress.now = now
     if free_load_lanes is not None:
         progress.free_load_lanes = free_load_lanes
+    if delivered is not None:
+        samples = progress.delivered
+        if not samples or now > samples[-1][0]:
+            samples.append((now, delivered))
 
 
 def begin(progress: Progress, decision: Decision, policy: Policy | None = None) -> None:

@@ -165,6 +165,10 @@ class Lanes(Protocol):
     def now(self) -> float:
         """Seconds since the restore began, on these lanes' clock."""
 
+    def delivered(self) -> float | None:
+        """Tokens' worth of bytes the store has delivered since the restore began, those of fetches in
+        flight included (None: the store cannot say before a fetch lands)."""
+
     def stop(self, drops: Sequence[int]) -> None:
         """Stop the loads of `drops` (called before `begin` marks them dropped)."""
 
@@ -211,7 +215,7 @@ class _PolicyDecider(Decider[TraceEvent | BaseException], Phase[Decision]):
 
     def decide(self) -> Decision:
         progress, lanes = self.progress, self.lanes
-        observe(progress, lanes.now(), max(0, lanes.load_lanes - progress.loads_in_flight))
+        observe(progress, lanes.now(), max(0, lanes.load_lanes - progress.loads_in_flight), lanes.delivered())
         return self.policy.decide(progress)
 
     def stop(self, decision: Decision) -> None:

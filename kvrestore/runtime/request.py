@@ -58,3 +58,6 @@ class RunRequest:
     on_event: Callable[[TraceEvent], None] | None = None
     load_timeout_s: float | None = None
     fast_paths: FastPaths | None = None
+    #: tokens' worth of bytes the store has delivered so far, reads in flight included (None, or a
+    #: meter that answers None: the store sees a read's bytes only once it has finished)
+    delivered: Callable[[], float | None] | None = None

@@ -289,6 +289,9 @@ class _OneRestore:
                 start, _ = m.serving.pop((j, i))
             m.push(m.t, j, m.local(j, "load-dropped", i, i, start, m.t))
 
+    def delivered(self) -> float | None:
+        return None  # the lanes are shared: what the link delivers is not this restore's alone
+
     def start(self, decision: Decision) -> None:
         if decision.compute is not None:
             self.m.compute_q.append((self.j, *decision.compute))

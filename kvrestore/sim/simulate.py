@@ -40,11 +40,13 @@ def simulate(
     max_steps: int = 1_000_000,
     min_unit_chunks: int = 1,
     priors: tuple[Sequence[float | None], tuple[float, float] | None] | None = None,
+    sees_arrivals: bool = True,
 ) -> SimResult:
     """Run `policy` to the end of one restore; loads of chunks in `failing` fail when they land.
     `min_unit_chunks` is the compute lane's floor on a unit (`Progress.min_unit_chunks`); `priors` what
     the policy is told before it observes anything (`Progress.prior_compute_s`, `Progress.prior_link`),
-    as a restorer tells it from its cost model."""
+    as a restorer tells it from its cost model. `sees_arrivals`: the policy sees the link's bytes arrive
+    (`Progress.delivered`), as from a `ThrottledStore`; else only whole fetches landing."""
     prior_compute_s, prior_link = (list(priors[0]), priors[1]) if priors is not None else ([], None)
     progress = Progress(
         list(chunk_tokens),
@@ -56,6 +58,8 @@ def simulate(
         prior_link=prior_link,
     )
     lanes = SimLanes(compute_cost, chunk_bytes, link, load_lanes, failing)
+    if sees_arrivals and sum(chunk_tokens) > 0:
+        lanes.bytes_per_token = sum(chunk_bytes) / sum(chunk_tokens)
     trace = run_sync(drive(progress, policy, lanes, max_steps=max_steps))
     return SimResult(lanes.now(), trace, progress)
 
@@ -88,9 +92,16 @@ class SimLanes:
     #: fetches aside in flight: chunk -> (its completion's seq, its start); and the bytes of those landed
     aside: dict[int, tuple[int, float]] = field(default_factory=dict)
     landed: dict[int, int] = field(default_factory=dict)
+    #: the link's bytes per token, to say what it has delivered (`delivered`); None: it does not say
+    bytes_per_token: float | None = None
 
     def now(self) -> float:
         return self.t
+
+    def delivered(self) -> float | None:
+        if self.bytes_per_token is None:
+            return None
+        return self.link.delivered(self.t) / self.bytes_per_token
 
     def _push(self, event: TraceEvent) -> int:
         self.seq += 1

@@ -201,6 +201,13 @@ class ChunkStore(ABC):
     def prefetch(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional hook
         """Hint: these keys will be read soon, in this order. Stores with a read-ahead buffer start them."""
 
+    def delivered_bytes(self) -> float | None:
+        """Bytes the store's reads have received so far, those of reads still in flight included, where
+        it sees a read's bytes arrive (a throttled link); None where it sees them only once the read
+        has finished. A restore that knows nothing of the link yet judges its speed by how this grows
+        while its first fetches are in flight, instead of waiting for one of them to land."""
+        return None
+
     async def flush(self) -> None:  # noqa: B027 - optional hook
         """Wait until every write accepted so far has reached its final place (write-back stores)."""
 

@@ -78,6 +78,11 @@ class ThrottledStore(WrapperStore):
         """Seconds on the link's clock."""
         return time.monotonic() - self._t0
 
+    def delivered_bytes(self) -> float | None:
+        """Bytes the link has delivered since the last `reset()`, part of the read crossing it now
+        included (as a reader watching them arrive would count)."""
+        return self.link.delivered(self.clock())
+
     async def _sleep(self, seconds: float) -> None:
         """Wait `seconds` on the link's clock (a test replaces this and `clock` with a simulated clock)."""
         await anyio.sleep(seconds)

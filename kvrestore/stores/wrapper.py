@@ -78,6 +78,9 @@ class WrapperStore(ChunkStore):
     def prefetch(self, keys: Sequence[str]) -> None:
         self.inner.prefetch(keys)
 
+    def delivered_bytes(self) -> float | None:
+        return self.inner.delivered_bytes()
+
     async def flush(self) -> None:
         await self.inner.flush()
 

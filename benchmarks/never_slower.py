@@ -14,8 +14,8 @@ restorer that has done three restores of the prompt before (its fourth). Load-on
 0.5x: it takes at least Tc / m there, never the better single strategy. Compute-only does not read the
 store: it runs at the memory point, and again beside each throttled point up to 1x, where it may be the
 better single strategy (so that a ratio there compares restores minutes apart on a shared machine). Times are the wall time the caller waits around
-`restore()` (a restore that took under 0.25 s in the warm-up is timed five times a round, and the
-round keeps their median); each ratio is taken within a round (against that round's better single
+`restore()` (a restore that took under 0.25 s in the warm-up is timed nine times a round, the cases
+of its point taking turns, and the round keeps their median); each ratio is taken within a round (against that round's better single
 strategy), and the median over rounds is reported. Every restored KV is checked against a full
 prefill, and `stats.seconds` against the wall time.
 
@@ -56,7 +56,7 @@ MULTIPLIERS = (0.1, 0.5, 1.0, 2.0, 10.0)
 TARGETS = {"token-wise": 1.05, "layer-wise": 1.10, "auto-first": 1.25, "auto-fourth": 1.10}
 AT_BALANCE = 0.60
 #: a restore that took less than SHORT_S in the warm-up round is timed SHORT_REPEATS times a round
-SHORT_S, SHORT_REPEATS = 0.25, 5
+SHORT_S, SHORT_REPEATS = 0.25, 9
 
 
 def log(msg: str) -> None:
@@ -114,15 +114,19 @@ async def measure_length(args: argparse.Namespace, backend: HFBackend, tokens: t
     for r in range(-1, args.rounds):  # round -1 warms every restorer up (and teaches it the costs)
         for point, store in points.items():
             multiplier = float(point[:-1]) if point.endswith("x") else None
-            line = []
-            for case in CASES:
-                if case == "compute-only" and point != "memory" and (not multiplier or multiplier > 1):
-                    continue  # timed again beside the throttled points where it is the better single
-                if case == "load-only" and multiplier is not None and multiplier < 0.5:
-                    continue
-                samples = []
-                # a restore that takes milliseconds is timed several times in the round: its median
-                for _ in range(SHORT_REPEATS if warm.get((point, case), math.inf) < SHORT_S else 1):
+            cases = [
+                case
+                for case in CASES
+                # compute-only is timed again beside the throttled points where it is the better single
+                if not (case == "compute-only" and point != "memory" and (not multiplier or multiplier > 1))
+                and not (case == "load-only" and multiplier is not None and multiplier < 0.5)
+            ]
+            # a restore that takes milliseconds is timed several times in the round (its median), the
+            # cases taking turns, so that each meets the machine's spells of cheap and dear memory alike
+            repeats = {c: SHORT_REPEATS if warm.get((point, c), math.inf) < SHORT_S else 1 for c in cases}
+            samples: dict[str, list[float]] = {c: [] for c in cases}
+            for k in range(max(repeats.values())):
+                for case in (c for c in cases if k < repeats[c]):
                     if case.startswith("auto"):  # a fresh restorer: no profile, nothing learned
                         restorer, policy = (
                             Restorer(backend, store, args.chunk, learn=False, profile=False),
@@ -137,8 +141,10 @@ async def measure_length(args: argparse.Namespace, backend: HFBackend, tokens: t
                     seconds, res = await timed(restorer, tokens, policy, args.device)
                     worst_kv = max(worst_kv, (res.kv.data - reference).abs().max().item())
                     worst_stats = max(worst_stats, abs(res.stats.seconds - seconds) / seconds)
-                    samples.append(seconds)
-                seconds = median(samples)
+                    samples[case].append(seconds)
+            line = []
+            for case in cases:
+                seconds = median(samples[case])
                 if r >= 0:
                     times.setdefault((point, case), []).append(seconds)
                 else:

@@ -48,7 +48,7 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     def load_sync(i: int) -> int:  # on a load-lane thread, for a store that reads without the loop
         return load_chunk_sync(loader, refs[i], kv, damaged)
 
-    meter, bytes_per_token = parts.store.delivered_bytes, backend.spec.kv_bytes_per_token
+    meter, bytes_per_token = parts.store.delivered_bytes, parts.planner.stored_bytes_per_token
 
     def delivered() -> float | None:  # tokens' worth of bytes the store has delivered
         nbytes = meter()

@@ -19,8 +19,10 @@ from __future__ import annotations
 from kvrestore.core.errors import check_int
 from kvrestore.policies.base import ChunkStatus, Decision, Policy, Progress
 
-#: stored chunks per compute unit: 2 x 256-token chunks = 512 tokens, Cake's compute granularity
-DEFAULT_COMPUTE_CHUNKS = 2
+#: tokens per compute unit unless a policy is given its chunks: Cake's compute granularity (2 chunks of
+#: 256 tokens); a unit of fewer tokens runs its matmuls on fewer rows, and slower a token (on a 2-core
+#: CPU, SmolLM2's units of 256 tokens about 16% slower than of 1,024)
+DEFAULT_COMPUTE_TOKENS = 512
 #: how many of the most recent fetches estimate the link's delivery rate
 RECENT_LOADS = 4
 #: how far past its estimated landing (as a fraction of computing the chunk) a fetch is still awaited
@@ -34,16 +36,27 @@ class TokenTwoPointer(Policy):
     """Compute from the front, load from the back, meet in the middle.
 
     `compute_chunks` stored chunks make one compute unit (the fetch granularity is the store's chunk
-    size, `Restorer(chunk_size=...)`); a unit is cut short where it would reach a chunk being fetched.
+    size, `Restorer(chunk_size=...)`); by default, as many as make `DEFAULT_COMPUTE_TOKENS` tokens (two
+    chunks of 256, four of 128). A unit is cut short where it would reach a chunk being fetched.
     """
 
     name = "two-pointer"
 
-    def __init__(self, compute_chunks: int = DEFAULT_COMPUTE_CHUNKS) -> None:
-        self.compute_chunks = check_int("compute_chunks", compute_chunks)
+    def __init__(self, compute_chunks: int | None = None) -> None:
+        self.compute_chunks = None if compute_chunks is None else check_int("compute_chunks", compute_chunks)
 
     def __repr__(self) -> str:
         return f"TokenTwoPointer(compute_chunks={self.compute_chunks})"
+
+    def unit_chunks(self, chunk_tokens: int, min_unit_chunks: int = 1) -> int:
+        """Chunks in a full compute unit, for chunks of `chunk_tokens` on a lane whose units take at
+        least `min_unit_chunks`."""
+        if self.compute_chunks is not None:
+            return max(self.compute_chunks, min_unit_chunks)
+        return max(1, DEFAULT_COMPUTE_TOKENS // max(1, chunk_tokens), min_unit_chunks)
+
+    def _full_unit(self, p: Progress) -> int:
+        return self.unit_chunks(max(p.chunk_tokens, default=1), p.min_unit_chunks)
 
     def decide(self, progress: Progress) -> Decision:
         contested = self._contested(progress)
@@ -123,7 +136,7 @@ class TokenTwoPointer(Policy):
             if p.now < due:
                 # waiting is cheaper; look again when the fetch is due if it has not landed by then
                 return None, (), due, False
-        b, drop = _extend(p, a, a + 1, a + max(self.compute_chunks, p.min_unit_chunks))
+        b, drop = _extend(p, a, a + 1, a + self._full_unit(p))
         return *self._unit(p, a, b, (a, *drop)), False
 
     def _unit(
@@ -137,7 +150,7 @@ class TokenTwoPointer(Policy):
         if not over_stored:
             end = next((j for j in range(b, end) if p.stored[j] and p.status[j] is ChunkStatus.PENDING), end)
             rest = tuple(j for j in rest if j < end)
-        if b < end < b + max(self.compute_chunks, p.min_unit_chunks):
+        if b < end < b + self._full_unit(p):
             b, drop = end, drop + rest
         return (a, b), drop, None
 
@@ -148,7 +161,7 @@ class TokenTwoPointer(Policy):
         whole unit). Never more, except where no fetch can land in time (`_loads_too_late`): a unit
         cannot be cut short if the compute lane slows down, so a larger one could hold the restore up
         by more than one unit, and restores sharing the compute lane take turns between units."""
-        unit = max(self.compute_chunks, p.min_unit_chunks)
+        unit = self._full_unit(p)
         if not any(p.stored[j] and not p.status[j].done for j in range(a + 1, p.n_chunks)):
             return unit  # nothing left to load: compute runs alone
         compute_s = _compute_estimate(p, a)
@@ -326,8 +339,9 @@ def _probe(p: Progress, a: int, landed: list[tuple[float, int]]) -> float | None
     until = PROBE_SHARE * sum(floors)  # type: ignore[arg-type]
     if p.now >= until:
         return None
-    # a store that shows its bytes arriving is looked at once more halfway: two looks give its rate
-    return min(until, p.now + until / 2) if p.delivered else until
+    # a store that shows its bytes arriving is looked at after an eighth of the wait, then at twice
+    # the time each time: two looks while bytes arrive give its rate, and end the wait
+    return min(until, max(2 * p.now, until / 8)) if p.delivered else until
 
 
 def _overtake(

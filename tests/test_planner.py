@@ -211,3 +211,23 @@ def test_with_learned_costs_an_untried_strategy_predicted_close_is_tried():
     assert kept.choice.name == best  # every plausible strategy was tried: the fastest
     measured = Auto().plan(p, LinkCost(balance, 0.0), smol_work(1024), only_best, untried_margin=1.0)
     assert measured.choice.name == best  # a measured profile: no strategy is tried for its own sake
+
+
+@pytest.mark.parametrize("kv_encoding", ["native", "int8"])
+def test_the_link_prior_is_per_token_as_stored(tiny_backend, kv_encoding):
+    """The link is measured in the stored bytes its loads move; a restore is told it per token of what
+    the store holds, so an int8 restorer's loads are expected to take about a quarter of the native
+    time, not the native time."""
+    restorer = Restorer(tiny_backend, MemoryStore(), chunk_size=16, kv_encoding=kv_encoding)
+    planner = restorer.planner
+    planner.link.current = LinkCost(1e6, 0.001)
+    _, refs = restorer.chunks(random_tokens(64, tiny_backend.spec.vocab_size))
+    _, link = planner.priors(refs)
+    assert link == (pytest.approx(planner.stored_bytes_per_token / 1e6), 0.001)
+    _, layer_link = planner.layer_priors(64)
+    assert layer_link == (
+        pytest.approx(planner.stored_bytes_per_token / tiny_backend.spec.num_layers / 1e6),
+        0.001,
+    )
+    native = tiny_backend.spec.kv_bytes_per_token
+    assert (planner.stored_bytes_per_token < 0.6 * native) == (kv_encoding == "int8")

@@ -203,7 +203,8 @@ class Planner:
         if link is None:
             silent = self.silent_s_per_token
             return compute, None if silent is None else (silent, 0.0)
-        return compute, (self.backend.spec.kv_bytes_per_token / link.bytes_per_s, link.latency_s)
+        # the link is measured in the stored bytes its loads moved (an encoded chunk's, not the KV's)
+        return compute, (self.stored_bytes_per_token / link.bytes_per_s, link.latency_s)
 
     def unit_fixed_s(self) -> float:
         """`Progress.prior_unit_fixed_s`: the cost model's fixed cost of a token-wise unit (0 where the
@@ -223,7 +224,7 @@ class Planner:
         compute: list[float | None] = [layer_s] * spec.num_layers
         if link is None:
             return compute, None
-        return compute, (spec.kv_bytes_per_token / spec.num_layers / link.bytes_per_s, link.latency_s)
+        return compute, (self.stored_bytes_per_token / spec.num_layers / link.bytes_per_s, link.latency_s)
 
     def floors(self, refs: list[ChunkRef]) -> list[float | None]:
         """`Progress.compute_floor_s` of a token-wise restore: the least each chunk's compute can take

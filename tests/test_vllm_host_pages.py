@@ -111,6 +111,8 @@ def test_a_damaged_chunk_fails_its_tokens_only_and_is_deleted(tmp_path, io, wher
     for layer in range(L):  # the chunks before and after it are placed
         assert torch.equal(gather_tokens(pages[layer], "cpu", ids, 0, 16, H, D), kv[layer, :, :, :16])
         assert torch.equal(gather_tokens(pages[layer], "cpu", ids, 32, 40, H, D), kv[layer, :, :, 32:40])
+    for deleting in load.deletes:  # deleted in the background: done once these have finished
+        deleting.result(timeout=10)
     assert io.call(store.contains, [c.key for c in chunks]) == [True, False, True]
 
 

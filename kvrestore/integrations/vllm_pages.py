@@ -20,6 +20,7 @@ pages are never used. `LayerLoad` (`vllm_io`) is the load for every other store,
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import logging
 import time
@@ -159,6 +160,8 @@ class HostPageLoad:
         self._plans: dict[int, _ChunkPlan] = {}
         self._staging: list[tuple[np.ndarray, memoryview]] = []  # per layer of a read: keys, tails
         self._io: IOThread | None = None
+        #: the deletes of damaged chunks, running on the I/O thread (nothing waits for them)
+        self.deletes: list[concurrent.futures.Future[None]] = []
 
     def start(self, io: IOThread, timeout: float | None = None) -> None:
         """Check every chunk's header (a small read each); the sections are read by `wait`. `io` deletes
@@ -291,7 +294,7 @@ class HostPageLoad:
             exc, (MissingChunkError, CompressedChunkError)
         )
         if damaged and self._io is not None:  # as `LayerReader` does: never served again
-            self._io.submit(self.store.delete, key)
+            self.deletes.append(self._io.submit(self.store.delete, key))
 
     def cancel(self, why: str) -> None:
         """Stop reading; unless every layer was read, every chunk counts as failed."""

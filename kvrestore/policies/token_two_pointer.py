@@ -19,10 +19,8 @@ from __future__ import annotations
 from kvrestore.core.errors import check_int
 from kvrestore.policies.base import ChunkStatus, Decision, Policy, Progress
 
-#: tokens per compute unit unless a policy is given its chunks: Cake's compute granularity (2 chunks of
-#: 256 tokens); a unit of fewer tokens runs its matmuls on fewer rows, and slower a token (on a 2-core
-#: CPU, SmolLM2's units of 256 tokens about 16% slower than of 1,024)
-DEFAULT_COMPUTE_TOKENS = 512
+#: stored chunks per compute unit: 2 x 256-token chunks = 512 tokens, Cake's compute granularity
+DEFAULT_COMPUTE_CHUNKS = 2
 #: how many of the most recent fetches estimate the link's delivery rate
 RECENT_LOADS = 4
 #: how far past its estimated landing (as a fraction of computing the chunk) a fetch is still awaited
@@ -36,14 +34,13 @@ class TokenTwoPointer(Policy):
     """Compute from the front, load from the back, meet in the middle.
 
     `compute_chunks` stored chunks make one compute unit (the fetch granularity is the store's chunk
-    size, `Restorer(chunk_size=...)`); by default, as many as make `DEFAULT_COMPUTE_TOKENS` tokens (two
-    chunks of 256, four of 128). A unit is cut short where it would reach a chunk being fetched.
+    size, `Restorer(chunk_size=...)`); a unit is cut short where it would reach a chunk being fetched.
     """
 
     name = "two-pointer"
 
-    def __init__(self, compute_chunks: int | None = None) -> None:
-        self.compute_chunks = None if compute_chunks is None else check_int("compute_chunks", compute_chunks)
+    def __init__(self, compute_chunks: int = DEFAULT_COMPUTE_CHUNKS) -> None:
+        self.compute_chunks = check_int("compute_chunks", compute_chunks)
 
     def __repr__(self) -> str:
         return f"TokenTwoPointer(compute_chunks={self.compute_chunks})"
@@ -51,9 +48,7 @@ class TokenTwoPointer(Policy):
     def unit_chunks(self, chunk_tokens: int, min_unit_chunks: int = 1) -> int:
         """Chunks in a full compute unit, for chunks of `chunk_tokens` on a lane whose units take at
         least `min_unit_chunks`."""
-        if self.compute_chunks is not None:
-            return max(self.compute_chunks, min_unit_chunks)
-        return max(1, DEFAULT_COMPUTE_TOKENS // max(1, chunk_tokens), min_unit_chunks)
+        return max(self.compute_chunks, min_unit_chunks)
 
     def _full_unit(self, p: Progress) -> int:
         return self.unit_chunks(max(p.chunk_tokens, default=1), p.min_unit_chunks)

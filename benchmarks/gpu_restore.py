@@ -298,7 +298,7 @@ async def measure_length(
     plain = Restorer(backend, memory, chunk, load_lanes=args.lanes)
     tp_policy = TokenTwoPointer(args.compute_chunks) if args.compute_chunks else TokenTwoPointer()
     # the units the two-pointer really runs: its own, raised to the lane's launch-bound floor on a GPU
-    unit = tp_policy.unit_chunks(chunk, -(-plain.planner.min_unit_tokens() // chunk))
+    unit = max(tp_policy.compute_chunks, -(-plain.planner.min_unit_tokens() // chunk))
 
     async def restore(restorer: Restorer, policy: Any) -> tuple[Sample, Any]:
         if isinstance(restorer.store, ThrottledStore):

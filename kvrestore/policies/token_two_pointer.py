@@ -45,14 +45,6 @@ class TokenTwoPointer(Policy):
     def __repr__(self) -> str:
         return f"TokenTwoPointer(compute_chunks={self.compute_chunks})"
 
-    def unit_chunks(self, chunk_tokens: int, min_unit_chunks: int = 1) -> int:
-        """Chunks in a full compute unit, for chunks of `chunk_tokens` on a lane whose units take at
-        least `min_unit_chunks`."""
-        return max(self.compute_chunks, min_unit_chunks)
-
-    def _full_unit(self, p: Progress) -> int:
-        return self.unit_chunks(max(p.chunk_tokens, default=1), p.min_unit_chunks)
-
     def decide(self, progress: Progress) -> Decision:
         contested = self._contested(progress)
         if contested is not None:  # the last chunk, stored: fetch it and compute it, the first wins
@@ -131,7 +123,7 @@ class TokenTwoPointer(Policy):
             if p.now < due:
                 # waiting is cheaper; look again when the fetch is due if it has not landed by then
                 return None, (), due, False
-        b, drop = _extend(p, a, a + 1, a + self._full_unit(p))
+        b, drop = _extend(p, a, a + 1, a + max(self.compute_chunks, p.min_unit_chunks))
         return *self._unit(p, a, b, (a, *drop)), False
 
     def _unit(
@@ -145,7 +137,7 @@ class TokenTwoPointer(Policy):
         if not over_stored:
             end = next((j for j in range(b, end) if p.stored[j] and p.status[j] is ChunkStatus.PENDING), end)
             rest = tuple(j for j in rest if j < end)
-        if b < end < b + self._full_unit(p):
+        if b < end < b + max(self.compute_chunks, p.min_unit_chunks):
             b, drop = end, drop + rest
         return (a, b), drop, None
 
@@ -156,7 +148,7 @@ class TokenTwoPointer(Policy):
         whole unit). Never more, except where no fetch can land in time (`_loads_too_late`): a unit
         cannot be cut short if the compute lane slows down, so a larger one could hold the restore up
         by more than one unit, and restores sharing the compute lane take turns between units."""
-        unit = self._full_unit(p)
+        unit = max(self.compute_chunks, p.min_unit_chunks)
         if not any(p.stored[j] and not p.status[j].done for j in range(a + 1, p.n_chunks)):
             return unit  # nothing left to load: compute runs alone
         compute_s = _compute_estimate(p, a)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -102,7 +103,7 @@ class Link:
         self.latency_s = latency_s
         self.free_at = 0.0
         self.bytes_sent = 0
-        self._crossing: list[tuple[float, float, int]] = []  # (start, end, bytes) not yet all across
+        self._crossing: deque[tuple[float, float, int]] = deque()  # (start, end, bytes) not all across
         self._landed = 0  # bytes of the transfers that have crossed
 
     def reserve(self, now: float, nbytes: int) -> float:
@@ -117,7 +118,7 @@ class Link:
         """Bytes that have crossed the link by `now`, of every transfer booked so far (part of the one
         crossing it now): what a reader watching its bytes arrive would have counted."""
         while self._crossing and self._crossing[0][1] <= now:  # transfers cross one after another
-            self._landed += self._crossing.pop(0)[2]
+            self._landed += self._crossing.popleft()[2]
         if not self._crossing or self._crossing[0][0] >= now:
             return float(self._landed)
         start, _, nbytes = self._crossing[0]
@@ -126,7 +127,7 @@ class Link:
     def reset(self) -> None:
         self.free_at = 0.0
         self.bytes_sent = 0
-        self._crossing = []
+        self._crossing.clear()
         self._landed = 0
 
 

@@ -77,9 +77,10 @@ class Progress:
     #: seconds below which computing each chunk cannot end (its matmul FLOPs at the device's measured
     #: rate, `backends.floor`): all a restorer knows of computing before any unit ran (None: not known)
     compute_floor_s: list[float | None] = field(default_factory=list)
-    #: what the store had delivered at each decision, as (seconds, tokens' worth of bytes delivered
-    #: since the restore began), oldest first, counting the bytes of fetches still in flight; empty
-    #: where the store sees a read's bytes only once it has finished (`ChunkStore.delivered_bytes`)
+    #: what the store had delivered at the first decision, at the first after it to see bytes arriving,
+    #: and at the latest, as (seconds, tokens' worth of bytes the store's count then showed), counting
+    #: the bytes of fetches still in flight; empty where the store sees a read's bytes only once it has
+    #: finished (`ChunkStore.delivered_bytes`)
     delivered: list[tuple[float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -50,9 +50,11 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
 
     meter, bytes_per_token = parts.store.delivered_bytes, parts.planner.stored_bytes_per_token
 
-    def delivered() -> float | None:  # tokens' worth of bytes the store has delivered
+    def tokens_delivered() -> float | None:  # tokens' worth of bytes the store has delivered
         nbytes = meter()
         return None if nbytes is None else nbytes / bytes_per_token
+
+    delivered = None if meter() is None else tokens_delivered  # a store that cannot say is not asked
 
     try:
         fast = FastPaths(load_sync if loader.reads_sync else None, compute_apart, load_aside)

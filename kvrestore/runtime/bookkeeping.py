@@ -36,10 +36,14 @@ def observe(
     progress.now = now
     if free_load_lanes is not None:
         progress.free_load_lanes = free_load_lanes
-    if delivered is not None:
-        samples = progress.delivered
-        if not samples or now > samples[-1][0]:
-            samples.append((now, delivered))
+    samples = progress.delivered
+    if delivered is None or (samples and now <= samples[-1][0]):
+        return
+    # kept: the first look, the first after it to see bytes arriving, and the latest (all a rate needs)
+    if len(samples) == 3 or (len(samples) == 2 and samples[1][1] <= samples[0][1]):
+        samples[-1] = (now, delivered)
+    else:
+        samples.append((now, delivered))
 
 
 def begin(progress: Progress, decision: Decision, policy: Policy | None = None) -> None:

@@ -166,8 +166,8 @@ class Lanes(Protocol):
         """Seconds since the restore began, on these lanes' clock."""
 
     def delivered(self) -> float | None:
-        """Tokens' worth of bytes the store has delivered since the restore began, those of fetches in
-        flight included (None: the store cannot say before a fetch lands)."""
+        """Tokens' worth of bytes the store's count shows delivered, those of fetches in flight included
+        (a running count: only how it grows is used; None: the store cannot say before a fetch lands)."""
 
     def stop(self, drops: Sequence[int]) -> None:
         """Stop the loads of `drops` (called before `begin` marks them dropped)."""

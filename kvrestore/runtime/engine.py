@@ -196,16 +196,12 @@ class _RealLanes:
         self.load_now = fast.load_now
         self.thread_loads: set[ThreadLoad] = set()  # on lane threads, not yet heard back from
         self.meter = request.delivered
-        self.delivered_before = self.meter() if self.meter is not None else None
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
     def delivered(self) -> float | None:
-        if self.meter is None or self.delivered_before is None:
-            return None
-        delivered = self.meter()
-        return None if delivered is None else delivered - self.delivered_before
+        return None if self.meter is None else self.meter()
 
     async def _compute(self, unit: Unit, dropped: list[anyio.Event]) -> None:
         a, b = unit.a, unit.b

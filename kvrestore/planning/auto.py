@@ -264,6 +264,7 @@ def predict(policy: Policy, profile: Profile | _Costs, link: LinkCost, work: Wor
             [cost(i, i + 1, 0.0) if profile is not None else None for i in range(len(work.chunk_tokens))],
             (work.kv_bytes_per_token / link.bytes_per_s, link.latency_s),
         ),
+        unit_fixed_s=profile.chunk.fixed_s if profile is not None else 0.0,
     )
     return result.makespan
 

@@ -147,7 +147,9 @@ class TokenTwoPointer(Policy):
         (a larger unit would compute chunks the loads reach first, and make the meeting wait for the
         whole unit). Never more, except where no fetch can land in time (`_loads_too_late`): a unit
         cannot be cut short if the compute lane slows down, so a larger one could hold the restore up
-        by more than one unit, and restores sharing the compute lane take turns between units."""
+        by more than one unit, and restores sharing the compute lane take turns between units. The
+        exception is a first unit that the cost model sizes (`_planned_split`): where every unit pays a
+        fixed cost, two-chunk units can make the split slower than computing everything at once."""
         unit = max(self.compute_chunks, p.min_unit_chunks)
         if not any(p.stored[j] and not p.status[j].done for j in range(a + 1, p.n_chunks)):
             return unit  # nothing left to load: compute runs alone
@@ -157,6 +159,10 @@ class TokenTwoPointer(Policy):
             # smallest unit that is not launch-bound, where the lane has such a floor)
             return p.min_unit_chunks
         link = _link(p)
+        if link is not None and _compute_rate(p, a) is None and p.prior_unit_fixed_s > 0:
+            planned = _planned_split(p, a, link)
+            if planned is not None:
+                return planned
         overdue = _overdue(p, _landed(p))
         per_token = link[0] if link is not None else None if overdue is None else 2 * overdue
         if per_token is None:
@@ -165,6 +171,29 @@ class TokenTwoPointer(Policy):
         load_s = per_token * p.chunk_tokens[a]
         share = int((load_ptr - a) * load_s / (compute_s + load_s))
         return max(1, min(unit, share))
+
+
+def _planned_split(p: Progress, a: int, link: tuple[float, float]) -> int | None:
+    """Chunks of the first unit from chunk a, by the cost model alone (nothing computed yet): the
+    unit that ends the restore soonest, with the loads taking every chunk past it. A unit's time is
+    the sum of its chunks' priors less the fixed cost they repeat (`Progress.prior_unit_fixed_s`:
+    the unit pays it once); the loads' is the link's latency and the tokens left past the unit at
+    its rate. None where the model cannot say: a chunk past a not stored, or a prior missing."""
+    if not _all_loadable(p, a):
+        return None
+    per_token, latency = link
+    fixed = p.prior_unit_fixed_s
+    unit_s, best = 0.0, None
+    for b in range(a + 1, p.n_chunks + 1):
+        prior = p.prior_compute_s[b - 1]
+        if prior is None or p.status[b - 1] is not ChunkStatus.PENDING:
+            break
+        unit_s += prior - (fixed if b > a + 1 else 0.0)
+        rest = sum(p.chunk_tokens[j] for j in range(b, p.n_chunks) if not p.status[j].done)
+        ends = max(unit_s, latency + per_token * rest if rest else 0.0)
+        if best is None or ends < best[0]:
+            best = (ends, b - a)
+    return None if best is None else best[1]
 
 
 def _last_stored(p: Progress, a: int) -> int:

@@ -41,11 +41,13 @@ def simulate(
     min_unit_chunks: int = 1,
     priors: tuple[Sequence[float | None], tuple[float, float] | None] | None = None,
     sees_arrivals: bool = True,
+    unit_fixed_s: float = 0.0,
 ) -> SimResult:
     """Run `policy` to the end of one restore; loads of chunks in `failing` fail when they land.
     `min_unit_chunks` is the compute lane's floor on a unit (`Progress.min_unit_chunks`); `priors` what
     the policy is told before it observes anything (`Progress.prior_compute_s`, `Progress.prior_link`),
-    as a restorer tells it from its cost model. `sees_arrivals`: the policy sees the link's bytes arrive
+    as a restorer tells it from its cost model, with `unit_fixed_s` the part of each chunk's prior that a
+    unit pays once (`Progress.prior_unit_fixed_s`). `sees_arrivals`: the policy sees the link's bytes arrive
     (`Progress.delivered`), as from a `ThrottledStore`; else only whole fetches landing."""
     prior_compute_s, prior_link = (list(priors[0]), priors[1]) if priors is not None else ([], None)
     progress = Progress(
@@ -56,6 +58,7 @@ def simulate(
         can_overtake=True,
         prior_compute_s=prior_compute_s,
         prior_link=prior_link,
+        prior_unit_fixed_s=unit_fixed_s,
     )
     lanes = SimLanes(compute_cost, chunk_bytes, link, load_lanes, failing)
     if sees_arrivals and sum(chunk_tokens) > 0:

@@ -137,6 +137,7 @@ def test_misses_and_failed_loads_are_computed_in_order(scenario, data):
     st.integers(1, 4),
 )
 @example(6, 0.0124, 0.0062, 0.05, 0.5, 4)  # a real profile's costs: two-chunk units were 1.035x
+@example(8, 0.0, 0.01, 0.1, 1.0, 4)  # no fixed cost
 def test_with_an_exact_cost_model_never_slower_than_the_better_single_resource(
     n, fixed_s, per_chunk_s, growth, speed, lanes
 ):

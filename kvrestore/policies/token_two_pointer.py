@@ -148,8 +148,9 @@ class TokenTwoPointer(Policy):
         whole unit). Never more, except where no fetch can land in time (`_loads_too_late`): a unit
         cannot be cut short if the compute lane slows down, so a larger one could hold the restore up
         by more than one unit, and restores sharing the compute lane take turns between units. The
-        exception is a first unit that the cost model sizes (`_planned_split`): where every unit pays a
-        fixed cost, two-chunk units can make the split slower than computing everything at once."""
+        exception is the first unit of a restore that knows its costs and its link (`_planned_split`):
+        the model's split, since units of two chunks each pay a unit's fixed cost again and meet loads
+        that queued behind them (a unit that runs slow is overtaken by the fetches aside)."""
         unit = max(self.compute_chunks, p.min_unit_chunks)
         if not any(p.stored[j] and not p.status[j].done for j in range(a + 1, p.n_chunks)):
             return unit  # nothing left to load: compute runs alone
@@ -159,7 +160,7 @@ class TokenTwoPointer(Policy):
             # smallest unit that is not launch-bound, where the lane has such a floor)
             return p.min_unit_chunks
         link = _link(p)
-        if link is not None and _compute_rate(p, a) is None and p.prior_unit_fixed_s > 0:
+        if link is not None and _compute_rate(p, a) is None:
             planned = _planned_split(p, a, link)
             if planned is not None:
                 return planned
@@ -174,8 +175,8 @@ class TokenTwoPointer(Policy):
 
 
 def _planned_split(p: Progress, a: int, link: tuple[float, float]) -> int | None:
-    """Chunks of the first unit from chunk a, by the cost model alone (nothing computed yet): the
-    unit that ends the restore soonest, with the loads taking every chunk past it. A unit's time is
+    """Chunks of the first unit from chunk a, by the cost model and the link (nothing computed yet):
+    the unit that ends the restore soonest, with the loads taking every chunk past it. A unit's time is
     the sum of its chunks' priors less the fixed cost they repeat (`Progress.prior_unit_fixed_s`:
     the unit pays it once); the loads' is the link's latency and the tokens left past the unit at
     its rate. None where the model cannot say: a chunk past a not stored, or a prior missing."""

@@ -154,13 +154,14 @@ class TokenTwoPointer(Policy):
         unit = max(self.compute_chunks, p.min_unit_chunks)
         if not any(p.stored[j] and not p.status[j].done for j in range(a + 1, p.n_chunks)):
             return unit  # nothing left to load: compute runs alone
-        compute_s = _compute_estimate(p, a)
+        rate = _compute_rate(p, a)
+        compute_s = _estimate_at(p, a, rate)
         if compute_s is None:
             # nothing computed yet: measure the lane with one unit before committing to more (the
             # smallest unit that is not launch-bound, where the lane has such a floor)
             return p.min_unit_chunks
         link = _link(p)
-        if link is not None and _compute_rate(p, a) is None:
+        if link is not None and rate is None:
             planned = _planned_split(p, a, link)
             if planned is not None:
                 return planned
@@ -185,12 +186,13 @@ def _planned_split(p: Progress, a: int, link: tuple[float, float]) -> int | None
     per_token, latency = link
     fixed = p.prior_unit_fixed_s
     unit_s, best = 0.0, None
+    rest = sum(p.chunk_tokens[j] for j in range(a, p.n_chunks) if not p.status[j].done)
     for b in range(a + 1, p.n_chunks + 1):
         prior = p.prior_compute_s[b - 1]
         if prior is None or p.status[b - 1] is not ChunkStatus.PENDING:
             break
         unit_s += prior - (fixed if b > a + 1 else 0.0)
-        rest = sum(p.chunk_tokens[j] for j in range(b, p.n_chunks) if not p.status[j].done)
+        rest -= p.chunk_tokens[b - 1]  # the tokens past the unit, left to the loads
         ends = max(unit_s, latency + per_token * rest if rest else 0.0)
         if best is None or ends < best[0]:
             best = (ends, b - a)

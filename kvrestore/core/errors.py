@@ -56,6 +56,11 @@ class ForeignChunkError(ChunkDecodeError):
     """The chunk belongs to another model, dtype, format version, KV encoding, key or position."""
 
 
+class UnauthenticatedChunkError(ChunkDecodeError):
+    """The chunk lacks a valid MAC under this reader's secret (`Restorer(secret=...)`): a miss, never KV,
+    and never deleted, since a writer under another secret may share the store and own the chunk."""
+
+
 class UnsupportedModelError(KVRestoreError):
     """The backend cannot drive this model architecture."""
 

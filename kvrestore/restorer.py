@@ -20,12 +20,14 @@ import anyio.from_thread
 import torch
 
 from kvrestore.backends.base import ComputeBackend
+from kvrestore.blend.chunks import BlendKeys
 from kvrestore.blend.entry import blend_prompt, save_prompt_chunk
 from kvrestore.chunkio import ChunkLoader
 from kvrestore.chunkio.save import SaveStats
 from kvrestore.codec.quant import Encoding, key_space
+from kvrestore.codec.seal import seal_of
 from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
-from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef, chunk_keys
+from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef, check_namespace, chunk_keys, namespaced
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import mirror_sync_methods
@@ -112,6 +114,14 @@ class Restorer:
         Where the costs learned from this restorer's own saves and restores are kept for the next
         restorer of this machine, model and store: True under the cache directory, a path, or False
         (in memory only).
+    namespace: str | None
+        Whose chunks these are (a tenant, a LoRA adapter): chunk keys are hashed under it, so two
+        namespaces never see each other's chunks, and a vLLM request whose `cache_salt` is the same
+        string sees this restorer's (`kvrestore.core.keys.namespaced`). Each call may name another.
+    secret: bytes | str | None
+        A secret of at least 16 bytes: every chunk written is signed with a keyed MAC, and a chunk
+        read without a valid one is a miss, never KV, and is not deleted (`kvrestore.codec.seal`).
+        None: chunks are neither signed nor checked.
 
     Attributes
     ----------
@@ -142,8 +152,11 @@ class Restorer:
         save_timeout_s: float | None = SAVE_TIMEOUT_S,
         profile: Profile | str | os.PathLike | Literal[False] | None = None,
         learn: bool | str | os.PathLike = True,
+        namespace: str | None = None,
+        secret: bytes | str | None = None,
     ) -> None:
         _check_parts(backend, store, engine, compression)
+        self.namespace = check_namespace(namespace)
         self.backend, self.store, self.compression = backend, store, compression
         self.chunk_size = check_int("chunk_size", chunk_size)
         self.engine, self._own_engine = engine or Engine(load_lanes), engine is None  # own: closed here
@@ -152,7 +165,11 @@ class Restorer:
         self.load_timeout_s = self.deadlines.load_s
         self.bounded_store = bound_store(store, self.deadlines)  # the store as restores reach it
         self.loader = ChunkLoader(
-            self.spec, self.bounded_store, partial(self.engine.cuda_stream, "load"), kv_encoding
+            self.spec,
+            self.bounded_store,
+            partial(self.engine.cuda_stream, "load"),
+            kv_encoding,
+            seal_of(secret),
         )
         stored = round(self.kv_encoding.bytes_per_token(self.chunk_size, self.spec.num_layers))
         self.planner = Planner(
@@ -176,24 +193,33 @@ class Restorer:
 
     def plan(self, token_ids: TokenIds, stored: Sequence[bool], policy: Auto | None = None) -> Plan:
         """What `Auto` would choose for `token_ids` given which chunks are `stored` (see `Plan.explain`)."""
-        _, refs = self.chunks(token_ids)
+        _, refs = self.chunks(token_ids)  # (the keys do not matter here: any namespace plans alike)
         if len(stored) != len(refs):
             raise InvalidInputError(f"stored has {len(stored)} flags for {len(refs)} chunks")
         return self.planner.plan(refs, stored, policy)
 
-    def chunks(self, token_ids: TokenIds) -> tuple[torch.Tensor, list[ChunkRef]]:
-        """Validated tokens and their chunks (with store keys)."""
+    def key_space(self, namespace: str | None = None) -> str:
+        """What this restorer's chunk keys are hashed under for `namespace` (None: the restorer's own):
+        the model, its KV encoding and the namespace."""
+        ns = check_namespace(namespace) or self.namespace
+        return namespaced(key_space(self.spec.fingerprint, self.kv_encoding.name), ns)
+
+    def chunks(
+        self, token_ids: TokenIds, namespace: str | None = None
+    ) -> tuple[torch.Tensor, list[ChunkRef]]:
+        """Validated tokens and their chunks, with their store keys in `namespace` (None: the
+        restorer's own)."""
+        space = self.key_space(namespace)  # a bad namespace is refused before the tokens are read
         tokens = as_token_tensor(token_ids)
         check_length(self.backend, len(tokens))
         self.backend.validate_tokens(tokens)
-        return tokens, chunk_keys(
-            tokens, key_space(self.spec.fingerprint, self.kv_encoding.name), self.chunk_size
-        )
+        return tokens, chunk_keys(tokens, space, self.chunk_size)
 
-    async def lookup(self, token_ids: TokenIds) -> int:
-        """Number of leading tokens covered by stored chunks (the longest stored prefix); a store fault
-        raises `StoreError` (`StoreTimeoutError` past `lookup_timeout_s`)."""
-        _, refs = self.chunks(token_ids)
+    async def lookup(self, token_ids: TokenIds, namespace: str | None = None) -> int:
+        """Number of leading tokens covered by stored chunks (the longest stored prefix) in `namespace`
+        (None: the restorer's own); a store fault raises `StoreError` (`StoreTimeoutError` past
+        `lookup_timeout_s`)."""
+        _, refs = self.chunks(token_ids, namespace)
         present = await self.bounded_store.contains([r.key for r in refs])
         covered = 0
         for ref, ok in zip(refs, present, strict=False):
@@ -202,8 +228,10 @@ class Restorer:
             covered = ref.end
         return covered
 
-    async def save(self, token_ids: TokenIds, kv: KVCache | None = None) -> SaveStats:
-        """Write every chunk of the prompt the store lacks.
+    async def save(
+        self, token_ids: TokenIds, kv: KVCache | None = None, namespace: str | None = None
+    ) -> SaveStats:
+        """Write every chunk of the prompt the store lacks, in `namespace` (None: the restorer's own).
 
         Without `kv`, the KV comes from a restore: chunks already stored are loaded, not recomputed, so
         saving a conversation that grew by one turn computes only the new tokens (a stored chunk that
@@ -213,7 +241,7 @@ class Restorer:
         `SaveError` (a `StoreError`) whose `written` are the keys stored (they stay stored) and `failed` the
         keys that were not, with their errors. Any other error propagates as itself.
         """
-        tokens, refs = self.chunks(token_ids)
+        tokens, refs = self.chunks(token_ids, namespace)
         if kv is not None:
             run.check_kv(self.spec, "kv", kv, len(tokens))
             await anyio.to_thread.run_sync(check_saved_kv, self.backend, kv, len(tokens))
@@ -225,6 +253,7 @@ class Restorer:
         policy: Policy | Auto | None = None,
         on_event: Callable[[TraceEvent], None] | None = None,
         out: KVCache | None = None,
+        namespace: str | None = None,
     ) -> RestoreResult:
         """The KV cache of `token_ids`, assembled by `policy` from compute and loads.
 
@@ -242,6 +271,8 @@ class Restorer:
         out: KVCache, optional
             A buffer to restore into, on the model's device; the result's `kv` shares it (a serving
             process reuses its KV memory instead of allocating a new buffer per request).
+        namespace: str, optional
+            Whose chunks to load (a tenant, an adapter); None: the restorer's own (`Restorer`).
 
         Returns
         -------
@@ -256,7 +287,7 @@ class Restorer:
             A missing or damaged chunk raises nothing: it is recomputed and counted in `stats`.
         """
         started = time.perf_counter()  # `stats.seconds` counts from here: what the caller waits
-        tokens, refs = self.chunks(token_ids)
+        tokens, refs = self.chunks(token_ids, namespace)
         run.check_policy(policy)
         if out is not None:
             run.check_kv(self.spec, "out", out, len(tokens))
@@ -266,14 +297,19 @@ class Restorer:
                 )
         return await run.restore(self._parts, tokens, refs, policy, on_event, out, started)
 
-    async def save_chunk(self, token_ids: TokenIds, prefix: TokenIds | None = None) -> str:
+    async def save_chunk(
+        self, token_ids: TokenIds, prefix: TokenIds | None = None, namespace: str | None = None
+    ) -> str:
         """Prefill a chunk on its own and store its KV under a content key, for `restore_blend`.
 
         The key depends on the chunk's tokens (and the optional shared `prefix`, e.g. a system prompt,
-        that it is prefilled after), not on its neighbours, so the chunk is found again in any prompt,
-        at any position. Returns the key; a stored chunk is not recomputed.
+        that it is prefilled after) and the `namespace` (None: the restorer's own), not on its
+        neighbours, so the chunk is found again in any prompt, at any position. Returns the key; a
+        stored chunk is not recomputed.
         """
-        return await save_prompt_chunk(self.backend, self.bounded_store, token_ids, prefix, self.compression)
+        keys = self._blend_keys(namespace)
+        store, compression = self.bounded_store, self.compression
+        return await save_prompt_chunk(self.backend, store, token_ids, prefix, compression, keys)
 
     async def restore_blend(
         self,
@@ -281,13 +317,22 @@ class Restorer:
         suffix: TokenIds | None = None,
         policy: Blend | None = None,
         prefix: TokenIds | None = None,
+        namespace: str | None = None,
     ) -> BlendResult:
         """CacheBlend: the KV of `prefix` + `chunks` (saved with `save_chunk`, in any order) + `suffix`,
-        reusing the chunks' KV with selective recompute (`kvrestore.policies.Blend`). Returns a
-        `kvrestore.blend.BlendResult`: `kv` and `tokens` go straight into `backend.generate()`."""
+        reusing the chunks' KV with selective recompute (`kvrestore.policies.Blend`); the chunks of
+        `namespace` only (None: the restorer's own). Returns a `kvrestore.blend.BlendResult`: `kv`
+        and `tokens` go straight into `backend.generate()`."""
+        keys = self._blend_keys(namespace)
         lane = self.loader.lane(torch.device(self.backend.device))  # pinned buffers for a GPU, its stream
         store = self.bounded_store
-        return await blend_prompt(self.backend, store, chunks, suffix, policy, prefix, lane)
+        return await blend_prompt(self.backend, store, chunks, suffix, policy, prefix, lane, keys)
+
+    def _blend_keys(self, namespace: str | None) -> BlendKeys:
+        """How CacheBlend's chunks are keyed and signed for `namespace` (their key space has no KV
+        encoding: they are always native)."""
+        ns = check_namespace(namespace) or self.namespace
+        return BlendKeys(namespaced(self.spec.fingerprint, ns), self.loader.seal)
 
     async def choose_blend_store(
         self, candidates: Sequence[StoreCandidate], n_tokens: int, ratio: float = 0.15

@@ -15,6 +15,7 @@ used: `open` reports it unavailable (and deletes a damaged object), or `load_lay
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -24,6 +25,7 @@ import torch
 from kvrestore import codec
 from kvrestore.chunkio.layers import LayerReader, StoredChunk
 from kvrestore.chunkio.transfer import TransferLane
+from kvrestore.codec.seal import Seal
 from kvrestore.core.keys import content_key
 from kvrestore.core.kv import KVCache
 from kvrestore.core.streams import upload
@@ -36,15 +38,26 @@ if TYPE_CHECKING:
 _NO_PREFIX = torch.zeros(0, dtype=torch.int64)
 
 
-def chunk_key(backend: HFBackend, tokens: torch.Tensor, prefix: torch.Tensor | None = None) -> str:
-    """The content key of a chunk (saved after `prefix`, if any)."""
+@dataclass(frozen=True)
+class BlendKeys:
+    """How a blend's chunks are keyed and signed: their key space (the model's fingerprint, with a
+    namespace where there is one: `core.keys.namespaced`) and the seal of a restorer with a secret."""
+
+    space: str
+    seal: Seal | None = None
+
+
+def chunk_key(
+    backend: HFBackend, tokens: torch.Tensor, prefix: torch.Tensor | None = None, space: str | None = None
+) -> str:
+    """The content key of a chunk (saved after `prefix`, if any) in key space `space` (default: the
+    model's fingerprint, no namespace)."""
+    space = backend.spec.fingerprint if space is None else space
     if prefix is None or len(prefix) == 0:
-        return content_key(tokens, backend.spec.fingerprint)
+        return content_key(tokens, space)
     # -1 is no token id: (prefix, chunk) pairs that concatenate alike still get different keys
     sep = torch.tensor([-1, len(prefix)], dtype=torch.int64)
-    return content_key(
-        torch.cat([prefix.to(torch.int64), sep, tokens.to(torch.int64)]), backend.spec.fingerprint
-    )
+    return content_key(torch.cat([prefix.to(torch.int64), sep, tokens.to(torch.int64)]), space)
 
 
 async def save_chunk(
@@ -55,13 +68,16 @@ async def save_chunk(
     prefix: torch.Tensor | None = None,
     compression: str = "none",
     overwrite: bool = False,
+    keys: BlendKeys | None = None,
 ) -> tuple[str, int]:
-    """Prefill `tokens` alone (after `prefix`, if given) and store the chunk's KV under its content key.
+    """Prefill `tokens` alone (after `prefix`, if given) and store the chunk's KV under its content key
+    (in `keys`' space, signed with its seal).
 
     Returns (key, bytes written); an already stored chunk is not recomputed (0 bytes) unless `overwrite`.
     """
     prefix = _NO_PREFIX if prefix is None else prefix
-    key = chunk_key(backend, tokens, prefix)
+    keys = keys or BlendKeys(backend.spec.fingerprint)
+    key = chunk_key(backend, tokens, prefix, keys.space)
     if not overwrite and (await store.contains([key]))[0]:
         return key, 0
 
@@ -69,7 +85,7 @@ async def save_chunk(
         p = len(prefix)
         past = backend.prefill_chunk(prefix, None, 0).data if p else None
         chunk = backend.prefill_chunk(tokens, past, p)  # stored with start = p: its positions
-        return codec.encode_chunk(chunk, backend.spec, key, compression=compression)
+        return codec.encode_chunk(chunk, backend.spec, key, compression=compression, seal=keys.seal)
 
     blob = await anyio.to_thread.run_sync(encode)
     await store.put(key, blob)

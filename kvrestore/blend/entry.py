@@ -13,7 +13,7 @@ import torch
 
 from kvrestore.backends.base import ComputeBackend
 from kvrestore.backends.hf import HFBackend
-from kvrestore.blend.chunks import save_chunk
+from kvrestore.blend.chunks import BlendKeys, save_chunk
 from kvrestore.blend.fuse import BlendResult, restore_blend
 from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.core.errors import InvalidInputError
@@ -34,13 +34,20 @@ def blend_backend(backend: ComputeBackend) -> HFBackend:
 
 
 async def save_prompt_chunk(
-    backend: ComputeBackend, store: ChunkStore, token_ids: TokenIds, prefix: TokenIds | None, compression: str
+    backend: ComputeBackend,
+    store: ChunkStore,
+    token_ids: TokenIds,
+    prefix: TokenIds | None,
+    compression: str,
+    keys: BlendKeys | None = None,
 ) -> str:
     """`Restorer.save_chunk`: the chunk's content key, after storing it unless it is stored already."""
     tokens = model_tokens(backend, token_ids)
     head = optional_tokens(backend, prefix)
     check_length(backend, len(head) + len(tokens), "the prefix and chunk")
-    key, _ = await save_chunk(blend_backend(backend), store, tokens, prefix=head, compression=compression)
+    key, _ = await save_chunk(
+        blend_backend(backend), store, tokens, prefix=head, compression=compression, keys=keys
+    )
     return key
 
 
@@ -52,6 +59,7 @@ async def blend_prompt(
     policy: Blend | None,
     prefix: TokenIds | None,
     lane: TransferLane,
+    keys: BlendKeys | None = None,
 ) -> BlendResult:
     """`Restorer.restore_blend`: checks the parts, then blends them (`fuse.restore_blend`)."""
     if isinstance(chunks, (str, bytes, torch.Tensor)) or not isinstance(chunks, Sequence):
@@ -70,4 +78,5 @@ async def blend_prompt(
         policy,
         prefix=head,
         lane=lane,
+        keys=keys,
     )

@@ -34,7 +34,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import torch
 
-from kvrestore.blend.chunks import StoreChunkSource, chunk_key
+from kvrestore.blend.chunks import BlendKeys, StoreChunkSource, chunk_key
 from kvrestore.blend.controller import choose_ratio
 from kvrestore.blend.select import SelectionBounds, select_hkvd, selection_sizes, stacked_kv_deviation
 from kvrestore.chunkio.layers import ChunkLoadFailed
@@ -121,6 +121,7 @@ async def restore_blend(
     policy: Blend | None = None,
     prefix: torch.Tensor | None = None,
     lane: TransferLane | None = None,
+    keys: BlendKeys | None = None,
 ) -> BlendResult:
     """Blend stored chunk KV (any order, any neighbours) with a recomputed suffix; see the module doc.
 
@@ -128,6 +129,7 @@ async def restore_blend(
     empty). `prefix` is the shared prefix the chunks were saved after (`save_chunk(..., prefix=)`); it
     starts the prompt and is recomputed on every layer, like the suffix. On CUDA the layers are
     uploaded on `lane`'s stream (a new one if it has none) through pinned buffers from its pool.
+    `keys` (default: the model's fingerprint, unsigned) say the chunks' key space and seal.
     """
     t0 = time.perf_counter()
     policy = policy or Blend()
@@ -136,13 +138,16 @@ async def restore_blend(
     if layout.n == 0:
         raise InvalidInputError("nothing to blend: no chunks and an empty suffix")
     backend.rope_inv_freq()  # an UnsupportedModelError before any work, not half-way
-    keys = [chunk_key(backend, c, prefix) for c in layout.chunks]
+    keys = keys or BlendKeys(backend.spec.fingerprint)
+    chunk_keys = [chunk_key(backend, c, prefix, keys.space) for c in layout.chunks]
     lengths = [len(c) for c in layout.chunks]
     device = torch.device(backend.device)
     if device.type == "cuda" and (lane is None or lane.stream is None):
         pool = lane.pool if lane is not None else StagingPool(pinned=True)
         lane = TransferLane(pool, new_load_stream(device))
-    source = StoreChunkSource(backend, store, keys, layout.offsets, lengths, stored_at=len(prefix), lane=lane)
+    source = StoreChunkSource(
+        backend, store, chunk_keys, layout.offsets, lengths, stored_at=len(prefix), lane=lane, seal=keys.seal
+    )
     available = await source.open()
     missing = {j for j, ok in enumerate(available) if not ok}
     restarts = 0

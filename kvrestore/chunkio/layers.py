@@ -30,11 +30,13 @@ from kvrestore.chunkio.pool import StagingPool
 from kvrestore.chunkio.stored import ChunkLoadFailed, StoredChunk, each, layers_name
 from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.chunkio.uploads import LayerUploads
+from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import (
     LOAD_FAULTS,
     ChunkDecodeError,
     CorruptChunkError,
     MissingChunkError,
+    UnauthenticatedChunkError,
 )
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
@@ -60,8 +62,10 @@ class LayerReader:
         layers_per_read: int = 4,
         encoding: str = "native",
         device_path: bool = False,
+        seal: Seal | None = None,
     ) -> None:
         self.spec = spec
+        self.seal = seal  # where set, every header's MAC is checked before its sections are read
         self.encoding = codec.spec_encoding(spec, encoding)  # the one it reads: another is foreign
         self.store = store
         self.chunks = list(chunks)
@@ -243,7 +247,7 @@ class LayerReader:
                 head = await self._get(chunk.key, 0, codec.header_length(head))
             header, _ = codec.read_header(head)
             codec.check_header(
-                header, self.spec, chunk.key, chunk.stored_at, chunk.n_tokens, self.encoding.name
+                header, self.spec, chunk.key, chunk.stored_at, chunk.n_tokens, self.encoding.name, self.seal
             )
         except LOAD_FAULTS as exc:
             # a chunk gone before the restore reads it is a plain miss; anything else is worth reporting
@@ -280,6 +284,8 @@ class LayerReader:
         self.drop(j)
         if note:
             self.errors.append(f"chunk {j}{where}: {type(exc).__name__}: {exc}")
-        if isinstance(exc, ChunkDecodeError) and not isinstance(exc, MissingChunkError):
+        if isinstance(exc, ChunkDecodeError) and not isinstance(
+            exc, (MissingChunkError, UnauthenticatedChunkError)
+        ):
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await self.store.delete(self.chunks[j].key)

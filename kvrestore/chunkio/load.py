@@ -48,6 +48,7 @@ from kvrestore.chunkio.pool import Staging, StagingPool
 from kvrestore.chunkio.transfer import Transfer, TransferLane
 from kvrestore.codec.checksums import device_checkable, device_checksums
 from kvrestore.codec.quant import Encoding
+from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import CorruptChunkError, MissingChunkError, TruncatedChunkError
 from kvrestore.core.spec import ModelSpec
 from kvrestore.stores.base import ChunkStore
@@ -95,8 +96,9 @@ class ChunkLoader:
 
     `stream_for(device)` gives the CUDA stream uploads go on (the engine's load lane), None off CUDA.
     `encoding` (`codec.quant.ENCODINGS`) is the one encoding of the chunks it reads: a chunk in another
-    is foreign (a miss). One loader serves every load lane of a restorer; its staging pools are shared
-    by them.
+    is foreign (a miss). With a `seal` (`codec.seal`) it signs nothing but checks every header's MAC
+    before it uses a byte of the chunk, and the writers of the restorer sign with the same one. One
+    loader serves every load lane of a restorer; its staging pools are shared by them.
     """
 
     def __init__(
@@ -105,9 +107,11 @@ class ChunkLoader:
         store: ChunkStore,
         stream_for: StreamFor | None = None,
         encoding: str = "native",
+        seal: Seal | None = None,
     ) -> None:
         self.spec = spec
         self.store = store
+        self.seal = seal
         self.encoding = codec.spec_encoding(spec, encoding)
         self.stream_for = stream_for or (lambda device: None)
         self._pools = {False: StagingPool(pinned=False), True: StagingPool(pinned=True)}
@@ -189,7 +193,9 @@ class ChunkLoader:
             if codec.header_length(head) > got:
                 return None
             header, header_end = codec.read_header(head)
-            codec.check_header(header, self.spec, key, start, int(dest.shape[3]), self.encoding.name)
+            codec.check_header(
+                header, self.spec, key, start, int(dest.shape[3]), self.encoding.name, self.seal
+            )
             if header.compression != "none" or not header.layers or header.layers[0].offset > got:
                 return None
             body = header.layers[0].offset
@@ -234,7 +240,9 @@ class ChunkLoader:
         if data is None:
             raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
         view = memoryview(data)
-        header = codec.check_object(view, self.spec, key, start, int(dest.shape[3]), self.encoding.name)
+        header = codec.check_object(
+            view, self.spec, key, start, int(dest.shape[3]), self.encoding.name, self.seal
+        )
         with self.transfer(dest) as transfer:
             self._verify_place(header, view, None, dest, transfer)
         return len(view)
@@ -247,7 +255,9 @@ class ChunkLoader:
         if size is None:
             raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
         data = staging.view[: min(size, staging.nbytes)]
-        header = codec.check_object(data, self.spec, key, start, int(dest.shape[3]), self.encoding.name)
+        header = codec.check_object(
+            data, self.spec, key, start, int(dest.shape[3]), self.encoding.name, self.seal
+        )
         self._verify_place(header, data, staging, dest, transfer)
         return len(data)
 

@@ -14,7 +14,7 @@ import anyio
 import torch
 
 from kvrestore.chunkio.load import ChunkLoader
-from kvrestore.core.errors import ChunkDecodeError
+from kvrestore.core.errors import ChunkDecodeError, UnauthenticatedChunkError
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
 from kvrestore.core.streams import on_stream
@@ -28,6 +28,8 @@ async def load_chunk(loader: ChunkLoader, ref: ChunkRef, kv: KVCache) -> int:
     bytes read. A damaged chunk is forgotten before its error propagates."""
     try:
         return await loader.load(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
+    except UnauthenticatedChunkError:
+        raise  # another writer's, maybe: a miss, never deleted
     except ChunkDecodeError:
         await forget(loader.store, ref.key)
         raise
@@ -43,6 +45,8 @@ async def load_chunk_aside(loader: ChunkLoader, ref: ChunkRef, kv: KVCache) -> t
         aside = torch.empty_like(rows)
     try:
         nbytes = await loader.load(ref.key, ref.start, aside)
+    except UnauthenticatedChunkError:
+        raise  # another writer's, maybe: a miss, never deleted
     except ChunkDecodeError:
         await forget(loader.store, ref.key)
         raise
@@ -61,6 +65,8 @@ def load_chunk_sync(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: li
     key goes to `damaged`, to be forgotten on the loop (`forget`) once the restore is over."""
     try:
         return loader.load_sync(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
+    except UnauthenticatedChunkError:
+        raise
     except ChunkDecodeError:
         damaged.append(ref.key)
         raise

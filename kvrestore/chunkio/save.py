@@ -14,6 +14,7 @@ import anyio
 import anyio.to_thread
 
 from kvrestore import codec
+from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import WRITE_FAULTS, SaveError
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
@@ -41,9 +42,10 @@ async def write_chunks(
     lanes: int,
     compression: str,
     encoding: str = "native",
+    seal: Seal | None = None,
 ) -> int:
-    """Encode (in `encoding`, `codec.quant`) and store `refs`' chunks of `kv`, `lanes` at a time; returns
-    the bytes written. Store faults (`WRITE_FAULTS`) fail their chunk only: `SaveError` once all writes
+    """Encode (in `encoding`, `codec.quant`; signed with `seal` where given) and store `refs`' chunks of
+    `kv`, `lanes` at a time; returns the bytes written. Store faults (`WRITE_FAULTS`) fail their chunk only: `SaveError` once all writes
     have ended."""
     nbytes = 0
     written: list[str] = []
@@ -55,7 +57,9 @@ async def write_chunks(
         async with limiter:
             chunk = kv.chunk(ref.start, ref.end)
             blob = await anyio.to_thread.run_sync(
-                lambda: codec.encode_chunk(chunk, spec, ref.key, compression=compression, encoding=encoding)
+                lambda: codec.encode_chunk(
+                    chunk, spec, ref.key, compression=compression, encoding=encoding, seal=seal
+                )
             )
             try:
                 await store.put(ref.key, blob)

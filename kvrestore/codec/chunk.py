@@ -68,6 +68,7 @@ from kvrestore.codec.header import (
     spec_encoding,
 )
 from kvrestore.codec.quant import Encoding
+from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import CorruptChunkError, InvalidInputError, TruncatedChunkError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec, dtype_name
@@ -91,9 +92,11 @@ def encode_chunk(
     compression: str = "none",
     level: int = 1,
     encoding: str = "native",
+    seal: Seal | None = None,
 ) -> bytes:
     """Serialise `chunk` (data [L, 2, H, T, D] in `spec.dtype`) for storage under `key`, its sections
-    in `encoding` (`quant.ENCODINGS`; encoded where the KV lies, e.g. on its GPU).
+    in `encoding` (`quant.ENCODINGS`; encoded where the KV lies, e.g. on its GPU), its header signed
+    with `seal` where given (`codec.seal`).
 
     Native and uncompressed, the tensor bytes are copied exactly once (into the returned object).
     """
@@ -111,7 +114,7 @@ def encode_chunk(
         raise InvalidInputError(f"chunk dtype {data.dtype} does not match spec dtype {spec.dtype}")
     # native: the KV's own bytes; else its encoded sections [L, section bytes], whole int64 words
     dense = data.detach().contiguous() if enc.native else enc.encode(data.detach())
-    return _frame(dense, chunk.start, int(data.shape[3]), spec, key, enc, compression, level)
+    return _frame(dense, chunk.start, int(data.shape[3]), spec, key, enc, compression, level, seal)
 
 
 def encode_sections(
@@ -124,6 +127,7 @@ def encode_sections(
     encoding: str,
     compression: str = "none",
     level: int = 1,
+    seal: Seal | None = None,
 ) -> bytes:
     """`encode_chunk` for KV that is already in `encoding`: `sections` (uint8 [L, section bytes], laid
     out as `Encoding.views` reads them) are stored as they are, values and scales, with no decode and
@@ -138,7 +142,7 @@ def encode_sections(
             f"{encoding} sections of {n_tokens} tokens are uint8 {list(want)}, got {sections.dtype} "
             f"{list(sections.shape)}"
         )
-    return _frame(sections.contiguous(), start, n_tokens, spec, key, enc, compression, level)
+    return _frame(sections.contiguous(), start, n_tokens, spec, key, enc, compression, level, seal)
 
 
 def _frame(
@@ -150,6 +154,7 @@ def _frame(
     enc: Encoding,
     compression: str,
     level: int,
+    seal: Seal | None,
 ) -> bytes:
     """The stored object for `dense`, the chunk's sections ([L, ...] contiguous, any device)."""
     L, D = spec.num_layers, spec.head_dim
@@ -188,7 +193,8 @@ def _frame(
             layers=sections,
             encoding=enc.tag,
         )
-        return _ENCODER.encode(header)
+        # signed, the MAC has a fixed size: the header's length is the same whatever the MAC
+        return _ENCODER.encode(header) if seal is None else seal.sign(header, _ENCODER)
 
     # Offsets are absolute, so the header's size depends on the offsets it holds. msgpack ints only
     # grow with their value, so growing body_start until it stops changing reaches the exact fixed point.
@@ -301,13 +307,19 @@ def decode_layers(
 
 
 def check_object(
-    data: Buffer, spec: ModelSpec, key: str, start: int, n_tokens: int, encoding: str = "native"
+    data: Buffer,
+    spec: ModelSpec,
+    key: str,
+    start: int,
+    n_tokens: int,
+    encoding: str = "native",
+    seal: Seal | None = None,
 ) -> ChunkHeader:
     """The checked header of a whole stored object: the chunk asked for, of this model and `encoding`,
-    complete, its padding zero. The sections are not verified yet (`verify_sections`, or a device
-    checksum)."""
+    signed under `seal` where given, complete, its padding zero. The sections are not verified yet
+    (`verify_sections`, or a device checksum)."""
     header, header_end = read_header(data)
-    check_header(header, spec, key, start, n_tokens, encoding)
+    check_header(header, spec, key, start, n_tokens, encoding, seal)
     end = header.end if header.layers else header_end
     if len(data) < end:
         raise TruncatedChunkError(f"object is {len(data)} bytes, header says {end}")
@@ -357,6 +369,7 @@ def decode_chunk(
     device: torch.device | str = "cpu",
     out: torch.Tensor | None = None,
     encoding: str = "native",
+    seal: Seal | None = None,
 ) -> KVChunk:
     """Verify and decode a whole chunk object into a KVChunk with data [L, 2, H, T, D] in spec.dtype.
 
@@ -365,7 +378,7 @@ def decode_chunk(
     Raises a ChunkDecodeError subclass on any fault: CorruptChunkError (magic, checksums, header,
     sizes), TruncatedChunkError (object ends early), ForeignChunkError (not this chunk of this model).
     """
-    header = check_object(data, spec, key, start, n_tokens, encoding)
+    header = check_object(data, spec, key, start, n_tokens, encoding, seal)
     mv = memoryview(data)
     sections = {i: mv[s.offset : s.offset + s.length] for i, s in enumerate(header.layers)}
     return KVChunk(start, decode_layers(header, sections, spec, range(header.num_layers), device, out))

@@ -17,6 +17,7 @@ from typing import Literal
 import msgspec
 
 from kvrestore.codec import quant
+from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import CorruptChunkError, ForeignChunkError, TruncatedChunkError
 from kvrestore.core.spec import ModelSpec, dtype_name
 
@@ -60,6 +61,8 @@ class ChunkHeader(msgspec.Struct, frozen=True):
     layers: list[LayerSection]
     #: the KV encoding of the sections (`quant.Encoding.tag`): name, scales' dtype, group size
     encoding: tuple[str, str, int] = ("native", "", 0)
+    #: the writer's keyed MAC of this header with `mac` empty (`codec.seal`); empty where unsigned
+    mac: bytes = b""
 
     @property
     def end(self) -> int:
@@ -179,10 +182,19 @@ def _check_spec(header: ChunkHeader, spec: ModelSpec) -> quant.Encoding:
 
 
 def check_header(
-    header: ChunkHeader, spec: ModelSpec, key: str, start: int, n_tokens: int, encoding: str = "native"
+    header: ChunkHeader,
+    spec: ModelSpec,
+    key: str,
+    start: int,
+    n_tokens: int,
+    encoding: str = "native",
+    seal: Seal | None = None,
 ) -> None:
     """Raise ForeignChunkError unless the chunk is exactly the one asked for, for this model and dtype,
-    in the reader's `encoding` (a reader reads its own encoding only: see `docs/tutorial-stores.md`)."""
+    in the reader's `encoding` (a reader reads its own encoding only: see `docs/tutorial-stores.md`);
+    with a `seal`, UnauthenticatedChunkError first unless the header carries its valid MAC."""
+    if seal is not None:
+        seal.check(header, _ENCODER)
     for field, want in (("key", key), ("start", start), ("n_tokens", n_tokens)):
         got = getattr(header, field)
         if got != want:

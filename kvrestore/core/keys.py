@@ -5,6 +5,13 @@ chunk i is blake2b(key of chunk i-1, fingerprint, token count, token ids of chun
 chunk *and everything before it*: the KV of a chunk depends on its whole prefix, and two prompts share
 the key of chunk i only when they share every token up to the end of chunk i.
 
+The fingerprint given is the *key space*: the model's fingerprint, with its KV encoding where that is not
+native (`codec.quant.key_space`) and a namespace where there is one (`namespaced`: a tenant, a LoRA
+adapter). A key space a namespace names never shares a key with another, nor with the space without a
+namespace; no namespace gives the keys every earlier release gave. Inputs that change the KV at a
+position without changing its token id (an image behind its placeholder tokens) are `extras`: each one's
+bytes are folded into the chunk its position falls in, so that chunk and every later one differ.
+
 The partial last chunk gets its own key (its token count is hashed), so it is found again only by a
 prompt that repeats exactly those tokens; a longer prompt that extends it has a full chunk there
 instead, with another key, and recomputes those tokens. Keys are hex strings, stable across processes
@@ -45,14 +52,48 @@ def token_bytes(tokens: Sequence[int] | torch.Tensor) -> bytes:
     return t.numpy().astype("<i8", copy=False).tobytes()
 
 
+#: (position, bytes): an input that changes the KV from `position` on, beyond the token id there
+Extra = tuple[int, bytes]
+
+
+def check_namespace(namespace: object, what: str = "namespace") -> str | None:
+    """`namespace` if it is None or a non-empty str, else InvalidInputError."""
+    if namespace is None:
+        return None
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidInputError(
+            f"{what} must be a non-empty string (a tenant, an adapter) or None, got {namespace!r}"
+        )
+    return namespace
+
+
+def namespaced(space: str, namespace: str | None) -> str:
+    """The key space of `namespace` inside `space` (`space` itself for None). The namespace enters as
+    its hash, so no choice of names makes two namespaces' spaces, or one and the bare space, alike."""
+    namespace = check_namespace(namespace)
+    if namespace is None:
+        return space
+    digest = hashlib.blake2b(namespace.encode(), digest_size=20, person=b"kvr-namespace").hexdigest()
+    return f"{space}|ns:{digest}"
+
+
 def chunk_keys(
-    tokens: Sequence[int] | torch.Tensor, fingerprint: str, chunk_size: int = DEFAULT_CHUNK_SIZE
+    tokens: Sequence[int] | torch.Tensor,
+    fingerprint: str,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    extras: Sequence[Extra] = (),
 ) -> list[ChunkRef]:
-    """Split `tokens` into chunks and give each its chained prefix key."""
+    """Split `tokens` into chunks and give each its chained prefix key (in the key space `fingerprint`),
+    with each of `extras` folded into the chunk its position falls in."""
     if chunk_size <= 0:
         raise InvalidInputError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
     data = token_bytes(tokens)
     n = len(data) // 8
+    folded: dict[int, list[Extra]] = {}
+    for pos, blob in sorted(extras):
+        if not 0 <= pos < n:
+            raise InvalidInputError(f"an input at position {pos} lies outside the {n}-token prompt")
+        folded.setdefault(pos // chunk_size, []).append((pos, bytes(blob)))
     refs: list[ChunkRef] = []
     prev = hashlib.blake2b(f"kvrestore-keys-v1|{fingerprint}".encode(), digest_size=20).digest()
     for i, start in enumerate(range(0, n, chunk_size)):
@@ -60,6 +101,11 @@ def chunk_keys(
         h = hashlib.blake2b(prev, digest_size=20)
         h.update((end - start).to_bytes(4, "little"))
         h.update(data[start * 8 : end * 8])
+        for pos, blob in folded.get(i, ()):
+            h.update(b"\x00extra")  # the ids' count is hashed first: nothing here reads as ids
+            h.update(pos.to_bytes(8, "little"))
+            h.update(len(blob).to_bytes(8, "little"))
+            h.update(blob)
         prev = h.digest()
         refs.append(ChunkRef(i, start, end, prev.hex()))
     return refs

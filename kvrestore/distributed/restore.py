@@ -96,7 +96,10 @@ class StageRestorer:
         load_lanes: int = 4,
         load_timeout_s: float | None = 30.0,
         timeout_s: float = 60.0,
+        namespace: str | None = None,
+        secret: bytes | str | None = None,
     ) -> None:
+        """`namespace` and `secret` are a `Restorer`'s: whose chunks, and the key that signs them."""
         if not dist.is_initialized():
             raise InvalidInputError(
                 "torch.distributed is not initialised: use kvrestore.distributed.spawn or torchrun"
@@ -109,7 +112,13 @@ class StageRestorer:
         if layout.n_stages != n:
             raise InvalidInputError(f"the layout has {layout.n_stages} stages for a group of {n} ranks")
         self.restorer = Restorer(
-            backend, store, chunk_size, load_lanes=load_lanes, load_timeout_s=load_timeout_s
+            backend,
+            store,
+            chunk_size,
+            load_lanes=load_lanes,
+            load_timeout_s=load_timeout_s,
+            namespace=namespace,
+            secret=secret,
         )
         self.layout = layout.check(self.restorer.spec.num_layers)
         self.stage_backend = StageBackend(backend, *layout.stages[self.stage])
@@ -302,7 +311,9 @@ class StageRestorer:
         if len(head) >= codec.PREFIX_SIZE and codec.header_length(head) > len(head):
             head = await self._get(ref.key, 0, codec.header_length(head))
         header, _ = codec.read_header(head)
-        codec.check_header(header, self.spec, ref.key, ref.start, ref.n_tokens)
+        codec.check_header(
+            header, self.spec, ref.key, ref.start, ref.n_tokens, seal=self.restorer.loader.seal
+        )
         lo, hi = header.layers[a].offset, header.layers[b - 1].offset + header.layers[b - 1].length
         body = await self._get(ref.key, lo, hi)
         mv = memoryview(body)

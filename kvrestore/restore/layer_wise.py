@@ -49,6 +49,7 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
         [StoredChunk(r.key, r.start, r.start, r.n_tokens) for r in refs[:k]],
         lane=parts.loader.lane(kv.data.device),
         encoding=parts.loader.encoding.name,
+        seal=parts.loader.seal,
     )
     compute = LayerCompute(parts.backend, tokens[:prefix], kv, engine.cuda_stream("compute", kv.data.device))
     opening = anyio.Lock()

@@ -120,5 +120,6 @@ async def save(
             todo = [r for r, ok in zip(refs, present, strict=True) if not ok or r.index in failed]
         spec = parts.backend.spec
         lanes, encoding = parts.engine.load_lanes, parts.loader.encoding.name  # what it reads, it writes
-        written = await write_chunks(parts.store, spec, kv, todo, lanes, compression, encoding)
+        seal = parts.loader.seal  # what it checks, it signs
+        written = await write_chunks(parts.store, spec, kv, todo, lanes, compression, encoding, seal)
     return SaveStats(len(refs), len(todo), len(refs) - len(todo), written, time.perf_counter() - t0)

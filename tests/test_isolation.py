@@ -62,8 +62,10 @@ def test_a_namespace_changes_every_key_and_none_keeps_todays(tokens, size, names
 def test_namespaces_cannot_be_spelled_into_one_another():
     # a namespace that looks like the space of another is hashed: it never lands on that space
     inner = namespaced(FP, "a")
-    assert namespaced(FP, inner.removeprefix(FP + "|ns:")) != inner
-    assert namespaced(inner, "b") != namespaced(FP, "a|ns:b")
+    assert namespaced(FP, inner.removeprefix(FP + "|namespace:")) != inner
+    assert namespaced(inner, "b") != namespaced(FP, "a|namespace:b")
+    # a tenant's salt never names an adapter's space, nor the other way round
+    assert namespaced(FP, "x", kind="adapter") != namespaced(FP, "x")
 
 
 @given(st.lists(st.integers(0, 1000), min_size=2, max_size=120), st.integers(1, 32), st.data())

@@ -67,14 +67,21 @@ def check_namespace(namespace: object, what: str = "namespace") -> str | None:
     return namespace
 
 
-def namespaced(space: str, namespace: str | None) -> str:
+#: what a namespace names -> the personalisation of its hash (no two kinds' spaces can be alike)
+NAMESPACE_KINDS = {"namespace": b"kvr-namespace", "adapter": b"kvr-adapter"}
+
+
+def namespaced(space: str, namespace: str | None, kind: str = "namespace") -> str:
     """The key space of `namespace` inside `space` (`space` itself for None). The namespace enters as
-    its hash, so no choice of names makes two namespaces' spaces, or one and the bare space, alike."""
+    its hash, personalised by `kind` ("namespace": a tenant's salt or a `Restorer`'s namespace;
+    "adapter": a LoRA adapter's identity), so no choice of names makes two namespaces' spaces, or one
+    and the bare space, alike."""
     namespace = check_namespace(namespace)
     if namespace is None:
         return space
-    digest = hashlib.blake2b(namespace.encode(), digest_size=20, person=b"kvr-namespace").hexdigest()
-    return f"{space}|ns:{digest}"
+    person = NAMESPACE_KINDS[kind]
+    digest = hashlib.blake2b(namespace.encode(), digest_size=20, person=person).hexdigest()
+    return f"{space}|{kind}:{digest}"
 
 
 def chunk_keys(

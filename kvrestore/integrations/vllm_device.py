@@ -24,6 +24,7 @@ import torch
 
 from kvrestore.chunkio.layers import LayerReader
 from kvrestore.chunkio.transfer import TransferLane
+from kvrestore.codec.seal import Seal
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.streams import on_stream
@@ -59,8 +60,9 @@ class DeviceLayerLoad(BackgroundLoad):
         layers_per_read: int = 2,
         encoding: str = "native",
         device_path: bool = False,
+        seal: Seal | None = None,
     ) -> None:
-        super().__init__(spec, store, chunks, k)
+        super().__init__(spec, store, chunks, k, seal)
         self.place = place
         self.lane = lane
         self.device = device
@@ -77,6 +79,7 @@ class DeviceLayerLoad(BackgroundLoad):
             defer_checks=False,
             encoding=self.encoding,
             device_path=self.device_path,
+            seal=self.seal,
         )
         s = self.spec
         shape = (self.layers_per_read, 2, s.num_kv_heads, self.chunks[-1].end, s.head_dim)

@@ -26,6 +26,7 @@ from kvrestore import codec
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
 from kvrestore.codec.checksums import host_checksum
 from kvrestore.codec.quant import Encoding
+from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, CorruptChunkError, InvalidInputError
 from kvrestore.core.kv import KVCache, KVChunk
 from kvrestore.core.spec import ModelSpec
@@ -83,10 +84,12 @@ class ChunkSaver:
         max_bytes: int = 1 << 30,
         lanes: int = 2,
         encoding: str = "native",
+        seal: Seal | None = None,
     ) -> None:
         self.spec = spec
         self.store = store
         self.io = io
+        self.seal = seal  # signs every chunk written, where the connector has a secret
         self.compression = compression
         self.encoding = codec.spec_encoding(spec, encoding).name  # `quant.ENCODINGS`: checked here
         self.max_bytes = max_bytes
@@ -177,9 +180,10 @@ class ChunkSaver:
                     key,
                     encoding=self.encoding,
                     compression=self.compression,
+                    seal=self.seal,
                 )
             return codec.encode_chunk(
-                chunk, self.spec, key, compression=self.compression, encoding=self.encoding
+                chunk, self.spec, key, compression=self.compression, encoding=self.encoding, seal=self.seal
             )
 
         try:
@@ -269,9 +273,14 @@ class _SectionReader(LayerReader):
     read per chunk (`LayerLoad`'s `layers_per_read`)."""
 
     def __init__(
-        self, spec: ModelSpec, store: ChunkStore, chunks: Sequence[StoredChunk], encoding: str = "native"
+        self,
+        spec: ModelSpec,
+        store: ChunkStore,
+        chunks: Sequence[StoredChunk],
+        encoding: str = "native",
+        seal: Seal | None = None,
     ) -> None:
-        super().__init__(spec, store, chunks, encoding=encoding)
+        super().__init__(spec, store, chunks, encoding=encoding, seal=seal)
         #: (chunk, layer) -> its section: the KV ``[2, H, T, D]``, or (encoded) its bytes as stored
         self.sections: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -310,9 +319,17 @@ class BackgroundLoad:
     blocks until the layer is placed (or given up); `cancel` stops placing layers: once it returns,
     nothing more is placed (placing runs under the lock it takes)."""
 
-    def __init__(self, spec: ModelSpec, store: ChunkStore, chunks: Sequence[LoadChunk], k: int) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        store: ChunkStore,
+        chunks: Sequence[LoadChunk],
+        k: int,
+        seal: Seal | None = None,
+    ) -> None:
         self.spec = spec
         self.store = store
+        self.seal = seal  # where set, a chunk without its valid MAC is a miss (`codec.seal`)
         self.chunks = covering(chunks, k)
         self.k = k
         self.failed: set[int] = set()
@@ -441,14 +458,15 @@ class LayerLoad(BackgroundLoad):
         place: Callable[[int, Pieces], None],
         layers_per_read: int = 4,
         encoding: str = "native",
+        seal: Seal | None = None,
     ) -> None:
-        super().__init__(spec, store, chunks, k)
+        super().__init__(spec, store, chunks, k, seal)
         self.place = place
         self.layers_per_read = max(1, layers_per_read)
         self.encoding = encoding
 
     async def run(self) -> None:
-        reader = _SectionReader(self.spec, self.store, self._stored(), self.encoding)
+        reader = _SectionReader(self.spec, self.store, self._stored(), self.encoding, self.seal)
 
         def place(_: int, layer: int, upto: int) -> None:
             pieces = [

@@ -32,6 +32,7 @@ import torch
 from kvrestore import codec
 from kvrestore.chunkio.load import PROBE_BYTES
 from kvrestore.codec.checksums import host_checksum_parts
+from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import (
     LOAD_FAULTS,
     STORE_FAULTS,
@@ -39,6 +40,7 @@ from kvrestore.core.errors import (
     CorruptChunkError,
     MissingChunkError,
     TruncatedChunkError,
+    UnauthenticatedChunkError,
 )
 from kvrestore.core.spec import ModelSpec
 from kvrestore.integrations.vllm_io import IOThread, LoadChunk, covering, failed_token_ranges
@@ -141,9 +143,11 @@ class HostPageLoad:
         layers: Sequence[HostLayer],
         block_ids: Sequence[int],
         layers_per_read: int = 4,
+        seal: Seal | None = None,
     ) -> None:
         self.spec = spec
         self.store = store
+        self.seal = seal  # where set, a chunk without its valid MAC is a miss (`codec.seal`)
         self.chunks = covering(chunks, k)
         self.k = k
         self.layers = list(layers)
@@ -189,7 +193,7 @@ class HostPageLoad:
         if codec.header_length(head) > got:
             raise CorruptChunkError(f"header longer than {PROBE_BYTES} bytes")
         header, header_end = codec.read_header(head)
-        codec.check_header(header, self.spec, c.key, c.start, c.end - c.start, "native")
+        codec.check_header(header, self.spec, c.key, c.start, c.end - c.start, "native", self.seal)
         if header.compression != "none":
             raise CompressedChunkError(f"stored {header.compression}-compressed, read here uncompressed only")
         body = header.layers[0].offset
@@ -291,7 +295,7 @@ class HostPageLoad:
             self.failed |= new
             self.errors.append(error)
         damaged = isinstance(exc, ChunkDecodeError) and not isinstance(
-            exc, (MissingChunkError, CompressedChunkError)
+            exc, (MissingChunkError, CompressedChunkError, UnauthenticatedChunkError)
         )
         if damaged and self._io is not None:  # as `LayerReader` does: never served again
             self.deletes.append(self._io.submit(self.store.delete, key))

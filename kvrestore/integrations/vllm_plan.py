@@ -17,6 +17,7 @@ says) scales the compute of every split that loads.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ import torch
 
 from kvrestore.codec.header import spec_encoding
 from kvrestore.codec.quant import ENCODINGS, Encoding, key_space
+from kvrestore.codec.seal import Seal, seal_of, secret_from_env
 from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
 from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec, dtype_name
@@ -72,6 +74,9 @@ class ConnectorConfig:
     cost_dir: str | None = None  # where learned costs persist (default: the kvrestore cache dir)
     layout: str | None = None  # vLLM's paged layout (`vllm_layout.LAYOUTS`); default: from the device
     kv_encoding: str = "native"  # how saved chunks hold the KV (`codec.quant.ENCODINGS`), as a Restorer's
+    #: signs every chunk saved and checks every chunk loaded (`codec.seal`); default: $KVRESTORE_SECRET.
+    #: vLLM logs its config at start-up, so the environment variable is the place for a real secret.
+    secret: str | None = field(default=None, repr=False)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -104,6 +109,9 @@ class ConnectorConfig:
             raise InvalidInputError(f"layout must be one of {LAYOUTS}, got {cfg.layout!r}")
         if not isinstance(cfg.store_options, Mapping):
             raise InvalidInputError(f"store_options must be a dict, got {type(cfg.store_options).__name__}")
+        if cfg.secret is not None and not isinstance(cfg.secret, str):
+            raise InvalidInputError(f"secret must be a string, got {type(cfg.secret).__name__}")
+        seal_of(cfg.secret if cfg.secret is not None else secret_from_env())  # a weak secret: refused now
         for name in ("throttle_bytes_per_s", "link_bytes_per_s"):
             if getattr(cfg, name) is not None:
                 check_seconds(name, getattr(cfg, name))  # a positive number
@@ -131,9 +139,17 @@ class ConnectorContext:
 
     @property
     def key_space(self) -> str:
-        """What chunk keys are hashed under: the fingerprint, and the encoding where it is not native,
-        exactly as a `Restorer` with the same `kv_encoding` keys them (`quant.key_space`)."""
+        """What chunk keys are hashed under before a request's own namespace (`vllm_keys`): the
+        fingerprint, and the encoding where it is not native, exactly as a `Restorer` with the same
+        `kv_encoding` keys them (`quant.key_space`)."""
         return key_space(self.spec.fingerprint, self.config.kv_encoding)
+
+    @functools.cached_property
+    def seal(self) -> Seal | None:
+        """What signs saved chunks and checks loaded ones: the config's `secret`, else
+        `$KVRESTORE_SECRET`, else None (chunks neither signed nor checked)."""
+        c = self.config
+        return seal_of(c.secret if c.secret is not None else secret_from_env())
 
     @property
     def stored_bytes_per_token(self) -> float:

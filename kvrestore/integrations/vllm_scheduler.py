@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 
-from kvrestore.core.keys import ChunkRef, chunk_keys
+from kvrestore.core.keys import ChunkRef
 from kvrestore.integrations.vllm_io import STORE_FAULTS, IOThread, LoadChunk
+from kvrestore.integrations.vllm_keys import RequestKeys
 from kvrestore.integrations.vllm_layout import blocks_of
 from kvrestore.integrations.vllm_meta import (
     KVRestoreConnectorMetadata,
@@ -95,15 +96,23 @@ class SchedulerSide:
         self.store = store if store is not None else ctx.open_store()
         self.loop = CallerLoop()
         self.counters = Counters()
+        self.keys = RequestKeys(ctx.key_space)
         self._down_until = 0.0
         self._reqs: dict[str, _Request] = {}
+        self._unkeyed: set[str] = set()  # requests neither loaded nor saved (`vllm_keys.Unkeyable`)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         tokens = list(request.prompt_token_ids or [])
         st = self._reqs.get(request.request_id)
         fresh = st is None
         if st is None:
-            refs = chunk_keys(tokens, self.ctx.key_space, self.config.chunk_size)
+            if request.request_id in self._unkeyed:
+                return 0, False
+            refs = self.keys.refs(request, tokens, self.config.chunk_size)
+            if refs is None:  # its KV depends on what no key names: neither loaded nor saved
+                self._unkeyed.add(request.request_id)
+                self.counters.add(unkeyed_requests=1)
+                return 0, False
             st = self._reqs[request.request_id] = _Request(refs, self._lookup([r.key for r in refs]))
         if not self.config.load:
             return 0, False
@@ -197,6 +206,7 @@ class SchedulerSide:
             self._step(meta, req_id, st, cached.num_computed_tokens[i], sched.get(req_id, 0))
         for req_id in scheduler_output.finished_req_ids:
             self._reqs.pop(req_id, None)
+            self._unkeyed.discard(req_id)
         return meta
 
     def _step(
@@ -242,6 +252,7 @@ class SchedulerSide:
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
+        self._unkeyed.discard(request.request_id)
         return False, None
 
     def shutdown(self) -> None:

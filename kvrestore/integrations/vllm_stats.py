@@ -34,6 +34,7 @@ COUNTERS: dict[str, str] = {
     "saved_bytes": "bytes written to the store",
     "dropped_chunks": "chunks not saved: the save queue was full",
     "failed_saves": "chunks whose write failed",
+    "unkeyed_requests": "requests neither loaded nor saved: their KV depends on what no key names",
 }
 
 MAX_RECORDS = 1000

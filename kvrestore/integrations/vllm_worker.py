@@ -87,6 +87,7 @@ class WorkerSide:
             compression=self.config.compression,
             max_bytes=self.config.save_queue_bytes,
             encoding=self.config.kv_encoding,
+            seal=ctx.seal,
         )
         self.counters = Counters()
         self._saver_seen = (0, 0, 0, 0)  # the saver's written, bytes, dropped, failed last reported
@@ -218,7 +219,13 @@ class WorkerSide:
                     H, D = self.spec.num_kv_heads, self.spec.head_dim
                     self._host_layers = [HostLayer(c, H, D) for c in self._caches]
                 load = HostPageLoad(
-                    self.spec, self.store, spec.chunks, spec.k, self._host_layers, spec.block_ids
+                    self.spec,
+                    self.store,
+                    spec.chunks,
+                    spec.k,
+                    self._host_layers,
+                    spec.block_ids,
+                    seal=self.ctx.seal,
                 )
             elif self._lane is not None and self._fp8_scales is None:  # CUDA pages: checked on the GPU
                 load = DeviceLayerLoad(
@@ -230,6 +237,7 @@ class WorkerSide:
                     self._lane,
                     self._caches[0].device,
                     encoding=self.config.kv_encoding,
+                    seal=self.ctx.seal,
                 )
             else:
                 load = LayerLoad(
@@ -239,6 +247,7 @@ class WorkerSide:
                     spec.k,
                     self._placer(spec.block_ids),
                     encoding=self.config.kv_encoding,
+                    seal=self.ctx.seal,
                 )
             load.start(self.io, self.config.load_timeout_s)
             self._loads.append((spec, load))

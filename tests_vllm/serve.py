@@ -2,12 +2,15 @@
 
     python tests_vllm/serve.py --model DIR --tokens 2000 [--connector kvrestore|example|none]
         [--extra '{"store_url": "..."}'] [--max-tokens 8] [--offsets 0 3000]
+        [--lora ADAPTER_DIR --requests '[{"offset": 0, "salt": "a", "lora": true}, ...]']
 
 Each prompt is `--tokens` ids of kvrestore's reference text (starting `--offsets` ids in), served with
 greedy sampling; the output has the generated ids, their logprobs and the time to the first token
 (a generate call of one token, measured before the full one, when `--ttft` is given). Last, one line
 ``{"records": [...], "metrics": {...}}``: the connector's records (`vllm_stats.records`) and, with
-`--metrics`, the ``vllm:kvrestore_*`` counters vLLM exported. Used by the vLLM test tier and
+`--metrics`, the ``vllm:kvrestore_*`` counters vLLM exported. `--requests` serves the listed prompts
+instead, each with its `cache_salt` and under the LoRA adapter `--lora` (vLLM started with LoRA on)
+where `lora` is true; each line then also has the request's `request_id`, `salt` and `lora`. Used by the vLLM test tier and
 `benchmarks/vllm_connector.py` as "a new process".
 """
 
@@ -51,6 +54,10 @@ def main() -> None:
     ap.add_argument(
         "--metrics", action="store_true", help="turn vLLM's stats on; print its kvrestore counters"
     )
+    ap.add_argument("--lora", default=None, help="a LoRA adapter directory: vLLM serves with LoRA on")
+    ap.add_argument(
+        "--requests", default=None, help='JSON list of {"offset", "salt", "lora"}: the prompts to serve'
+    )
     args = ap.parse_args()
 
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
@@ -73,6 +80,7 @@ def main() -> None:
             kv_connector_extra_config=json.loads(args.extra),
         )
     t0 = time.perf_counter()
+    lora_options = {"enable_lora": True, "max_lora_rank": 16} if args.lora else {}
     llm = LLM(
         model=args.model,
         max_model_len=4096,
@@ -81,6 +89,7 @@ def main() -> None:
         enable_prefix_caching=False,
         kv_transfer_config=kv,
         disable_log_stats=not args.metrics,
+        **lora_options,
     )
     print(json.dumps({"event": "ready", "seconds": time.perf_counter() - t0}), flush=True)
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -88,28 +97,35 @@ def main() -> None:
         llm.generate(
             {"prompt_token_ids": prompt_ids(tok, 32, 20000)}, SamplingParams(max_tokens=1), use_tqdm=False
         )
-    for n, offset in [(n, o) for n in args.tokens for o in args.offsets]:
-        ids = prompt_ids(tok, n, offset)
+    if args.requests:
+        asked = [
+            (n, r["offset"], r.get("salt"), bool(r.get("lora")))
+            for n in args.tokens
+            for r in json.loads(args.requests)
+        ]
+    else:
+        asked = [(n, o, None, False) for n in args.tokens for o in args.offsets]
+    adapter = None
+    if args.lora:
+        from vllm.lora.request import LoRARequest
+
+        adapter = LoRARequest("adapter", 1, args.lora)
+    for n, offset, salt, lora in asked:
+        prompt = {"prompt_token_ids": prompt_ids(tok, n, offset)}
+        if salt is not None:
+            prompt["cache_salt"] = salt
         for _ in range(args.repeat):
             params = SamplingParams(
                 temperature=0.0, max_tokens=1 if args.ttft else args.max_tokens, logprobs=1
             )
             t = time.perf_counter()
-            out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+            done = llm.generate(prompt, params, use_tqdm=False, lora_request=adapter if lora else None)[0]
             seconds = time.perf_counter() - t
+            out = done.outputs[0]
             logprobs = [lp[t_id].logprob for t_id, lp in zip(out.token_ids, out.logprobs or [], strict=False)]
-            print(
-                json.dumps(
-                    {
-                        "tokens": n,
-                        "offset": offset,
-                        "seconds": seconds,
-                        "ids": list(out.token_ids),
-                        "logprobs": logprobs,
-                    }
-                ),
-                flush=True,
-            )
+            row = {"tokens": n, "offset": offset, "seconds": seconds, "ids": list(out.token_ids)}
+            row |= {"logprobs": logprobs, "request_id": done.request_id, "salt": salt, "lora": lora}
+            print(json.dumps(row), flush=True)
     # let background writes finish before the process exits (--exit: as a script that just ends does)
     shutdown = getattr(llm.llm_engine, "shutdown", None)
     if shutdown is not None and not args.exit:

@@ -252,3 +252,10 @@ def test_gpu_suite_records_failures_and_timeouts(tmp_path: Path, monkeypatch: py
     assert results == {
         "writes": {"targets": {"x": {"value": 2.0, "meets": {"value": True}}, "y <= 1": False}}
     }
+
+
+@pytest.mark.slow
+def test_seal_cost_tiny(tmp_path: Path) -> None:
+    data = run_script("seal_cost.py", tmp_path / "seal_cost-tiny.json")
+    assert data["config"]["tiny"] and data["chunks"] == 4
+    assert len(data["unsigned_s"]) == len(data["signed_s"]) == 1 and data["mac_s_per_restore"] > 0

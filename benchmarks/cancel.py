@@ -29,7 +29,7 @@ from typing import Any
 
 import anyio
 import torch
-from _common import machine_info, median, print_table, write_json
+from _common import machine_info, median, print_table, run_to_json
 from _provenance import code_version
 
 import kvrestore.backends.hf as hf
@@ -126,10 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args.chunk = min(args.chunk, 64) if args.tiny else args.chunk
     args.rounds = args.rounds or (1 if args.tiny else 3)
     args.out = args.out or (DEFAULT_OUT.with_name("cancel-tiny.json") if args.tiny else DEFAULT_OUT)
-    result = anyio.run(run, args)
-    write_json(args.out, result)
-    log(f"wrote {args.out}")
-    return 0
+    return run_to_json(run, args, args.out)
 
 
 if __name__ == "__main__":

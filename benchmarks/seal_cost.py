@@ -27,9 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import anyio
 import torch
-from _common import Sample, interleave, machine_info, median, print_table, ratio, write_json
+from _common import Sample, interleave, machine_info, median, print_table, ratio, run_to_json
 from _provenance import code_version
 
 from kvrestore import LoadOnly, Restorer, codec
@@ -153,10 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args.chunk = min(args.chunk, 64) if args.tiny else args.chunk
     args.rounds = args.rounds or (1 if args.tiny else 7)
     args.out = args.out or (DEFAULT_OUT.with_name("seal_cost-tiny.json") if args.tiny else DEFAULT_OUT)
-    result = anyio.run(run, args)
-    write_json(args.out, result)
-    log(f"wrote {args.out}")
-    return 0
+    return run_to_json(run, args, args.out)
 
 
 if __name__ == "__main__":

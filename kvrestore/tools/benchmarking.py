@@ -190,6 +190,16 @@ def write_json(path: str | os.PathLike, data: Any) -> Path:
     return p
 
 
+def run_to_json(run: Callable[[Any], Awaitable[Any]], args: Any, out: str | os.PathLike) -> int:
+    """A benchmark script's last step: `run(args)` on an event loop, its result written to `out` as
+    JSON (`write_json`), where it went said on stderr; returns the exit status (0)."""
+    import anyio
+
+    write_json(out, anyio.run(run, args))
+    print(f"wrote {out}", file=sys.stderr, flush=True)
+    return 0
+
+
 def fmt(x: Any, digits: int = 3) -> str:
     """A table cell: floats to `digits` significant-ish decimals, None/NaN as '-'."""
     if x is None or (isinstance(x, float) and x != x):
@@ -248,6 +258,7 @@ __all__ = [
     "percentile",
     "print_table",
     "ratio",
+    "run_to_json",
     "summarize",
     "timed",
     "write_json",

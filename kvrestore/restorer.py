@@ -259,7 +259,7 @@ class Restorer:
         tokens, refs = self.chunks(token_ids)
         run.check_policy(policy)
         if out is not None:
-            run.check_kv(self.spec, "out", out, len(tokens))
+            run.check_kv(self.spec, "out", out, len(tokens), in_place=True)
             if not _on_device(out.data, self.backend.device):
                 raise InvalidInputError(
                     f"out is on {out.data.device}; the model runs on {self.backend.device}"

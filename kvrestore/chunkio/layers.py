@@ -31,6 +31,7 @@ from kvrestore.chunkio.stored import ChunkLoadFailed, StoredChunk, each, layers_
 from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.chunkio.uploads import LayerUploads
 from kvrestore.core.errors import (
+    DAMAGE_FAULTS,
     LOAD_FAULTS,
     ChunkDecodeError,
     CorruptChunkError,
@@ -275,11 +276,11 @@ class LayerReader:
         return data
 
     async def _fault(self, j: int, exc: BaseException, where: str = "", note: bool = True) -> None:
-        """Stop reading chunk j, note its fault, and delete a damaged object (best effort: the miss is
-        what matters)."""
+        """Stop reading chunk j, note its fault, and delete an object its bytes proved damaged
+        (`DAMAGE_FAULTS`; best effort: the miss is what matters)."""
         self.drop(j)
         if note:
             self.errors.append(f"chunk {j}{where}: {type(exc).__name__}: {exc}")
-        if isinstance(exc, ChunkDecodeError) and not isinstance(exc, MissingChunkError):
+        if isinstance(exc, DAMAGE_FAULTS):
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await self.store.delete(self.chunks[j].key)

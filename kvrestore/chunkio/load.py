@@ -48,7 +48,8 @@ from kvrestore.chunkio.pool import Staging, StagingPool
 from kvrestore.chunkio.transfer import Transfer, TransferLane
 from kvrestore.codec.checksums import device_checkable, device_checksums
 from kvrestore.codec.quant import Encoding
-from kvrestore.core.errors import CorruptChunkError, MissingChunkError, TruncatedChunkError
+from kvrestore.core.errors import CorruptChunkError, InvalidInputError, MissingChunkError, TruncatedChunkError
+from kvrestore.core.kv import buffer_problem
 from kvrestore.core.spec import ModelSpec
 from kvrestore.stores.base import ChunkStore
 
@@ -141,7 +142,10 @@ class ChunkLoader:
     async def load(self, key: str, start: int, dest: torch.Tensor) -> int:
         """Read chunk `key` (saved at token `start`) into `dest` ([L, 2, H, T, D], a cache's token range);
         returns the stored bytes read. Raises MissingChunkError, a ChunkDecodeError (damaged, truncated,
-        foreign) or a store error; `dest` may then hold part of the chunk, which must be recomputed."""
+        foreign) or a store error; `dest` may then hold part of the chunk, which must be recomputed. A
+        `dest` the chunk cannot be placed in as it lies raises InvalidInputError before anything is read:
+        the caller's fault, never the chunk's."""
+        self.check_dest(dest)
         if self.store.reads_sync:  # the whole load in one thread hop
             return await anyio.to_thread.run_sync(self.load_sync, key, start, dest, abandon_on_cancel=False)
         if self.store.reads_in_memory:
@@ -158,6 +162,7 @@ class ChunkLoader:
     def load_sync(self, key: str, start: int, dest: torch.Tensor) -> int:
         """`load`, blocking, from any thread (a load lane's), for a store that `reads_sync`: read, check,
         verify and place without the event loop."""
+        self.check_dest(dest)
         if self.store.reads_in_memory:
             return self._place_object(key, start, dest, self.store.get_sync(key))
         if dest.device.type != "cuda" and self.encoding.native:
@@ -171,6 +176,13 @@ class ChunkLoader:
             staging = transfer.stage(limit)
             size = self._within_limit(key, self.store.read_into_sync(key, staging.view[:limit]), limit)
             return self._place_staged(key, start, dest, transfer, staging, size)
+
+    def check_dest(self, dest: torch.Tensor) -> None:
+        """InvalidInputError unless `dest` is a chunk's rows of this model that a load can write in place
+        (`core.kv.buffer_problem`)."""
+        problem = buffer_problem(self.spec, dest)
+        if problem is not None:
+            raise InvalidInputError(f"a chunk cannot be loaded into this KV buffer: {problem}")
 
     def _scatter_sync(
         self, key: str, start: int, dest: torch.Tensor, rows: list[list[memoryview]]

@@ -1,7 +1,9 @@
 """One chunk of a prompt into its rows of a KV cache, and what happens to a damaged one.
 
-A chunk that fails to decode (corrupt, truncated, foreign) is deleted from the store: it is never
-served again, and the next save writes a good copy. A fault raises before the chunk counts as loaded.
+A chunk whose bytes, as read, fail their checks (corrupt, truncated, foreign: `DAMAGE_FAULTS`) is deleted
+from the store: it is never served again, and the next save writes a good copy. Nothing else deletes a
+chunk: a missing one, one without a valid MAC, and a failure to place good bytes (the caller's buffer, a
+device, a cancelled copy) leave the store as it was. A fault raises before the chunk counts as loaded.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import anyio
 import torch
 
 from kvrestore.chunkio.load import ChunkLoader
-from kvrestore.core.errors import ChunkDecodeError
+from kvrestore.core.errors import DAMAGE_FAULTS
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
 from kvrestore.core.streams import on_stream
@@ -25,10 +27,10 @@ log = logging.getLogger("kvrestore.chunkio")
 
 async def load_chunk(loader: ChunkLoader, ref: ChunkRef, kv: KVCache) -> int:
     """Fetch, verify and place `ref` in its token range of `kv` (`ChunkLoader.load`); returns the stored
-    bytes read. A damaged chunk is forgotten before its error propagates."""
+    bytes read. A damaged chunk (`DAMAGE_FAULTS`) is forgotten before its error propagates."""
     try:
         return await loader.load(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
-    except ChunkDecodeError:
+    except DAMAGE_FAULTS:
         await forget(loader.store, ref.key)
         raise
 
@@ -43,7 +45,7 @@ async def load_chunk_aside(loader: ChunkLoader, ref: ChunkRef, kv: KVCache) -> t
         aside = torch.empty_like(rows)
     try:
         nbytes = await loader.load(ref.key, ref.start, aside)
-    except ChunkDecodeError:
+    except DAMAGE_FAULTS:
         await forget(loader.store, ref.key)
         raise
 
@@ -61,7 +63,7 @@ def load_chunk_sync(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: li
     key goes to `damaged`, to be forgotten on the loop (`forget`) once the restore is over."""
     try:
         return loader.load_sync(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
-    except ChunkDecodeError:
+    except DAMAGE_FAULTS:
         damaged.append(ref.key)
         raise
 

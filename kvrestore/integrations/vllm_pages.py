@@ -33,6 +33,7 @@ from kvrestore import codec
 from kvrestore.chunkio.load import PROBE_BYTES
 from kvrestore.codec.checksums import host_checksum_parts
 from kvrestore.core.errors import (
+    DAMAGE_FAULTS,
     LOAD_FAULTS,
     STORE_FAULTS,
     ChunkDecodeError,
@@ -290,9 +291,7 @@ class HostPageLoad:
         if new:
             self.failed |= new
             self.errors.append(error)
-        damaged = isinstance(exc, ChunkDecodeError) and not isinstance(
-            exc, (MissingChunkError, CompressedChunkError)
-        )
+        damaged = isinstance(exc, DAMAGE_FAULTS)  # a compressed or missing chunk is not damaged
         if damaged and self._io is not None:  # as `LayerReader` does: never served again
             self.deletes.append(self._io.submit(self.store.delete, key))
 

@@ -15,7 +15,7 @@ import torch
 from kvrestore.chunkio.save import SaveStats, write_chunks
 from kvrestore.core.errors import LOAD_FAULTS, InvalidInputError
 from kvrestore.core.keys import ChunkRef
-from kvrestore.core.kv import KVCache
+from kvrestore.core.kv import KVCache, buffer_problem
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.trace import TraceEvent
 from kvrestore.planning.auto import Auto
@@ -35,12 +35,16 @@ def check_policy(policy: object) -> Policy | Auto | None:
     raise InvalidInputError(f"policy must be a Policy such as TokenTwoPointer(), got {policy!r}{hint}")
 
 
-def check_kv(spec: ModelSpec, name: str, kv: object, n_tokens: int) -> KVCache:
-    """`kv` if it is a KVCache of this model with room for `n_tokens`, else InvalidInputError."""
+def check_kv(spec: ModelSpec, name: str, kv: object, n_tokens: int, in_place: bool = False) -> KVCache:
+    """`kv` if it is a KVCache of this model with room for `n_tokens` (and, `in_place`, a buffer a restore
+    can write as it lies: `buffer_problem`), else InvalidInputError."""
     if not isinstance(kv, KVCache):
         raise InvalidInputError(
             f"{name} must be a KVCache (e.g. KVCache.empty(restorer.spec, n_tokens)), got {type(kv).__name__}"
         )
+    problem = buffer_problem(spec, kv.data) if in_place else None
+    if problem is not None:
+        raise InvalidInputError(f"{name} cannot be restored into: {problem}")
     if not kv.fits(spec, n_tokens):
         raise InvalidInputError(
             f"{name} ({kv.n_tokens} tokens of {kv.spec.name}, {kv.data.dtype}) cannot hold {n_tokens} "

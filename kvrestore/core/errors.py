@@ -14,6 +14,11 @@ class InvalidInputError(KVRestoreError, ValueError):
     """The caller passed something kvrestore cannot work with (empty tokens, bad ids, bad sizes)."""
 
 
+class UsageError(KVRestoreError, RuntimeError):
+    """The API was used where it cannot work: a closed `SyncRestorer`, a blocking call from inside a
+    callback on the restorer's own event loop, a `BatchEngine` not entered. The message says what to do."""
+
+
 class StoreError(KVRestoreError):
     """A store could not be opened, read or written."""
 

@@ -36,7 +36,7 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup
 
-from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError, UsageError
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.policies.base import Progress
@@ -52,8 +52,9 @@ from kvrestore.runtime.units import timed_load
 DEFAULT_COST = ChunkCost(fixed_s=0.0, per_token_s=1.0, per_token_past_s=1.0 / 512)
 
 
-class EngineNotRunningError(RuntimeError):
-    """A restore was handed to a `BatchEngine` that has not been entered (`async with engine:`)."""
+class EngineNotRunningError(UsageError):
+    """A restore was handed to a `BatchEngine` that has not been entered (`async with engine:`), or was
+    closed; a `UsageError` (a `KVRestoreError` and a `RuntimeError`)."""
 
 
 @dataclass(eq=False)

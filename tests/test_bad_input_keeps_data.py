@@ -164,3 +164,25 @@ def test_only_bytes_proven_bad_delete_a_chunk(llama_backend, error, deleted):
         assert damaged == ([ref.key] if deleted else [])
 
     anyio.run(main)
+
+
+@pytest.mark.parametrize("capacity", [None, 1 << 20])
+def test_a_local_store_recreates_its_deleted_directory(tmp_path, capacity):
+    """A capped local store (a lock file and reservations in the directory) recovers from the directory
+    being deleted as an uncapped one does: the next write makes it again."""
+    import shutil
+
+    from kvrestore import open_store
+
+    root = tmp_path / "kv"
+    kwargs = {} if capacity is None else {"capacity_bytes": capacity}
+    store = open_store(str(root), **kwargs)
+
+    async def main():
+        await store.put("ab" * 32, b"first")
+        shutil.rmtree(root)
+        await store.put("cd" * 32, b"second")
+        assert await store.get("cd" * 32) == b"second"
+        assert await store.contains(["ab" * 32, "cd" * 32]) == [False, True]
+
+    anyio.run(main)

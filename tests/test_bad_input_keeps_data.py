@@ -103,7 +103,9 @@ def _first_chunk(restorer, store, tokens):
 
 
 @pytest.mark.parametrize("reads_sync", [True, False])
-def test_a_loader_refuses_a_destination_it_cannot_fill_and_keeps_the_chunk(llama_backend, tmp_path, reads_sync):
+def test_a_loader_refuses_a_destination_it_cannot_fill_and_keeps_the_chunk(
+    llama_backend, tmp_path, reads_sync
+):
     """Below the restorer: a chunk's load into rows it cannot be placed in raises InvalidInputError
     before reading, and the chunk stays stored."""
     b = llama_backend
@@ -149,11 +151,11 @@ def test_only_bytes_proven_bad_delete_a_chunk(llama_backend, error, deleted):
         async def failing_load(*args):
             raise error
 
-        def failing_load_sync(*args):
+        def failing_fetch_sync(*args):
             raise error
 
         loader.load = failing_load  # type: ignore[method-assign]
-        loader.load_sync = failing_load_sync  # type: ignore[method-assign]
+        loader.fetch_sync = failing_fetch_sync  # type: ignore[method-assign]
         kv = KVCache.empty(b.spec, 64)
         with pytest.raises(type(error)):
             await load_chunk(loader, ref, kv)

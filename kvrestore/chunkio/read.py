@@ -15,7 +15,7 @@ from collections.abc import Callable
 import anyio
 import torch
 
-from kvrestore.chunkio.load import ChunkLoader
+from kvrestore.chunkio.load import ChunkLoader, Fetched
 from kvrestore.core.errors import DAMAGE_FAULTS
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
@@ -59,13 +59,40 @@ async def load_chunk_aside(loader: ChunkLoader, ref: ChunkRef, kv: KVCache) -> t
 
 
 def load_chunk_sync(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: list[str]) -> int:
-    """`load_chunk` on a load-lane thread (stores that read without the event loop): a damaged chunk's
-    key goes to `damaged`, to be forgotten on the loop (`forget`) once the restore is over."""
+    """`load_chunk`, blocking (`fetch_chunk_sync`, then its `place`)."""
+    return fetch_chunk_sync(loader, ref, kv, damaged).place()
+
+
+def fetch_chunk_sync(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: list[str]) -> Fetched:
+    """The read of `load_chunk` on a load-lane thread (stores that read without the loop), nothing yet
+    written into `kv`: returns what places the chunk (`Fetched.place`) or gives its bytes back unused
+    (`discard`: the load was abandoned). A damaged chunk's key goes to `damaged`, to be forgotten on the
+    loop (`forget`) once the restore is over."""
     try:
-        return loader.load_sync(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
+        fetched = loader.fetch_sync(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
     except DAMAGE_FAULTS:
         damaged.append(ref.key)
         raise
+    return _NotingDamage(fetched, damaged)
+
+
+class _NotingDamage(Fetched):
+    """A `Fetched` whose placing, when it finds the bytes damaged, notes the key in `damaged`."""
+
+    __slots__ = ("damaged",)
+
+    def __init__(self, fetched: Fetched, damaged: list[str]) -> None:
+        super().__init__(
+            fetched.loader, fetched.key, fetched.start, fetched.dest, fetched.data, fetched.staged
+        )
+        self.damaged = damaged
+
+    def place(self) -> int:
+        try:
+            return super().place()
+        except DAMAGE_FAULTS:
+            self.damaged.append(self.key)
+            raise
 
 
 async def forget(store: ChunkStore, key: str) -> None:

@@ -62,7 +62,11 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
             raise ChunkLoadFailed(reader.unusable, f"layer reads stopped: {error}")
         return await reader.read_layer(layer, kv)
 
-    trace = await engine.run(RunRequest(progress, policy, compute, load, on_event, parts.load_timeout_s))
+    trace = await engine.run(
+        RunRequest(
+            progress, policy, compute, load, on_event, parts.load_timeout_s, timed_out=parts.timed_out()
+        )
+    )
     parts.planner.learn(trace, refs, layers_over=prefix)
     if k < len(refs):  # the chunks after the stored prefix, computed on top of it
         t_tail = time.perf_counter()

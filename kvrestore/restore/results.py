@@ -17,6 +17,7 @@ from kvrestore.planning.auto import Plan
 from kvrestore.planning.planner import Planner
 from kvrestore.runtime.engine import Engine
 from kvrestore.stores.base import ChunkStore
+from kvrestore.stores.deadline import DeadlineStore
 
 
 @dataclass
@@ -76,3 +77,8 @@ class Parts:
             kv = out.head(n_tokens)
         self.engine.lanes_after_current(kv.data.device)
         return kv
+
+    def timed_out(self) -> Callable[[float], None] | None:
+        """What a restore tells when one of its loads ran past `load_timeout_s`: the store under its
+        deadlines (`DeadlineStore.timed_out`), which then counts as down for a back-off."""
+        return self.store.timed_out if isinstance(self.store, DeadlineStore) else None

@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvrestore.chunkio.read import forget, load_chunk, load_chunk_aside, load_chunk_sync
+from kvrestore.chunkio.load import Fetched
+from kvrestore.chunkio.read import fetch_chunk_sync, forget, load_chunk, load_chunk_aside
 from kvrestore.policies import Policy, Progress
 from kvrestore.restore.compute import prefill_apart, prefill_into
 from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
@@ -45,8 +46,8 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
 
     damaged: list[str] = []  # found damaged on a lane thread: deleted once the restore is over
 
-    def load_sync(i: int) -> int:  # on a load-lane thread, for a store that reads without the loop
-        return load_chunk_sync(loader, refs[i], kv, damaged)
+    def fetch_sync(i: int) -> Fetched:  # on a load-lane thread, for a store that reads without the loop
+        return fetch_chunk_sync(loader, refs[i], kv, damaged)
 
     meter, bytes_per_token = parts.store.delivered_bytes, parts.planner.stored_bytes_per_token
 
@@ -57,10 +58,20 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     delivered = None if meter() is None else tokens_delivered  # a store that cannot say is not asked
 
     try:
-        fast = FastPaths(load_sync if loader.reads_sync else None, compute_apart, load_aside)
+        fast = FastPaths(fetch_sync if loader.reads_sync else None, compute_apart, load_aside)
         fast_paths = fast if engine.takes_fast_paths else None
         trace = await engine.run(
-            RunRequest(progress, policy, compute, load, on_event, parts.load_timeout_s, fast_paths, delivered)
+            RunRequest(
+                progress,
+                policy,
+                compute,
+                load,
+                on_event,
+                parts.load_timeout_s,
+                fast_paths,
+                delivered,
+                parts.timed_out(),
+            )
         )
     finally:
         for key in damaged:

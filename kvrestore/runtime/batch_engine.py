@@ -310,7 +310,10 @@ class _Lanes:
         event: TraceEvent | None = None
         try:
             with scope:
-                event = await timed_load(live.request.load, i, live.request.load_timeout_s, now)
+                request = live.request
+                event = await timed_load(
+                    request.load, i, request.load_timeout_s, now, timed_out=request.timed_out
+                )
             if scope.cancel_called or event is None:  # dropped: whatever it read is not applied
                 event = TraceEvent("load-dropped", i, i, start, now())
             send.send_nowait(("event", live.job.id, event))

@@ -26,6 +26,7 @@ from kvrestore.core.errors import (
     MissingChunkError,
     UnauthenticatedChunkError,
 )
+from kvrestore.core.keys import ChunkRef
 from tests.conftest import random_tokens
 
 N_TOKENS, CHUNK = 300, 32
@@ -188,3 +189,44 @@ def test_a_local_store_recreates_its_deleted_directory(tmp_path, capacity):
         assert await store.contains(["ab" * 32, "cd" * 32]) == [False, True]
 
     anyio.run(main)
+
+
+def test_short_chunks_are_planned_and_run_in_units_that_pay_their_cost(llama_backend, tmp_path):
+    """chunk_size=1: `Auto` plans over units of `MIN_UNIT_TOKENS` tokens (never the layer axis, which
+    reads every chunk per layer), every restore runs in such units, and the KV is exact; the stats
+    count the store's chunks."""
+    from kvrestore.restore.results import MIN_UNIT_TOKENS, Units
+
+    b = llama_backend
+    n = 200
+    tokens = random_tokens(n, b.spec.vocab_size, seed=54)
+    reference = b.prefill_chunk(tokens, None, 0).data
+
+    async def main():
+        store = LocalStore(str(tmp_path / "kv"))
+        r = Restorer(b, store, chunk_size=1)
+        await r.save(tokens)
+        assert len(await store.scan()) == n
+        results = [
+            await r.restore(tokens, policy) for policy in (Auto(), Auto(), LoadOnly(), TokenTwoPointer())
+        ]
+        results.append(await r.restore(tokens, LayerTwoPointer()))  # asked for: it still reads every chunk
+        return results
+
+    results = anyio.run(main)
+    units = -(-n // MIN_UNIT_TOKENS)
+    for res in results:
+        torch.testing.assert_close(res.kv.data, reference, atol=1e-4, rtol=0)
+        assert res.stats.n_chunks == n and res.stats.computed_chunks + res.stats.loaded_chunks == n
+    for res in results[:4]:
+        assert all(e.last_chunk < units for e in res.trace.events)  # unit indices: never a 1-token unit
+    for res in results[:2]:
+        assert res.plan is not None and "layer-wise" not in res.plan.predicted_s
+    assert results[2].stats.loaded_chunks == n and len(results[2].trace.of_kind("load")) == units
+
+    refs = [ChunkRef(i, i, i + 1, f"{i:016x}") for i in range(40)]
+    grouped = Units.of(refs, [True] * 33 + [False] * 7, min_tokens=16)
+    assert [(u.start, u.end) for u in grouped.refs] == [(0, 16), (16, 32), (32, 40)]
+    assert grouped.stored == [True, True, False] and grouped.members is not None
+    assert [len(m) for m in grouped.members] == [16, 16, 8]
+    assert Units.of(refs[:1], [True], min_tokens=16).members is None  # one chunk is its own unit

@@ -35,23 +35,38 @@ async def load_chunk(loader: ChunkLoader, ref: ChunkRef, kv: KVCache) -> int:
         raise
 
 
-async def load_chunk_aside(loader: ChunkLoader, ref: ChunkRef, kv: KVCache) -> tuple[int, Callable[[], None]]:
-    """`load_chunk` into a buffer of its own (a fetch that may overtake the compute unit writing the
-    chunk's rows); returns the stored bytes read and what copies the chunk into `kv` (on the loader's
+async def load_chunks(loader: ChunkLoader, refs: list[ChunkRef], kv: KVCache) -> int:
+    """`load_chunk` of each of `refs` (a unit's chunks), one after another; the stored bytes read."""
+    nbytes = 0
+    for ref in refs:
+        nbytes += await load_chunk(loader, ref, kv)
+    return nbytes
+
+
+async def load_chunks_aside(
+    loader: ChunkLoader, refs: list[ChunkRef], kv: KVCache
+) -> tuple[int, Callable[[], None]]:
+    """`load_chunks` into a buffer of their own (a fetch that may overtake the compute unit writing the
+    chunks' rows); returns the stored bytes read and what copies the chunks into `kv` (on the loader's
     stream, the load lane's), to call once nothing else writes those rows."""
-    rows = kv.chunk(ref.start, ref.end).data
+    first = refs[0].start
+    rows = kv.chunk(first, refs[-1].end).data
     stream = loader.stream_for(rows.device)
     with on_stream(stream, rows.device):  # from the load stream's memory: only it writes the buffer
-        aside = torch.empty_like(rows)
-    try:
-        nbytes = await loader.load(ref.key, ref.start, aside)
-    except DAMAGE_FAULTS:
-        await forget(loader.store, ref.key)
-        raise
+        aside = KVCache(kv.spec, torch.empty_like(rows))
+    nbytes = 0
+    for ref in refs:
+        try:
+            nbytes += await loader.load(
+                ref.key, ref.start, aside.chunk(ref.start - first, ref.end - first).data
+            )
+        except DAMAGE_FAULTS:
+            await forget(loader.store, ref.key)
+            raise
 
     def commit() -> None:
         with on_stream(stream, rows.device):
-            rows.copy_(aside, non_blocking=True)
+            rows.copy_(aside.data, non_blocking=True)
         if stream is not None:
             stream.synchronize()
 
@@ -74,6 +89,42 @@ def fetch_chunk_sync(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: l
         damaged.append(ref.key)
         raise
     return _NotingDamage(fetched, damaged)
+
+
+def fetch_chunks_sync(
+    loader: ChunkLoader, refs: list[ChunkRef], kv: KVCache, damaged: list[str]
+) -> Fetched | AllFetched:
+    """`fetch_chunk_sync` of each of `refs` (a unit's chunks): every read first, then one `place` places
+    them all, or one `discard` drops them all."""
+    fetched: list[Fetched] = []
+    try:
+        for ref in refs:
+            fetched.append(fetch_chunk_sync(loader, ref, kv, damaged))
+    except BaseException:
+        for f in fetched:
+            f.discard()
+        raise
+    return fetched[0] if len(fetched) == 1 else AllFetched(fetched)
+
+
+class AllFetched:
+    """Several chunks read (`Fetched`), placed or dropped together."""
+
+    def __init__(self, fetched: list[Fetched]) -> None:
+        self.fetched = fetched
+
+    def place(self) -> int:
+        nbytes = 0
+        try:
+            for f in self.fetched:
+                nbytes += f.place()
+        finally:
+            self.discard()  # those not placed (after a fault): a placed one gave its bytes back already
+        return nbytes
+
+    def discard(self) -> None:
+        for f in self.fetched:
+            f.discard()
 
 
 class _NotingDamage(Fetched):

@@ -46,7 +46,8 @@ class RestoreResult:
 
 
 class Job(NamedTuple):
-    """One restore's tokens, chunks and lookup, as both axes take them."""
+    """One restore's tokens, chunks and lookup, as both axes take them. With `members`, each of `refs`
+    is a unit of several stored chunks, `members[i]` (`Units`): loaded one after another, computed as one."""
 
     tokens: torch.Tensor
     refs: list[ChunkRef]
@@ -54,6 +55,39 @@ class Job(NamedTuple):
     errors: list[str]
     on_event: Callable[[TraceEvent], None] | None
     out: KVCache | None
+    members: list[list[ChunkRef]] | None = None
+
+
+#: the fewest tokens a token-wise unit covers: each unit costs the driver, the policy and the compute
+#: call a fixed share (about a millisecond of Python on a CPU, measured with 1-token chunks), which
+#: chunks this short do not pay for; shorter chunks are planned and run in units of this many tokens
+MIN_UNIT_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Units:
+    """A prompt's chunks grouped into the units a token-wise restore plans and runs: consecutive chunks
+    of at least `MIN_UNIT_TOKENS` together (the last unit may be shorter), each unit stored if all of
+    its chunks are. Chunks that long already are their own units (`members` is then None)."""
+
+    refs: list[ChunkRef]  # one per unit: its token range, its first chunk's key
+    stored: list[bool]
+    members: list[list[ChunkRef]] | None
+
+    @classmethod
+    def of(cls, refs: list[ChunkRef], stored: list[bool], min_tokens: int = MIN_UNIT_TOKENS) -> Units:
+        if all(r.n_tokens >= min_tokens for r in refs[:-1]):
+            return cls(refs, stored, None)
+        groups: list[list[int]] = [[]]
+        tokens = 0  # in the last group
+        for i, r in enumerate(refs):
+            if tokens >= min_tokens:
+                groups.append([])
+                tokens = 0
+            groups[-1].append(i)
+            tokens += r.n_tokens
+        units = [ChunkRef(u, refs[g[0]].start, refs[g[-1]].end, refs[g[0]].key) for u, g in enumerate(groups)]
+        return cls(units, [all(stored[i] for i in g) for g in groups], [[refs[i] for i in g] for g in groups])
 
 
 @dataclass

@@ -21,7 +21,7 @@ from kvrestore.core.trace import TraceEvent
 from kvrestore.planning.auto import Auto
 from kvrestore.policies import Blend, ComputeOnly, LoadOnly, Policy, TokenTwoPointer
 from kvrestore.restore.layer_wise import restore_layers
-from kvrestore.restore.results import Job, Parts, RestoreResult
+from kvrestore.restore.results import Job, Parts, RestoreResult, Units
 from kvrestore.restore.token_wise import restore_tokens
 
 log = logging.getLogger("kvrestore.restorer")
@@ -84,14 +84,19 @@ async def restore(
         )
     planner = parts.planner
     chosen = policy or (Auto() if parts.engine.plans_by_default else TokenTwoPointer())
+    units = Units.of(refs, stored)  # short chunks are planned and run in units that pay their cost
     plan = None
+    if isinstance(chosen, Auto) and chosen.candidates is None and units.members is not None:
+        # a layer read is one read per chunk, however short: units of short chunks are token-wise only
+        chosen = Auto([ComputeOnly(), LoadOnly(), TokenTwoPointer()])
     if isinstance(chosen, Auto):
-        plan = planner.plan(refs, stored, chosen)
+        plan = planner.plan(units.refs, units.stored, chosen)
         chosen = plan.choice
         if log.isEnabledFor(logging.DEBUG):  # explain() works out L_delta: dozens of simulations
             log.debug("restore of %d tokens: %s", len(tokens), plan.explain())
-    predicted = planner.predicted(chosen, plan, refs, stored)
-    result = await run_axis(parts, Job(tokens, refs, stored, errors, on_event, out), chosen)
+    predicted = planner.predicted(chosen, plan, units.refs, units.stored)
+    job = Job(tokens, units.refs, units.stored, errors, on_event, out, units.members)
+    result = await run_axis(parts, job, chosen)
     result.stats.seconds = time.perf_counter() - t0
     if result.stats.failed_loads:
         log.warning(
@@ -100,7 +105,9 @@ async def restore(
             result.stats.hit_chunks,
             result.stats.errors[-1],
         )
-    planner.calibrate(chosen, predicted, refs, stored, result.stats.seconds, clean=not result.stats.errors)
+    planner.calibrate(
+        chosen, predicted, units.refs, units.stored, result.stats.seconds, clean=not result.stats.errors
+    )
     await planner.keep()
     result.plan = plan
     result.stats.seconds = time.perf_counter() - t0

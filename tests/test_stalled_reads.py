@@ -24,6 +24,7 @@ from kvrestore import (
 from kvrestore.chunkio.load import Fetched
 from kvrestore.runtime.engine import Engine
 from kvrestore.stores import local
+from kvrestore.stores.deadline import BACKOFF_S
 
 from .conftest import random_tokens
 from .waiting import wait_until
@@ -146,6 +147,7 @@ def test_a_read_past_its_deadline_is_abandoned_and_its_chunk_computed(
     b = llama_backend
     tokens = random_tokens(N_TOKENS, b.spec.vocab_size, seed=61)
     reference = b.prefill_chunk(tokens, None, 0).data
+    down_for: list[float] = []  # how long the store then counts as down
 
     async def run(engine):
         store = LocalStore(str(tmp_path / "kv"))
@@ -153,6 +155,7 @@ def test_a_read_past_its_deadline_is_abandoned_and_its_chunk_computed(
         r = Restorer(b, store, chunk_size=CHUNK, engine=engine, load_timeout_s=0.05)
         stall.on = True
         result = await r.restore(tokens, policy())
+        down_for[:] = [r.bounded_store.down_for]
         return result, stall.blocked, stall.began
 
     async def main():
@@ -167,3 +170,4 @@ def test_a_read_past_its_deadline_is_abandoned_and_its_chunk_computed(
     assert result.stats.loaded_chunks == 0
     if policy is LoadOnly:  # every chunk waits on a load: each failed, one read per lane began, no more
         assert result.stats.failed_loads == result.stats.n_chunks and 1 <= began <= LANES
+        assert 0 < down_for[0] <= BACKOFF_S  # the reads that timed out together are one outage

@@ -91,7 +91,7 @@ class DeadlineStore(WrapperStore):
             with anyio.move_on_after(seconds) as scope:
                 out = await call()
             if scope.cancelled_caught:
-                self.timed_out()
+                self._back_off()
                 raise StoreTimeoutError(
                     f"{self.name}: {what} did not finish within {seconds:g} s; the store counts as down "
                     f"for {self._backoff:g} s"
@@ -99,9 +99,17 @@ class DeadlineStore(WrapperStore):
         self._backoff = 0.0
         return out
 
-    def timed_out(self, seconds: float | None = None) -> None:
-        """A call ran past its deadline (here, or a blocking read that a restore abandoned past
-        `load_timeout_s`, `seconds`): the store counts as down for the next back-off."""
+    def timed_out(self, seconds: float) -> None:
+        """A blocking read ran past `seconds` (`load_timeout_s`) and a restore abandoned it: the store
+        counts as down for the next back-off, unless it does already (reads in flight together, such
+        as one per load lane, that time out together are one outage)."""
+        if self.down_for > 0:
+            self.timeouts += 1
+            return
+        self._back_off()
+
+    def _back_off(self) -> None:
+        """A call ran past its deadline: the store counts as down for the next back-off (doubling)."""
         self.timeouts += 1
         d = self.deadlines
         self._backoff = min(d.max_backoff_s, self._backoff * 2 if self._backoff else d.backoff_s)

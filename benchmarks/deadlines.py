@@ -20,6 +20,7 @@ Prints tables and writes benchmarks/results/deadlines.json (deadlines-tiny.json 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import tempfile
 import time
@@ -112,17 +113,10 @@ async def cancel_and_deadline(args: argparse.Namespace, stall: Stall) -> dict[st
     for rnd in range(args.rounds):
         for engine_name in ("engine", "batch-engine"):
             for name, policy in policies.items():
-                if engine_name == "batch-engine":
-                    async with BatchEngine() as batch:
-                        r = Restorer(backend, LocalStore(root), chunk_size=args.chunk, engine=batch)
-                        stall.seconds = args.stall
-                        t = time.perf_counter()
-                        with anyio.move_on_after(args.cancel_after):
-                            await r.restore(tokens, policy())
-                        took = time.perf_counter() - t
-                        stall.seconds = 0.0
-                else:
-                    r = Restorer(backend, LocalStore(root), chunk_size=args.chunk, engine=Engine())
+                async with contextlib.AsyncExitStack() as stack:
+                    batch = engine_name == "batch-engine"
+                    engine = await stack.enter_async_context(BatchEngine()) if batch else Engine()
+                    r = Restorer(backend, LocalStore(root), chunk_size=args.chunk, engine=engine)
                     stall.seconds = args.stall
                     t = time.perf_counter()
                     with anyio.move_on_after(args.cancel_after):

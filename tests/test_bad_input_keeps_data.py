@@ -192,10 +192,10 @@ def test_a_local_store_recreates_its_deleted_directory(tmp_path, capacity):
 
 
 def test_short_chunks_are_planned_and_run_in_units_that_pay_their_cost(llama_backend, tmp_path):
-    """chunk_size=1: `Auto` plans over units of `MIN_UNIT_TOKENS` tokens (never the layer axis, which
+    """chunk_size=1: `Auto` plans over units of `UNIT_TOKENS` tokens (never the layer axis, which
     reads every chunk per layer), every restore runs in such units, and the KV is exact; the stats
     count the store's chunks."""
-    from kvrestore.restore.results import MIN_UNIT_TOKENS, Units
+    from kvrestore.restore.results import UNIT_TOKENS, Units
 
     b = llama_backend
     n = 200
@@ -214,7 +214,7 @@ def test_short_chunks_are_planned_and_run_in_units_that_pay_their_cost(llama_bac
         return results
 
     results = anyio.run(main)
-    units = -(-n // MIN_UNIT_TOKENS)
+    units = -(-n // UNIT_TOKENS)
     for res in results:
         torch.testing.assert_close(res.kv.data, reference, atol=1e-4, rtol=0)
         assert res.stats.n_chunks == n and res.stats.computed_chunks + res.stats.loaded_chunks == n
@@ -225,8 +225,8 @@ def test_short_chunks_are_planned_and_run_in_units_that_pay_their_cost(llama_bac
     assert results[2].stats.loaded_chunks == n and len(results[2].trace.of_kind("load")) == units
 
     refs = [ChunkRef(i, i, i + 1, f"{i:016x}") for i in range(40)]
-    grouped = Units.of(refs, [True] * 33 + [False] * 7, min_tokens=16)
+    grouped = Units.of(refs, [True] * 33 + [False] * 7, unit=16)
     assert [(u.start, u.end) for u in grouped.refs] == [(0, 16), (16, 32), (32, 40)]
     assert grouped.stored == [True, True, False] and grouped.members is not None
     assert [len(m) for m in grouped.members] == [16, 16, 8]
-    assert Units.of(refs[:1], [True], min_tokens=16).members is None  # one chunk is its own unit
+    assert Units.of(refs[:1], [True], unit=16).members is None  # one chunk is its own unit

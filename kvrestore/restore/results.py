@@ -58,30 +58,39 @@ class Job(NamedTuple):
     members: list[list[ChunkRef]] | None = None
 
 
-#: the fewest tokens a token-wise unit covers: each unit costs the driver, the policy and the compute
-#: call a fixed share (about a millisecond of Python on a CPU, measured with 1-token chunks), which
-#: chunks this short do not pay for; shorter chunks are planned and run in units of this many tokens
-MIN_UNIT_TOKENS = 16
+#: chunks shorter than this do not pay for a unit of their own: each unit costs the driver, the
+#: policy, a lane's round trip and the compute call a fixed share (about a millisecond of Python on a
+#: CPU, several on a busy one; measured with 1-token chunks), so they are grouped into units (`Units`)
+SHORT_CHUNK_TOKENS = 16
+#: the tokens of a unit of short chunks (the last may have fewer): 2,048 1-token chunks in 32 units
+UNIT_TOKENS = 64
 
 
 @dataclass(frozen=True)
 class Units:
-    """A prompt's chunks grouped into the units a token-wise restore plans and runs: consecutive chunks
-    of at least `MIN_UNIT_TOKENS` together (the last unit may be shorter), each unit stored if all of
-    its chunks are. Chunks that long already are their own units (`members` is then None)."""
+    """A prompt's chunks grouped into the units a token-wise restore plans and runs. Where a chunk
+    (but the last) is shorter than `SHORT_CHUNK_TOKENS`, consecutive chunks of `UNIT_TOKENS` together
+    (the last unit may be shorter), each unit stored if all of its chunks are; else each chunk is its
+    own unit (`members` is then None)."""
 
     refs: list[ChunkRef]  # one per unit: its token range, its first chunk's key
     stored: list[bool]
     members: list[list[ChunkRef]] | None
 
     @classmethod
-    def of(cls, refs: list[ChunkRef], stored: list[bool], min_tokens: int = MIN_UNIT_TOKENS) -> Units:
-        if all(r.n_tokens >= min_tokens for r in refs[:-1]):
+    def of(
+        cls,
+        refs: list[ChunkRef],
+        stored: list[bool],
+        short: int = SHORT_CHUNK_TOKENS,
+        unit: int = UNIT_TOKENS,
+    ) -> Units:
+        if all(r.n_tokens >= short for r in refs[:-1]):
             return cls(refs, stored, None)
         groups: list[list[int]] = [[]]
         tokens = 0  # in the last group
         for i, r in enumerate(refs):
-            if tokens >= min_tokens:
+            if tokens >= unit:
                 groups.append([])
                 tokens = 0
             groups[-1].append(i)

@@ -7,8 +7,10 @@ whole). Temp files are never listed as objects; opening a store removes those of
 host at once and any older than `STALE_TMP_SECONDS`.
 
 Reads go straight into the caller's buffers (`preadv`, the GIL released) and work from any thread
-(`reads_sync`), so a chunk load runs start to end on a load-lane thread. A missing object reads as None;
-any other OS failure raises StoreError, which the restorer treats as a miss.
+(`reads_sync`), so a chunk load runs start to end on a load-lane thread. The reads that make their own
+result (`get`, `get_range(s)`, `contains`) run in threads a cancellation abandons at once: on a network
+filesystem that stalls, a deadline ends them, and what they bring late is dropped. A missing object
+reads as None; any other OS failure raises StoreError, which the restorer treats as a miss.
 """
 
 from __future__ import annotations

@@ -337,6 +337,7 @@ class _RealLanes:
         """A lane thread's load has finished (on the loop); one abandoned before is over already."""
         if self.thread_loads.pop(job, None) is None:
             return
+        job.work = None  # its closure holds the job: no cycle outlives the load
         if isinstance(outcome, TraceEvent):
             self.outcomes[outcome.first_chunk] = outcome.kind
         job.stopped.set()
@@ -351,6 +352,7 @@ class _RealLanes:
         self.thread_loads.pop(job, None)
         if job.work is not None and job.started_at is not None:
             self.engine.lane_threads().detach(job.work)
+        job.work = None
         job.stopped.set()
         if outcome is not None:
             self.outcomes[outcome.first_chunk] = outcome.kind

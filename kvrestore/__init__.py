@@ -20,6 +20,7 @@ from kvrestore.core.errors import (
     StoreError,
     UnsupportedModelError,
     UnsupportedURLError,
+    UsageError,
 )
 from kvrestore.core.kv import KVCache
 from kvrestore.planning import Auto
@@ -55,4 +56,5 @@ __all__ = [
     "SaveError",
     "UnsupportedModelError",
     "UnsupportedURLError",
+    "UsageError",
 ]

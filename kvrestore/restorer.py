@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -26,7 +27,7 @@ from kvrestore.chunkio import ChunkLoader
 from kvrestore.chunkio.save import SaveStats
 from kvrestore.codec.quant import Encoding, key_space
 from kvrestore.codec.seal import seal_of
-from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
+from kvrestore.core.errors import InvalidInputError, KVRestoreError, UsageError, check_int, check_seconds
 from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef, check_namespace, chunk_keys, namespaced
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
@@ -290,7 +291,7 @@ class Restorer:
         tokens, refs = self.chunks(token_ids, namespace)
         run.check_policy(policy)
         if out is not None:
-            run.check_kv(self.spec, "out", out, len(tokens))
+            run.check_kv(self.spec, "out", out, len(tokens), in_place=True)
             if not _on_device(out.data, self.backend.device):
                 raise InvalidInputError(
                     f"out is on {out.data.device}; the model runs on {self.backend.device}"
@@ -365,6 +366,9 @@ class Restorer:
         await self.close()
 
 
+_CLOSED = "SyncRestorer.{} after close(): the restorer and its event loop are gone; make a new SyncRestorer"
+
+
 @mirror_sync_methods(Restorer, via="restorer")
 class SyncRestorer:
     """The same Restorer for callers without an event loop.
@@ -388,14 +392,40 @@ class SyncRestorer:
         portal_cm = anyio.from_thread.start_blocking_portal()
         self._portal = portal_cm.__enter__()
         self._portal_cm: contextlib.AbstractContextManager[Any] | None = portal_cm
+        self._closed = False
+        self._closing = threading.Lock()
+        self._loop_thread = self._portal.call(threading.get_ident)
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return self._portal.call(lambda: fn(*args, **kwargs))
+        self._check_usable(getattr(fn, "__name__", "a call"))
+        try:
+            return self._portal.call(lambda: fn(*args, **kwargs))
+        except RuntimeError as exc:
+            if self._closed and not isinstance(exc, KVRestoreError):  # closed by another thread meanwhile
+                raise UsageError(_CLOSED.format(getattr(fn, "__name__", "a call"))) from exc
+            raise
+
+    def _check_usable(self, name: str) -> None:
+        """UsageError for a call that cannot run: after `close()`, or from the restorer's own loop (an
+        `on_event` callback), where it would wait for itself."""
+        if self._closed:
+            raise UsageError(_CLOSED.format(name))
+        if threading.get_ident() == self._loop_thread:
+            raise UsageError(
+                f"SyncRestorer.{name} was called from inside a callback (on_event) that runs on the "
+                "restorer's own event loop, which cannot wait for itself: hand the call to another thread, "
+                "or use the async Restorer there"
+            )
 
     def close(self) -> None:
-        if self._portal_cm is not None:
+        if threading.get_ident() == self._loop_thread:
+            self._check_usable("close")
+        with self._closing:
+            if self._portal_cm is None:
+                return
+            self._closed = True  # calls from now on are refused; those running finish first
             try:
-                self._call(self.restorer.close)
+                self._portal.call(self.restorer.close)
             finally:
                 self._portal_cm.__exit__(None, None, None)
                 self._portal_cm = None

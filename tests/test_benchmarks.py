@@ -147,6 +147,21 @@ def test_cancel_tiny(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_deadlines_tiny(tmp_path: Path) -> None:
+    data = run_script(
+        "deadlines.py", tmp_path / "deadlines-tiny.json", "--stall", "0.5", "--deadline-stall", "0.5"
+    )
+    stalled = data["stalled_reads"]
+    assert len(stalled["cancel"]["cases"]) == 8 and set(stalled["deadline"]["cases"]) == {
+        "compute-only",
+        "load-only",
+        "two-pointer",
+    }
+    auto = data["auto_chunk_size_1"]
+    assert set(auto["median_s"]) == {"auto", "compute-only", "load-only"} and auto["auto_x_best_single"] > 0
+
+
+@pytest.mark.slow
 def test_kv_encoding_tiny(tmp_path: Path) -> None:
     """The speed half's code (the one `--device cuda` runs) on a tiny random Llama: every encoding saved,
     loaded and two-pointered at the native balance bandwidth, its loaded KV checked by the script."""

@@ -147,8 +147,7 @@ def test_an_upload_event_is_reused_only_once_it_guards_no_free_buffer():
 def test_an_object_longer_than_its_chunk_can_be_is_a_miss_never_staged(tmp_path, where, monkeypatch):
     """An object under a chunk's key longer than any encoding of that chunk (header room plus zstd's
     worst case per layer): a CorruptChunkError (a miss), no buffer larger than that limit is ever asked
-    for, and the free buffers are each free once. A compressed chunk: on a CPU cache an uncompressed one
-    is read into the cache's rows, not into staging."""
+    for, and the free buffers are each free once."""
     spec = make_spec()
     _, blob = chunk_blob(spec, compression="zstd")
     acquire = StagingPool.acquire
@@ -246,7 +245,7 @@ def test_every_damaged_byte_is_refused(tmp_path, device, where):
         assert isinstance(got, ChunkDecodeError), pos
         data = cache.data.cpu()
         assert (data[:, :, :, :12] == 7).all() and (data[:, :, :, 18:] == 7).all()  # only its own rows
-        if device == "cpu" and where == "memory":  # verified before the copy: the cache is untouched
+        if device == "cpu":  # verified before the copy: the cache is untouched
             assert (data == 7).all()
 
 
@@ -258,7 +257,8 @@ def test_truncated_overlong_foreign_and_missing(tmp_path, where):
     assert isinstance(got, ChunkDecodeError) and "bytes" in str(got)
     # longer than the staging buffer the loader sized from the chunk: read again whole, then refused
     got, _, _ = load_into(spec, stores(tmp_path)[where](), blob + bytes(200_000))
-    assert isinstance(got, CorruptChunkError) and "past the last section" in str(got)
+    assert isinstance(got, CorruptChunkError)
+    assert "past the last section" in str(got) or "more than this chunk can take" in str(got)
     other = make_spec(torch.float16)
     _, foreign = chunk_blob(other)
     got, _, _ = load_into(spec, stores(tmp_path)[where](), foreign)

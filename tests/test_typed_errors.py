@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import math
+import threading
 
 import anyio
 import pytest
@@ -23,6 +24,7 @@ from kvrestore import (
     StoreError,
     SyncRestorer,
     TokenTwoPointer,
+    UsageError,
 )
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.errors import SaveError
@@ -302,3 +304,62 @@ def test_no_public_error_is_a_bare_value_error():
         if re.search(r"raise ValueError\(", line)
     ]
     assert not bare, bare
+
+
+def test_misuse_of_the_public_api_is_a_usage_error(llama_backend):
+    """A BatchEngine never entered, a SyncRestorer used after close() and a blocking call from an on_event
+    callback each raise a `UsageError` (a KVRestoreError) saying what to do, not anyio's RuntimeError."""
+    b = llama_backend
+    tokens = random_tokens(40, b.spec.vocab_size, seed=9)
+
+    async def not_entered():
+        await Restorer(b, MemoryStore(), chunk_size=16, engine=BatchEngine()).restore(tokens)
+
+    with pytest.raises(UsageError, match="async with"):
+        anyio.run(not_entered)
+
+    r = SyncRestorer(b, MemoryStore(), chunk_size=16)
+    seen: list[BaseException] = []
+
+    def reenter(event):
+        try:
+            r.lookup(tokens)
+        except BaseException as exc:  # noqa: BLE001 - what the callback met is the test's subject
+            seen.append(exc)
+
+    r.restore(tokens, ComputeOnly(), on_event=reenter)
+    assert seen and all(isinstance(e, UsageError) for e in seen)
+    assert "callback" in str(seen[0]) and "another thread" in str(seen[0])
+    with pytest.raises(UsageError, match="callback"):
+        r.restore(tokens, ComputeOnly(), on_event=lambda event: r.lookup(tokens))
+    assert r.lookup(tokens) == 0  # the restorer is still usable after both
+    r.close()
+    r.close()  # a second close does nothing
+    with pytest.raises(UsageError, match=r"lookup after close\(\).*make a new SyncRestorer"):
+        r.lookup(tokens)
+
+
+def test_a_sync_restorer_closed_by_another_thread_refuses_later_calls(llama_backend):
+    """Calls racing a close() from another thread end in results or UsageError, never anyio's error."""
+    b = llama_backend
+    tokens = random_tokens(40, b.spec.vocab_size, seed=10)
+    r = SyncRestorer(b, MemoryStore(), chunk_size=16)
+    errors: list[BaseException] = []
+    calls = threading.Event()
+
+    def hammer():
+        while True:
+            try:
+                r.lookup(tokens)
+            except BaseException as exc:  # noqa: BLE001
+                errors.append(exc)
+                return
+            calls.set()
+
+    worker = threading.Thread(target=hammer)
+    worker.start()
+    assert calls.wait(60)  # it is calling
+    r.close()
+    worker.join(60)
+    assert not worker.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], UsageError), errors

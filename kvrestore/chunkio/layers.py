@@ -32,11 +32,11 @@ from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.chunkio.uploads import LayerUploads
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import (
+    DAMAGE_FAULTS,
     LOAD_FAULTS,
     ChunkDecodeError,
     CorruptChunkError,
     MissingChunkError,
-    UnauthenticatedChunkError,
 )
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
@@ -279,13 +279,11 @@ class LayerReader:
         return data
 
     async def _fault(self, j: int, exc: BaseException, where: str = "", note: bool = True) -> None:
-        """Stop reading chunk j, note its fault, and delete a damaged object (best effort: the miss is
-        what matters)."""
+        """Stop reading chunk j, note its fault, and delete an object its bytes proved damaged
+        (`DAMAGE_FAULTS`; best effort: the miss is what matters)."""
         self.drop(j)
         if note:
             self.errors.append(f"chunk {j}{where}: {type(exc).__name__}: {exc}")
-        if isinstance(exc, ChunkDecodeError) and not isinstance(
-            exc, (MissingChunkError, UnauthenticatedChunkError)
-        ):
+        if isinstance(exc, DAMAGE_FAULTS):
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await self.store.delete(self.chunks[j].key)

@@ -18,9 +18,12 @@ The path a load lane runs for a chunk, and why each step is shaped so:
      chunk counts as loaded; its rows are then recomputed, so damaged bytes never survive in the cache.
 
 A store that reads without the event loop (`ChunkStore.reads_sync`: memory of this process, a local
-directory) gets the whole load as one blocking call, `ChunkLoader.load_sync`, which the engine runs on
-its load-lane threads (`kvrestore.runtime.lanes`): the event loop's share of a chunk is then a queue put and
-one wake-up. Other stores are read with their async methods, then checked and placed in one thread hop.
+directory) gets the whole load as blocking calls on the engine's load-lane threads
+(`kvrestore.runtime.lanes`): the event loop's share of a chunk is then a queue put and one wake-up. The
+read (`ChunkLoader.fetch_sync`) never writes into the cache, so a read that stalls (a network
+filesystem) can be abandoned past its deadline or on a cancel, its late bytes dropped; only then are they
+checked and placed (`Fetched.place`, bounded work). Other stores are read with their async methods, then
+checked and placed in one thread hop.
 
 The host copies are numpy's, on one thread each: torch's CPU `copy_` spreads a large copy over every
 core and starves a thread that launches kernels, although it releases the GIL (`../shared/GPU.md`).
@@ -34,7 +37,7 @@ is decompressed and decoded on the host.
 
 from __future__ import annotations
 
-import ctypes
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,7 +52,8 @@ from kvrestore.chunkio.transfer import Transfer, TransferLane
 from kvrestore.codec.checksums import device_checkable, device_checksums
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import Seal
-from kvrestore.core.errors import CorruptChunkError, MissingChunkError, TruncatedChunkError
+from kvrestore.core.errors import CorruptChunkError, InvalidInputError, MissingChunkError
+from kvrestore.core.kv import buffer_problem
 from kvrestore.core.spec import ModelSpec
 from kvrestore.stores.base import ChunkStore
 
@@ -67,23 +71,6 @@ def zstd_bound(nbytes: int) -> int:
 
 
 StreamFor = Callable[[torch.device], "torch.cuda.Stream | None"]
-
-
-def row_blocks(dest: torch.Tensor) -> list[list[memoryview]] | None:
-    """Writable byte views of a CPU cache range [L, 2, H, T, D], per layer its 2*H runs of T rows in the
-    order a stored section holds them; None unless each run is contiguous (rows back to back)."""
-    t = dest.view(torch.uint8)
-    n_layers, kv, heads, n_tokens, row = t.shape
-    s_layer, s_kv, s_head, s_token, s_byte = t.stride()
-    if s_byte != 1 or s_token != row or t.numel() == 0:
-        return None
-    run = n_tokens * row
-    span = (n_layers - 1) * s_layer + (kv - 1) * s_kv + (heads - 1) * s_head + run
-    whole = memoryview((ctypes.c_ubyte * span).from_address(t.data_ptr())).cast("B")
-    firsts = [k * s_kv + h * s_head for k in range(kv) for h in range(heads)]
-    return [
-        [whole[base + f : base + f + run] for f in firsts] for base in range(0, n_layers * s_layer, s_layer)
-    ]
 
 
 def _byte_rows(t: torch.Tensor) -> np.ndarray:
@@ -145,9 +132,14 @@ class ChunkLoader:
     async def load(self, key: str, start: int, dest: torch.Tensor) -> int:
         """Read chunk `key` (saved at token `start`) into `dest` ([L, 2, H, T, D], a cache's token range);
         returns the stored bytes read. Raises MissingChunkError, a ChunkDecodeError (damaged, truncated,
-        foreign) or a store error; `dest` may then hold part of the chunk, which must be recomputed."""
-        if self.store.reads_sync:  # the whole load in one thread hop
-            return await anyio.to_thread.run_sync(self.load_sync, key, start, dest, abandon_on_cancel=False)
+        foreign) or a store error; `dest` may then hold part of the chunk, which must be recomputed. A
+        `dest` the chunk cannot be placed in as it lies raises InvalidInputError before anything is read:
+        the caller's fault, never the chunk's. Cancelled while a blocking store reads, the read is
+        abandoned at once (`fetch_abandonable`): nothing it brings is ever written into `dest`."""
+        self.check_dest(dest)
+        if self.store.reads_sync:  # the read in one thread hop, then the placing in another
+            fetched = await fetch_abandonable(self.fetch_sync, key, start, dest)
+            return await anyio.to_thread.run_sync(fetched.place, abandon_on_cancel=False)
         if self.store.reads_in_memory:
             data = await self.store.get(key)
             return await anyio.to_thread.run_sync(self._place_object, key, start, dest, data)
@@ -161,59 +153,33 @@ class ChunkLoader:
 
     def load_sync(self, key: str, start: int, dest: torch.Tensor) -> int:
         """`load`, blocking, from any thread (a load lane's), for a store that `reads_sync`: read, check,
-        verify and place without the event loop."""
+        verify and place without the event loop (`fetch_sync`, then `Fetched.place`)."""
+        return self.fetch_sync(key, start, dest).place()
+
+    def fetch_sync(self, key: str, start: int, dest: torch.Tensor) -> Fetched:
+        """The store's part of `load_sync`, blocking: the chunk's object read into bytes of this load's own
+        (a staging buffer, or the object a store in memory holds), nothing written into `dest`. A read
+        that stalls (a network filesystem) may so be abandoned: `Fetched.place` checks, verifies and
+        places the bytes (bounded work), `Fetched.discard` gives them back unused."""
+        self.check_dest(dest)
         if self.store.reads_in_memory:
-            return self._place_object(key, start, dest, self.store.get_sync(key))
-        if dest.device.type != "cuda" and self.encoding.native:
-            rows = row_blocks(dest)
-            if rows is not None:
-                placed = self._scatter_sync(key, start, dest, rows)
-                if placed is not None:
-                    return placed
+            return Fetched(self, key, start, dest, data=self.store.get_sync(key))
         limit = self.object_limit(dest)
-        with self.transfer(dest) as transfer:
+        transfer = self.transfer(dest)
+        try:
             staging = transfer.stage(limit)
             size = self._within_limit(key, self.store.read_into_sync(key, staging.view[:limit]), limit)
-            return self._place_staged(key, start, dest, transfer, staging, size)
+        except BaseException:
+            transfer.close()
+            raise
+        return Fetched(self, key, start, dest, staged=(transfer, staging, size))
 
-    def _scatter_sync(
-        self, key: str, start: int, dest: torch.Tensor, rows: list[list[memoryview]]
-    ) -> int | None:
-        """Read an uncompressed chunk straight into a CPU cache's rows (`ChunkStore.scatter_into_sync`: one
-        `preadv` of the sections into them for a local file), then verify them there: one pass over the
-        bytes fewer than reading into staging and copying. The header comes first, from a small read.
-        Returns the object's size, or None where this does not apply (compressed, an outsized header):
-        then the chunk is read into staging instead."""
-        with Transfer(self.pool(pinned=False)) as transfer:  # the probe is read on the host only
-            probe = transfer.stage(PROBE_BYTES + 1)
-            got = self.store.scatter_into_sync(key, 0, [probe.view[:PROBE_BYTES]])
-            if got is None:
-                raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
-            head = probe.view[:got]
-            if codec.header_length(head) > got:
-                return None
-            header, header_end = codec.read_header(head)
-            codec.check_header(
-                header, self.spec, key, start, int(dest.shape[3]), self.encoding.name, self.seal
-            )
-            if header.compression != "none" or not header.layers or header.layers[0].offset > got:
-                return None
-            body = header.layers[0].offset
-            if any(head[header_end:body]):
-                raise CorruptChunkError("nonzero padding between header and sections")
-            past_end = probe.view[PROBE_BYTES : PROBE_BYTES + 1]  # filled only if the object is too long
-            placed = self.store.scatter_into_sync(
-                key, body, [b for layer in rows for b in layer] + [past_end]
-            )
-        if placed is None:
-            raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
-        want = header.end - body
-        if placed < want:
-            raise TruncatedChunkError(f"object is {body + placed} bytes, header says {header.end}")
-        if placed > want:
-            raise CorruptChunkError(f"object has bytes past the last section (at byte {header.end})")
-        codec.verify_scattered(header, rows)
-        return header.end
+    def check_dest(self, dest: torch.Tensor) -> None:
+        """InvalidInputError unless `dest` is a chunk's rows of this model that a load can write in place
+        (`core.kv.buffer_problem`)."""
+        problem = buffer_problem(self.spec, dest)
+        if problem is not None:
+            raise InvalidInputError(f"a chunk cannot be loaded into this KV buffer: {problem}")
 
     @staticmethod
     def object_limit(dest: torch.Tensor) -> int:
@@ -355,3 +321,63 @@ def upload_checked(
         for i, (got, want) in enumerate(zip(sums.tolist(), expected, strict=True)):
             if got != want:
                 raise CorruptChunkError(f"layer {i}: device checksum mismatch")
+
+
+class Fetched:
+    """A chunk's object as `ChunkLoader.fetch_sync` read it, not yet placed: in `staged` (the transfer
+    holding the staging buffer, the buffer, the size `read_into_sync` returned) or `data` (an object a
+    store in memory handed out; None: absent). `place` or `discard` ends it, once."""
+
+    __slots__ = ("data", "dest", "key", "loader", "staged", "start")
+
+    def __init__(
+        self,
+        loader: ChunkLoader,
+        key: str,
+        start: int,
+        dest: torch.Tensor,
+        data: Any = None,
+        staged: tuple[Transfer, Staging, int | None] | None = None,
+    ) -> None:
+        self.loader, self.key, self.start, self.dest = loader, key, start, dest
+        self.data, self.staged = data, staged
+
+    def place(self) -> int:
+        """Check, verify and place the bytes in the destination; returns the stored bytes read."""
+        if self.staged is None:
+            return self.loader._place_object(self.key, self.start, self.dest, self.data)
+        transfer, staging, size = self.staged
+        with transfer:
+            return self.loader._place_staged(self.key, self.start, self.dest, transfer, staging, size)
+
+    def discard(self) -> None:
+        """Give the bytes back unplaced (the load was abandoned)."""
+        if self.staged is not None:
+            self.staged[0].close()
+        self.data = None
+
+
+async def fetch_abandonable(
+    fetch: Callable[[str, int, torch.Tensor], Fetched], key: str, start: int, dest: torch.Tensor
+) -> Fetched:
+    """`fetch(key, start, dest)` in a worker thread that a cancellation abandons at once (a deadline, the
+    restore's cancel): the thread's read runs on unheeded, and what it brings is discarded when it ends,
+    never placed."""
+    lock, abandoned = threading.Lock(), [False]
+
+    def run() -> Fetched | None:
+        fetched = fetch(key, start, dest)
+        with lock:
+            if not abandoned[0]:
+                return fetched
+        fetched.discard()
+        return None
+
+    try:
+        fetched = await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+    except BaseException:
+        with lock:
+            abandoned[0] = True
+        raise
+    assert fetched is not None  # abandoned only by a cancellation, which raised
+    return fetched

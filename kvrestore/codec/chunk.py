@@ -40,7 +40,6 @@ from kvrestore.codec.checksums import (
     device_checkable,
     device_checksums,
     host_checksum,
-    host_checksum_parts,
 )
 from kvrestore.codec.header import (
     _ENCODER,
@@ -340,14 +339,6 @@ def verify_sections(header: ChunkHeader, data: Buffer) -> None:
             raise CorruptChunkError(f"layer {i}: section checksum mismatch")
 
 
-def verify_scattered(header: ChunkHeader, parts: Sequence[Sequence[Buffer]]) -> None:
-    """`verify_sections` for sections read straight into place: section i's bytes are `parts[i]`, in
-    order (a layer's rows in a KV cache)."""
-    for i, (s, layer_parts) in enumerate(zip(header.layers, parts, strict=True)):
-        if host_checksum_parts(layer_parts) != s.checksum:
-            raise CorruptChunkError(f"layer {i}: section checksum mismatch")
-
-
 def body(header: ChunkHeader, data: Buffer) -> memoryview:
     """The sections of a whole uncompressed object: the [L, 2, H, T, D] tensor's bytes (native), or its
     L encoded sections back to back."""
@@ -410,6 +401,5 @@ __all__ = [
     "span_sections",
     "spec_encoding",
     "read_header",
-    "verify_scattered",
     "verify_sections",
 ]

@@ -14,6 +14,11 @@ class InvalidInputError(KVRestoreError, ValueError):
     """The caller passed something kvrestore cannot work with (empty tokens, bad ids, bad sizes)."""
 
 
+class UsageError(KVRestoreError, RuntimeError):
+    """The API was used where it cannot work: a closed `SyncRestorer`, a blocking call from inside a
+    callback on the restorer's own event loop, a `BatchEngine` not entered. The message says what to do."""
+
+
 class StoreError(KVRestoreError):
     """A store could not be opened, read or written."""
 
@@ -104,6 +109,10 @@ class StageFailedError(KVRestoreError):
 
 #: faults of a chunk load that turn the chunk into a miss (recomputed) instead of failing the restore
 LOAD_FAULTS = (ChunkDecodeError, StoreError, OSError, TimeoutError)
+#: faults found by checking a chunk's bytes as read (header, sizes, checksums) that prove the object bad:
+#: the only ones for which it is deleted. A missing chunk, one without a valid MAC under this reader's
+#: secret, and a failure to place good bytes (the caller's buffer, a device, a cancelled copy) delete nothing
+DAMAGE_FAULTS = (CorruptChunkError, TruncatedChunkError, ForeignChunkError)
 #: faults of one store call that fail that call only (a tier's miss, one boundary write, one page save)
 STORE_FAULTS = (StoreError, OSError, TimeoutError)
 #: faults of one chunk write that fail that chunk only (`SaveError` once every write has ended)

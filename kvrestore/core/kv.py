@@ -129,3 +129,37 @@ class KVCache:
             k, v = (layer.keys, layer.values) if layer is not None else cache[i][:2]
             layers.append(torch.stack([k[0], v[0]]))
         return cls(spec, torch.stack(layers).to(spec.dtype))
+
+
+def buffer_problem(spec: ModelSpec, data: object) -> str | None:
+    """What stops a restore writing the KV of `spec` into `data` in place ([L, 2, H, N, D] for any N), or
+    None: not a dense strided tensor of the model's dtype, another shape, a tensor that records
+    gradients, rows of a head that do not lie back to back (a transposed view), or elements that share
+    memory (an `expand()`). Every lane writes a buffer that passes, by copies and byte views."""
+    if not isinstance(data, torch.Tensor):
+        return f"its data must be a torch.Tensor, got {type(data).__name__}"
+    if data.layout != torch.strided or data.is_quantized:
+        return f"its data must be a dense tensor, got layout {data.layout}"
+    if data.dtype != spec.dtype:
+        return f"its data is {data.dtype}; the model's KV is {spec.dtype}"
+    want = (spec.num_layers, 2, spec.num_kv_heads)
+    shape = tuple(data.shape)
+    if data.dim() != 5 or shape[:3] != want or shape[4] != spec.head_dim:
+        return (
+            f"its data has shape {shape}; the model's KV is [layers, 2, kv_heads, tokens, head_dim] = "
+            f"[{', '.join(map(str, want))}, N, {spec.head_dim}]"
+        )
+    if data.requires_grad:
+        return "its data requires grad: a restore writes it in place (pass a tensor made under no_grad)"
+    strides = data.stride()
+    if (shape[4] > 1 and strides[4] != 1) or (shape[3] > 1 and strides[3] != shape[4]):
+        return (
+            f"its data has strides {strides}: each head's token rows must lie back to back (a transposed "
+            "view cannot be written in place; pass .contiguous() or KVCache.empty)"
+        )
+    extent = shape[3] * shape[4]  # elements of one head's rows
+    for stride, size in sorted((st, s) for s, st in zip(shape[:3], strides[:3], strict=True) if s > 1):
+        if stride < extent:
+            return f"its data has strides {strides}: elements share memory (an expand() cannot be written)"
+        extent = stride * size
+    return None

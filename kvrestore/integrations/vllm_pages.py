@@ -34,13 +34,13 @@ from kvrestore.chunkio.load import PROBE_BYTES
 from kvrestore.codec.checksums import host_checksum_parts
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import (
+    DAMAGE_FAULTS,
     LOAD_FAULTS,
     STORE_FAULTS,
     ChunkDecodeError,
     CorruptChunkError,
     MissingChunkError,
     TruncatedChunkError,
-    UnauthenticatedChunkError,
 )
 from kvrestore.core.spec import ModelSpec
 from kvrestore.integrations.vllm_io import IOThread, LoadChunk, covering, failed_token_ranges
@@ -294,9 +294,7 @@ class HostPageLoad:
         if new:
             self.failed |= new
             self.errors.append(error)
-        damaged = isinstance(exc, ChunkDecodeError) and not isinstance(
-            exc, (MissingChunkError, CompressedChunkError, UnauthenticatedChunkError)
-        )
+        damaged = isinstance(exc, DAMAGE_FAULTS)  # a compressed or missing chunk is not damaged
         if damaged and self._io is not None:  # as `LayerReader` does: never served again
             self.deletes.append(self._io.submit(self.store.delete, key))
 

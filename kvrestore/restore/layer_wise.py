@@ -22,7 +22,8 @@ from kvrestore.runtime.request import RunRequest
 
 async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResult:
     """`Restorer.restore` along layers (see the module docstring)."""
-    tokens, refs, stored, errors, on_event, out = job
+    tokens, refs, stored, errors, on_event, out, members = job
+    units = members if members is not None else [[r] for r in refs]  # the stored chunks of each unit
     k = stored.index(False) if False in stored else len(stored)
     if k == 0:  # nothing stored: layers have nothing to load
         return await restore_tokens(parts, job, ComputeOnly())
@@ -46,7 +47,7 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     reader = LayerReader(
         spec,
         parts.store,
-        [StoredChunk(r.key, r.start, r.start, r.n_tokens) for r in refs[:k]],
+        [StoredChunk(r.key, r.start, r.start, r.n_tokens) for unit in units[:k] for r in unit],
         lane=parts.loader.lane(kv.data.device),
         encoding=parts.loader.encoding.name,
         seal=parts.loader.seal,
@@ -63,7 +64,11 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
             raise ChunkLoadFailed(reader.unusable, f"layer reads stopped: {error}")
         return await reader.read_layer(layer, kv)
 
-    trace = await engine.run(RunRequest(progress, policy, compute, load, on_event, parts.load_timeout_s))
+    trace = await engine.run(
+        RunRequest(
+            progress, policy, compute, load, on_event, parts.load_timeout_s, timed_out=parts.timed_out()
+        )
+    )
     parts.planner.learn(trace, refs, layers_over=prefix)
     if k < len(refs):  # the chunks after the stored prefix, computed on top of it
         t_tail = time.perf_counter()
@@ -72,13 +77,14 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     failed = trace.of_kind("load-failed")
     computed_layers = sum(e.last_chunk - e.first_chunk + 1 for e in trace.of_kind("compute"))
     loaded_layers = len(trace.of_kind("load"))
+    n_chunks, read = sum(map(len, units)), sum(map(len, units[:k]))  # the store's chunks, those read
     stats = RestoreStats(
         policy=policy.name,
         n_tokens=len(tokens),
-        n_chunks=len(refs),
-        hit_chunks=sum(stored),
-        computed_chunks=len(refs) - k + (k if computed_layers else 0),
-        loaded_chunks=k if loaded_layers else 0,
+        n_chunks=n_chunks,
+        hit_chunks=sum(len(unit) for unit, ok in zip(units, stored, strict=True) if ok),
+        computed_chunks=n_chunks - read + (read if computed_layers else 0),
+        loaded_chunks=read if loaded_layers else 0,
         failed_loads=len(failed),
         bytes_loaded=reader.bytes_read,
         seconds=time.perf_counter() - t0,

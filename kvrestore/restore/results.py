@@ -17,6 +17,7 @@ from kvrestore.planning.auto import Plan
 from kvrestore.planning.planner import Planner
 from kvrestore.runtime.engine import Engine
 from kvrestore.stores.base import ChunkStore
+from kvrestore.stores.deadline import DeadlineStore
 
 
 @dataclass
@@ -45,7 +46,8 @@ class RestoreResult:
 
 
 class Job(NamedTuple):
-    """One restore's tokens, chunks and lookup, as both axes take them."""
+    """One restore's tokens, chunks and lookup, as both axes take them. With `members`, each of `refs`
+    is a unit of several stored chunks, `members[i]` (`Units`): loaded one after another, computed as one."""
 
     tokens: torch.Tensor
     refs: list[ChunkRef]
@@ -53,6 +55,48 @@ class Job(NamedTuple):
     errors: list[str]
     on_event: Callable[[TraceEvent], None] | None
     out: KVCache | None
+    members: list[list[ChunkRef]] | None = None
+
+
+#: chunks shorter than this do not pay for a unit of their own: each unit costs the driver, the
+#: policy, a lane's round trip and the compute call a fixed share (about a millisecond of Python on a
+#: CPU, several on a busy one; measured with 1-token chunks), so they are grouped into units (`Units`)
+SHORT_CHUNK_TOKENS = 16
+#: the tokens of a unit of short chunks (the last may have fewer): 2,048 1-token chunks in 32 units
+UNIT_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Units:
+    """A prompt's chunks grouped into the units a token-wise restore plans and runs. Where a chunk
+    (but the last) is shorter than `SHORT_CHUNK_TOKENS`, consecutive chunks of `UNIT_TOKENS` together
+    (the last unit may be shorter), each unit stored if all of its chunks are; else each chunk is its
+    own unit (`members` is then None)."""
+
+    refs: list[ChunkRef]  # one per unit: its token range, its first chunk's key
+    stored: list[bool]
+    members: list[list[ChunkRef]] | None
+
+    @classmethod
+    def of(
+        cls,
+        refs: list[ChunkRef],
+        stored: list[bool],
+        short: int = SHORT_CHUNK_TOKENS,
+        unit: int = UNIT_TOKENS,
+    ) -> Units:
+        if all(r.n_tokens >= short for r in refs[:-1]):
+            return cls(refs, stored, None)
+        groups: list[list[int]] = [[]]
+        tokens = 0  # in the last group
+        for i, r in enumerate(refs):
+            if tokens >= unit:
+                groups.append([])
+                tokens = 0
+            groups[-1].append(i)
+            tokens += r.n_tokens
+        units = [ChunkRef(u, refs[g[0]].start, refs[g[-1]].end, refs[g[0]].key) for u, g in enumerate(groups)]
+        return cls(units, [all(stored[i] for i in g) for g in groups], [[refs[i] for i in g] for g in groups])
 
 
 @dataclass
@@ -76,3 +120,8 @@ class Parts:
             kv = out.head(n_tokens)
         self.engine.lanes_after_current(kv.data.device)
         return kv
+
+    def timed_out(self) -> Callable[[float], None] | None:
+        """What a restore tells when one of its loads ran past `load_timeout_s`: the store under its
+        deadlines (`DeadlineStore.timed_out`), which then counts as down for a back-off."""
+        return self.store.timed_out if isinstance(self.store, DeadlineStore) else None

@@ -15,13 +15,13 @@ import torch
 from kvrestore.chunkio.save import SaveStats, write_chunks
 from kvrestore.core.errors import LOAD_FAULTS, InvalidInputError
 from kvrestore.core.keys import ChunkRef
-from kvrestore.core.kv import KVCache
+from kvrestore.core.kv import KVCache, buffer_problem
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.trace import TraceEvent
 from kvrestore.planning.auto import Auto
 from kvrestore.policies import Blend, ComputeOnly, LoadOnly, Policy, TokenTwoPointer
 from kvrestore.restore.layer_wise import restore_layers
-from kvrestore.restore.results import Job, Parts, RestoreResult
+from kvrestore.restore.results import Job, Parts, RestoreResult, Units
 from kvrestore.restore.token_wise import restore_tokens
 
 log = logging.getLogger("kvrestore.restorer")
@@ -35,12 +35,16 @@ def check_policy(policy: object) -> Policy | Auto | None:
     raise InvalidInputError(f"policy must be a Policy such as TokenTwoPointer(), got {policy!r}{hint}")
 
 
-def check_kv(spec: ModelSpec, name: str, kv: object, n_tokens: int) -> KVCache:
-    """`kv` if it is a KVCache of this model with room for `n_tokens`, else InvalidInputError."""
+def check_kv(spec: ModelSpec, name: str, kv: object, n_tokens: int, in_place: bool = False) -> KVCache:
+    """`kv` if it is a KVCache of this model with room for `n_tokens` (and, `in_place`, a buffer a restore
+    can write as it lies: `buffer_problem`), else InvalidInputError."""
     if not isinstance(kv, KVCache):
         raise InvalidInputError(
             f"{name} must be a KVCache (e.g. KVCache.empty(restorer.spec, n_tokens)), got {type(kv).__name__}"
         )
+    problem = buffer_problem(spec, kv.data) if in_place else None
+    if problem is not None:
+        raise InvalidInputError(f"{name} cannot be restored into: {problem}")
     if not kv.fits(spec, n_tokens):
         raise InvalidInputError(
             f"{name} ({kv.n_tokens} tokens of {kv.spec.name}, {kv.data.dtype}) cannot hold {n_tokens} "
@@ -80,14 +84,19 @@ async def restore(
         )
     planner = parts.planner
     chosen = policy or (Auto() if parts.engine.plans_by_default else TokenTwoPointer())
+    units = Units.of(refs, stored)  # short chunks are planned and run in units that pay their cost
     plan = None
+    if isinstance(chosen, Auto) and chosen.candidates is None and units.members is not None:
+        # a layer read is one read per chunk, however short: units of short chunks are token-wise only
+        chosen = Auto([ComputeOnly(), LoadOnly(), TokenTwoPointer()])
     if isinstance(chosen, Auto):
-        plan = planner.plan(refs, stored, chosen)
+        plan = planner.plan(units.refs, units.stored, chosen)
         chosen = plan.choice
         if log.isEnabledFor(logging.DEBUG):  # explain() works out L_delta: dozens of simulations
             log.debug("restore of %d tokens: %s", len(tokens), plan.explain())
-    predicted = planner.predicted(chosen, plan, refs, stored)
-    result = await run_axis(parts, Job(tokens, refs, stored, errors, on_event, out), chosen)
+    predicted = planner.predicted(chosen, plan, units.refs, units.stored)
+    job = Job(tokens, units.refs, units.stored, errors, on_event, out, units.members)
+    result = await run_axis(parts, job, chosen)
     result.stats.seconds = time.perf_counter() - t0
     if result.stats.failed_loads:
         log.warning(
@@ -96,7 +105,9 @@ async def restore(
             result.stats.hit_chunks,
             result.stats.errors[-1],
         )
-    planner.calibrate(chosen, predicted, refs, stored, result.stats.seconds, clean=not result.stats.errors)
+    planner.calibrate(
+        chosen, predicted, units.refs, units.stored, result.stats.seconds, clean=not result.stats.errors
+    )
     await planner.keep()
     result.plan = plan
     result.stats.seconds = time.perf_counter() - t0

@@ -4,9 +4,10 @@ loading others at the same time (CacheFlow's token-wise two-pointer, or one reso
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from kvrestore.chunkio.read import forget, load_chunk, load_chunk_aside, load_chunk_sync
+from kvrestore.chunkio.load import Fetched
+from kvrestore.chunkio.read import AllFetched, fetch_chunks_sync, forget, load_chunks, load_chunks_aside
 from kvrestore.policies import Policy, Progress
 from kvrestore.restore.compute import prefill_apart, prefill_into
 from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
@@ -15,8 +16,10 @@ from kvrestore.runtime.request import FastPaths, RunRequest
 
 async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResult:
     """`Restorer.restore` for tokens already chunked and looked up (a save has done both before it
-    needs KV). Every load fault fails its chunk only, which is computed instead."""
-    tokens, refs, stored, errors, on_event, out = job
+    needs KV). Every load fault fails its chunk only (its unit, with `job.members`), which is computed
+    instead. The trace counts units; the stats count the store's chunks."""
+    tokens, refs, stored, errors, on_event, out, members = job
+    chunks = members if members is not None else [[r] for r in refs]  # the stored chunks of each unit
     engine, backend, loader = parts.engine, parts.backend, parts.loader
     t0 = time.perf_counter()
     kv = parts.buffer(out, len(tokens))
@@ -38,15 +41,17 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
         return prefill_apart(engine, backend, kv, tokens, refs[a].start, refs[b - 1].end)
 
     async def load(i: int) -> int:
-        return await load_chunk(loader, refs[i], kv)
+        return await load_chunks(loader, chunks[i], kv)
 
     async def load_aside(i: int) -> tuple[int, Callable[[], None]]:
-        return await load_chunk_aside(loader, refs[i], kv)
+        return await load_chunks_aside(loader, chunks[i], kv)
 
     damaged: list[str] = []  # found damaged on a lane thread: deleted once the restore is over
 
-    def load_sync(i: int) -> int:  # on a load-lane thread, for a store that reads without the loop
-        return load_chunk_sync(loader, refs[i], kv, damaged)
+    def fetch_sync(
+        i: int,
+    ) -> Fetched | AllFetched:  # on a load-lane thread, for a store read without the loop
+        return fetch_chunks_sync(loader, chunks[i], kv, damaged)
 
     meter, bytes_per_token = parts.store.delivered_bytes, parts.planner.stored_bytes_per_token
 
@@ -57,26 +62,40 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     delivered = None if meter() is None else tokens_delivered  # a store that cannot say is not asked
 
     try:
-        fast = FastPaths(load_sync if loader.reads_sync else None, compute_apart, load_aside)
+        fast = FastPaths(fetch_sync if loader.reads_sync else None, compute_apart, load_aside)
         fast_paths = fast if engine.takes_fast_paths else None
         trace = await engine.run(
-            RunRequest(progress, policy, compute, load, on_event, parts.load_timeout_s, fast_paths, delivered)
+            RunRequest(
+                progress,
+                policy,
+                compute,
+                load,
+                on_event,
+                parts.load_timeout_s,
+                fast_paths,
+                delivered,
+                parts.timed_out(),
+            )
         )
     finally:
         for key in damaged:
             await forget(parts.store, key)
     failed = trace.of_kind("load-failed")
+
+    def n_chunks(units: Iterable[int]) -> int:  # the stored chunks in these units
+        return sum(len(chunks[i]) for i in units)
+
     stats = RestoreStats(
         policy=policy.name,
         n_tokens=len(tokens),
-        n_chunks=len(refs),
-        hit_chunks=sum(stored),
-        computed_chunks=len(trace.computed()),
-        loaded_chunks=len(trace.loaded()),
+        n_chunks=n_chunks(range(len(refs))),
+        hit_chunks=n_chunks(i for i, ok in enumerate(stored) if ok),
+        computed_chunks=n_chunks(trace.computed()),
+        loaded_chunks=n_chunks(trace.loaded()),
         failed_loads=len(failed),
         bytes_loaded=progress.bytes_loaded,
         seconds=time.perf_counter() - t0,
-        errors=errors + [f"chunk {e.first_chunk}: {e.error}" for e in failed],
+        errors=errors + [f"chunk {chunks[e.first_chunk][0].index}: {e.error}" for e in failed],
     )
     parts.planner.learn(trace, refs)
     return RestoreResult(kv, stats, trace)

@@ -36,7 +36,7 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup
 
-from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError, UsageError
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.policies.base import Progress
@@ -52,8 +52,9 @@ from kvrestore.runtime.units import timed_load
 DEFAULT_COST = ChunkCost(fixed_s=0.0, per_token_s=1.0, per_token_past_s=1.0 / 512)
 
 
-class EngineNotRunningError(RuntimeError):
-    """A restore was handed to a `BatchEngine` that has not been entered (`async with engine:`)."""
+class EngineNotRunningError(UsageError):
+    """A restore was handed to a `BatchEngine` that has not been entered (`async with engine:`), or was
+    closed; a `UsageError` (a `KVRestoreError` and a `RuntimeError`)."""
 
 
 @dataclass(eq=False)
@@ -309,7 +310,10 @@ class _Lanes:
         event: TraceEvent | None = None
         try:
             with scope:
-                event = await timed_load(live.request.load, i, live.request.load_timeout_s, now)
+                request = live.request
+                event = await timed_load(
+                    request.load, i, request.load_timeout_s, now, timed_out=request.timed_out
+                )
             if scope.cancel_called or event is None:  # dropped: whatever it read is not applied
                 event = TraceEvent("load-dropped", i, i, start, now())
             send.send_nowait(("event", live.job.id, event))

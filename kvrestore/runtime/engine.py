@@ -50,7 +50,7 @@ from kvrestore.runtime.request import (
     LoadFn,
     RunRequest,
 )
-from kvrestore.runtime.units import Stoppable, ThreadLoad, Unit, timed_load
+from kvrestore.runtime.units import Stoppable, ThreadLoad, Unit, past_deadline, timed_load
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -194,8 +194,9 @@ class _RealLanes:
         self.loads: dict[int, tuple[Stoppable, anyio.Event]] = {}  # in flight, by chunk
         self.dropped: list[anyio.Event] = []  # the loads the next compute unit waits for to stop
         self.load_now = fast.load_now
-        self.thread_loads: set[ThreadLoad] = set()  # on lane threads, not yet heard back from
+        self.thread_loads: dict[ThreadLoad, int] = {}  # on lane threads (their chunks), not yet over
         self.meter = request.delivered
+        self.timed_out = request.timed_out
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -282,7 +283,7 @@ class _RealLanes:
         with scope:
             async with self.load_lane:
                 start = self.now()
-                event = await timed_load(load, i, self.load_timeout_s, self.now, kind)
+                event = await timed_load(load, i, self.load_timeout_s, self.now, kind, self.timed_out)
         return start, event
 
     async def _load(self, i: int, scope: anyio.CancelScope, stopped: anyio.Event) -> None:
@@ -297,20 +298,25 @@ class _RealLanes:
             stopped.set()
 
     def _submit_now(self, i: int) -> ThreadLoad:
-        """Queue the load of chunk `i` on a lane thread; its outcome comes back through `_landed`."""
+        """Queue the load of chunk `i` on a lane thread; its outcome comes back through `_landed`, unless
+        it was abandoned first (`_abandon`)."""
         assert self.load_now is not None
         load_now, now, job = self.load_now, self.now, ThreadLoad()
         call_soon = asyncio.get_running_loop().call_soon_threadsafe
 
         def run() -> None:  # on a lane thread
             outcome: TraceEvent | BaseException
-            start = now()
+            start = job.started_at = now()
             if job.cancelled:
                 outcome = TraceEvent("load-dropped", i, i, start, start)
             else:
                 try:
-                    nbytes = load_now(i)
-                    outcome = TraceEvent("load", i, i, start, now(), nbytes)
+                    fetched = load_now(i)  # the store's read: it may stall, and writes nothing yet
+                    if job.begin_placing():
+                        outcome = TraceEvent("load", i, i, start, now(), fetched.place())
+                    else:  # dropped or abandoned meanwhile: what it read is not applied
+                        fetched.discard()
+                        outcome = TraceEvent("load-dropped", i, i, start, now())
                 except LOAD_FAULTS as exc:
                     outcome = TraceEvent(
                         "load-failed", i, i, start, now(), error=f"{type(exc).__name__}: {exc}"
@@ -322,30 +328,78 @@ class _RealLanes:
             with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits for it
                 call_soon(self._landed, job, outcome)
 
-        self.thread_loads.add(job)
+        job.work = run
+        self.thread_loads[job] = i
         self.engine.lane_threads().submit(run)
         return job
 
     def _landed(self, job: ThreadLoad, outcome: TraceEvent | BaseException) -> None:
-        """A lane thread's load has finished (on the loop)."""
+        """A lane thread's load has finished (on the loop); one abandoned before is over already."""
+        if self.thread_loads.pop(job, None) is None:
+            return
+        job.work = None  # its closure holds the job: no cycle outlives the load
         if isinstance(outcome, TraceEvent):
             self.outcomes[outcome.first_chunk] = outcome.kind
-        self.thread_loads.discard(job)
         job.stopped.set()
         self.send.send_nowait(outcome)
 
+    def _abandon(self, job: ThreadLoad, outcome: TraceEvent | None) -> bool:
+        """Drop a thread load; if it is still reading, it is over now: its lane thread leaves the lanes
+        (`LaneThreads.detach`), `outcome` (if any) is reported for it, and whatever its read brings is
+        discarded. Returns whether it was over so (False: it is placing, and reports when done)."""
+        if not job.cancel():
+            return False
+        self.thread_loads.pop(job, None)
+        if job.work is not None and job.started_at is not None:
+            self.engine.lane_threads().detach(job.work)
+        job.work = None
+        job.stopped.set()
+        if outcome is not None:
+            self.outcomes[outcome.first_chunk] = outcome.kind
+            self.send.send_nowait(outcome)
+        return True
+
+    def _deadline(self, job: ThreadLoad, now: float) -> float:
+        """When a thread load runs past `load_timeout_s`: from its start, or from now for one not begun
+        (a lane thread sets `started_at`, so an early wake-up only looks again); never for one placing."""
+        assert self.load_timeout_s is not None
+        if job.placing:  # its read is over: it reports once placed
+            return math.inf
+        return (job.started_at if job.started_at is not None else now) + self.load_timeout_s
+
+    def _expire(self) -> None:
+        """Abandon the thread loads whose read has run past `load_timeout_s`: each chunk a failed load
+        (computed instead), and the store told (`RunRequest.timed_out`)."""
+        if self.load_timeout_s is None or not self.thread_loads:
+            return
+        now = self.now()
+        for job, i in list(self.thread_loads.items()):
+            if job.placing or job.started_at is None or now < job.started_at + self.load_timeout_s:
+                continue
+            failed = TraceEvent(
+                "load-failed", i, i, job.started_at, now, error=past_deadline(self.load_timeout_s)
+            )
+            if self.timed_out is not None:  # first: the loads its lane thread's successor starts see it
+                self.timed_out(self.load_timeout_s)
+            self._abandon(job, failed)
+
     async def stop_thread_loads(self) -> None:
-        """Drop every load still on a lane thread and wait until none can write any more."""
+        """Drop every load still on a lane thread and wait until none can write any more: a load still
+        reading is abandoned at once, one placing its chunk is waited for (bounded work)."""
         with anyio.CancelScope(shield=True):
             for job in list(self.thread_loads):
-                job.cancel()
+                self._abandon(job, None)
             for job in list(self.thread_loads):
                 await job.stopped.wait()
 
     def stop(self, drops: Sequence[int]) -> None:
         for i in drops:
             stoppable, stopped = self.loads[i]
-            stoppable.cancel()
+            if isinstance(stoppable, ThreadLoad):  # a read abandoned now is over, reported as dropped
+                t = self.now()
+                self._abandon(stoppable, TraceEvent("load-dropped", i, i, t, t))
+            else:
+                stoppable.cancel()
             self.dropped.append(stopped)
 
     def start(self, decision: Decision) -> None:
@@ -373,6 +427,10 @@ class _RealLanes:
             scope = self.unit.fetching[i] = anyio.CancelScope()
             self.tg.start_soon(self._aside, i, self.unit, scope)
 
+    def _pending(self) -> bool:
+        """Whether an outcome waits to be received (an abandoned load's, reported by `_expire`)."""
+        return self.receive.statistics().current_buffer_used > 0
+
     def _take(self, item: TraceEvent | BaseException) -> TraceEvent | BaseException:
         if isinstance(item, BaseException):
             return item
@@ -383,10 +441,19 @@ class _RealLanes:
         return item
 
     async def wait(self, wake_at: float | None) -> list[TraceEvent | BaseException]:
-        out = []
-        timeout = math.inf if wake_at is None else max(0.0, wake_at - self.now())
-        with anyio.move_on_after(timeout):
-            out.append(self._take(await self.receive.receive()))
+        """What finished by `wake_at` (None: until something does), a thread load abandoned past its
+        deadline included (`_expire`)."""
+        out: list[TraceEvent | BaseException] = []
+        while True:
+            now = self.now()
+            until = math.inf if wake_at is None else wake_at
+            if self.load_timeout_s is not None and self.thread_loads:
+                until = min(until, *(self._deadline(job, now) for job in self.thread_loads))
+            with anyio.move_on_after(max(0.0, until - now)):
+                out.append(self._take(await self.receive.receive()))
+            self._expire()
+            if out or (wake_at is not None and self.now() >= wake_at) or self._pending():
+                break
         while True:  # everything else that finished meanwhile, so the policy sees it all
             try:
                 out.append(self._take(self.receive.receive_nowait()))

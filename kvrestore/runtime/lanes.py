@@ -40,6 +40,8 @@ class LaneThreads:
         self._threads = 0  # alive
         self._busy = 0  # running a job
         self._queued = 0  # submitted, not yet taken
+        self._running: dict[int, Job] = {}  # by thread id: the job each lane thread runs
+        self._detached: set[int] = set()  # threads whose job was abandoned: they end with it
 
     @property
     def threads(self) -> int:
@@ -84,16 +86,41 @@ class LaneThreads:
                 with self._lock:
                     self._threads -= 1
                 return
+            me = threading.get_ident()
             with self._lock:
                 self._queued -= 1
                 self._busy += 1
+                self._running[me] = job  # type: ignore[assignment]
             try:
                 job()  # type: ignore[operator]
             finally:
                 # an idle lane must not keep its last job (and the restore it closes over) alive
                 job = None
                 with self._lock:
-                    self._busy -= 1
+                    del self._running[me]
+                    detached = me in self._detached  # it left the lanes while its job ran (`detach`)
+                    self._detached.discard(me)
+                    if not detached:
+                        self._busy -= 1
+            if detached:
+                return
+
+    def detach(self, job: Job) -> None:
+        """`job` was abandoned while it runs (a read stalled past its deadline): its thread leaves the
+        lanes, to end once the job returns, and a new thread starts for the jobs queued meanwhile, so a
+        stalled read never holds up the loads behind it. Nothing to do if `job` is not running."""
+        with self._lock:
+            me = next((t for t, running in self._running.items() if running is job), None)
+            if me is None or me in self._detached:
+                return
+            self._detached.add(me)
+            self._threads -= 1
+            self._busy -= 1
+            if self._queued == 0 or self._threads - self._busy >= self._queued:
+                return
+            self._threads += 1
+            name = f"{self.name}-{self._threads}"
+        threading.Thread(target=self._work, name=name, daemon=True).start()
 
     def close(self) -> None:
         """End every lane thread once the jobs queued so far have run (without waiting for it). A

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvrestore.core.trace import TraceEvent
 from kvrestore.policies.base import Policy, Progress
@@ -21,8 +22,20 @@ ComputeFn = Callable[[int, int], None]
 ComputeApartFn = Callable[[int, int], Callable[[], None]]
 #: loads chunk i into the restore's KV; returns the stored bytes read, raising on any fault
 LoadFn = Callable[[int], Awaitable[int]]
-#: the same load as one blocking call, for a store that reads without the event loop
-LoadNowFn = Callable[[int], int]
+
+
+class Placing(Protocol):
+    """A chunk read by a blocking load and not yet written (`chunkio.load.Fetched`): `place` writes it
+    and returns the stored bytes read; `discard` drops it unwritten (the load was abandoned)."""
+
+    def place(self) -> int: ...
+
+    def discard(self) -> None: ...
+
+
+#: the same load as blocking calls, for a store that reads without the event loop: reads chunk i (which
+#: may stall; nothing is written yet) and returns what writes it
+LoadNowFn = Callable[[int], Placing]
 #: fetches chunk i into a buffer of its own; returns the stored bytes read and what writes it in place
 LoadAsideFn = Callable[[int], Awaitable[tuple[int, Callable[[], None]]]]
 
@@ -31,8 +44,8 @@ LoadAsideFn = Callable[[int], Awaitable[tuple[int, Callable[[], None]]]]
 class FastPaths:
     """Ways a plain `Engine` may run a restore's units besides `compute` and `load` in turn.
 
-    `load_now`: loads run on the engine's lane threads as one blocking call each (on asyncio; elsewhere
-    the request's `load` is used). `compute_apart`: a policy may race a compute unit against a fetch
+    `load_now`: loads run on the engine's lane threads as blocking calls (on asyncio; elsewhere the
+    request's `load` is used): the read, which a deadline or a cancel abandons, then the placing. `compute_apart`: a policy may race a compute unit against a fetch
     (`Decision.race`). `load_aside`: fetches may overtake a compute unit running in place
     (`Decision.overtake`). Each is optional.
     """
@@ -47,8 +60,9 @@ class RunRequest:
     """One restore as an engine runs it.
 
     `progress` and `policy` are the restore's state and its decisions; `compute` and `load` do its
-    units; `on_event` hears of each finished unit; `load_timeout_s` bounds a load that waits on a remote
-    store (None: unbounded); `fast_paths` only for an engine that `takes_fast_paths`.
+    units; `on_event` hears of each finished unit; `load_timeout_s` bounds each load (None: unbounded): a
+    load past it is abandoned, its chunk a miss, and `timed_out` (if given) is told, on the loop, with
+    the seconds; `fast_paths` only for an engine that `takes_fast_paths`.
     """
 
     progress: Progress
@@ -61,3 +75,5 @@ class RunRequest:
     #: tokens' worth of bytes the store has delivered so far, reads in flight included (None, or a
     #: meter that answers None: the store sees a read's bytes only once it has finished)
     delivered: Callable[[], float | None] | None = None
+    #: told the seconds when a load of this restore ran past `load_timeout_s` (the store counts as down)
+    timed_out: Callable[[float], None] | None = None

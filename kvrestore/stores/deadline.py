@@ -16,8 +16,10 @@ A `TieredStore` is bounded tier by tier instead: each of its tiers is put under 
 back-off of its own (`bound_store`), so a tier that is down (a dead S3 under a memory and a disk tier)
 costs one deadline once and then nothing, while the tiers above it keep answering.
 
-Blocking reads (`reads_sync`: memory of this process, a local directory) pass through without a deadline:
-they run on threads, which cannot be cancelled, and never wait on a network.
+Blocking reads (`reads_sync`: memory of this process, a local directory) pass through without a deadline
+of their own: they run on threads, which cannot be interrupted. A restore abandons one past
+`load_timeout_s` (its late bytes never placed) and tells the store (`timed_out`), which then counts as
+down as after any timeout: blocking reads are refused at once until the back-off ends.
 """
 
 from __future__ import annotations
@@ -81,11 +83,7 @@ class DeadlineStore(WrapperStore):
         return max(0.0, self._down_until - time.monotonic())
 
     async def _within(self, what: str, seconds: float | None, call: Callable[[], Awaitable[T]]) -> T:
-        wait = self.down_for
-        if wait > 0:
-            raise StoreTimeoutError(
-                f"{self.name} timed out recently: not asked again for {wait:.1f} s ({what} skipped)"
-            )
+        self._refuse_while_down(what)
         await self.inner.connect()  # no request to the server: not on the deadline's clock
         if seconds is None:
             out = await call()
@@ -93,16 +91,38 @@ class DeadlineStore(WrapperStore):
             with anyio.move_on_after(seconds) as scope:
                 out = await call()
             if scope.cancelled_caught:
-                self.timeouts += 1
-                d = self.deadlines
-                self._backoff = min(d.max_backoff_s, self._backoff * 2 if self._backoff else d.backoff_s)
-                self._down_until = time.monotonic() + self._backoff
+                self._back_off()
                 raise StoreTimeoutError(
                     f"{self.name}: {what} did not finish within {seconds:g} s; the store counts as down "
                     f"for {self._backoff:g} s"
                 )
         self._backoff = 0.0
         return out
+
+    def timed_out(self, seconds: float) -> None:
+        """A blocking read ran past `seconds` (`load_timeout_s`) and a restore abandoned it: the store
+        counts as down for the next back-off, unless it does already (reads in flight together, such
+        as one per load lane, that time out together are one outage)."""
+        if self.down_for > 0:
+            self.timeouts += 1
+            return
+        self._back_off()
+
+    def _back_off(self) -> None:
+        """A call ran past its deadline: the store counts as down for the next back-off (doubling)."""
+        self.timeouts += 1
+        d = self.deadlines
+        self._backoff = min(d.max_backoff_s, self._backoff * 2 if self._backoff else d.backoff_s)
+        self._down_until = time.monotonic() + self._backoff
+
+    def _refuse_while_down(self, what: str) -> None:
+        """StoreTimeoutError at once while the store counts as down (a blocking read has no deadline of
+        its own: one abandoned past it marks the store down, and the reads after it are not started)."""
+        wait = self.down_for
+        if wait > 0:
+            raise StoreTimeoutError(
+                f"{self.name} timed out recently: not asked again for {wait:.1f} s ({what} skipped)"
+            )
 
     # -- reads -------------------------------------------------------------------------------------
 
@@ -152,22 +172,26 @@ class DeadlineStore(WrapperStore):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
-    # -- blocking reads: local, passed on as they are ---------------------------------------------
+    # -- blocking reads: local, passed on as they are, refused while the store is down -------------
 
     @property
     def reads_sync(self) -> bool:  # type: ignore[override]
         return self.inner.reads_sync
 
     def contains_sync(self, keys: Sequence[str]) -> list[bool] | None:
+        self._refuse_while_down("a lookup")
         return self.inner.contains_sync(keys)
 
     def get_sync(self, key: str) -> bytes | memoryview | None:
+        self._refuse_while_down("a read")
         return self.inner.get_sync(key)
 
     def read_into_sync(self, key: str, buffer: memoryview) -> int | None:
+        self._refuse_while_down("a read")
         return self.inner.read_into_sync(key, buffer)
 
     def scatter_into_sync(self, key: str, offset: int, buffers: Sequence[memoryview]) -> int | None:
+        self._refuse_while_down("a read")
         return self.inner.scatter_into_sync(key, offset, buffers)
 
 

@@ -7,8 +7,10 @@ whole). Temp files are never listed as objects; opening a store removes those of
 host at once and any older than `STALE_TMP_SECONDS`.
 
 Reads go straight into the caller's buffers (`preadv`, the GIL released) and work from any thread
-(`reads_sync`), so a chunk load runs start to end on a load-lane thread. A missing object reads as None;
-any other OS failure raises StoreError, which the restorer treats as a miss.
+(`reads_sync`), so a chunk load runs start to end on a load-lane thread. The reads that make their own
+result (`get`, `get_range(s)`, `contains`) run in threads a cancellation abandons at once: on a network
+filesystem that stalls, a deadline ends them, and what they bring late is dropped. A missing object
+reads as None; any other OS failure raises StoreError, which the restorer treats as a miss.
 """
 
 from __future__ import annotations
@@ -185,6 +187,13 @@ async def _thread(fn: Callable[[], T]) -> T:
     return await anyio.to_thread.run_sync(fn)
 
 
+async def _abandonable(fn: Callable[[], T]) -> T:
+    """`fn()` in a thread that a cancellation (a deadline) abandons at once: for a call that makes its
+    own result (bytes, flags) and writes nowhere else, so a read stalled on a network filesystem holds
+    nobody up, and what it brings late is dropped."""
+    return await anyio.to_thread.run_sync(fn, abandon_on_cancel=True)
+
+
 class LocalStore(ChunkStore):
     """ChunkStore in a local directory, e.g. `LocalStore("/var/cache/kv")` or `LocalStore("file:///kv")`.
 
@@ -262,7 +271,7 @@ class LocalStore(ChunkStore):
     # -- ChunkStore --------------------------------------------------------------------------------
 
     async def get(self, key: str) -> bytes | None:
-        got = await _thread(partial(_read_ranges, self.path(key), None))
+        got = await _abandonable(partial(_read_ranges, self.path(key), None))
         return None if got is None else got[0]
 
     @property
@@ -297,20 +306,20 @@ class LocalStore(ChunkStore):
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
         """Bytes [start, end), `end` clamped at the file size."""
         check_range(start, end)
-        got = await _thread(partial(_read_ranges, self.path(key), [(start, end)]))
+        got = await _abandonable(partial(_read_ranges, self.path(key), [(start, end)]))
         return None if got is None else got[0]
 
     async def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
         for a, b in ranges:
             check_range(a, b)
-        got = await _thread(partial(_read_ranges, self.path(key), list(ranges)))
+        got = await _abandonable(partial(_read_ranges, self.path(key), list(ranges)))
         return [None] * len(ranges) if got is None else list(got)
 
     async def put(self, key: str, data: bytes) -> None:
         await _thread(partial(self._write, self.path(key), data))
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
-        return await _thread(partial(self._exists, keys))
+        return await _abandonable(partial(self._exists, keys))
 
     def contains_sync(self, keys: Sequence[str]) -> list[bool] | None:
         return self._exists(keys) if mirrors_reads_of(self, LocalStore, ("contains",)) else None

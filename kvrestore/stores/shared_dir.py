@@ -54,9 +54,14 @@ class SharedDir:
         return fcntl is not None
 
     def lock(self) -> int:
-        """Wait for the directory's exclusive lock; returns the descriptor that holds it (`unlock`)."""
+        """Wait for the directory's exclusive lock; returns the descriptor that holds it (`unlock`). A
+        directory deleted meanwhile is made again, with its lock file (as a write to it would make it)."""
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:
+                os.makedirs(self.root, exist_ok=True)
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             raise StoreError(f"cannot lock {self.lock_path}: {type(e).__name__}: {e}") from e
         try:

@@ -9,6 +9,15 @@ checks, the layer-wise restore's setting on CUDA, run here on a CPU cache: the s
 and events), one layer per read, for a prompt of many chunks stored in a `MemoryStore`, and checks the
 cache it fills against the stored KV.
 
+The vLLM connector's device load (`vllm_device.DeviceLayerLoad` with `device_path=True`, the path it
+takes into CUDA pages, run here on CPU pages shaped as the CUDA layout's) is counted the same way, from
+16 to 1,024 pages of 16 tokens (one chunk of 256 tokens to 64 of them), two layers per read: the ops
+its reads and its page writes (`vllm_layout._scatter_device`, the device branch of `scatter_tokens`)
+launch per loaded layer, and its host synchronisations per loaded layer, the calls that wait for a
+device on CUDA (`Tensor.tolist`, `.item`, `.cpu`, a stream's or an event's `synchronize`). The pages
+are checked against the stored KV, token by token. Target (issue 48): both constant in the number of
+pages.
+
     python benchmarks/load_ops.py                      # 64 chunks of 32 tokens, 8 layers
     python benchmarks/load_ops.py --chunks 16 --out /tmp/ops.json
 
@@ -30,10 +39,14 @@ from _provenance import code_version
 from blend_ops import OpTally
 from gpu_restore import build_model
 
-from kvrestore import ComputeOnly, Restorer
+from kvrestore import ComputeOnly, Restorer, codec
 from kvrestore.chunkio.layers import LayerReader
+from kvrestore.chunkio.pool import StagingPool
 from kvrestore.chunkio.stored import StoredChunk
-from kvrestore.core.kv import KVCache
+from kvrestore.chunkio.transfer import TransferLane
+from kvrestore.core.keys import chunk_keys
+from kvrestore.core.kv import KVCache, KVChunk
+from kvrestore.core.spec import ModelSpec
 from kvrestore.stores import MemoryStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,16 +97,131 @@ def count(args: argparse.Namespace, tail: int) -> dict[str, Any]:
     }
 
 
+#: the calls that make the host wait for a device on CUDA, counted by name while a load runs
+SYNCING = (
+    (torch.Tensor, "tolist"),
+    (torch.Tensor, "item"),
+    (torch.Tensor, "cpu"),
+    (torch.cuda.Stream, "synchronize"),
+    (torch.cuda.Event, "synchronize"),
+)
+
+
+class SyncTally:
+    """Counts the calls of `SYNCING` made while active (from any thread)."""
+
+    def __init__(self) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._saved: list[tuple[type, str, Any]] = []
+
+    def __enter__(self) -> SyncTally:
+        for owner, name in SYNCING:
+            original = getattr(owner, name)
+
+            def counted(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+                self.calls[_name] += 1
+                return _original(*args, **kwargs)
+
+            self._saved.append((owner, name, original))
+            setattr(owner, name, counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original in self._saved:
+            setattr(owner, name, original)
+
+
+def count_connector(pages: int, layers: int, block_size: int = 16, chunk_tokens: int = 256) -> dict[str, Any]:
+    """The connector's device load of `pages` pages (a prompt of `pages * block_size` tokens in chunks of
+    `chunk_tokens`) into pages in the CUDA layout, scattered over a cache of twice as many: launching ops
+    and host syncs per loaded layer, and whether every page holds the stored KV."""
+    from kvrestore.integrations import vllm_device
+    from kvrestore.integrations.vllm_io import IOThread, LoadChunk
+    from kvrestore.integrations.vllm_layout import _scatter_device, gather_tokens, kv_views
+
+    H, D = 2, 8
+    spec = ModelSpec("tiny", layers, H, D, 256, torch.float32, fingerprint="ab" * 16)
+    n = pages * block_size
+    kv = torch.randn(layers, 2, H, n, D, generator=torch.Generator().manual_seed(2))
+    store = MemoryStore()
+    refs = chunk_keys(list(range(n)), spec.fingerprint, chunk_tokens)
+    for r in refs:
+        blob = codec.encode_chunk(KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()), spec, r.key)
+        anyio.run(store.put, r.key, blob)
+    caches = [torch.zeros(2 * pages, block_size, H, 2 * D).permute(0, 2, 1, 3) for _ in range(layers)]
+    block_ids = torch.randperm(2 * pages, generator=torch.Generator().manual_seed(3))[:pages].tolist()
+    places: list[OpTally] = []
+    reads: list[OpTally] = []
+
+    def place(layer: int, rows: torch.Tensor) -> None:
+        k, v = kv_views(caches[layer], "cuda", H, D)
+        with OpTally() as tally:
+            _scatter_device(k, v, block_ids, 0, rows)
+        places.append(tally)
+
+    class CountingReader(vllm_device._ReadLayersReader):
+        def _upload_layers(self, layers, sections, kv):  # type: ignore[no-untyped-def]
+            with OpTally() as tally:
+                bad = super()._upload_layers(layers, sections, kv)
+            reads.append(tally)
+            return bad
+
+    io = IOThread()
+    original = vllm_device._ReadLayersReader
+    vllm_device._ReadLayersReader = CountingReader  # type: ignore[misc]
+    try:
+        load = vllm_device.DeviceLayerLoad(
+            spec,
+            store,
+            [LoadChunk(r.key, r.start, r.end) for r in refs],
+            n,
+            place,
+            TransferLane(StagingPool()),
+            torch.device("cpu"),
+            device_path=True,
+        )
+        with SyncTally() as syncs:
+            load.start(io, 60.0)
+            placed = all(load.wait(layer) for layer in range(layers))
+            assert load.future is not None
+            load.future.result(timeout=60)
+    finally:
+        vllm_device._ReadLayersReader = original  # type: ignore[misc]
+        io.close()
+    exact = (
+        placed
+        and not load.failed
+        and all(
+            torch.equal(gather_tokens(caches[layer], "cuda", block_ids, 0, n, H, D), kv[layer])
+            for layer in range(layers)
+        )
+    )
+    launching = sum(sum(t.launching.values()) for t in [*reads, *places])
+    return {
+        "pages": pages,
+        "tokens": n,
+        "chunks": len(refs),
+        "reads": len(reads),
+        "launching_per_layer": launching / layers,
+        "read_ops_per_layer": sum(sum(t.launching.values()) for t in reads) / layers,
+        "page_write_ops_per_layer": sum(sum(t.launching.values()) for t in places) / layers,
+        "host_syncs_per_layer": sum(syncs.calls.values()) / layers,
+        "host_syncs": dict(syncs.calls),
+        "exact": exact,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--chunks", type=int, default=64, help="stored chunks (default 64)")
     p.add_argument("--chunk-tokens", type=int, default=32, help="tokens per chunk (default 32)")
     p.add_argument("--layers", type=int, default=8, help="model layers (default 8)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--tiny", action="store_true", help="8 chunks: a smoke test")
+    p.add_argument("--tiny", action="store_true", help="8 chunks, 16 and 64 pages: a smoke test")
     args = p.parse_args(argv)
+    page_counts = (16, 64, 256, 1024)
     if args.tiny:
-        args.chunks = 8
+        args.chunks, page_counts = 8, (16, 64)
     rows = {"whole chunks": count(args, 0), "a partial last chunk": count(args, args.chunk_tokens // 2)}
     print_table(
         ["prompt", "tokens", "reads", "launching ops", "per loaded layer", "max |diff| vs stored"],
@@ -110,18 +238,51 @@ def main(argv: list[str] | None = None) -> int:
         ],
         title=f"layer reads of {args.chunks} chunks, one layer per read (device path, deferred checks)",
     )
+    connector = [count_connector(pages, args.layers) for pages in page_counts]
+    print_table(
+        [
+            "pages",
+            "tokens",
+            "chunks",
+            "reads",
+            "ops per layer",
+            "of which page writes",
+            "host syncs per layer",
+            "exact",
+        ],
+        [
+            [
+                c["pages"],
+                c["tokens"],
+                c["chunks"],
+                c["reads"],
+                f"{c['launching_per_layer']:.1f}",
+                f"{c['page_write_ops_per_layer']:.1f}",
+                f"{c['host_syncs_per_layer']:.2f}",
+                c["exact"],
+            ]
+            for c in connector
+        ],
+        title="the vLLM connector's device load (DeviceLayerLoad, device path, two layers per read)",
+    )
     write_json(
         args.out,
         {
             "benchmark": "load_ops",
-            "config": {"chunks": args.chunks, "chunk_tokens": args.chunk_tokens, "layers": args.layers},
+            "config": {
+                "chunks": args.chunks,
+                "chunk_tokens": args.chunk_tokens,
+                "layers": args.layers,
+                "connector_pages": list(page_counts),
+            },
             "machine": machine_info(),
             "code": code_version(),
             "results": rows,
+            "connector": connector,
         },
     )
     print(f"wrote {args.out}", file=sys.stderr)
-    ok = all(r["max_abs_diff_vs_stored"] == 0 for r in rows.values())
+    ok = all(r["max_abs_diff_vs_stored"] == 0 for r in rows.values()) and all(c["exact"] for c in connector)
     return 0 if ok else 1
 
 

@@ -133,6 +133,10 @@ def test_load_ops_tiny(tmp_path: Path) -> None:
     for row in data["results"].values():
         assert row["reads"] == data["config"]["layers"] and row["max_abs_diff_vs_stored"] == 0
         assert row["by_op"]["copy_"] <= 3 * row["reads"]  # an upload and a placement or two per read
+    small, large = data["connector"]  # the connector's device load, 16 and 64 pages
+    assert small["exact"] and large["exact"] and large["chunks"] == 4 * small["chunks"]
+    assert large["host_syncs_per_layer"] == small["host_syncs_per_layer"]
+    assert large["launching_per_layer"] <= small["launching_per_layer"] + 0.5  # not per page or chunk
 
 
 @pytest.mark.slow

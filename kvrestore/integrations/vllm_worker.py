@@ -87,6 +87,7 @@ class WorkerSide:
             compression=self.config.compression,
             max_bytes=self.config.save_queue_bytes,
             encoding=self.config.kv_encoding,
+            retry_after_s=self.config.retry_after_s,
         )
         self.counters = Counters()
         self._saver_seen = (0, 0, 0, 0)  # the saver's written, bytes, dropped, failed last reported

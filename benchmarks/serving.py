@@ -299,6 +299,42 @@ def try_server(
         }
 
 
+def try_others(args: argparse.Namespace, model: Path) -> dict[str, Any]:
+    """(c) LMCache's connector with a local-disk backend (`--lmcache-path`: where lmcache is installed) and
+    (d) vLLM's offloading connectors, each started once: whether it starts, or its exact error."""
+    (args.work / "logs").mkdir(parents=True, exist_ok=True)
+    others: dict[str, Any] = {}
+    log("== (c), (d): LMCache, vLLM's offloading connectors")
+    disk = args.work / "lmcache"
+    disk.mkdir(exist_ok=True)
+    lm_env = {
+        "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), args.lmcache_path) if p),
+        "LMCACHE_LOCAL_CPU": "False",
+        "LMCACHE_LOCAL_DISK": f"file://{disk}/",
+        "LMCACHE_MAX_LOCAL_DISK_SIZE": "5",
+        "LMCACHE_CHUNK_SIZE": "256",
+    }
+    others["LMCacheConnectorV1 (local disk)"] = try_server(
+        args, model, "lmcache", kv_transfer("LMCacheConnectorV1"), lm_env
+    )
+    others["LMCacheConnectorV1 (local disk)"]["lmcache"] = args.lmcache_path or "not installed"
+    for name, extra in [
+        ("OffloadingConnector", {"cpu_bytes_to_use": 1 << 30}),
+        (
+            "SimpleCPUOffloadConnector",
+            {
+                "kv_offload_backend": "disk",
+                "disk_path": str(args.work / "simple-disk"),
+                "cpu_bytes_to_use": 1 << 30,
+            },
+        ),
+    ]:
+        others[name] = try_server(args, model, name, kv_transfer(name, extra), {})
+    for name, r in others.items():
+        log(f"   {name}: {'starts' if r['starts'] else r['error']}")
+    return others
+
+
 # -- the run ------------------------------------------------------------------------------------------
 
 
@@ -360,29 +396,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         points["ExampleConnector"] = {"config": "b", "store": "local directory"}
 
-    others: dict[str, Any] = {}
-    if args.try_others:
-        log("== (c), (d): LMCache, vLLM's offloading connectors")
-        disk = args.work / "lmcache"
-        disk.mkdir(exist_ok=True)
-        lm_env = {
-            "PYTHONPATH": os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), args.lmcache_path) if p),
-            "LMCACHE_LOCAL_CPU": "False",
-            "LMCACHE_LOCAL_DISK": f"file://{disk}/",
-            "LMCACHE_MAX_LOCAL_DISK_SIZE": "5",
-            "LMCACHE_CHUNK_SIZE": "256",
-        }
-        others["LMCacheConnectorV1 (local disk)"] = try_server(
-            args, model, "lmcache", kv_transfer("LMCacheConnectorV1"), lm_env
-        )
-        others["LMCacheConnectorV1 (local disk)"]["lmcache"] = args.lmcache_path or "not installed"
-        for name, extra in [
-            ("OffloadingConnector", {"num_cpu_blocks": 64}),
-            ("SimpleCPUOffloadConnector", {}),
-        ]:
-            others[name] = try_server(args, model, name, kv_transfer(name, extra), {})
-        for name, r in others.items():
-            log(f"   {name}: {'starts' if r['starts'] else r['error']}")
+    others = try_others(args, model) if args.try_others else {}
 
     log("== (e), (f) kvrestore")
     store, costs, fill = args.work / "kv", args.work / "costs", args.work / "kv-after-warm-up"
@@ -522,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--try-others", action="store_true", help="start LMCache's and vLLM's offloading connectors"
     )
+    p.add_argument("--only-others", action="store_true", help="--try-others, and nothing else")
     p.add_argument("--lmcache-path", default=None, help="a directory with lmcache installed (--target)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", type=Path, default=None, help="stores and server logs (default: a temp dir)")
@@ -531,7 +546,13 @@ def main(argv: list[str] | None = None) -> int:
         args.users, args.rounds, args.docs, args.doc_tokens = 2, 2, 2, 600
         args.system_tokens, args.history_tokens, args.answer_tokens, args.user_gap_s = 300, 200, 8, 0.5
     args.work = args.work or Path(tempfile.mkdtemp(prefix="kvrestore-serving-"))
-    result = run(args)
+    if args.only_others:
+        from kvrestore.backends.hf import smollm2_checkpoint
+
+        result = {"benchmark": "serving-others", "machine": machine_info(), "code": code_version()}
+        result["other_connectors"] = try_others(args, smollm2_checkpoint())
+    else:
+        result = run(args)
     write_json(args.out, result)
     log(f"wrote {args.out}")
     return 0

@@ -50,6 +50,7 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import shutil
 import statistics
 import sys
@@ -286,17 +287,21 @@ def try_server(
 ) -> dict:
     """Start a server once with `kv`; the exact error where it does not start."""
     log(f"  trying {label}")
+    server = VLLMServer(model, kv_transfer=kv, env=env, log_path=args.work / "logs" / f"{label}.log")
     try:
-        server = VLLMServer(model, kv_transfer=kv, env=env, log_path=args.work / "logs" / f"{label}.log")
         with server:
             return {"starts": True, "ready_s": server.ready_s, "kv_transfer_config": kv}
-    except ServerError as exc:
-        lines = [ln for ln in str(exc).splitlines() if "Error" in ln or "error" in ln]
-        return {
-            "starts": False,
-            "error": lines[-1].strip() if lines else str(exc)[-500:],
-            "kv_transfer_config": kv,
-        }
+    except ServerError:
+        return {"starts": False, "error": root_cause(server.log_tail(200_000)), "kv_transfer_config": kv}
+
+
+def root_cause(log_text: str) -> str:
+    """The first exception a server's log names (its root cause), without vLLM's log prefix."""
+    for line in log_text.splitlines():
+        m = re.search(r"\b(\w+(?:Error|Exception): .*)", line)
+        if m and "ulimit" not in line and "initialization failed" not in line:
+            return m.group(1).strip()
+    return log_text[-500:]
 
 
 def try_others(args: argparse.Namespace, model: Path) -> dict[str, Any]:

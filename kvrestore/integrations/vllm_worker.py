@@ -483,6 +483,7 @@ class WorkerSide:
                 self.saver.dropped,
                 self.saver.failed,
             )
+        self.costs.flush()  # what it learned since the last write, for the next process
         with contextlib.suppress(*STORE_FAULTS):  # on the loop its client was made on
             self.io.call(self.store.close, timeout=self.config.lookup_timeout_s)
         self.io.close()

@@ -66,10 +66,12 @@ def server_command(
     python: str = sys.executable,
 ) -> list[str]:
     """The command line that starts vLLM's OpenAI server for `model` on 127.0.0.1:`port` (fp32, eager,
-    prompts up to 4,096 tokens: SmolLM2 on a CPU)."""
+    prompts up to 4,096 tokens: SmolLM2 on a CPU). It shuts down gracefully on SIGTERM
+    (``--shutdown-timeout 30``; vLLM's default, 0, kills its engine at once, and with it the chunks a
+    connector had queued for writing and the costs it learned last)."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096", "--dtype", "float32"]
-    cmd += ["--enforce-eager", *args]
+    cmd += ["--enforce-eager", "--shutdown-timeout", "30", *args]
     if kv_transfer is not None:
         cmd += ["--kv-transfer-config", json.dumps(dict(kv_transfer))]
     return cmd
@@ -141,14 +143,15 @@ class VLLMServer:
         return out
 
     def stop(self, timeout_s: float = 60.0) -> int | None:
-        """Stop it by its pid (SIGTERM to its process group: the server, its engine and workers; SIGKILL
-        after `timeout_s`); its exit status."""
+        """Stop it by its pid: SIGTERM to the server, which shuts its engine and workers down (with
+        ``--shutdown-timeout``, gracefully: the connector writes what it queued), then SIGKILL to its
+        process group after `timeout_s`, and to anything of it left; its exit status."""
         proc = self.proc
         if proc is None:
             return None
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.kill(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(timeout_s)
             except subprocess.TimeoutExpired:

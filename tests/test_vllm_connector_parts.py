@@ -737,3 +737,19 @@ def test_the_connectors_lines_go_to_vllms_handlers_unless_logging_is_configured(
     configured = logging.Logger("kvrestore")
     root.addHandler(logging.NullHandler())  # the application set logging up: left as it is
     assert not log_through(vllm, logger=configured, root=root) and not configured.handlers
+
+
+def test_the_scheduler_reads_the_costs_the_worker_learned_whatever_their_threads(tmp_path):
+    """vLLM's scheduler process runs fewer torch threads than its worker: one cost file for both."""
+    threads = torch.get_num_threads()
+    worker = CostBook.shared(SPEC.fingerprint, tmp_path)
+    worker.add_compute(256, 0, 0.5)
+    worker.add_load("kv", 10_000_000, 0.01)
+    worker.flush()
+    torch.set_num_threads(1 if threads != 1 else 2)
+    try:
+        scheduler = CostBook(CostBook.shared(SPEC.fingerprint, tmp_path).path)
+    finally:
+        torch.set_num_threads(threads)
+    assert scheduler.path == worker.path
+    assert scheduler.compute_cost() is not None and scheduler.link("kv") is not None

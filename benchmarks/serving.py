@@ -285,13 +285,16 @@ def snapshot(src: Path, dst: Path) -> None:
 def try_server(
     args: argparse.Namespace, model: Path, label: str, kv: dict[str, Any], env: dict[str, str]
 ) -> dict:
-    """Start a server once with `kv`; the exact error where it does not start."""
+    """Start a server once with `kv` and send it one request; the exact error where either fails."""
+    import aiohttp
+
     log(f"  trying {label}")
     server = VLLMServer(model, kv_transfer=kv, env=env, log_path=args.work / "logs" / f"{label}.log")
     try:
-        with server:
-            return {"starts": True, "ready_s": server.ready_s, "kv_transfer_config": kv}
-    except ServerError:
+        with server:  # healthy, and it answers a request (LMCache makes its engine at the first one)
+            c = asyncio.run(complete(server.url, server.model, list(range(1000, 1300)), max_tokens=4))
+            return {"starts": True, "ready_s": server.ready_s, "answer": c.text, "kv_transfer_config": kv}
+    except (ServerError, OSError, asyncio.TimeoutError, aiohttp.ClientError):
         return {"starts": False, "error": root_cause(server.log_tail(200_000)), "kv_transfer_config": kv}
 
 

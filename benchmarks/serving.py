@@ -293,18 +293,26 @@ def try_server(
     try:
         with server:  # healthy, and it answers a request (LMCache makes its engine at the first one)
             c = asyncio.run(complete(server.url, server.model, list(range(1000, 1300)), max_tokens=4))
-            return {"starts": True, "ready_s": server.ready_s, "answer": c.text, "kv_transfer_config": kv}
+            error = root_cause(server.log_tail(200_000), default=None)  # a connector that gave up, logged
+            return {
+                "starts": True,
+                "ready_s": server.ready_s,
+                "answer": c.text,
+                "error_in_log": error,
+                "kv_transfer_config": kv,
+            }
     except (ServerError, OSError, asyncio.TimeoutError, aiohttp.ClientError):
         return {"starts": False, "error": root_cause(server.log_tail(200_000)), "kv_transfer_config": kv}
 
 
-def root_cause(log_text: str) -> str:
-    """The first exception a server's log names (its root cause), without vLLM's log prefix."""
+def root_cause(log_text: str, default: str | None = "") -> str | None:
+    """The first exception a server's log names (its root cause), without vLLM's log prefix; `default`
+    (the log's end where it is "") if it names none."""
     for line in log_text.splitlines():
         m = re.search(r"\b(\w+(?:Error|Exception): .*)", line)
         if m and "ulimit" not in line and "initialization failed" not in line:
             return m.group(1).strip()
-    return log_text[-500:]
+    return log_text[-500:] if default == "" else default
 
 
 def try_others(args: argparse.Namespace, model: Path) -> dict[str, Any]:
@@ -339,7 +347,7 @@ def try_others(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     ]:
         others[name] = try_server(args, model, name, kv_transfer(name, extra), {})
     for name, r in others.items():
-        log(f"   {name}: {'starts' if r['starts'] else r['error']}")
+        log(f"   {name}: {'starts' if r['starts'] else r['error']} {r.get('error_in_log') or ''}")
     return others
 
 

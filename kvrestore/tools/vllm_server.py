@@ -31,8 +31,13 @@ from typing import Any
 
 from kvrestore.core.errors import KVRestoreError
 
-#: what every server here gets unless told otherwise: vLLM's CPU backend needs a KV cache size
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+#: what every server here gets unless told otherwise: vLLM's CPU backend needs a KV cache size, and the
+#: engine runs in processes of its own, as `vllm serve` runs it (whatever this process was set to)
+CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+}
 CONNECTOR_MODULE = "kvrestore.integrations.vllm"
 
 

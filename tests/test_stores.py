@@ -16,12 +16,13 @@ from fsspec.implementations.memory import MemoryFileSystem
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvrestore.core.errors import StoreError, UnsupportedURLError
+from kvrestore.core.errors import InvalidInputError, StoreError, UnsupportedURLError
 from kvrestore.stores import (
     ChunkStore,
     FsspecStore,
     LocalStore,
     MemoryStore,
+    ReadOnlyStore,
     known_schemes,
     open_store,
     register_store,
@@ -420,3 +421,29 @@ def test_a_scatter_read_fills_many_buffers_in_order(tmp_path_factory, sizes, fil
     expect = data[offset:][: sum(sizes)]
     assert placed == len(expect)
     assert b"".join(bytes(b) for b in buffers)[:placed] == expect
+
+
+@pytest.mark.parametrize("url", ["file", "memory://"])
+def test_a_store_opened_read_only_reads_and_never_writes(tmp_path, url):
+    url = str(tmp_path / "kv") if url == "file" else url
+    writer = open_store(url)
+    run(writer.put, K1, b"abc")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    reader = open_store(url, read_only=True) if url != "memory://" else ReadOnlyStore(writer)
+    assert run(reader.get, K1) == b"abc" and run(reader.contains, [K1, K2]) == [True, False]
+    for call in (partial(reader.put, K2, b"x"), partial(reader.delete, K1)):
+        with pytest.raises(StoreError, match="read-only"):
+            run(call)
+    assert run(writer.get, K1) == b"abc" and run(writer.contains, [K2]) == [False]
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # not even a probe
+
+
+def test_read_only_needs_an_existing_directory_and_is_a_flag(tmp_path):
+    with pytest.raises(StoreError, match="read-only"):
+        open_store(str(tmp_path / "missing"), read_only=True)
+    assert not (tmp_path / "missing").exists()
+    with pytest.raises(InvalidInputError, match="read_only"):
+        open_store(str(tmp_path), read_only="yes")
+    assert isinstance(open_store("memory://", read_only=True), ReadOnlyStore)
+    assert not isinstance(open_store(str(tmp_path), read_only=True), ReadOnlyStore)  # keeps its sync reads
+    assert open_store(str(tmp_path), read_only=True).reads_sync

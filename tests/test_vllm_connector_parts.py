@@ -7,6 +7,7 @@ imports vLLM.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import threading
 
 import pytest
@@ -33,10 +34,14 @@ from kvrestore.integrations.vllm_layout import (
 )
 from kvrestore.integrations.vllm_plan import (
     ConnectorConfig,
+    ConnectorContext,
+    check_shared_memory,
     checkpoint_fingerprint,
     choose_split,
     max_loadable,
+    preflight,
 )
+from kvrestore.integrations.vllm_stats import log_through
 from kvrestore.policies import LoadOnly
 from kvrestore.restorer import SyncRestorer
 from kvrestore.stores import MemoryStore
@@ -645,3 +650,106 @@ def test_a_device_layer_load_places_each_layer_as_rows_up_to_the_first_failed_ch
     for layer in (1, 2):
         assert torch.equal(placed[layer], kv[layer, :, :, :16])
     assert io.call(store.get, chunks[1].key) is None
+
+
+# -- nothing in a user's way --------------------------------------------------------------------------
+
+
+def test_a_store_that_cannot_be_used_is_refused_before_vllm_loads_the_model(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(StoreError, match="not usable"):
+        preflight(ConnectorConfig.from_extra({"store_url": str(tmp_path / "file" / "kv")}))
+    with pytest.raises(StoreError, match="read-only"):  # a replica that only reads: the cache must exist
+        preflight(ConnectorConfig.from_extra({"store_url": str(tmp_path / "none"), "save": False}))
+    preflight(ConnectorConfig.from_extra({"store_url": f"file://{tmp_path / 'kv'}"}))
+    assert (tmp_path / "kv").is_dir()  # created, as the connector will
+    preflight(ConnectorConfig.from_extra({"store_url": "memory://"}))  # nothing to check
+    preflight(ConnectorConfig.from_extra({"store_url": "s3://bucket/kv"}))  # asked at the first lookup
+
+
+def test_memory_is_refused_where_the_scheduler_and_the_worker_are_two_processes():
+    mem = ConnectorConfig.from_extra({"store_url": "memory://"})
+    for backend, workers in [("mp", 1), ("ray", 1), ("uni", 2)]:
+        with pytest.raises(InvalidInputError, match="separate processes"):
+            check_shared_memory(mem, backend, workers)
+    check_shared_memory(mem, "uni", 1)
+    check_shared_memory(ConnectorConfig.from_extra({"store_url": "/var/cache/kv"}), "mp", 4)
+
+
+def test_with_save_off_the_connector_opens_its_store_read_only(tmp_path):
+    (tmp_path / "kv").mkdir()
+    spec_ctx = ConnectorContext(
+        ConnectorConfig.from_extra({"store_url": str(tmp_path / "kv"), "save": False}),
+        SPEC,
+        8,
+        CostBook.shared(SPEC.fingerprint, tmp_path / "costs"),
+    )
+    store = spec_ctx.open_store()
+    t = IOThread()
+    try:
+        with pytest.raises(StoreError, match="read-only"):
+            t.call(store.put, "ab" * 20, b"x")
+    finally:
+        t.close()
+    assert list((tmp_path / "kv").iterdir()) == []
+
+
+class _RefusingStore(MemoryStore):
+    """Every write refused (read-only credentials, a bucket that does not exist)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.puts = 0
+
+    async def put(self, key, data):
+        self.puts += 1
+        raise StoreError("AccessDenied")
+
+
+def test_a_store_that_refuses_writes_is_left_alone_with_one_warning(io, caplog):
+    store = _RefusingStore()
+    saver = ChunkSaver(SPEC, store, io, retry_after_s=60)
+    refs = chunk_keys(list(range(64)), SPEC.fingerprint, 16)
+    chunk = KVChunk(0, torch.zeros(3, 2, H, 16, D))
+    with caplog.at_level("WARNING", logger="kvrestore.vllm"):
+        assert saver.submit(refs[0].key, chunk)
+        assert saver.flush(timeout=10)
+        tried = store.puts
+        assert [saver.submit(r.key, chunk) for r in refs[1:]] == [False, False, False]  # not even queued
+        assert saver.flush(timeout=10)
+    assert tried == store.puts == 1 and saver.failed == 4 and saver.pending_bytes == 0
+    assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
+    saver._down_until = 0.0  # the back-off is over: the next chunk is tried again
+    assert saver.submit(refs[1].key, chunk) and saver.flush(timeout=10) and store.puts == 2
+
+
+def test_the_connectors_lines_go_to_vllms_handlers_unless_logging_is_configured():
+    vllm, ours, root = logging.Logger("vllm"), logging.Logger("kvrestore"), logging.Logger("root")
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    vllm.addHandler(handler)
+    assert log_through(vllm, logger=ours, root=root)
+    child = logging.Logger("kvrestore.vllm")
+    child.parent = ours
+    child.info("split")
+    assert [r.levelno for r in seen] == [logging.INFO] and ours.level == logging.INFO
+    configured = logging.Logger("kvrestore")
+    root.addHandler(logging.NullHandler())  # the application set logging up: left as it is
+    assert not log_through(vllm, logger=configured, root=root) and not configured.handlers
+
+
+def test_the_scheduler_reads_the_costs_the_worker_learned_whatever_their_threads(tmp_path):
+    """vLLM's scheduler process runs fewer torch threads than its worker: one cost file for both."""
+    threads = torch.get_num_threads()
+    worker = CostBook.shared(SPEC.fingerprint, tmp_path)
+    worker.add_compute(256, 0, 0.5)
+    worker.add_load("kv", 10_000_000, 0.01)
+    worker.flush()
+    torch.set_num_threads(1 if threads != 1 else 2)
+    try:
+        scheduler = CostBook(CostBook.shared(SPEC.fingerprint, tmp_path).path)
+    finally:
+        torch.set_num_threads(threads)
+    assert scheduler.path == worker.path
+    assert scheduler.compute_cost() is not None and scheduler.link("kv") is not None

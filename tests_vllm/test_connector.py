@@ -165,7 +165,7 @@ def test_a_new_process_loads_what_vllm_and_a_restorer_saved(second, reference):
     assert splits[0]["predicted_s"] is None  # no link measured yet: load everything
     assert splits[1]["predicted_s"] > 0  # planned from the costs measured since
     m = second.metrics
-    assert m["loads"] == 2 and m["loaded_tokens"] == sum(loaded) and m["hit_tokens"] == 2 * N_TOKENS
+    assert m["loads"] == 2 and m["loaded_tokens"] == sum(loaded) and m["hit_tokens"] == 2 * LOADABLE
     assert m["loaded_bytes"] >= sum(loaded) * 46_080 and m["load_failures"] == 0
 
 

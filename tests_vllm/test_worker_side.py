@@ -14,6 +14,7 @@ from kvrestore.integrations.vllm_costs import CostBook
 from kvrestore.integrations.vllm_io import LoadChunk
 from kvrestore.integrations.vllm_meta import KVRestoreConnectorMetadata, LoadSpec, SaveSpec
 from kvrestore.integrations.vllm_plan import ConnectorConfig, ConnectorContext
+from kvrestore.integrations.vllm_scheduler import SchedulerSide
 from kvrestore.integrations.vllm_worker import WorkerSide
 from kvrestore.stores import MemoryStore
 
@@ -249,3 +250,26 @@ def test_host_pages_from_a_local_directory_are_read_on_the_step_thread(tmp_path)
         finally:
             side.io.close()
     assert seen == {"local": HostPageLoad, "throttled": LayerLoad}
+
+
+class _Request:
+    def __init__(self, request_id: str, tokens: list[int]) -> None:
+        self.request_id, self.prompt_token_ids = request_id, tokens
+
+
+def test_hit_tokens_count_only_what_a_load_can_take():
+    store = MemoryStore()
+    ctx = ConnectorContext(
+        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostBook(None)
+    )
+    tokens = list(range(40))  # one stored chunk of 40 tokens; blocks of 8
+    side = SchedulerSide(ctx, store)
+    try:
+        for r in chunk_keys(tokens, ctx.key_space, ctx.config.chunk_size):
+            side.loop.call(store.put, r.key, b"x")
+        assert side.get_num_new_matched_tokens(_Request("r", tokens), 0) == (32, False)  # type: ignore[arg-type]
+        assert (
+            side.counters.take()["hit_tokens"] == 32
+        )  # 40 stored; the last block holds the token to compute
+    finally:
+        side.shutdown()

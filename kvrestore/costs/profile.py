@@ -155,15 +155,13 @@ def profile_problem(profile: Profile) -> str | None:
 # -- where profiles live ---------------------------------------------------------------------------
 
 
-def machine_id() -> str:
-    """A stable name for this machine's compute: host, CPU model and count, GPU, torch threads."""
-    parts = [
-        platform.node(),
-        platform.machine(),
-        cpu_model(),
-        str(os.cpu_count()),
-        str(torch.get_num_threads()),
-    ]
+def machine_id(threads: bool = True) -> str:
+    """A stable name for this machine's compute: host, CPU model and count, GPU, and (`threads`) this
+    process's torch threads. Without them, the same in every process of the machine (vLLM's scheduler
+    and its worker run different numbers of threads and share the worker's learned costs)."""
+    parts = [platform.node(), platform.machine(), cpu_model(), str(os.cpu_count())]
+    if threads:
+        parts.append(str(torch.get_num_threads()))
     if torch.cuda.is_available():
         parts.append(torch.cuda.get_device_name(0))
     return hashlib.blake2b("|".join(parts).encode(), digest_size=8).hexdigest()

@@ -59,11 +59,13 @@ from kvrestore.integrations.vllm_meta import KVRestoreConnectorMetadata
 from kvrestore.integrations.vllm_plan import (
     ConnectorConfig,
     ConnectorContext,
+    check_shared_memory,
     checkpoint_fingerprint,
     model_spec,
+    preflight,
 )
 from kvrestore.integrations.vllm_scheduler import SchedulerSide
-from kvrestore.integrations.vllm_stats import COUNTERS, emit, records, sum_counts
+from kvrestore.integrations.vllm_stats import COUNTERS, emit, log_through, records, sum_counts
 from kvrestore.integrations.vllm_worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -136,8 +138,11 @@ class KVRestoreConnector(KVConnectorBase_V1):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        log_through(logging.getLogger("vllm"))
         tc = self._kv_transfer_config
         config = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
+        pc = vllm_config.parallel_config
+        check_shared_memory(config, pc.distributed_executor_backend, pc.world_size)
         mc = vllm_config.model_config
         cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
         if cache_dtype in ("fp8", "fp8_e4m3"):  # its pages are stored as fp8 chunks, as they are
@@ -181,8 +186,29 @@ class KVRestoreConnector(KVConnectorBase_V1):
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """Yes where it loads: its loads are waited for layer by layer (`wait_for_layer_load`), which the
-        replay of a full CUDA graph skips; piecewise graphs run the waits between the pieces."""
-        return ConnectorConfig.from_extra(extra_config).load
+        replay of a full CUDA graph skips; piecewise graphs run the waits between the pieces.
+
+        vLLM asks this while it checks its configuration, before any process starts (only where it
+        would capture full CUDA graphs): the configuration and a local store are checked here too."""
+        config = ConnectorConfig.from_extra(extra_config)
+        preflight(config)
+        return config.load
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """None: the connector takes vLLM's layout as it is (`vllm_layout`).
+
+        vLLM's engine asks this once the model's weights are loaded, before it profiles memory,
+        compiles and warms the model up (most of a start-up on a CPU), and before it makes any
+        connector: a configuration error (an unknown key, a directory that cannot be used, a
+        ``memory://`` store two processes cannot share) stops the server here."""
+        tc = vllm_config.kv_transfer_config
+        log_through(logging.getLogger("vllm"))
+        config = ConnectorConfig.from_extra(tc.kv_connector_extra_config if tc is not None else None)
+        pc = vllm_config.parallel_config
+        check_shared_memory(config, pc.distributed_executor_backend, pc.world_size)
+        preflight(config)
+        return None
 
     def _scheduler(self) -> SchedulerSide:
         assert self.scheduler is not None, "a scheduler call to a worker's connector"

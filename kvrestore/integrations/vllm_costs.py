@@ -88,7 +88,8 @@ class CostBook:
     @classmethod
     def shared(cls, fingerprint: str, cost_dir: str | os.PathLike | None = None) -> CostBook:
         root = Path(cost_dir) if cost_dir is not None else cache_root() / "vllm"
-        path = root / f"costs-{fingerprint[:16]}-{machine_id()}.json"
+        # not by this process's threads: the scheduler's process reads what the worker's learned
+        path = root / f"costs-{fingerprint[:16]}-{machine_id(threads=False)}.json"
         with cls._shared_lock:
             book = cls._shared.get(str(path))
             if book is None:

@@ -71,7 +71,10 @@ class ChunkSaver:
 
     At most `max_bytes` of KV wait to be written (across every request); a chunk that does not fit is
     dropped and counted (`dropped`), with a warning: a dropped save is only a future cache miss. A write
-    fault counts in `failed`, also with a warning.
+    fault counts in `failed`, with one warning, and the store is then left alone for `retry_after_s`,
+    as the scheduler side leaves a store alone that did not answer a lookup: chunks offered meanwhile are
+    not copied out nor written, and count in `failed` (a read-only store or a missing bucket warns once
+    per `retry_after_s`, not once per chunk).
     """
 
     def __init__(
@@ -85,8 +88,11 @@ class ChunkSaver:
         lanes: int = 2,
         encoding: str = "native",
         seal: Seal | None = None,
+        retry_after_s: float = 10.0,
     ) -> None:
         self.spec = spec
+        self.retry_after_s = retry_after_s
+        self._down_until = 0.0  # time.monotonic() until which writes are not tried
         self.store = store
         self.io = io
         self.seal = seal  # signs every chunk written, where the connector has a secret
@@ -113,8 +119,12 @@ class ChunkSaver:
     def reserve(self, key: str, nbytes: int) -> bool:
         """Room in the queue for a chunk of `nbytes` to be written under `key`, taken before the chunk is
         copied out (a chunk that would be dropped is not copied at all); False, counted and warned, if
-        there is none. Then `submit_reserved` the chunk, or `unreserve` the room."""
+        there is none, or while the store is left alone after a write fault (counted in `failed`,
+        silently). Then `submit_reserved` the chunk, or `unreserve` the room."""
         with self._lock:
+            if time.monotonic() < self._down_until:
+                self.failed += 1
+                return False
             if self.pending_bytes + nbytes > self.max_bytes:
                 self.dropped += 1
                 dropped, pending = self.dropped, self.pending_bytes
@@ -196,7 +206,17 @@ class ChunkSaver:
         except STORE_FAULTS as exc:
             with self._lock:
                 self.failed += 1
-            log.warning("kvrestore: could not save chunk %s: %s: %s", key[:12], type(exc).__name__, exc)
+                first = time.monotonic() >= self._down_until  # the first fault since the store was up
+                self._down_until = max(self._down_until, time.monotonic() + self.retry_after_s)
+            if first:
+                log.warning(
+                    "kvrestore: could not save chunk %s (%s: %s); not saving to %s for %.0f s",
+                    key[:12],
+                    type(exc).__name__,
+                    exc,
+                    self.store.name,
+                    self.retry_after_s,
+                )
         finally:
             with self._lock:
                 self.pending_bytes -= nbytes

@@ -164,16 +164,17 @@ class ConnectorContext:
         return c.store_url + (f"@{t:.0f}B/s+{c.throttle_latency_s}s" if t else "")
 
     def open_store(self) -> ChunkStore:
-        """The store (read through a `ThrottledStore` if `throttle_bytes_per_s` is set). A ``memory://``
-        store is one per process and options: the scheduler side finds what the worker side saved in
-        the same process (vLLM runs both in one process unless the model is split over several); its
-        options are `MemoryStore`'s (``pinned=True``: page-locked, for uploads to a GPU)."""
+        """The store (read through a `ThrottledStore` if `throttle_bytes_per_s` is set), opened read-only
+        with ``"save": false`` (it is then never written, not even probed). A ``memory://`` store is one
+        per process and options: the scheduler side finds what the worker side saved in the same process
+        (`check_shared_memory`); its options are `MemoryStore`'s (``pinned=True``: page-locked, for
+        uploads to a GPU)."""
         c = self.config
         store: ChunkStore
         if c.store_url == "memory://":
             store = _memory_store(c.store_options)
         else:
-            store = open_store(c.store_url, **dict(c.store_options))
+            store = open_store(c.store_url, **{"read_only": not c.save, **dict(c.store_options)})
         if c.throttle_bytes_per_s is not None:
             store = ThrottledStore(store, c.throttle_bytes_per_s, latency_s=c.throttle_latency_s)
         return store
@@ -200,6 +201,33 @@ def _memory_store(options: Mapping[str, Any]) -> MemoryStore:
             except TypeError as exc:
                 raise InvalidInputError(f"store_options for memory:// are MemoryStore's: {exc}") from None
         return store
+
+
+def check_shared_memory(config: ConnectorConfig, executor_backend: str | None, world_size: int = 1) -> None:
+    """Refuse a ``memory://`` store where vLLM's scheduler and its worker run in two processes (each
+    would have a store of its own: the scheduler would never find what the worker saved). They share one
+    process where vLLM runs its model in the engine's own process (``distributed_executor_backend`` "uni",
+    one worker): on a GPU by default, on a CPU with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``."""
+    if config.store_url != "memory://":
+        return
+    if executor_backend not in ("uni", None) or world_size > 1:
+        raise InvalidInputError(
+            f"store_url 'memory://' is a store per process, and this vLLM runs its scheduler and its "
+            f"worker{'s' if world_size > 1 else ''} in separate processes (distributed_executor_backend="
+            f"{executor_backend!r}, {world_size} worker{'s' if world_size > 1 else ''}): nothing saved "
+            "would ever be found. Use a directory (store_url='/var/cache/kv') or another shared store; on "
+            "a CPU, VLLM_ENABLE_V1_MULTIPROCESSING=0 runs both in one process"
+        )
+
+
+def preflight(config: ConnectorConfig) -> None:
+    """What can be checked of the store before vLLM has loaded and warmed the model: a local directory
+    is opened as the connector will open it (created and probed for writing, or read-only with
+    ``"save": false``), so a directory that cannot be used stops the server at once. Other stores are
+    opened when the connector starts (an S3 bucket is first asked at the first lookup)."""
+    url = config.store_url
+    if "://" not in url or url.startswith("file://"):
+        open_store(url, **{"read_only": not config.save, **dict(config.store_options)})
 
 
 # -- the split ---------------------------------------------------------------------------------------

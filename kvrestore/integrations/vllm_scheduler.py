@@ -137,7 +137,7 @@ class SchedulerSide:
         )
         st.choice = choice
         if fresh:
-            self.counters.add(hit_tokens=choice.stored_tokens)
+            self.counters.add(hit_tokens=choice.loadable_tokens)
         if ends and fresh:
             emit(
                 logging.INFO,

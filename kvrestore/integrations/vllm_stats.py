@@ -21,7 +21,7 @@ log = logging.getLogger("kvrestore.vllm")
 COUNTERS: dict[str, str] = {
     "lookups": "prompts looked up in the store",
     "lookup_failures": "lookups the store did not answer in time (served without it)",
-    "hit_tokens": "prompt tokens found stored (whole chunks of the longest stored prefix)",
+    "hit_tokens": "prompt tokens found stored that a load can take (whole blocks, less the last token)",
     "planned_tokens": "prompt tokens the split chose to load",
     "partial_splits": "requests where the split loads part of what is stored and computes the rest",
     "loads": "requests whose stored tokens were loaded",
@@ -73,6 +73,25 @@ def emit(level: int, event: str, message: str, **fields: Any) -> dict[str, Any]:
         _records.append(record)
     log.log(level, "kvrestore: " + message, fields, extra={"kvrestore": record})
     return record
+
+
+def log_through(
+    vllm: logging.Logger, *, logger: logging.Logger | None = None, root: logging.Logger | None = None
+) -> bool:
+    """Send the ``kvrestore`` logger's records (`logger`) to the handlers of vLLM's logger (`vllm`), at
+    INFO unless a level was set, where the application configured no logging of its own (no handler on
+    `logger` or on the root logger). vLLM configures only its own logger, so under ``vllm serve`` the
+    connector's lines would otherwise reach no handler (Python's last resort prints warnings only, bare);
+    this way they are in vLLM's log, in vLLM's format. True if it attached them."""
+    logger = logger if logger is not None else logging.getLogger("kvrestore")
+    root = root if root is not None else logging.getLogger()
+    if logger.handlers or root.handlers or not vllm.handlers:
+        return False
+    for handler in vllm.handlers:
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    return True
 
 
 def records(event: str | None = None) -> list[dict[str, Any]]:

@@ -88,6 +88,7 @@ class WorkerSide:
             max_bytes=self.config.save_queue_bytes,
             encoding=self.config.kv_encoding,
             seal=ctx.seal,
+            retry_after_s=self.config.retry_after_s,
         )
         self.counters = Counters()
         self._saver_seen = (0, 0, 0, 0)  # the saver's written, bytes, dropped, failed last reported
@@ -491,6 +492,7 @@ class WorkerSide:
                 self.saver.dropped,
                 self.saver.failed,
             )
+        self.costs.flush()  # what it learned since the last write, for the next process
         with contextlib.suppress(*STORE_FAULTS):  # on the loop its client was made on
             self.io.call(self.store.close, timeout=self.config.lookup_timeout_s)
         self.io.close()

@@ -22,6 +22,7 @@ from kvrestore.stores.eviction import FIFO, LRU, EvictionPolicy
 from kvrestore.stores.local import LocalStore
 from kvrestore.stores.memory import MemoryStore
 from kvrestore.stores.prefetch import PrefetchStore
+from kvrestore.stores.readonly import ReadOnlyStore
 from kvrestore.stores.remote import FsspecStore
 from kvrestore.stores.throttled import ThrottledStore
 from kvrestore.stores.tiered import TieredStore, TierStats
@@ -60,7 +61,9 @@ def open_store(url: str, **options: Any) -> ChunkStore:
         `"s3://bucket/prefix"` (an `FsspecStore` over s3fs, the `s3` extra), or a scheme added with
         `register_store`.
     **options
-        The store's own: `capacity_bytes` and `eviction` for every built-in store (a local directory
+        `read_only=True` for every scheme: the store is read and never written (a put or a delete is a
+        `StoreError`; a local directory must exist and is not probed for writing). Then the store's
+        own: `capacity_bytes` and `eviction` for every built-in store (a local directory
         with a capacity is wrapped in a `BoundedStore`), s3fs's options
         (`endpoint_url`, `key`, `secret`, `config_kwargs`, ...) for S3.
 
@@ -86,7 +89,13 @@ def open_store(url: str, **options: Any) -> ChunkStore:
             f"no store for scheme {scheme!r} in {url!r}; known schemes: "
             + ", ".join(f"{s}://" for s in known_schemes())
         )
-    return factory(url, **options)
+    read_only = options.pop("read_only", False)
+    if not isinstance(read_only, bool):
+        raise InvalidInputError(f"read_only must be True or False, got {read_only!r}")
+    if read_only and factory is _local:  # opens read-only itself, keeping its blocking reads
+        return factory(url, read_only=True, **options)
+    store = factory(url, **options)
+    return ReadOnlyStore(store) if read_only else store
 
 
 def _memory(url: str, capacity_bytes: int | None = None, eviction: Any = None, **unknown: Any) -> ChunkStore:
@@ -142,6 +151,7 @@ __all__ = [
     "LocalStore",
     "MemoryStore",
     "PrefetchStore",
+    "ReadOnlyStore",
     "StoreFactory",
     "StoredObject",
     "TierStats",

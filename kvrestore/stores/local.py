@@ -198,14 +198,19 @@ class LocalStore(ChunkStore):
     """ChunkStore in a local directory, e.g. `LocalStore("/var/cache/kv")` or `LocalStore("file:///kv")`.
 
     `fsync=True` makes puts durable across power loss at the cost of a disk flush per object (a cache
-    rarely needs it). `FsspecStore(path)` of a local path makes one of these too.
+    rarely needs it). `read_only=True` opens an existing directory without writing to it (no write
+    probe, no sweep of dead writers' temp files): it loads, and a put or delete is a `StoreError`, for a
+    replica that only reads a shared cache, with read-only rights. `FsspecStore(path)` of a local path
+    makes one of these too.
     """
 
     #: kept for callers that ask a store built from a URL which kind it is
     local = True
     is_async = False
 
-    def __init__(self, url: str, *, fsync: bool = False, **storage_options: Any) -> None:
+    def __init__(
+        self, url: str, *, fsync: bool = False, read_only: bool = False, **storage_options: Any
+    ) -> None:
         if not is_local(filesystem_class(url)):
             raise InvalidInputError(f"{url!r} is not a local directory (FsspecStore opens remote URLs)")
         if storage_options:  # a local filesystem would ignore them silently
@@ -218,6 +223,7 @@ class LocalStore(ChunkStore):
             raise StoreError(f"cannot open {url!r}: {type(e).__name__}: {e}") from e
         self.name = url
         self.fsync = fsync
+        self.read_only = bool(read_only)
         self.root = self.local_dir = os.path.abspath(root)
         self._listings: dict[str, tuple[int, list[StoredObject]]] = {}  # shard dir: (its mtime, objects)
         self._open()
@@ -228,7 +234,14 @@ class LocalStore(ChunkStore):
         return os.path.join(self.root, key[:2], key + SUFFIX)
 
     def _open(self) -> None:
-        """Create the root, prove it is writable, and sweep temp files left by killed writers."""
+        """Create the root, prove it is writable, and sweep temp files left by killed writers (read-only:
+        only check that it is a directory that can be read)."""
+        if self.read_only:
+            if not os.path.isdir(self.root) or not os.access(self.root, os.R_OK | os.X_OK):
+                raise StoreError(
+                    f"chunk store directory {self.root!r} is not usable read-only (not a readable directory)"
+                )
+            return
         probe = os.path.join(self.root, f"{TMP_PREFIX}probe-{uuid.uuid4().hex}")
         try:
             os.makedirs(self.root, exist_ok=True)
@@ -316,7 +329,12 @@ class LocalStore(ChunkStore):
         return [None] * len(ranges) if got is None else list(got)
 
     async def put(self, key: str, data: bytes) -> None:
+        self._check_writable("write", key)
         await _thread(partial(self._write, self.path(key), data))
+
+    def _check_writable(self, what: str, key: str) -> None:
+        if self.read_only:
+            raise StoreError(f"chunk store {self.root!r} is read-only: cannot {what} {key[:12]}")
 
     async def contains(self, keys: Sequence[str]) -> list[bool]:
         return await _abandonable(partial(self._exists, keys))
@@ -370,6 +388,7 @@ class LocalStore(ChunkStore):
         return out
 
     async def delete(self, key: str) -> None:
+        self._check_writable("delete", key)
         await _thread(partial(_delete_file, self.path(key)))
 
     def __repr__(self) -> str:

@@ -294,3 +294,34 @@ def test_scatter_reads_fill_buffers_in_order(tmp_path, kind, sizes):
     assert placed == min(sum(sizes), len(blob) - offset)
     assert b"".join(bytes(b) for b in buffers)[:placed] == blob[offset : offset + placed]
     assert store.scatter_into_sync("cd" * 16, 0, buffers) is None
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["engine", "batch-engine"])
+def test_a_restore_leaves_no_stream_open(llama_backend, batch):
+    """The memory object streams that carry a restore's events are closed once it ends (an unclosed
+    one warns with ResourceWarning when it is collected)."""
+    import gc
+    import warnings
+
+    from kvrestore import BatchEngine
+
+    tokens = random_tokens(96, llama_backend.spec.vocab_size)
+
+    async def main():
+        store = MemoryStore()
+        await Restorer(llama_backend, store, chunk_size=32).save(tokens)
+        if not batch:
+            async with Restorer(llama_backend, store, chunk_size=32) as r:
+                return await r.restore(tokens, TokenTwoPointer())
+        async with BatchEngine(load_lanes=2) as engine:
+            r = Restorer(llama_backend, store, chunk_size=32, engine=engine)
+            out = await r.restore(tokens, TokenTwoPointer())
+            await r.close()
+            return out
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        res = anyio.run(main)
+        gc.collect()
+    assert res.stats.loaded_chunks + res.stats.computed_chunks == 3
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning) and "MemoryObject" in str(w.message)]

@@ -333,19 +333,44 @@ def test_the_compute_floor_counts_two_flops_a_weight_at_the_measured_rate(llama_
     assert llama_backend._floor is kept  # measured once per backend
 
 
+class SilentLink(ThrottledStore):
+    """A throttled store that shows a read's bytes only once it has finished (`delivered_bytes` None),
+    as most stores do: what a restore knows of the link comes from fetches landing or not."""
+
+    def delivered_bytes(self) -> float | None:
+        return None
+
+
+class FixedFloor(SlowLayers):
+    """`SlowLayers` whose compute floor is `floor_s` a token, whatever the machine measures."""
+
+    def __init__(self, inner: Any, layer_s: float, floor_s: float) -> None:
+        super().__init__(inner, layer_s)
+        self.floor_s = floor_s
+
+    def compute_floor_s(self, n_tokens: int) -> float:
+        return self.floor_s * n_tokens
+
+
 def test_a_link_no_fetch_lands_on_is_learned_as_a_bound(llama_backend):
     """A store so slow that no fetch lands while the prompt computes (100 bytes/s): the first restore
     computes in several units while it waits for fetches; the planner keeps the bound their time in
     flight sets on the link (`silent_s_per_token`), and the next restore, knowing from the start that
     no fetch can land in time, computes every chunk in one unit, the last stored chunk fetched aside
-    meanwhile to keep that bound current."""
+    meanwhile to keep that bound current.
+
+    Nothing here depends on the machine's speed: the floor is fixed (1 us a token), the store shows no
+    bytes arriving, so the first restore knows nothing of its link and starts with a one-chunk unit;
+    each unit sleeps at least 3 layers x 20 ms, so a fetch dropped after the first unit sets a bound of
+    at least 60 ms / 256 tokens, and a 32-token fetch (>= 7.5 ms by that bound) cannot land before the
+    whole prompt's floor (0.26 ms) has passed: a slower machine only makes both margins larger."""
     tokens = random_tokens(256, llama_backend.spec.vocab_size)
-    slow = SlowLayers(llama_backend, layer_s=0.02)  # a unit takes 3 layers x 20 ms, whatever its length
+    slow = FixedFloor(llama_backend, layer_s=0.02, floor_s=1e-6)
 
     async def main():
         store = MemoryStore()
         await Restorer(llama_backend, store, chunk_size=32, learn=False).save(tokens)
-        r = Restorer(slow, ThrottledStore(store, 100.0), chunk_size=32, learn=False, profile=False)
+        r = Restorer(slow, SilentLink(store, 100.0), chunk_size=32, learn=False, profile=False)
         first = await r.restore(tokens, TokenTwoPointer())
         bound = r.planner.silent_s_per_token
         second = await r.restore(tokens, TokenTwoPointer())

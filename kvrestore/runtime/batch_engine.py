@@ -108,8 +108,10 @@ class BatchEngine(Engine):
         if self._stack is not None:
             raise RuntimeError("this BatchEngine is already running")
         stack = contextlib.AsyncExitStack()
-        self._tg = await stack.enter_async_context(anyio.create_task_group())
         self._send, receive = anyio.create_memory_object_stream[tuple](math.inf)
+        stack.callback(receive.close)  # closed once the task group below has ended (the stack unwinds
+        stack.callback(self._send.close)  # in reverse): no task is left to use them
+        self._tg = await stack.enter_async_context(anyio.create_task_group())
         self._stack = stack
         self._tg.start_soon(drive_batch, self.scheduler, _Lanes(self, self._tg, receive))
         return self
@@ -194,7 +196,8 @@ class BatchEngine(Engine):
         except BaseException:
             with anyio.CancelScope(shield=True):
                 live.cancelled = True
-                self._send.send_nowait(("cancel", job.id))
+                with contextlib.suppress(anyio.ClosedResourceError):  # the engine has closed meanwhile
+                    self._send.send_nowait(("cancel", job.id))
                 await live.done.wait()  # set once none of its units is still running
             raise
         if live.error is not None:

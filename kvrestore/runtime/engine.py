@@ -167,6 +167,9 @@ class Engine:
                         await lanes.stop_thread_loads()
         except BaseExceptionGroup as group:
             raise _single(group) from None
+        finally:  # every task that could report has ended with the task group
+            lanes.send.close()
+            lanes.receive.close()
         return trace
 
 

@@ -324,4 +324,6 @@ def test_a_restore_leaves_no_stream_open(llama_backend, batch):
         res = anyio.run(main)
         gc.collect()
     assert res.stats.loaded_chunks + res.stats.computed_chunks == 3
-    assert not [w for w in caught if issubclass(w.category, ResourceWarning) and "MemoryObject" in str(w.message)]
+    assert not [
+        w for w in caught if issubclass(w.category, ResourceWarning) and "MemoryObject" in str(w.message)
+    ]

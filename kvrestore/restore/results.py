@@ -17,7 +17,7 @@ from kvrestore.planning.auto import Plan
 from kvrestore.planning.planner import Planner
 from kvrestore.runtime.engine import Engine
 from kvrestore.stores.base import ChunkStore
-from kvrestore.stores.deadline import DeadlineStore
+from kvrestore.stores.deadline import Deadlines, DeadlineStore
 
 
 @dataclass
@@ -102,14 +102,19 @@ class Units:
 @dataclass
 class Parts:
     """What runs a restore: the model, the store and its chunk loader, the engine's lanes, the planner
-    that learns from each run, and how long a load may take."""
+    that learns from each run, and the restorer's deadlines (read at each restore, never copied)."""
 
     backend: ComputeBackend
     store: ChunkStore
     engine: Engine
     loader: ChunkLoader
     planner: Planner
-    load_timeout_s: float | None
+    deadlines: Deadlines
+
+    @property
+    def load_timeout_s(self) -> float | None:
+        """How long a load may take now (`Deadlines.load_s`)."""
+        return self.deadlines.load_s
 
     def buffer(self, out: KVCache | None, n_tokens: int) -> KVCache:
         """A new KV buffer, or the head of `out` (checked by `Restorer.restore`), that the lanes' CUDA

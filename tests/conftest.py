@@ -10,6 +10,8 @@ import torch
 from hypothesis import settings
 
 from kvrestore.backends.hf import HFBackend
+from kvrestore.costs.estimates import NO_PRIORS, Estimates, Priors
+from kvrestore.policies.base import Decision, Policy, Progress
 
 pytest_plugins = ["tests.s3_server"]  # s3_server / s3_bucket / s3_options: a real moto_server
 
@@ -99,3 +101,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("model") or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+def ask(policy: Policy, progress: Progress, priors: Priors = NO_PRIORS) -> Decision:
+    """`policy`'s decision on `progress`, with the estimates a driver would hand it (on top of `priors`)."""
+    return policy.decide(progress, Estimates(progress, priors))

@@ -16,6 +16,7 @@ from kvrestore.backends.floor import ComputeFloor, measure_floor
 from kvrestore.core.cancel import checkpoint
 from kvrestore.core.trace import TraceEvent
 from kvrestore.costs.compute import ChunkCost, LayerCost
+from kvrestore.costs.estimates import Priors
 from kvrestore.costs.links import LinkCost
 from kvrestore.policies import ChunkStatus, Decision, Progress
 from kvrestore.policies.token_two_pointer import GRACE, PROBE_SHARE
@@ -25,7 +26,7 @@ from kvrestore.stores.memory import MemoryStore
 from kvrestore.stores.throttled import ThrottledStore
 from kvrestore.stores.wrapper import WrapperStore
 
-from .conftest import random_tokens
+from .conftest import ask, random_tokens
 from .test_profile import make_profile
 from .test_two_pointer import ATOL, full_prefill
 
@@ -146,12 +147,11 @@ def test_a_unit_that_ends_first_discards_what_landed_aside():
 def test_the_two_pointer_waits_for_loads_predicted_to_land_everything_first():
     p = Progress([256] * 4, [True] * 4)
     p.free_load_lanes = 4
-    p.prior_compute_s = [1.0] * 4
-    p.prior_link = (1e-4, 0.001)  # every chunk lands in about 0.1 s: long before one is computed
-    d = TokenTwoPointer().decide(p)
+    fast = Priors(compute_s=[1.0] * 4, link=(1e-4, 0.001))  # every chunk lands in about 0.1 s: long
+    d = ask(TokenTwoPointer(), p, fast)  # before one is computed
     assert d.compute is None and sorted(d.loads) == [0, 1, 2, 3] and d.wake_at is not None
-    p.prior_link = (1e-2, 0.001)  # ten seconds to fetch everything: compute from the front
-    d = TokenTwoPointer().decide(p)
+    slow = Priors(compute_s=[1.0] * 4, link=(1e-2, 0.001))  # ten seconds to fetch everything: compute
+    d = ask(TokenTwoPointer(), p, slow)  # from the front
     assert d.compute is not None and d.compute[0] == 0
 
 
@@ -161,32 +161,34 @@ def test_knowing_only_the_compute_floor_it_waits_for_two_fetches_to_judge():
     the lanes beside it), at most `PROBE_SHARE` of the floor of computing everything; then the hold
     rule judges with the floor."""
     n = 32
-    p = Progress([256] * n, [True] * n, compute_floor_s=[1.0] * n)
+    p = Progress([256] * n, [True] * n)
+    floors = Priors(floor_s=[1.0] * n)
     p.free_load_lanes = 4
-    d = TokenTwoPointer().decide(p)
+    d = ask(TokenTwoPointer(), p, floors)
     assert d.compute is None and d.loads == (31, 30, 29, 28)
     assert d.wake_at == pytest.approx(PROBE_SHARE * n)
     begin(p, d)
     # chunk 31 took 0.1 s: alone, that says 3.2 s for everything, more than chunk 0's floor of 1 s
     p.now, p.free_load_lanes = 0.1, 1
     apply_event(p, TraceEvent("load", 31, 31, 0.0, 0.1, 100))
-    d = TokenTwoPointer().decide(p)
+    d = ask(TokenTwoPointer(), p, floors)
     assert d.compute is None and d.wake_at == pytest.approx(PROBE_SHARE * (n - 1))  # still probing
     begin(p, d)
     # chunk 30 landed 10 ms later: the link delivers a chunk every 10 ms, all by 0.41 s
     p.now = 0.11
     apply_event(p, TraceEvent("load", 30, 30, 0.0, 0.11, 100))
-    d = TokenTwoPointer().decide(p)
+    d = ask(TokenTwoPointer(), p, floors)
     assert d.compute is None and d.wake_at == pytest.approx(0.11 + 30 * 0.01 + GRACE * 1.0)
 
 
 def test_a_probe_that_sees_no_fetch_land_in_time_computes():
-    p = Progress([256] * 4, [True] * 4, compute_floor_s=[1.0] * 4)
+    p = Progress([256] * 4, [True] * 4)
+    floors = Priors(floor_s=[1.0] * 4)
     p.free_load_lanes = 4
-    begin(p, TokenTwoPointer().decide(p))
+    begin(p, ask(TokenTwoPointer(), p, floors))
     p.now = PROBE_SHARE * 4.0  # the probe's time is up and no fetch has landed: a slow link
     p.free_load_lanes = 0
-    d = TokenTwoPointer().decide(p)
+    d = ask(TokenTwoPointer(), p, floors)
     assert d.compute is not None and d.compute[0] == 0
 
 

@@ -67,7 +67,7 @@ def test_the_check_sees_every_kind_of_write(line):
 
 
 def test_observe_and_capabilities_are_bookkeeping_and_a_view_leaves_the_progress_alone():
-    p = Progress([16] * 3, [True] * 3, min_unit_chunks=2, prior_link=(1e-3, 0.01))
+    p = Progress([16] * 3, [True] * 3, min_unit_chunks=2)
     set_capabilities(p, can_race=True, can_overtake=False)
     observe(p, 1.5, free_load_lanes=2)
     assert (p.now, p.free_load_lanes, p.can_race, p.can_overtake) == (1.5, 2, True, False)

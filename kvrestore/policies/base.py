@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from kvrestore.core.errors import InvalidInputError
 
@@ -65,18 +66,6 @@ class Progress:
     aside: dict[int, bool] = field(default_factory=dict)
     #: when the running compute unit began (on the progress clock)
     compute_started: float | None = None
-    #: what the restorer's cost model predicts before this restore has observed anything: seconds to
-    #: compute each chunk (on top of the chunks before it), and the store's link as (seconds per token
-    #: delivered, seconds of latency per request)
-    prior_compute_s: list[float | None] = field(default_factory=list)
-    prior_link: tuple[float, float] | None = None
-    #: the part of each chunk's `prior_compute_s` that a compute unit pays once however many chunks it
-    #: covers (the cost model's fixed cost of a unit): k chunks in one unit cost the sum of their
-    #: priors less k - 1 times this
-    prior_unit_fixed_s: float = 0.0
-    #: seconds below which computing each chunk cannot end (its matmul FLOPs at the device's measured
-    #: rate, `backends.floor`): all a restorer knows of computing before any unit ran (None: not known)
-    compute_floor_s: list[float | None] = field(default_factory=list)
     #: what the store had delivered at the first decision, at the first after it to see bytes arriving,
     #: and at the latest, as (seconds, tokens' worth of bytes the store's count then showed), counting
     #: the bytes of fetches still in flight; empty where the store sees a read's bytes only once it has
@@ -91,8 +80,6 @@ class Progress:
         self.compute_seconds = self.compute_seconds or [None] * n
         self.load_seconds = self.load_seconds or [None] * n
         self.load_started = self.load_started or [None] * n
-        self.prior_compute_s = self.prior_compute_s or [None] * n
-        self.compute_floor_s = self.compute_floor_s or [None] * n
 
     @property
     def n_chunks(self) -> int:
@@ -173,6 +160,40 @@ class Decision:
 IDLE = Decision()
 
 
+class Estimates(Protocol):
+    """What a restore's observations imply about its lanes, as a policy reads it (made by
+    `costs.estimates.Estimates` from a `Progress` and the cost model's priors, once per observation;
+    see there for each rule). Units are the policy's own: chunks along tokens, layers along layers."""
+
+    @property
+    def prior_link(self) -> tuple[float, float] | None: ...
+
+    @property
+    def unit_fixed_s(self) -> float: ...
+
+    def prior_compute_s(self, j: int) -> float | None: ...
+
+    def floor_s(self, j: int) -> float | None: ...
+
+    def compute_rate(self, a: int) -> float | None: ...
+
+    def compute_at(self, j: int, rate: float | None) -> float | None: ...
+
+    def compute_s(self, a: int) -> float | None: ...
+
+    def link(self) -> tuple[float, float] | None: ...
+
+    def guessed_s_per_token(self) -> float | None: ...
+
+    def overdue(self) -> float | None: ...
+
+    def arrival_rate(self) -> float | None: ...
+
+    def landed_count(self) -> int: ...
+
+    def landing(self, a: int, guess: bool = False) -> float | None: ...
+
+
 class Policy(ABC):
     """Decides the next units of a restore from its progress."""
 
@@ -182,8 +203,9 @@ class Policy(ABC):
     axis: str = "tokens"
 
     @abstractmethod
-    def decide(self, progress: Progress) -> Decision:
-        """Units to start now. Called whenever a lane is free and after every finished unit."""
+    def decide(self, progress: Progress, estimates: Estimates) -> Decision:
+        """Units to start now, from what the driver knows (`progress`) and what that implies about the
+        lanes (`estimates`). Called whenever a lane is free and after every finished unit."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

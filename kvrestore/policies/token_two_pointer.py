@@ -17,16 +17,14 @@ is raced from the start: such a restore is never slower than the faster of compu
 from __future__ import annotations
 
 from kvrestore.core.errors import check_int
-from kvrestore.policies.base import ChunkStatus, Decision, Policy, Progress
+from kvrestore.policies.base import ChunkStatus, Decision, Estimates, Policy, Progress
 
 #: stored chunks per compute unit: 2 x 256-token chunks = 512 tokens, Cake's compute granularity
 DEFAULT_COMPUTE_CHUNKS = 2
-#: how many of the most recent fetches estimate the link's delivery rate
-RECENT_LOADS = 4
 #: how far past its estimated landing (as a fraction of computing the chunk) a fetch is still awaited
 GRACE = 0.1
 #: how long a restore that knows nothing of its link waits for two fetches to land before computing, as
-#: a fraction of the floor of computing every chunk left (`Progress.compute_floor_s`)
+#: a fraction of the floor of computing every chunk left (`Estimates.floor_s`)
 PROBE_SHARE = 0.05
 
 
@@ -45,18 +43,18 @@ class TokenTwoPointer(Policy):
     def __repr__(self) -> str:
         return f"TokenTwoPointer(compute_chunks={self.compute_chunks})"
 
-    def decide(self, progress: Progress) -> Decision:
+    def decide(self, progress: Progress, estimates: Estimates) -> Decision:
         contested = self._contested(progress)
         if contested is not None:  # the last chunk, stored: fetch it and compute it, the first wins
             return Decision(compute=(contested, contested + 1), loads=(contested,), race=True)
-        compute, drop, wake_at, hopeless = self._compute_step(progress)
+        compute, drop, wake_at, hopeless = self._compute_step(progress, estimates)
         if drop and compute == (drop[0], drop[0] + 1) and progress.can_race:
             # the meeting chunk alone: race its fetch instead of dropping it, it may still land first
             return Decision(compute=compute, race=True)
         frontier = compute[1] if compute else progress.compute_frontier()
         loads = self._loads(progress, frontier)
         free = progress.free_load_lanes - len(loads)
-        overtake = _overtake(progress, free, compute, loads)
+        overtake = _overtake(progress, estimates, free, compute, loads)
         if hopeless and not overtake:
             overtake = _probe_aside(progress, free, compute)
         return Decision(compute=compute, loads=loads, drop=drop, wake_at=wake_at, overtake=overtake)
@@ -88,7 +86,7 @@ class TokenTwoPointer(Policy):
     # -- the compute pointer ---------------------------------------------------------------------
 
     def _compute_step(
-        self, p: Progress
+        self, p: Progress, e: Estimates
     ) -> tuple[tuple[int, int] | None, tuple[int, ...], float | None, bool]:
         """(compute unit, loads to drop, when to ask again, whether the unit takes every chunk left
         because no fetch can land in time) for the compute lane."""
@@ -98,22 +96,22 @@ class TokenTwoPointer(Policy):
         if a >= p.n_chunks:
             return None, (), None, False
         if p.status[a] is ChunkStatus.PENDING:
-            held = _hold(p, a)
+            held = _hold(p, e, a)
             if held is not None:  # the loads land every chunk left before computing chunk a could
                 return None, (), held, False
-            if _last_stored(p, a) > a and _loads_too_late(p, a):
+            if _last_stored(p, a) > a and _loads_too_late(p, e, a):
                 # smaller units would only add a unit's fixed cost each: one unit to the end (the last
                 # stored chunk is fetched aside meanwhile, `_probe_aside`)
-                b, drop = _extend(p, a, a + 1, p.n_chunks, floors=True)
+                b, drop = _extend(p, e, a, a + 1, p.n_chunks, floors=True)
                 return (a, b), drop, None, True
             # the stored chunks past the unit are the loads' to take: the unit is not grown over them
-            b, drop = _extend(p, a, a + 1, a + self._unit_length(p, a))
-            return *self._unit(p, a, b, drop, over_stored=False), False
+            b, drop = _extend(p, e, a, a + 1, a + self._unit_length(p, e, a))
+            return *self._unit(p, e, a, b, drop, over_stored=False), False
         # the pointers met: chunk a is being fetched
-        compute_s = _compute_estimate(p, a)
+        compute_s = e.compute_s(a)
         if compute_s is None:  # nothing computed or learned yet: the least computing it can take
-            compute_s = p.compute_floor_s[a]
-        landing = _landing_estimate(p, a)
+            compute_s = e.floor_s(a)
+        landing = e.landing(a)
         if compute_s is None:
             if p.can_race:  # nothing computed yet to compare with: compute it too, the first wins
                 return (a, a + 1), (a,), None, False
@@ -123,17 +121,17 @@ class TokenTwoPointer(Policy):
             if p.now < due:
                 # waiting is cheaper; look again when the fetch is due if it has not landed by then
                 return None, (), due, False
-        b, drop = _extend(p, a, a + 1, a + max(self.compute_chunks, p.min_unit_chunks))
-        return *self._unit(p, a, b, (a, *drop)), False
+        b, drop = _extend(p, e, a, a + 1, a + max(self.compute_chunks, p.min_unit_chunks))
+        return *self._unit(p, e, a, b, (a, *drop)), False
 
     def _unit(
-        self, p: Progress, a: int, b: int, drop: tuple[int, ...], over_stored: bool = True
+        self, p: Progress, e: Estimates, a: int, b: int, drop: tuple[int, ...], over_stored: bool = True
     ) -> tuple[tuple[int, int], tuple[int, ...], None]:
         """The unit [a, b) dropping `drop`, or to the end of the compute lane's run where less than a
         unit would be left of it (a runt unit pays a unit's fixed cost for little work). Not
         `over_stored`: the run ends at the first stored chunk not fetched yet (a unit shortened because
         the loads are to take the chunks past it is not grown back over them)."""
-        end, rest = _extend(p, a, b, p.n_chunks)  # how far computing goes before a fetch meets it
+        end, rest = _extend(p, e, a, b, p.n_chunks)  # how far computing goes before a fetch meets it
         if not over_stored:
             end = next((j for j in range(b, end) if p.stored[j] and p.status[j] is ChunkStatus.PENDING), end)
             rest = tuple(j for j in rest if j < end)
@@ -141,7 +139,7 @@ class TokenTwoPointer(Policy):
             b, drop = end, drop + rest
         return (a, b), drop, None
 
-    def _unit_length(self, p: Progress, a: int) -> int:
+    def _unit_length(self, p: Progress, e: Estimates, a: int) -> int:
         """`compute_chunks` (at least the lane's `min_unit_chunks`), or fewer near the meeting: only the
         share of the chunks left before the load pointer that computing will cover at the current speeds
         (a larger unit would compute chunks the loads reach first, and make the meeting wait for the
@@ -154,41 +152,43 @@ class TokenTwoPointer(Policy):
         unit = max(self.compute_chunks, p.min_unit_chunks)
         if not any(p.stored[j] and not p.status[j].done for j in range(a + 1, p.n_chunks)):
             return unit  # nothing left to load: compute runs alone
-        rate = _compute_rate(p, a)
-        compute_s = _estimate_at(p, a, rate)
+        rate = e.compute_rate(a)
+        compute_s = e.compute_at(a, rate)
         if compute_s is None:
             # nothing computed yet: measure the lane with one unit before committing to more (the
             # smallest unit that is not launch-bound, where the lane has such a floor)
             return p.min_unit_chunks
-        link = _link(p)
+        link = e.link()
         if link is not None and rate is None:
-            planned = _planned_split(p, a, link)
+            planned = _planned_split(p, e, a, link)
             if planned is not None:
                 return planned
-        overdue = _overdue(p, _landed(p))
+        overdue = e.overdue()
         per_token = link[0] if link is not None else None if overdue is None else 2 * overdue
         if per_token is None:
             return unit
-        load_ptr = _extend(p, a, a, p.n_chunks)[0]  # the first fetch that lands before computing gets there
+        load_ptr = _extend(p, e, a, a, p.n_chunks)[
+            0
+        ]  # the first fetch that lands before computing gets there
         load_s = per_token * p.chunk_tokens[a]
         share = int((load_ptr - a) * load_s / (compute_s + load_s))
         return max(1, min(unit, share))
 
 
-def _planned_split(p: Progress, a: int, link: tuple[float, float]) -> int | None:
+def _planned_split(p: Progress, e: Estimates, a: int, link: tuple[float, float]) -> int | None:
     """Chunks of the first unit from chunk a, by the cost model and the link (nothing computed yet):
     the unit that ends the restore soonest, with the loads taking every chunk past it. A unit's time is
-    the sum of its chunks' priors less the fixed cost they repeat (`Progress.prior_unit_fixed_s`:
+    the sum of its chunks' priors less the fixed cost they repeat (`Estimates.unit_fixed_s`:
     the unit pays it once); the loads' is the link's latency and the tokens left past the unit at
     its rate. None where the model cannot say: a chunk past a not stored, or a prior missing."""
     if not _all_loadable(p, a):
         return None
     per_token, latency = link
-    fixed = p.prior_unit_fixed_s
+    fixed = e.unit_fixed_s
     unit_s, best = 0.0, None
     rest = sum(p.chunk_tokens[j] for j in range(a, p.n_chunks) if not p.status[j].done)
     for b in range(a + 1, p.n_chunks + 1):
-        prior = p.prior_compute_s[b - 1]
+        prior = e.prior_compute_s(b - 1)
         if prior is None or p.status[b - 1] is not ChunkStatus.PENDING:
             break
         unit_s += prior - (fixed if b > a + 1 else 0.0)
@@ -204,68 +204,46 @@ def _last_stored(p: Progress, a: int) -> int:
     return max((j for j in range(a, p.n_chunks) if p.stored[j] and not p.status[j].done), default=a)
 
 
-def _loads_too_late(p: Progress, a: int) -> bool:
+def _loads_too_late(p: Progress, e: Estimates, a: int) -> bool:
     """Whether no fetch could land before computing every chunk left from chunk a would end (by the
     link's estimate and the compute estimates, else their floors): the loads cannot help this restore,
     so the compute lane takes every chunk left as one unit. The last stored chunk's fetch aside
     (`_probe_aside`) measures the link meanwhile (an estimate that is wrong is then corrected by the
     next restore, not trusted for ever)."""
-    link = _link(p)
+    link = e.link()
     left = [j for j in range(a, p.n_chunks) if not p.status[j].done]
-    rate = _compute_rate(p, a)
-    estimates = [_estimate_at(p, j, rate) for j in left]
+    rate = e.compute_rate(a)
+    estimates = [e.compute_at(j, rate) for j in left]
     from_model = rate is None and None not in estimates
     if None in estimates:
-        estimates = [p.compute_floor_s[j] for j in left]
+        estimates = [e.floor_s(j) for j in left]
     stored = [p.chunk_tokens[j] for j in left if p.stored[j] and p.status[j] is ChunkStatus.PENDING]
     if link is None or None in estimates:
         return False
     computing_s: float = sum(estimates)  # type: ignore[arg-type]
     if from_model:  # the cost model's: every chunk left as one unit pays its fixed cost once
-        computing_s -= p.prior_unit_fixed_s * (len(left) - 1)
+        computing_s -= e.unit_fixed_s * (len(left) - 1)
     per_token, latency = link
-    landings = [
-        _landing_estimate(p, j, guess=True) for j in range(p.n_chunks) if p.status[j] is ChunkStatus.LOADING
-    ]
+    landings = [e.landing(j, guess=True) for j in range(p.n_chunks) if p.status[j] is ChunkStatus.LOADING]
     if stored:  # a fetch issued now
         landings.append(p.now + latency + per_token * min(stored))
     known = [t for t in landings if t is not None]
     return bool(known) and min(known) >= p.now + computing_s
 
 
-def _compute_estimate(p: Progress, a: int) -> float | None:
-    """Seconds to compute chunk a: the latest computed chunk's time per token (compute cost grows with
-    position, so the nearest chunk is the best guess; it also tracks the lane's current speed); before
-    any, the cost model's prediction."""
-    return _estimate_at(p, a, _compute_rate(p, a))
-
-
-def _compute_rate(p: Progress, a: int) -> float | None:
-    """Seconds per token of the latest chunk computed before chunk a (None: none yet)."""
-    for j in range(a - 1, -1, -1):
-        s = p.compute_seconds[j]
-        if s is not None and p.status[j] is ChunkStatus.COMPUTED:
-            return s / p.chunk_tokens[j]
-    return None
-
-
-def _estimate_at(p: Progress, j: int, rate: float | None) -> float | None:
-    """`_compute_estimate` of chunk j from `_compute_rate` (the same for every chunk past the done
-    prefix: none of them is computed)."""
-    return rate * p.chunk_tokens[j] if rate is not None else p.prior_compute_s[j]
-
-
-def _extend(p: Progress, a: int, b: int, limit: int, floors: bool = False) -> tuple[int, tuple[int, ...]]:
+def _extend(
+    p: Progress, e: Estimates, a: int, b: int, limit: int, floors: bool = False
+) -> tuple[int, tuple[int, ...]]:
     """(end, fetches to drop) of a compute unit from chunk a, grown from [a, b) up to `limit` over
     pending chunks and over chunks whose fetch would land only after computing from a would have
     finished them (a fetch that cannot win: computing takes the chunk and the fetch is dropped, which
     also frees the link for the fetches that can). With `floors`, a chunk with no compute estimate is
     taken to need its floor (`_loads_too_late` judged so)."""
-    rate = _compute_rate(p, a)  # a is the done prefix: no chunk from it on is computed
+    rate = e.compute_rate(a)  # a is the done prefix: no chunk from it on is computed
 
     def estimate(j: int) -> float | None:
-        s = _estimate_at(p, j, rate)
-        return p.compute_floor_s[j] if s is None and floors else s
+        s = e.compute_at(j, rate)
+        return e.floor_s(j) if s is None and floors else s
 
     finish = p.now
     for j in range(a, b):
@@ -276,7 +254,7 @@ def _extend(p: Progress, a: int, b: int, limit: int, floors: bool = False) -> tu
         status = p.status[b]
         compute_s = estimate(b)
         if status is ChunkStatus.LOADING:
-            landing = _landing_estimate(p, b, guess=True)
+            landing = e.landing(b, guess=True)
             if compute_s is None or landing is None or landing <= finish + compute_s:
                 break
             drop.append(b)
@@ -287,45 +265,25 @@ def _extend(p: Progress, a: int, b: int, limit: int, floors: bool = False) -> tu
     return b, tuple(drop)
 
 
-def _link(p: Progress, landed: list[tuple[float, int]] | None = None) -> tuple[float, float] | None:
-    """(seconds per token delivered, latency): what this restore's loads show (`landed`, if the caller
-    has it), else the cost model's, else, before any fetch has landed, the rate its bytes arrive at
-    (`_arrival_rate`); at least as slow as the wait for the fetch due next says (a link that has
-    delivered nothing for a while is not the link it was)."""
-    landed = _landed(p) if landed is None else landed
-    if p.prior_link is not None and len(landed) < 2:  # one fetch's own time ignores the other lanes
-        link = p.prior_link
-    elif landed:
-        link = (_load_seconds_per_token(p, landed), 0.0)  # type: ignore[assignment]
-    else:
-        arriving = _arrival_rate(p)
-        if arriving is None:
-            return None
-        link = (arriving, 0.0)
-    overdue = _overdue(p, landed)
-    return link if overdue is None else (max(link[0], overdue), link[1])
-
-
-def _hold(p: Progress, a: int) -> float | None:
+def _hold(p: Progress, e: Estimates, a: int) -> float | None:
     """Until when the compute lane waits before chunk a, stored and next to compute (None: it computes
     now): while the loads would land every chunk left first (`_loads_first`), or, with nothing known
     of computing but its floor, while it probes a link it knows nothing of (`_probe`)."""
     if not _all_loadable(p, a):
         return None  # chunks only computing can restore: the lane has work regardless
-    estimate = _compute_estimate(p, a)
-    compute_s = estimate if estimate is not None else p.compute_floor_s[a]
-    landed = _landed(p)
-    held = _loads_first(p, compute_s, landed)
+    estimate = e.compute_s(a)
+    compute_s = estimate if estimate is not None else e.floor_s(a)
+    held = _loads_first(p, e, compute_s)
     if held is None and estimate is None:
-        held = _probe(p, a, landed)
+        held = _probe(p, e, a)
     return held
 
 
-def _loads_first(p: Progress, compute_s: float | None, landed: list[tuple[float, int]]) -> float | None:
+def _loads_first(p: Progress, e: Estimates, compute_s: float | None) -> float | None:
     """When the loads would have landed every stored chunk left, if that comes before computing the
     next chunk (`compute_s`: its estimate, else its floor) would end, else None. The compute lane then
     waits until that time instead of taking CPU, GIL or link time from the loads, and is asked again."""
-    link = _link(p, landed)
+    link = e.link()
     if link is None or compute_s is None:
         return None
     per_token, latency = link
@@ -343,16 +301,16 @@ def _all_loadable(p: Progress, a: int) -> bool:
     return p.stored[a] and all(p.stored[j] or p.status[j].done for j in range(p.n_chunks))
 
 
-def _probe(p: Progress, a: int, landed: list[tuple[float, int]]) -> float | None:
-    """Before anything is known of the link (no prior, fewer than two fetches `landed`: one fetch's own
-    time ignores the lanes beside it; no rate from bytes seen arriving, `_arrival_rate`): the compute
+def _probe(p: Progress, e: Estimates, a: int) -> float | None:
+    """Before anything is known of the link (no prior, fewer than two fetches landed: one fetch's own
+    time ignores the lanes beside it; no rate from bytes seen arriving, `Estimates.arrival_rate`): the compute
     lane waits for two fetches to land, or for the store's arrivals to give a rate, so that
     `_loads_first` and `_loads_too_late` can judge, but no longer than `PROBE_SHARE` of the floor of
     computing every chunk left (the most a restore whose loads turn out useless loses). Returns until
     when, or None."""
-    if p.prior_link is not None or len(landed) >= min(2, sum(p.stored)) or _arrival_rate(p) is not None:
+    if e.prior_link is not None or e.landed_count() >= min(2, sum(p.stored)) or e.arrival_rate() is not None:
         return None
-    floors = [p.compute_floor_s[j] for j in range(a, p.n_chunks) if not p.status[j].done]
+    floors = [e.floor_s(j) for j in range(a, p.n_chunks) if not p.status[j].done]
     if None in floors:
         return None
     until = PROBE_SHARE * sum(floors)  # type: ignore[arg-type]
@@ -364,7 +322,11 @@ def _probe(p: Progress, a: int, landed: list[tuple[float, int]]) -> float | None
 
 
 def _overtake(
-    p: Progress, free: int, starting: tuple[int, int] | None = None, loading: tuple[int, ...] = ()
+    p: Progress,
+    e: Estimates,
+    free: int,
+    starting: tuple[int, int] | None = None,
+    loading: tuple[int, ...] = (),
 ) -> tuple[int, ...]:
     """Chunks of the compute unit running in place (or `starting` now, beside the fetches `loading`)
     to fetch aside on `free` idle load lanes (`Decision.overtake`), back to front: when they are all
@@ -378,11 +340,11 @@ def _overtake(
     todo = [j for j in range(b - 1, a - 1, -1) if j not in p.aside]
     if not todo or not all(p.stored[j] for j in range(a, b)):
         return ()
-    link = _link(p)
+    link = e.link()
     if link is None:  # nothing known of the link but what the fetches in flight have not delivered yet
-        overdue = _overdue(p, [])
+        overdue = e.overdue()
         link = None if overdue is None else (overdue, 0.0)
-    estimates = [_compute_estimate(p, j) for j in range(a, b)]
+    estimates = [e.compute_s(j) for j in range(a, b)]
     if link is not None and started is not None and None not in estimates:
         per_token, latency = link
         in_flight = sum(
@@ -403,97 +365,3 @@ def _probe_aside(p: Progress, free: int, starting: tuple[int, int] | None) -> tu
         return ()
     last = _last_stored(p, starting[0])
     return (last,) if p.stored[last] and last not in p.aside else ()
-
-
-def _arrival_rate(p: Progress) -> float | None:
-    """Seconds per token at which the store's bytes arrive (`Progress.delivered`), before any fetch has
-    landed: from the first decision that saw bytes arriving to the latest (not from the restore's
-    start, so that a request's latency is no part of the rate). Until a fetch lands, this restore's
-    fetches keep the link busy throughout. None: fewer than two such looks."""
-    samples = p.delivered
-    if len(samples) < 2:
-        return None
-    base = samples[0][1]
-    first = next((k for k, (_, d) in enumerate(samples) if d > base), len(samples))
-    if first >= len(samples) - 1:
-        return None
-    (t0, d0), (t1, d1) = samples[first], samples[-1]
-    return (t1 - t0) / (d1 - d0) if d1 > d0 and t1 > t0 else None
-
-
-def _landed(p: Progress) -> list[tuple[float, int]]:
-    """(end time, tokens) of the fetches that landed, oldest first."""
-    return sorted(
-        (p.load_started[j] + p.load_seconds[j], p.chunk_tokens[j])  # type: ignore[operator]
-        for j in range(p.n_chunks)
-        if p.status[j] is ChunkStatus.LOADED
-        and p.load_started[j] is not None
-        and p.load_seconds[j] is not None
-    )
-
-
-def _load_seconds_per_token(p: Progress, landed: list[tuple[float, int]] | None = None) -> float | None:
-    """The link's recent delivery time per token: the gaps between the latest landings (or, with one
-    landing so far, that fetch's own time)."""
-    landed = (landed if landed is not None else _landed(p))[-RECENT_LOADS - 1 :]
-    if not landed:
-        return None
-    if len(landed) >= 2 and landed[-1][0] > landed[0][0]:
-        return (landed[-1][0] - landed[0][0]) / sum(tokens for _, tokens in landed[1:])
-    j = max(
-        (j for j in range(p.n_chunks) if p.status[j] is ChunkStatus.LOADED and p.load_seconds[j] is not None),
-        key=lambda j: p.load_started[j] + p.load_seconds[j],  # type: ignore[operator]
-    )
-    return p.load_seconds[j] / p.chunk_tokens[j]  # type: ignore[operator]
-
-
-def _landing_estimate(p: Progress, a: int, guess: bool = False) -> float | None:
-    """When the fetch of chunk a should land, from the link's recent delivery rate.
-
-    Fetches in flight are assumed served in the order they were issued (a link's queue), so chunk a
-    lands once the fetches issued before it and its own bytes have crossed at the rate at which the
-    latest fetches landed. Durations alone mislead: fetches issued together wait behind each other.
-
-    With `guess`, the rate is `_link`'s (the cost model's before two fetches have landed) and, before
-    anything is known of the link, the fetch issued first is taken to need as long again as it has
-    been in flight without landing (the rate at which it would land right now is only a bound, which
-    says nothing of a fetch that has not landed yet).
-    """
-    landed = _landed(p)
-    started = p.load_started[a]
-    if guess:
-        link = _link(p)
-        overdue = _overdue(p, landed)
-        per_token = link[0] if link is not None else None if overdue is None else 2 * overdue
-    else:
-        per_token = _load_seconds_per_token(p, landed)
-    if per_token is None or started is None:
-        return None
-    if not landed:
-        return started + _ahead_tokens(p, a) * per_token
-    return max(landed[-1][0], min(started, p.now)) + _ahead_tokens(p, a) * per_token
-
-
-def _ahead_tokens(p: Progress, a: int) -> int:
-    """Tokens of the fetches in flight issued no later than chunk a's, its own included."""
-    started = p.load_started[a]
-    return sum(
-        p.chunk_tokens[j]
-        for j in range(p.n_chunks)
-        if p.status[j] is ChunkStatus.LOADING
-        and p.load_started[j] is not None
-        and (p.load_started[j], -j) <= (started, -a)
-    )
-
-
-def _overdue(p: Progress, landed: list[tuple[float, int]]) -> float | None:
-    """Seconds per token the link takes at least: the fetch in flight issued first has delivered
-    nothing since it began or since the latest landing (None: nothing in flight)."""
-    flying = [
-        j for j in range(p.n_chunks) if p.status[j] is ChunkStatus.LOADING and p.load_started[j] is not None
-    ]
-    if not flying:
-        return None
-    due = min(flying, key=lambda j: p.load_started[j])  # type: ignore[arg-type,return-value]
-    since = max(landed[-1][0], p.load_started[due]) if landed else p.load_started[due]  # type: ignore[type-var]
-    return (p.now - since) / p.chunk_tokens[due]  # type: ignore[operator]

@@ -13,6 +13,7 @@ import time
 import anyio
 
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
+from kvrestore.costs.estimates import Estimates, Priors
 from kvrestore.policies import ComputeOnly, LoadOnly, Policy, Progress
 from kvrestore.restore.compute import LayerCompute, prefill_into
 from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
@@ -30,15 +31,11 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     engine, spec = parts.engine, parts.backend.spec
     n_layers, prefix = spec.num_layers, refs[k - 1].end
     prior_compute_s, prior_link = parts.planner.layer_priors(prefix)
-    progress = Progress(
-        [prefix] * n_layers,
-        [True] * n_layers,
-        prior_compute_s=prior_compute_s,
-        prior_link=prior_link,
-        compute_floor_s=parts.planner.layer_floors(prefix),
-    )
+    priors = Priors(prior_compute_s, prior_link, floor_s=parts.planner.layer_floors(prefix))
+    progress = Progress([prefix] * n_layers, [True] * n_layers)
     whole = k == len(refs) and prior_link is not None  # (no link known: a policy waits to see fetches land)
-    if whole and policy.decide(progress.as_if(free_load_lanes=engine.load_lanes)).compute is None:
+    asked = progress.as_if(free_load_lanes=engine.load_lanes)
+    if whole and policy.decide(asked, Estimates(asked, priors)).compute is None:
         # the loads are predicted to land every layer before the first could be computed: whole chunks
         # then land sooner still (one read each, not one per layer), so the prompt goes along tokens
         return await restore_tokens(parts, job, LoadOnly())
@@ -66,7 +63,14 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
 
     trace = await engine.run(
         RunRequest(
-            progress, policy, compute, load, on_event, parts.load_timeout_s, timed_out=parts.timed_out()
+            progress,
+            policy,
+            compute,
+            load,
+            on_event,
+            parts.load_timeout_s,
+            timed_out=parts.timed_out(),
+            priors=priors,
         )
     )
     parts.planner.learn(trace, refs, layers_over=prefix)

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 
 from kvrestore.chunkio.load import Fetched
 from kvrestore.chunkio.read import AllFetched, fetch_chunks_sync, forget, load_chunks, load_chunks_aside
+from kvrestore.costs.estimates import Priors
 from kvrestore.policies import Policy, Progress
 from kvrestore.restore.compute import prefill_apart, prefill_into
 from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
@@ -24,14 +25,9 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     t0 = time.perf_counter()
     kv = parts.buffer(out, len(tokens))
     prior_compute_s, prior_link = parts.planner.priors(refs)
+    priors = Priors(prior_compute_s, prior_link, parts.planner.unit_fixed_s(), parts.planner.floors(refs))
     progress = Progress(
-        [r.n_tokens for r in refs],
-        list(stored),
-        min_unit_chunks=parts.planner.min_unit_chunks(),
-        prior_compute_s=prior_compute_s,
-        prior_link=prior_link,
-        prior_unit_fixed_s=parts.planner.unit_fixed_s(),
-        compute_floor_s=parts.planner.floors(refs),
+        [r.n_tokens for r in refs], list(stored), min_unit_chunks=parts.planner.min_unit_chunks()
     )
 
     def compute(a: int, b: int) -> None:
@@ -75,6 +71,7 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
                 fast_paths,
                 delivered,
                 parts.timed_out(),
+                priors,
             )
         )
     finally:

@@ -39,6 +39,7 @@ from anyio.abc import TaskGroup
 from kvrestore.core.errors import InvalidInputError, UsageError
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.costs.compute import ChunkCost
+from kvrestore.costs.estimates import Estimates
 from kvrestore.policies.base import Progress
 from kvrestore.policies.batch import BatchAware, BatchJob, BatchScheduler, ComputeStep, LoadGrant
 from kvrestore.policies.compute_only import ComputeOnly
@@ -184,7 +185,7 @@ class BatchEngine(Engine):
             )
         progress = request.progress
         costs, tokens = self._unit_costs(progress, request.policy.axis)
-        job = BatchJob(next(self._ids), kind, progress, request.policy, self._now(), costs, tokens)
+        job = BatchJob(next(self._ids), kind, progress, request.policy, self._now(), costs, tokens, Estimates)
         self.scheduler.check(job)
         live = _Live(job, request)
         if progress.finished:

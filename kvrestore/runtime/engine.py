@@ -161,7 +161,9 @@ class Engine:
             async with anyio.create_task_group() as tg:
                 lanes.tg = tg
                 try:
-                    trace = await drive(progress, request.policy, lanes, request.on_event)
+                    trace = await drive(
+                        progress, request.policy, lanes, request.on_event, priors=request.priors
+                    )
                 finally:
                     if lanes.thread_loads:  # failed or cancelled: nothing may write into its KV after it
                         await lanes.stop_thread_loads()

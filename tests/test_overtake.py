@@ -14,12 +14,12 @@ import torch
 from kvrestore import ComputeOnly, LayerTwoPointer, Restorer, TokenTwoPointer
 from kvrestore.backends.floor import ComputeFloor, measure_floor
 from kvrestore.core.cancel import checkpoint
-from kvrestore.core.trace import TraceEvent
+from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.costs.compute import ChunkCost, LayerCost
 from kvrestore.costs.estimates import Priors
 from kvrestore.costs.links import LinkCost
 from kvrestore.policies import ChunkStatus, Decision, Progress
-from kvrestore.policies.token_two_pointer import GRACE, PROBE_SHARE
+from kvrestore.policies.meeting import GRACE, PROBE_SHARE
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.memory import MemoryStore
@@ -105,43 +105,54 @@ def test_only_a_driver_that_can_overtake_fetches_aside():
     with pytest.raises(PolicyError, match="cannot"):
         begin(p, Decision(overtake=(1,)))
     p = Progress([256, 256, 256], [True, True, False])
-    p.can_overtake = True
+    p.lanes.can_overtake = True
     with pytest.raises(PolicyError, match="not a stored chunk of the running unit"):
         begin(p, Decision(overtake=(0,)))  # no unit runs
     begin(p, Decision(compute=(0, 2)))
     with pytest.raises(PolicyError, match="not a stored chunk of the running unit"):
         begin(p, Decision(overtake=(2,)))  # outside the unit (and not stored)
     begin(p, Decision(overtake=(1, 0)))
-    assert p.loads_in_flight == 2 and p.aside == {0: False, 1: False}
+    assert p.loads_in_flight == 2 and p.running.aside == {0: False, 1: False}
     with pytest.raises(PolicyError, match="not a stored chunk of the running unit"):
         begin(p, Decision(overtake=(1,)))  # already fetched aside
 
 
 def test_an_overtaken_unit_applies_each_chunk_once():
     p = Progress([256, 256, 256], [True, True, False])
-    p.can_overtake = True
+    p.lanes.can_overtake = True
     begin(p, Decision(compute=(0, 2)))
     begin(p, Decision(overtake=(0, 1)))
-    apply_event(p, TraceEvent("aside", 1, 1, 0.0, 0.1, 10))
+    trace = Trace()
+    trace.add(TraceEvent("aside", 1, 1, 0.0, 0.1, 10))
+    apply_event(p, trace.events[-1])
     with pytest.raises(PolicyError, match="before they landed"):
         apply_event(p, TraceEvent("compute-overtaken", 0, 1, 0.0, 0.2, 10))
-    apply_event(p, TraceEvent("aside", 0, 0, 0.0, 0.15, 10))
+    trace.add(TraceEvent("aside", 0, 0, 0.0, 0.15, 10))
+    apply_event(p, trace.events[-1])
     assert p.status[:2] == [ChunkStatus.COMPUTING] * 2 and p.compute_busy  # the unit must stop first
-    apply_event(p, TraceEvent("compute-overtaken", 0, 1, 0.0, 0.2, 20))
-    assert p.status[:2] == [ChunkStatus.LOADED] * 2 and not p.compute_busy and not p.aside
-    assert p.loads_in_flight == 0 and p.bytes_loaded == 20 and p.done_prefix() == 2
+    trace.add(TraceEvent("compute-overtaken", 0, 1, 0.0, 0.2, 20))
+    apply_event(p, trace.events[-1])
+    assert p.status[:2] == [ChunkStatus.LOADED] * 2 and not p.compute_busy and not p.running.aside
+    assert p.loads_in_flight == 0 and trace.bytes_loaded() == 20 and p.done_prefix() == 2
 
 
 def test_a_unit_that_ends_first_discards_what_landed_aside():
     p = Progress([256, 256], [True, True])
-    p.can_overtake = True
+    p.lanes.can_overtake = True
     begin(p, Decision(compute=(0, 2)))
     begin(p, Decision(overtake=(1, 0)))
-    apply_event(p, TraceEvent("aside", 1, 1, 0.0, 0.1, 10))
-    apply_event(p, TraceEvent("compute", 0, 1, 0.0, 0.2))
-    assert p.status == [ChunkStatus.COMPUTED] * 2 and p.aside == {0: False}  # one still stopping
-    apply_event(p, TraceEvent("aside-dropped", 0, 0, 0.0, 0.25))
-    assert p.finished and p.loads_in_flight == 0 and not p.aside and p.bytes_loaded == 0
+    trace = Trace(
+        [
+            TraceEvent("aside", 1, 1, 0.0, 0.1, 10),
+            TraceEvent("compute", 0, 1, 0.0, 0.2),
+            TraceEvent("aside-dropped", 0, 0, 0.0, 0.25),
+        ]
+    )
+    apply_event(p, trace.events[0])
+    apply_event(p, trace.events[1])
+    assert p.status == [ChunkStatus.COMPUTED] * 2 and p.running.aside == {0: False}  # one still stopping
+    apply_event(p, trace.events[2])
+    assert p.finished and p.loads_in_flight == 0 and not p.running.aside and trace.bytes_loaded() == 0
 
 
 def test_the_two_pointer_waits_for_loads_predicted_to_land_everything_first():

@@ -96,11 +96,11 @@ def test_two_pointer_units_respect_the_lanes_floor():
     from kvrestore.policies import TokenTwoPointer
 
     p = Progress([256] * 32, [False] * 4 + [True] * 28)
-    p.min_unit_chunks = 8
+    p.lanes.min_unit_chunks = 8
     p.free_load_lanes = 4
     first = ask(TokenTwoPointer(), p)
     assert first.compute == (0, 8)  # not 1 chunk to measure with, nor the policy's 2
-    assert Progress([256] * 4, [True] * 4).min_unit_chunks == 1  # the default floor changes nothing
+    assert Progress([256] * 4, [True] * 4).lanes.min_unit_chunks == 1  # the default floor changes nothing
     q = Progress([256] * 32, [False] * 32)  # nothing stored: compute runs alone, in floor-sized units
-    q.min_unit_chunks = 8
+    q.lanes.min_unit_chunks = 8
     assert ask(TokenTwoPointer(compute_chunks=2), q).compute == (0, 8)

@@ -10,7 +10,7 @@ from kvrestore.core.bandwidth import BandwidthTrace, Link, oracle_split, trace_s
 from kvrestore.core.trace import TraceEvent
 from kvrestore.costs.estimates import Priors
 from kvrestore.policies import ChunkStatus, ComputeOnly, Decision, LoadOnly, Progress, TokenTwoPointer
-from kvrestore.policies.token_two_pointer import GRACE
+from kvrestore.policies.meeting import GRACE
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
 from kvrestore.sim.simulate import simulate
 

@@ -55,11 +55,34 @@ NO_PRIORS = Priors()
 
 
 @dataclass
+class Arrivals:
+    """What the store had delivered at the first look, at the first look after it to see bytes arriving,
+    and at the latest, as (seconds, tokens' worth of bytes the store's count then showed), counting the
+    bytes of fetches still in flight: all `Estimates.arrival_rate` needs. Empty where the store sees a
+    read's bytes only once it has finished (`ChunkStore.delivered_bytes`). The driver keeps one per
+    restore and shows it each look before a decision."""
+
+    samples: list[tuple[float, float]] = field(default_factory=list)
+
+    def see(self, now: float, delivered: float | None) -> None:
+        """A look at `now` that showed `delivered` (None: the store cannot say)."""
+        samples = self.samples
+        if delivered is None or (samples and now <= samples[-1][0]):
+            return
+        if len(samples) == 3 or (len(samples) == 2 and samples[1][1] <= samples[0][1]):
+            samples[-1] = (now, delivered)
+        else:
+            samples.append((now, delivered))
+
+
+@dataclass
 class Estimates:
     """The link and the compute lane as one restore's `progress` shows them now, on top of `priors`."""
 
     progress: Progress
     priors: Priors = NO_PRIORS
+    #: the store's deliveries seen so far (`Arrivals.samples`)
+    arrivals: Sequence[tuple[float, float]] = ()
     #: (end time, tokens) of the fetches that landed, oldest first
     landed: list[tuple[float, int]] = field(init=False)
     _link: tuple[float, float] | None = field(init=False)
@@ -174,11 +197,11 @@ class Estimates:
         return (p.now - since) / p.chunk_tokens[due]
 
     def arrival_rate(self) -> float | None:
-        """Seconds per token at which the store's bytes arrive (`Progress.delivered`), before any fetch
+        """Seconds per token at which the store's bytes arrive (`Arrivals`), before any fetch
         has landed: from the first decision that saw bytes arriving to the latest (not from the
         restore's start, so that a request's latency is no part of the rate). None: fewer than two such
         looks."""
-        samples = self.progress.delivered
+        samples = self.arrivals
         if len(samples) < 2:
             return None
         base = samples[0][1]
@@ -187,6 +210,10 @@ class Estimates:
             return None
         (t0, d0), (t1, d1) = samples[first], samples[-1]
         return (t1 - t0) / (d1 - d0) if d1 > d0 and t1 > t0 else None
+
+    def sees_arrivals(self) -> bool:
+        """Whether the store shows its bytes arriving (a look has counted them)."""
+        return bool(self.arrivals)
 
     def load_s_per_token(self) -> float | None:
         """The link's recent delivery time per token: the gaps between the latest landings (or, with one
@@ -236,4 +263,4 @@ class Estimates:
         )
 
 
-__all__ = ["NO_PRIORS", "RECENT_LOADS", "Estimates", "Priors"]
+__all__ = ["NO_PRIORS", "RECENT_LOADS", "Arrivals", "Estimates", "Priors"]

@@ -242,7 +242,7 @@ class Planner:
         return floor if callable(floor) and self.engine.times_restores_alone else None
 
     def min_unit_chunks(self) -> int:
-        """`Progress.min_unit_chunks` of the token-wise restores (see `min_unit_tokens`)."""
+        """`LaneTraits.min_unit_chunks` of the token-wise restores (see `min_unit_tokens`)."""
         if not self.engine.times_restores_alone:  # a batch scheduler sizes units from its own token budget
             return 1
         return max(1, -(-self.min_unit_tokens() // self.chunk_size))

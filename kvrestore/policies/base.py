@@ -28,16 +28,41 @@ class ChunkStatus(str, Enum):
 
 
 @dataclass
+class LaneTraits:
+    """What the driver's lanes are and can do, fixed before a restore's first decision."""
+
+    #: the fewest chunks a compute unit should cover on this compute lane (a GPU's units below that
+    #: are launch-bound: their time is kernel launches, not work; see `HFBackend.min_unit_tokens`)
+    min_unit_chunks: int = 1
+    #: whether the driver can race a compute unit against a chunk's fetch (`Decision.race`)
+    can_race: bool = False
+    #: whether the driver can fetch the chunks of a running compute unit aside (`Decision.overtake`)
+    can_overtake: bool = False
+
+
+@dataclass
+class RunningUnit:
+    """The compute unit running now, beyond its chunks' `COMPUTING` status."""
+
+    #: when it began (on the progress clock)
+    started: float | None = None
+    #: the chunk that it and a fetch are racing for, while they do
+    racing: int | None = None
+    #: its chunks fetched aside: True once landed, False while in flight
+    aside: dict[int, bool] = field(default_factory=dict)
+
+
+@dataclass
 class Progress:
-    """Live state of one restore.
+    """What the driver knows of one restore: each chunk's state and timings, its lanes and its clock.
 
     What is known before the restore starts is given to the constructor: the chunks, which are stored,
-    the compute lane's `min_unit_chunks`, the cost model's priors, the compute floor, and (for a driver made to take them)
-    `can_race` and `can_overtake`; an `Engine` sets the two capabilities from its request with
-    `runtime.bookkeeping.set_capabilities`. Every later change is made by `runtime.bookkeeping` alone:
+    and the lanes' traits (`LaneTraits`: an `Engine` sets the two capabilities from its request with
+    `runtime.bookkeeping.set_capabilities`). Every later change is made by `runtime.bookkeeping` alone:
     `observe` (the clock and the free load lanes, before each decision), `begin` (a decision's units
-    started) and `apply_event` (a unit finished). Policies only read it; to ask what a policy would do
-    under other observations, `as_if` gives a copy.
+    started) and `apply_event` (a unit finished). Policies only read it, with what it implies about the
+    lanes worked out apart (`costs.estimates.Estimates`); to ask what a policy would do under other
+    observations, `as_if` gives a copy.
     """
 
     chunk_tokens: list[int]
@@ -48,29 +73,11 @@ class Progress:
     free_load_lanes: int = 0
     compute_seconds: list[float | None] = field(default_factory=list)
     load_seconds: list[float | None] = field(default_factory=list)
-    load_started: list[float | None] = field(
-        default_factory=list
-    )  # when each load began (in flight or landed)
-    bytes_loaded: int = 0
+    #: when each load began (in flight or landed)
+    load_started: list[float | None] = field(default_factory=list)
     now: float = 0.0  # seconds since the restore began, on the driver's clock (real or simulated)
-    #: the fewest chunks a compute unit should cover on this compute lane (a GPU's units below that
-    #: are launch-bound: their time is kernel launches, not work; see `HFBackend.min_unit_tokens`)
-    min_unit_chunks: int = 1
-    #: whether the driver can race a compute unit against a chunk's fetch (`Decision.race`)
-    can_race: bool = False
-    #: the chunk that a compute unit and a fetch are racing for, while they do
-    racing: int | None = None
-    #: whether the driver can fetch the chunks of a running compute unit aside (`Decision.overtake`)
-    can_overtake: bool = False
-    #: the chunks of the running compute unit fetched aside: True once landed, False while in flight
-    aside: dict[int, bool] = field(default_factory=dict)
-    #: when the running compute unit began (on the progress clock)
-    compute_started: float | None = None
-    #: what the store had delivered at the first decision, at the first after it to see bytes arriving,
-    #: and at the latest, as (seconds, tokens' worth of bytes the store's count then showed), counting
-    #: the bytes of fetches still in flight; empty where the store sees a read's bytes only once it has
-    #: finished (`ChunkStore.delivered_bytes`)
-    delivered: list[tuple[float, float]] = field(default_factory=list)
+    lanes: LaneTraits = field(default_factory=LaneTraits)
+    running: RunningUnit = field(default_factory=RunningUnit)
 
     def __post_init__(self) -> None:
         n = len(self.chunk_tokens)
@@ -117,7 +124,7 @@ class Progress:
 
     def computing(self) -> tuple[int, int] | None:
         """The chunks [a, b) of the compute unit running in place (None: none, or a race)."""
-        if not self.compute_busy or self.racing is not None:
+        if not self.compute_busy or self.running.racing is not None:
             return None
         ids = [i for i, s in enumerate(self.status) if s is ChunkStatus.COMPUTING]
         return (ids[0], ids[-1] + 1) if ids else None
@@ -138,12 +145,12 @@ class Decision:
     engine waits for a dropped load to stop before the compute unit starts). `wake_at` asks to be
     asked again at that time (on the progress clock) even if no unit finishes before it.
 
-    `race` (only where `Progress.can_race`): the compute unit is one chunk that is also being fetched
+    `race` (only where `LaneTraits.can_race`): the compute unit is one chunk that is also being fetched
     (already, or by this decision's `loads`); both run and the first to finish wins: a fetch that lands
     first stops the compute unit, whose KV is never written; a compute unit that ends first stops the
     fetch and writes its KV once the fetch can write no more. The chunk is applied once either way.
 
-    `overtake` (only where `Progress.can_overtake`): chunks of the compute unit running in place to
+    `overtake` (only where `LaneTraits.can_overtake`): chunks of the compute unit running in place to
     fetch aside, into buffers of their own. Once every chunk of the unit has landed aside, the unit
     stops at its next layer boundary and the fetched chunks are written instead; a unit that finishes
     first keeps its KV and the fetched bytes are discarded. Each chunk is applied once either way.
@@ -188,6 +195,8 @@ class Estimates(Protocol):
     def overdue(self) -> float | None: ...
 
     def arrival_rate(self) -> float | None: ...
+
+    def sees_arrivals(self) -> bool: ...
 
     def landed_count(self) -> int: ...
 

@@ -18,7 +18,6 @@ from kvrestore.policies import ComputeOnly, LoadOnly, Policy, Progress
 from kvrestore.restore.compute import LayerCompute, prefill_into
 from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
 from kvrestore.restore.token_wise import restore_tokens
-from kvrestore.runtime.request import RunRequest
 
 
 async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResult:
@@ -61,18 +60,7 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
             raise ChunkLoadFailed(reader.unusable, f"layer reads stopped: {error}")
         return await reader.read_layer(layer, kv)
 
-    trace = await engine.run(
-        RunRequest(
-            progress,
-            policy,
-            compute,
-            load,
-            on_event,
-            parts.load_timeout_s,
-            timed_out=parts.timed_out(),
-            priors=priors,
-        )
-    )
+    trace = await engine.run(parts.request(progress, policy, compute, load, on_event=on_event, priors=priors))
     parts.planner.learn(trace, refs, layers_over=prefix)
     if k < len(refs):  # the chunks after the stored prefix, computed on top of it
         t_tail = time.perf_counter()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -15,7 +15,9 @@ from kvrestore.core.kv import KVCache
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.planning.auto import Plan
 from kvrestore.planning.planner import Planner
+from kvrestore.policies import Policy, Progress
 from kvrestore.runtime.engine import Engine
+from kvrestore.runtime.request import ComputeFn, LoadFn, RunRequest
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.deadline import Deadlines, DeadlineStore
 
@@ -125,6 +127,21 @@ class Parts:
             kv = out.head(n_tokens)
         self.engine.lanes_after_current(kv.data.device)
         return kv
+
+    def request(
+        self, progress: Progress, policy: Policy, compute: ComputeFn, load: LoadFn, **kwargs: Any
+    ) -> RunRequest:
+        """A restore as the engine runs it, under these parts' load deadline (`kwargs`: the rest of
+        `RunRequest`: `on_event`, `fast_paths`, `delivered`, `priors`)."""
+        return RunRequest(
+            progress,
+            policy,
+            compute,
+            load,
+            load_timeout_s=self.load_timeout_s,
+            timed_out=self.timed_out(),
+            **kwargs,
+        )
 
     def timed_out(self) -> Callable[[float], None] | None:
         """What a restore tells when one of its loads ran past `load_timeout_s`: the store under its

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, 
 from typing import Any, Generic, Protocol, TypeVar
 
 from kvrestore.core.trace import Trace, TraceEvent
-from kvrestore.costs.estimates import NO_PRIORS, Estimates, Priors
+from kvrestore.costs.estimates import NO_PRIORS, Arrivals, Estimates, Priors
 from kvrestore.policies.base import Decision, Policy, Progress
 from kvrestore.policies.batch import BatchJob, BatchScheduler, ComputeStep, LoadGrant
 from kvrestore.runtime.bookkeeping import (
@@ -208,7 +208,7 @@ class _PolicyDecider(Decider[TraceEvent | BaseException], Phase[Decision]):
         priors: Priors = NO_PRIORS,
     ) -> None:
         self.progress, self.policy, self.lanes, self.on_event = progress, policy, lanes, on_event
-        self.priors = priors
+        self.priors, self.arrivals = priors, Arrivals()
         self.trace = Trace()
         self.wait = lanes.wait
 
@@ -224,8 +224,10 @@ class _PolicyDecider(Decider[TraceEvent | BaseException], Phase[Decision]):
 
     def decide(self) -> Decision:
         progress, lanes = self.progress, self.lanes
-        observe(progress, lanes.now(), max(0, lanes.load_lanes - progress.loads_in_flight), lanes.delivered())
-        return self.policy.decide(progress, Estimates(progress, self.priors))
+        now = lanes.now()
+        observe(progress, now, max(0, lanes.load_lanes - progress.loads_in_flight))
+        self.arrivals.see(now, lanes.delivered())
+        return self.policy.decide(progress, Estimates(progress, self.priors, self.arrivals.samples))
 
     def stop(self, decision: Decision) -> None:
         if decision.drop:

@@ -441,7 +441,7 @@ class _RealLanes:
             return item
         if item.kind.startswith("load"):
             self.loads.pop(item.first_chunk, None)
-        if item.kind == "load" and item.first_chunk == self.progress.racing and self.race_scope:
+        if item.kind == "load" and item.first_chunk == self.progress.running.racing and self.race_scope:
             self.race_scope.cancel()  # the fetch won: the compute unit stops at its next layer
         return item
 

@@ -12,8 +12,8 @@ surrounds the restore shows), taking turns round after round on one restorer:
 * **asyncio.run**: `asyncio.run(restorer.restore(...))`, a fresh loop per call, the loop's start and
   teardown included.
 
-Each round's overhead is its blocking time less that round's awaited time; the medians over rounds
-are reported. The awaited runs go through the SyncRestorer's own loop (`portal.call` of a coroutine
+Each round's overhead is its blocking time less that round's awaited time; the three take turns
+going first; the medians over rounds are reported. The awaited runs go through the SyncRestorer's own loop (`portal.call` of a coroutine
 that times itself), so all three share one restorer, one store and one engine.
 
 Target (issue 47): SyncRestorer within 1 ms of awaited. Writes benchmarks/results/sync_overhead.json.
@@ -73,8 +73,12 @@ def main() -> None:
         portal.call(awaited)
         blocking()
     rows: list[tuple[float, float, float]] = []
-    for _ in range(args.rounds):
-        rows.append((portal.call(awaited), blocking(), fresh_loop()))
+    for k in range(args.rounds):  # the three take turns going first, so that no order favours one
+        times: dict[str, float] = {}
+        order = [("awaited", lambda: portal.call(awaited)), ("sync", blocking), ("run", fresh_loop)]
+        for name, run in order[k % 3 :] + order[: k % 3]:
+            times[name] = run()
+        rows.append((times["awaited"], times["sync"], times["run"]))
     sync.close()
 
     awaited_s = statistics.median(r[0] for r in rows)

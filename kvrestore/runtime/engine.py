@@ -200,6 +200,8 @@ class _RealLanes:
         self.dropped: list[anyio.Event] = []  # the loads the next compute unit waits for to stop
         self.load_now = fast.load_now
         self.thread_loads: dict[ThreadLoad, int] = {}  # on lane threads (their chunks), not yet over
+        #: thread loads dropped while placing: whatever they report, their chunk went to the compute lane
+        self.dropped_placing: set[ThreadLoad] = set()
         self.meter = request.delivered
         self.timed_out = request.timed_out
 
@@ -343,6 +345,12 @@ class _RealLanes:
         if self.thread_loads.pop(job, None) is None:
             return
         job.work = None  # its closure holds the job: no cycle outlives the load
+        if job in self.dropped_placing and isinstance(outcome, TraceEvent):
+            # dropped after its read (its report was on its way): the drop was begun, so it counts as one
+            self.dropped_placing.discard(job)
+            outcome = TraceEvent(
+                "load-dropped", outcome.first_chunk, outcome.last_chunk, outcome.start_s, outcome.end_s
+            )
         if isinstance(outcome, TraceEvent):
             self.outcomes[outcome.first_chunk] = outcome.kind
         job.stopped.set()
@@ -402,7 +410,8 @@ class _RealLanes:
             stoppable, stopped = self.loads[i]
             if isinstance(stoppable, ThreadLoad):  # a read abandoned now is over, reported as dropped
                 t = self.now()
-                self._abandon(stoppable, TraceEvent("load-dropped", i, i, t, t))
+                if not self._abandon(stoppable, TraceEvent("load-dropped", i, i, t, t)):
+                    self.dropped_placing.add(stoppable)  # placing: it reports when done, as dropped
             else:
                 stoppable.cancel()
             self.dropped.append(stopped)

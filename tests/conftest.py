@@ -17,8 +17,10 @@ pytest_plugins = ["tests.s3_server"]  # s3_server / s3_bucket / s3_options: a re
 
 # CI runs every property test on the same examples (a red CI run is then reproducible and never a
 # coin toss); local runs draw new examples each time, which is how they find new failures.
-settings.register_profile("ci", derandomize=True, print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+# No profile has a deadline: how long an example takes is the machine's load, not a property.
+settings.register_profile("local", deadline=None)
+settings.register_profile("ci", derandomize=True, print_blob=True, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "local"))
 
 
 def tiny_model(family: str = "llama", seed: int = 0, layers: int = 3):

@@ -155,6 +155,14 @@ def stock_prefill(model: Any, ids: torch.Tensor) -> Any:
         return model(ids[None], use_cache=True)
 
 
+def tiny_prompt(n_tokens: int, seed: int = 0) -> tuple[HFBackend, torch.Tensor, str]:
+    """The tiny random-weight Llama on the CPU, a seeded prompt of `n_tokens` for it, and its name."""
+    _, backend, desc = build_model(True, torch.device("cpu"), seed=seed)
+    vocab = backend.model.config.vocab_size
+    prompt = torch.randint(0, vocab, (n_tokens,), generator=torch.Generator().manual_seed(seed))
+    return backend, prompt, desc
+
+
 def timed_stock_prefill(model: Any, ids: torch.Tensor) -> Sample:
     """One stock prefill of `ids` (on the model's device), synchronized, as a benchmark sample."""
     sync(ids.device)

@@ -162,8 +162,8 @@ class Restorer:
         self.chunk_size = check_int("chunk_size", chunk_size)
         self.engine, self._own_engine = engine or Engine(load_lanes), engine is None  # own: closed here
         check_int("load_lanes", load_lanes)  # also where a given engine makes it unused
+        #: the one owner of the store calls' deadlines: the bounded store and each restore read them here
         self.deadlines = Deadlines(lookup_timeout_s, load_timeout_s, save_timeout_s)
-        self.load_timeout_s = self.deadlines.load_s
         self.bounded_store = bound_store(store, self.deadlines)  # the store as restores reach it
         self.loader = ChunkLoader(
             self.spec,
@@ -176,6 +176,10 @@ class Restorer:
         self.planner = Planner(
             backend, self.engine, self.chunk_size, store_name(store), profile, learn, stored
         )
+        #: what runs this restorer's restores
+        self._parts = Parts(
+            self.backend, self.bounded_store, self.engine, self.loader, self.planner, self.deadlines
+        )
 
     @property
     def spec(self) -> ModelSpec:
@@ -187,10 +191,14 @@ class Restorer:
         return self.loader.encoding
 
     @property
-    def _parts(self) -> Parts:
-        """What runs this restorer's restores (read afresh: a caller may change `load_timeout_s`)."""
-        timeout = self.deadlines.load_s = check_seconds("load_timeout_s", self.load_timeout_s)
-        return Parts(self.backend, self.bounded_store, self.engine, self.loader, self.planner, timeout)
+    def load_timeout_s(self) -> float | None:
+        """Seconds a chunk's load may take (`Deadlines.load_s`; None: no limit); a caller may change it
+        between restores."""
+        return self.deadlines.load_s
+
+    @load_timeout_s.setter
+    def load_timeout_s(self, seconds: float | None) -> None:
+        self.deadlines.load_s = check_seconds("load_timeout_s", seconds)
 
     def plan(self, token_ids: TokenIds, stored: Sequence[bool], policy: Auto | None = None) -> Plan:
         """What `Auto` would choose for `token_ids` given which chunks are `stored` (see `Plan.explain`)."""

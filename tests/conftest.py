@@ -10,13 +10,17 @@ import torch
 from hypothesis import settings
 
 from kvrestore.backends.hf import HFBackend
+from kvrestore.costs.estimates import NO_PRIORS, Estimates, Priors
+from kvrestore.policies.base import Decision, Policy, Progress
 
 pytest_plugins = ["tests.s3_server"]  # s3_server / s3_bucket / s3_options: a real moto_server
 
 # CI runs every property test on the same examples (a red CI run is then reproducible and never a
 # coin toss); local runs draw new examples each time, which is how they find new failures.
-settings.register_profile("ci", derandomize=True, print_blob=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+# No profile has a deadline: how long an example takes is the machine's load, not a property.
+settings.register_profile("local", deadline=None)
+settings.register_profile("ci", derandomize=True, print_blob=True, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "local"))
 
 
 def tiny_model(family: str = "llama", seed: int = 0, layers: int = 3):
@@ -99,3 +103,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("model") or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+def ask(policy: Policy, progress: Progress, priors: Priors = NO_PRIORS) -> Decision:
+    """`policy`'s decision on `progress`, with the estimates a driver would hand it (on top of `priors`)."""
+    return policy.decide(progress, Estimates(progress, priors))

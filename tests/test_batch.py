@@ -16,6 +16,7 @@ from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.costs.compute import ChunkCost
+from kvrestore.costs.estimates import Estimates
 from kvrestore.policies import ComputeOnly, Progress
 from kvrestore.policies.base import ChunkStatus
 from kvrestore.policies.batch import BatchAware, BatchJob, FifoLanes
@@ -42,7 +43,8 @@ def _job(i, kind, tokens, stored, arrival=0.0):
     for n in tokens:
         cost.append(COST.seconds(n, past))
         past += n
-    return BatchJob(i, kind, p, TokenTwoPointer() if kind == "restore" else ComputeOnly(), arrival, cost)
+    policy = TokenTwoPointer() if kind == "restore" else ComputeOnly()
+    return BatchJob(i, kind, p, policy, arrival, cost, estimate=Estimates)
 
 
 def test_scheduling_is_a_pure_decision():
@@ -336,7 +338,7 @@ def test_a_broken_policy_fails_its_restore_and_the_engine_serves_on(deep_backend
     tokens = random_tokens(64, deep_backend.spec.vocab_size)
 
     class Broken(ComputeOnly):
-        def decide(self, progress):
+        def decide(self, progress, estimates):
             raise RuntimeError("policy bug")
 
     async def main():

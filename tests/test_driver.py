@@ -8,7 +8,7 @@ import pytest
 from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.policies import Decision, Policy, Progress, TokenTwoPointer
-from kvrestore.policies.base import next_compute_run
+from kvrestore.policies.base import Estimates, next_compute_run
 from kvrestore.policies.batch import BatchAware
 from kvrestore.runtime.bookkeeping import PolicyError
 from kvrestore.runtime.driver import PolicyStalledError, run_sync
@@ -24,14 +24,14 @@ COST = ChunkCost(fixed_s=0.002, per_token_s=1e-4, per_token_past_s=2e-7, per_tok
 class Lazy(Policy):
     """Starts nothing and asks to be woken by nothing: a restore that can never finish."""
 
-    def decide(self, progress: Progress) -> Decision:
+    def decide(self, progress: Progress, estimates: Estimates) -> Decision:
         return Decision()
 
 
 class OneByOne(Policy):
     """Computes one chunk at a time."""
 
-    def decide(self, progress: Progress) -> Decision:
+    def decide(self, progress: Progress, estimates: Estimates) -> Decision:
         return Decision(compute=next_compute_run(progress, max_chunks=1))
 
 

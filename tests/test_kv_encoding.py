@@ -25,7 +25,7 @@ from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.policies import Decision, Policy, Progress
-from kvrestore.policies.base import next_compute_run
+from kvrestore.policies.base import Estimates, next_compute_run
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens
@@ -285,7 +285,7 @@ class ComputeFirstLayer(Policy):
     name = "first-layer"
     axis = "layers"
 
-    def decide(self, progress: Progress) -> Decision:
+    def decide(self, progress: Progress, estimates: Estimates) -> Decision:
         loads = tuple(i for i in progress.pending() if i > 0)[: progress.free_load_lanes]
         run = next_compute_run(progress, max_chunks=1)
         return Decision(compute=run if run == (0, 1) else None, loads=loads)

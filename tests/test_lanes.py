@@ -294,3 +294,70 @@ def test_scatter_reads_fill_buffers_in_order(tmp_path, kind, sizes):
     assert placed == min(sum(sizes), len(blob) - offset)
     assert b"".join(bytes(b) for b in buffers)[:placed] == blob[offset : offset + placed]
     assert store.scatter_into_sync("cd" * 16, 0, buffers) is None
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["engine", "batch-engine"])
+def test_a_restore_leaves_no_stream_open(llama_backend, batch):
+    """The memory object streams that carry a restore's events are closed once it ends (an unclosed
+    one warns with ResourceWarning when it is collected)."""
+    import gc
+    import warnings
+
+    from kvrestore import BatchEngine
+
+    tokens = random_tokens(96, llama_backend.spec.vocab_size)
+
+    async def main():
+        store = MemoryStore()
+        await Restorer(llama_backend, store, chunk_size=32).save(tokens)
+        if not batch:
+            async with Restorer(llama_backend, store, chunk_size=32) as r:
+                return await r.restore(tokens, TokenTwoPointer())
+        async with BatchEngine(load_lanes=2) as engine:
+            r = Restorer(llama_backend, store, chunk_size=32, engine=engine)
+            out = await r.restore(tokens, TokenTwoPointer())
+            await r.close()
+            return out
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        res = anyio.run(main)
+        gc.collect()
+    assert res.stats.loaded_chunks + res.stats.computed_chunks == 3
+    assert not [
+        w for w in caught if issubclass(w.category, ResourceWarning) and "MemoryObject" in str(w.message)
+    ]
+
+
+def test_a_thread_load_dropped_while_placing_reports_as_dropped():
+    """A lane thread's load that had read and placed its chunk when the policy dropped it (its report
+    still on its way to the loop) is reported as "load-dropped": the drop was begun, so its chunk went to
+    the compute lane, and a "load" would break the bookkeeping. The window is set up, not waited for."""
+    from kvrestore.core.trace import TraceEvent
+    from kvrestore.policies import Progress
+    from kvrestore.runtime.engine import Engine, _RealLanes
+    from kvrestore.runtime.request import FastPaths, RunRequest
+    from kvrestore.runtime.units import ThreadLoad
+
+    async def never(i: int) -> int:
+        raise AssertionError("no async load runs here")
+
+    async def main():
+        engine = Engine(load_lanes=1)
+        request = RunRequest(Progress([16], [True]), LoadOnly(), lambda a, b: None, never)
+        lanes = _RealLanes(engine, request, FastPaths())
+        job = ThreadLoad()
+        assert job.begin_placing()  # its read has ended: it places (bounded work), then reports
+        lanes.thread_loads[job] = 0
+        lanes.loads[0] = (job, job.stopped)
+        lanes.stop([0])  # the drop cannot stop a load that is placing: it reports when done
+        assert not job.stopped.is_set()
+        lanes._landed(job, TraceEvent("load", 0, 0, 0.0, 0.1, 10))
+        event = lanes.receive.receive_nowait()
+        lanes.send.close()
+        lanes.receive.close()
+        engine.close()
+        return event, job.stopped.is_set()
+
+    event, stopped = anyio.run(main)
+    assert event.kind == "load-dropped" and (event.start_s, event.end_s) == (0.0, 0.1) and stopped

@@ -113,20 +113,24 @@ def test_layer_two_pointer_equals_full_prefill(deep_backend, layer_seconds):
     torch.testing.assert_close(res.kv.data, full_prefill(deep_backend, tokens), atol=ATOL, rtol=0)
 
 
-def test_speed_moves_the_cutover(llama_backend):
-    backend = HFBackend(tiny_model("llama", layers=12), name="tiny-llama-12")
-    tokens = random_tokens(300, backend.spec.vocab_size)
+def test_speed_moves_the_cutover():
+    """A faster link moves the meeting down: the layer pointers load more layers (on the simulated
+    clock, so the lanes' speeds are the link's and the cost function's, never the machine's)."""
+    layers, layer_s, layer_bytes = 12, 0.01, 1000
 
-    async def main():
-        inner, layer_bytes = await _saved(backend, tokens)
-        loaded = []
-        for seconds in (0.05, 0.0001):
-            r = Restorer(backend, ThrottledStore(inner, layer_bytes / seconds), chunk_size=16)
-            loaded.append((await r.restore(tokens, LayerTwoPointer())).stats.loaded_layers)
-        return loaded
+    def loaded(load_s: float) -> int:
+        result = simulate(
+            LayerTwoPointer(),
+            [300] * layers,
+            [True] * layers,
+            lambda a, b, t: (b - a) * layer_s,
+            [layer_bytes] * layers,
+            Link(BandwidthTrace.constant(layer_bytes / load_s)),
+        )
+        return len(result.trace.loaded())
 
-    slow, fast = anyio.run(main)
-    assert fast > slow
+    counts = [loaded(s) for s in (0.05, 0.01, 0.002, 0.0001)]  # a layer's load: 5x .. 1/100 of computing it
+    assert counts == sorted(counts) and counts[-1] > counts[0]
 
 
 def test_partly_stored_prompt_restores_prefix_by_layers_then_computes_the_rest(deep_backend):

@@ -19,7 +19,7 @@ import pytest
 
 from kvrestore import ComputeOnly, LoadOnly, Restorer
 from kvrestore.policies import Decision, Policy, Progress
-from kvrestore.policies.base import next_compute_run
+from kvrestore.policies.base import Estimates, next_compute_run
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens
@@ -32,7 +32,7 @@ class FrontComputed(Policy):
 
     name = "front-computed"
 
-    def decide(self, progress: Progress) -> Decision:
+    def decide(self, progress: Progress, estimates: Estimates) -> Decision:
         half = progress.n_chunks // 2
         loads = tuple(i for i in progress.pending() if i >= half)[: progress.free_load_lanes]
         run = next_compute_run(progress, max_chunks=half)

@@ -14,18 +14,19 @@ import torch
 from kvrestore import ComputeOnly, LayerTwoPointer, Restorer, TokenTwoPointer
 from kvrestore.backends.floor import ComputeFloor, measure_floor
 from kvrestore.core.cancel import checkpoint
-from kvrestore.core.trace import TraceEvent
+from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.costs.compute import ChunkCost, LayerCost
+from kvrestore.costs.estimates import Priors
 from kvrestore.costs.links import LinkCost
 from kvrestore.policies import ChunkStatus, Decision, Progress
-from kvrestore.policies.token_two_pointer import GRACE, PROBE_SHARE
+from kvrestore.policies.meeting import GRACE, PROBE_SHARE
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.memory import MemoryStore
 from kvrestore.stores.throttled import ThrottledStore
 from kvrestore.stores.wrapper import WrapperStore
 
-from .conftest import random_tokens
+from .conftest import ask, random_tokens
 from .test_profile import make_profile
 from .test_two_pointer import ATOL, full_prefill
 
@@ -104,54 +105,64 @@ def test_only_a_driver_that_can_overtake_fetches_aside():
     with pytest.raises(PolicyError, match="cannot"):
         begin(p, Decision(overtake=(1,)))
     p = Progress([256, 256, 256], [True, True, False])
-    p.can_overtake = True
+    p.lanes.can_overtake = True
     with pytest.raises(PolicyError, match="not a stored chunk of the running unit"):
         begin(p, Decision(overtake=(0,)))  # no unit runs
     begin(p, Decision(compute=(0, 2)))
     with pytest.raises(PolicyError, match="not a stored chunk of the running unit"):
         begin(p, Decision(overtake=(2,)))  # outside the unit (and not stored)
     begin(p, Decision(overtake=(1, 0)))
-    assert p.loads_in_flight == 2 and p.aside == {0: False, 1: False}
+    assert p.loads_in_flight == 2 and p.running.aside == {0: False, 1: False}
     with pytest.raises(PolicyError, match="not a stored chunk of the running unit"):
         begin(p, Decision(overtake=(1,)))  # already fetched aside
 
 
 def test_an_overtaken_unit_applies_each_chunk_once():
     p = Progress([256, 256, 256], [True, True, False])
-    p.can_overtake = True
+    p.lanes.can_overtake = True
     begin(p, Decision(compute=(0, 2)))
     begin(p, Decision(overtake=(0, 1)))
-    apply_event(p, TraceEvent("aside", 1, 1, 0.0, 0.1, 10))
+    trace = Trace()
+    trace.add(TraceEvent("aside", 1, 1, 0.0, 0.1, 10))
+    apply_event(p, trace.events[-1])
     with pytest.raises(PolicyError, match="before they landed"):
         apply_event(p, TraceEvent("compute-overtaken", 0, 1, 0.0, 0.2, 10))
-    apply_event(p, TraceEvent("aside", 0, 0, 0.0, 0.15, 10))
+    trace.add(TraceEvent("aside", 0, 0, 0.0, 0.15, 10))
+    apply_event(p, trace.events[-1])
     assert p.status[:2] == [ChunkStatus.COMPUTING] * 2 and p.compute_busy  # the unit must stop first
-    apply_event(p, TraceEvent("compute-overtaken", 0, 1, 0.0, 0.2, 20))
-    assert p.status[:2] == [ChunkStatus.LOADED] * 2 and not p.compute_busy and not p.aside
-    assert p.loads_in_flight == 0 and p.bytes_loaded == 20 and p.done_prefix() == 2
+    trace.add(TraceEvent("compute-overtaken", 0, 1, 0.0, 0.2, 20))
+    apply_event(p, trace.events[-1])
+    assert p.status[:2] == [ChunkStatus.LOADED] * 2 and not p.compute_busy and not p.running.aside
+    assert p.loads_in_flight == 0 and trace.bytes_loaded() == 20 and p.done_prefix() == 2
 
 
 def test_a_unit_that_ends_first_discards_what_landed_aside():
     p = Progress([256, 256], [True, True])
-    p.can_overtake = True
+    p.lanes.can_overtake = True
     begin(p, Decision(compute=(0, 2)))
     begin(p, Decision(overtake=(1, 0)))
-    apply_event(p, TraceEvent("aside", 1, 1, 0.0, 0.1, 10))
-    apply_event(p, TraceEvent("compute", 0, 1, 0.0, 0.2))
-    assert p.status == [ChunkStatus.COMPUTED] * 2 and p.aside == {0: False}  # one still stopping
-    apply_event(p, TraceEvent("aside-dropped", 0, 0, 0.0, 0.25))
-    assert p.finished and p.loads_in_flight == 0 and not p.aside and p.bytes_loaded == 0
+    trace = Trace(
+        [
+            TraceEvent("aside", 1, 1, 0.0, 0.1, 10),
+            TraceEvent("compute", 0, 1, 0.0, 0.2),
+            TraceEvent("aside-dropped", 0, 0, 0.0, 0.25),
+        ]
+    )
+    apply_event(p, trace.events[0])
+    apply_event(p, trace.events[1])
+    assert p.status == [ChunkStatus.COMPUTED] * 2 and p.running.aside == {0: False}  # one still stopping
+    apply_event(p, trace.events[2])
+    assert p.finished and p.loads_in_flight == 0 and not p.running.aside and trace.bytes_loaded() == 0
 
 
 def test_the_two_pointer_waits_for_loads_predicted_to_land_everything_first():
     p = Progress([256] * 4, [True] * 4)
     p.free_load_lanes = 4
-    p.prior_compute_s = [1.0] * 4
-    p.prior_link = (1e-4, 0.001)  # every chunk lands in about 0.1 s: long before one is computed
-    d = TokenTwoPointer().decide(p)
+    fast = Priors(compute_s=[1.0] * 4, link=(1e-4, 0.001))  # every chunk lands in about 0.1 s: long
+    d = ask(TokenTwoPointer(), p, fast)  # before one is computed
     assert d.compute is None and sorted(d.loads) == [0, 1, 2, 3] and d.wake_at is not None
-    p.prior_link = (1e-2, 0.001)  # ten seconds to fetch everything: compute from the front
-    d = TokenTwoPointer().decide(p)
+    slow = Priors(compute_s=[1.0] * 4, link=(1e-2, 0.001))  # ten seconds to fetch everything: compute
+    d = ask(TokenTwoPointer(), p, slow)  # from the front
     assert d.compute is not None and d.compute[0] == 0
 
 
@@ -161,32 +172,34 @@ def test_knowing_only_the_compute_floor_it_waits_for_two_fetches_to_judge():
     the lanes beside it), at most `PROBE_SHARE` of the floor of computing everything; then the hold
     rule judges with the floor."""
     n = 32
-    p = Progress([256] * n, [True] * n, compute_floor_s=[1.0] * n)
+    p = Progress([256] * n, [True] * n)
+    floors = Priors(floor_s=[1.0] * n)
     p.free_load_lanes = 4
-    d = TokenTwoPointer().decide(p)
+    d = ask(TokenTwoPointer(), p, floors)
     assert d.compute is None and d.loads == (31, 30, 29, 28)
     assert d.wake_at == pytest.approx(PROBE_SHARE * n)
     begin(p, d)
     # chunk 31 took 0.1 s: alone, that says 3.2 s for everything, more than chunk 0's floor of 1 s
     p.now, p.free_load_lanes = 0.1, 1
     apply_event(p, TraceEvent("load", 31, 31, 0.0, 0.1, 100))
-    d = TokenTwoPointer().decide(p)
+    d = ask(TokenTwoPointer(), p, floors)
     assert d.compute is None and d.wake_at == pytest.approx(PROBE_SHARE * (n - 1))  # still probing
     begin(p, d)
     # chunk 30 landed 10 ms later: the link delivers a chunk every 10 ms, all by 0.41 s
     p.now = 0.11
     apply_event(p, TraceEvent("load", 30, 30, 0.0, 0.11, 100))
-    d = TokenTwoPointer().decide(p)
+    d = ask(TokenTwoPointer(), p, floors)
     assert d.compute is None and d.wake_at == pytest.approx(0.11 + 30 * 0.01 + GRACE * 1.0)
 
 
 def test_a_probe_that_sees_no_fetch_land_in_time_computes():
-    p = Progress([256] * 4, [True] * 4, compute_floor_s=[1.0] * 4)
+    p = Progress([256] * 4, [True] * 4)
+    floors = Priors(floor_s=[1.0] * 4)
     p.free_load_lanes = 4
-    begin(p, TokenTwoPointer().decide(p))
+    begin(p, ask(TokenTwoPointer(), p, floors))
     p.now = PROBE_SHARE * 4.0  # the probe's time is up and no fetch has landed: a slow link
     p.free_load_lanes = 0
-    d = TokenTwoPointer().decide(p)
+    d = ask(TokenTwoPointer(), p, floors)
     assert d.compute is not None and d.compute[0] == 0
 
 
@@ -333,19 +346,44 @@ def test_the_compute_floor_counts_two_flops_a_weight_at_the_measured_rate(llama_
     assert llama_backend._floor is kept  # measured once per backend
 
 
+class SilentLink(ThrottledStore):
+    """A throttled store that shows a read's bytes only once it has finished (`delivered_bytes` None),
+    as most stores do: what a restore knows of the link comes from fetches landing or not."""
+
+    def delivered_bytes(self) -> float | None:
+        return None
+
+
+class FixedFloor(SlowLayers):
+    """`SlowLayers` whose compute floor is `floor_s` a token, whatever the machine measures."""
+
+    def __init__(self, inner: Any, layer_s: float, floor_s: float) -> None:
+        super().__init__(inner, layer_s)
+        self.floor_s = floor_s
+
+    def compute_floor_s(self, n_tokens: int) -> float:
+        return self.floor_s * n_tokens
+
+
 def test_a_link_no_fetch_lands_on_is_learned_as_a_bound(llama_backend):
     """A store so slow that no fetch lands while the prompt computes (100 bytes/s): the first restore
     computes in several units while it waits for fetches; the planner keeps the bound their time in
     flight sets on the link (`silent_s_per_token`), and the next restore, knowing from the start that
     no fetch can land in time, computes every chunk in one unit, the last stored chunk fetched aside
-    meanwhile to keep that bound current."""
+    meanwhile to keep that bound current.
+
+    Nothing here depends on the machine's speed: the floor is fixed (1 us a token), the store shows no
+    bytes arriving, so the first restore knows nothing of its link and starts with a one-chunk unit;
+    each unit sleeps at least 3 layers x 20 ms, so a fetch dropped after the first unit sets a bound of
+    at least 60 ms / 256 tokens, and a 32-token fetch (>= 7.5 ms by that bound) cannot land before the
+    whole prompt's floor (0.26 ms) has passed: a slower machine only makes both margins larger."""
     tokens = random_tokens(256, llama_backend.spec.vocab_size)
-    slow = SlowLayers(llama_backend, layer_s=0.02)  # a unit takes 3 layers x 20 ms, whatever its length
+    slow = FixedFloor(llama_backend, layer_s=0.02, floor_s=1e-6)
 
     async def main():
         store = MemoryStore()
         await Restorer(llama_backend, store, chunk_size=32, learn=False).save(tokens)
-        r = Restorer(slow, ThrottledStore(store, 100.0), chunk_size=32, learn=False, profile=False)
+        r = Restorer(slow, SilentLink(store, 100.0), chunk_size=32, learn=False, profile=False)
         first = await r.restore(tokens, TokenTwoPointer())
         bound = r.planner.silent_s_per_token
         second = await r.restore(tokens, TokenTwoPointer())

@@ -12,6 +12,8 @@ from kvrestore.policies import ChunkStatus, ComputeOnly, Decision, LoadOnly, Pol
 from kvrestore.runtime.engine import Engine, PolicyStalledError
 from kvrestore.runtime.request import RunRequest
 
+from .conftest import ask
+
 
 def simulate(policy: Policy, stored: list[bool], broken: set[int], lanes: int = 3):
     """Run the real engine with instant fake units; return (applied units, progress)."""
@@ -52,8 +54,8 @@ def test_every_chunk_applied_exactly_once(stored, data, lanes):
 
 def test_compute_only_is_one_unit_by_default():
     p = Progress([4] * 5, [True] * 5)
-    assert ComputeOnly().decide(p) == Decision(compute=(0, 5))
-    assert ComputeOnly(unit_chunks=2).decide(p) == Decision(compute=(0, 2))
+    assert ask(ComputeOnly(), p) == Decision(compute=(0, 5))
+    assert ask(ComputeOnly(unit_chunks=2), p) == Decision(compute=(0, 2))
     with pytest.raises(ValueError):
         ComputeOnly(unit_chunks=0)
 
@@ -61,17 +63,17 @@ def test_compute_only_is_one_unit_by_default():
 def test_load_only_waits_for_a_loadable_chunk_instead_of_computing_it():
     p = Progress([4] * 3, [True, False, True])
     p.free_load_lanes = 1
-    d = LoadOnly().decide(p)
+    d = ask(LoadOnly(), p)
     assert d.loads == (0,) and d.compute is None
     p.status[0] = ChunkStatus.LOADED
     p.free_load_lanes = 0
-    d = LoadOnly().decide(p)
+    d = ask(LoadOnly(), p)
     assert d.compute == (1, 2)  # the miss, stopping before the stored chunk 2
 
 
 def test_engine_refuses_a_policy_that_stalls():
     class Lazy(Policy):
-        def decide(self, progress):
+        def decide(self, progress, estimates):
             return Decision()
 
     with pytest.raises(PolicyStalledError):
@@ -80,7 +82,7 @@ def test_engine_refuses_a_policy_that_stalls():
 
 def test_engine_refuses_compute_without_prefix():
     class Skipper(Policy):
-        def decide(self, progress):
+        def decide(self, progress, estimates):
             return Decision(compute=(1, 2))
 
     with pytest.raises(RuntimeError, match="needs every chunk before"):
@@ -94,11 +96,11 @@ def test_two_pointer_units_respect_the_lanes_floor():
     from kvrestore.policies import TokenTwoPointer
 
     p = Progress([256] * 32, [False] * 4 + [True] * 28)
-    p.min_unit_chunks = 8
+    p.lanes.min_unit_chunks = 8
     p.free_load_lanes = 4
-    first = TokenTwoPointer().decide(p)
+    first = ask(TokenTwoPointer(), p)
     assert first.compute == (0, 8)  # not 1 chunk to measure with, nor the policy's 2
-    assert Progress([256] * 4, [True] * 4).min_unit_chunks == 1  # the default floor changes nothing
+    assert Progress([256] * 4, [True] * 4).lanes.min_unit_chunks == 1  # the default floor changes nothing
     q = Progress([256] * 32, [False] * 32)  # nothing stored: compute runs alone, in floor-sized units
-    q.min_unit_chunks = 8
-    assert TokenTwoPointer(compute_chunks=2).decide(q).compute == (0, 8)
+    q.lanes.min_unit_chunks = 8
+    assert ask(TokenTwoPointer(compute_chunks=2), q).compute == (0, 8)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrestore.policies.base import Progress
+from kvrestore.policies.base import LaneTraits, Progress
 from kvrestore.runtime.bookkeeping import observe, set_capabilities
 
 PACKAGE = Path(__file__).resolve().parent.parent / "kvrestore"
@@ -58,7 +58,8 @@ def test_only_the_bookkeeping_writes_a_progress():
         "progress.now = 1.0",
         "job.progress.free_load_lanes += 1",
         "self.progress.status[i] = s",
-        "progress.can_race: bool = True",
+        "progress.lanes.can_race: bool = True",
+        "progress.running.aside[i] = True",
     ],
 )
 def test_the_check_sees_every_kind_of_write(line):
@@ -67,12 +68,17 @@ def test_the_check_sees_every_kind_of_write(line):
 
 
 def test_observe_and_capabilities_are_bookkeeping_and_a_view_leaves_the_progress_alone():
-    p = Progress([16] * 3, [True] * 3, min_unit_chunks=2, prior_link=(1e-3, 0.01))
+    p = Progress([16] * 3, [True] * 3, lanes=LaneTraits(min_unit_chunks=2))
     set_capabilities(p, can_race=True, can_overtake=False)
     observe(p, 1.5, free_load_lanes=2)
-    assert (p.now, p.free_load_lanes, p.can_race, p.can_overtake) == (1.5, 2, True, False)
+    assert (p.now, p.free_load_lanes, p.lanes.can_race, p.lanes.can_overtake) == (1.5, 2, True, False)
     observe(p, 2.0)  # a batch job's clock: the lanes are the scheduler's to hand out
     assert (p.now, p.free_load_lanes) == (2.0, 2)
     view = p.as_if(now=9.0, free_load_lanes=0, compute_busy=True)
-    assert (view.now, view.free_load_lanes, view.compute_busy, view.min_unit_chunks) == (9.0, 0, True, 2)
+    assert (view.now, view.free_load_lanes, view.compute_busy, view.lanes.min_unit_chunks) == (
+        9.0,
+        0,
+        True,
+        2,
+    )
     assert (p.now, p.free_load_lanes, p.compute_busy) == (2.0, 2, False)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvrestore import Restorer, TokenTwoPointer
 from kvrestore.core.bandwidth import BandwidthTrace, Link
-from kvrestore.core.trace import TraceEvent
+from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.policies import ComputeOnly, Decision, LoadOnly, Progress
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
 from kvrestore.sim.simulate import simulate
@@ -62,17 +62,18 @@ def test_only_a_driver_that_can_race_takes_a_race():
     with pytest.raises(PolicyError, match="cannot race"):
         begin(p, race)
     p = Progress([256, 256], [True, True])
-    p.can_race = True
+    p.lanes.can_race = True
     with pytest.raises(PolicyError, match="one chunk"):
         begin(p, Decision(compute=(0, 2), loads=(0, 1), race=True))
     p = Progress([256], [True])
-    p.can_race = True
+    p.lanes.can_race = True
     begin(p, race)
-    assert p.racing == 0 and p.compute_busy and p.loads_in_flight == 1
-    apply_event(p, TraceEvent("load", 0, 0, 0.0, 1.0, 10))  # the fetch won
+    assert p.running.racing == 0 and p.compute_busy and p.loads_in_flight == 1
+    trace = Trace([TraceEvent("load", 0, 0, 0.0, 1.0, 10), TraceEvent("compute-dropped", 0, 0, 0.0, 1.1)])
+    apply_event(p, trace.events[0])  # the fetch won
     assert p.finished and p.compute_busy  # the compute unit still has to stop
-    apply_event(p, TraceEvent("compute-dropped", 0, 0, 0.0, 1.1))
-    assert not p.compute_busy and p.racing is None and p.bytes_loaded == 10
+    apply_event(p, trace.events[1])
+    assert not p.compute_busy and p.running.racing is None and trace.bytes_loaded() == 10
 
 
 @pytest.mark.parametrize("fast", [True, False])

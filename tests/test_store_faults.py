@@ -194,10 +194,10 @@ def test_s3_server_stopped_mid_restore_finishes_by_recomputing(llama_backend):
                 if event.kind == "load" and server.proc is not None:
                     server.stop()
 
-            with anyio.fail_after(20):  # a bound that catches a hang, not a claim about speed
-                res = await r.restore(tokens, LoadOnly(), on_event=stop_after_first_load)
-            with anyio.fail_after(20):
-                down = await r.restore(tokens, LoadOnly())  # server already down at lookup
+            # no wall-clock bound: every load is bounded by `load_timeout_s`, and how long the client's
+            # retries against a stopped server take depends on the machine, not on kvrestore
+            res = await r.restore(tokens, LoadOnly(), on_event=stop_after_first_load)
+            down = await r.restore(tokens, LoadOnly())  # server already down at lookup
             await r.close()
             return res, down
 

@@ -14,6 +14,7 @@ from kvrestore import Restorer, TokenTwoPointer
 from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.keys import chunk_keys
 from kvrestore.policies import ChunkStatus, Decision, Policy, Progress
+from kvrestore.policies.base import Estimates
 from kvrestore.runtime.engine import Engine
 from kvrestore.runtime.request import RunRequest
 from kvrestore.sim.simulate import simulate
@@ -120,7 +121,7 @@ def test_waiting_policy_is_woken_without_an_event():
         def __init__(self):
             self.calls = []
 
-        def decide(self, p: Progress) -> Decision:
+        def decide(self, p: Progress, estimates: Estimates) -> Decision:
             self.calls.append((p.now, p.status[1]))
             if p.status[1].value == "pending":
                 return Decision(loads=(1,), wake_at=0.05)

@@ -8,10 +8,13 @@ from hypothesis import strategies as st
 
 from kvrestore.core.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
 from kvrestore.core.trace import TraceEvent
+from kvrestore.costs.estimates import Priors
 from kvrestore.policies import ChunkStatus, ComputeOnly, Decision, LoadOnly, Progress, TokenTwoPointer
-from kvrestore.policies.token_two_pointer import GRACE
+from kvrestore.policies.meeting import GRACE
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
 from kvrestore.sim.simulate import simulate
+
+from .conftest import ask
 
 CHUNK_BYTES = 1000
 
@@ -179,11 +182,11 @@ def test_waits_for_a_fetch_that_lands_sooner_than_computing():
     p.load_started[3], p.load_started[2], p.load_started[1] = 0.0, 0.4, 0.8  # one link, back to back
     p.loads_in_flight = 1
     p.now = 1.0
-    d = TokenTwoPointer().decide(p)
+    d = ask(TokenTwoPointer(), p)
     # lands at 1.2, sooner than computing (till 2.0): wait, and look again a little after it is due
     assert d.compute is None and d.wake_at == pytest.approx(1.2 + GRACE * 1.0)
     p.now = 1.35  # overdue: compute it now and drop the fetch
-    assert TokenTwoPointer().decide(p) == Decision(compute=(1, 2), drop=(1,))
+    assert ask(TokenTwoPointer(), p) == Decision(compute=(1, 2), drop=(1,))
 
 
 def test_computes_and_drops_a_fetch_that_lands_later_than_computing():
@@ -194,7 +197,7 @@ def test_computes_and_drops_a_fetch_that_lands_later_than_computing():
     p.load_started[2], p.load_started[1] = 0.0, 0.5
     p.loads_in_flight = 1
     p.now = 0.6
-    assert TokenTwoPointer().decide(p) == Decision(compute=(1, 2), drop=(1,))
+    assert ask(TokenTwoPointer(), p) == Decision(compute=(1, 2), drop=(1,))
 
 
 def test_fetches_that_cannot_land_in_time_go_to_whole_compute_units():
@@ -259,26 +262,26 @@ def test_a_unit_takes_the_fetches_it_would_finish_before_they_land():
     p.status = [ChunkStatus.COMPUTED, ChunkStatus.PENDING] + [ChunkStatus.LOADING] * 4
     p.compute_seconds[0] = 0.1
     p.load_started[5], p.load_started[4], p.load_started[3], p.load_started[2] = 0.09, 0.09, 0.095, 0.095
-    p.prior_link = (0.15 / 256, 0.0)
     p.loads_in_flight, p.now = 4, 0.1
-    assert TokenTwoPointer(compute_chunks=3).decide(p) == Decision(compute=(1, 4), drop=(2, 3))
-    p.prior_link = (0.0015 / 256, 0.0)  # a link a hundred times faster: every fetch lands first
+    slow = Priors(link=(0.15 / 256, 0.0))
+    assert ask(TokenTwoPointer(compute_chunks=3), p, slow) == Decision(compute=(1, 4), drop=(2, 3))
+    fast = Priors(link=(0.0015 / 256, 0.0))  # a link a hundred times faster: every fetch lands first
     p.stored[1] = False  # (and chunk 1 is not stored, so the lane does not wait for the loads instead)
-    assert TokenTwoPointer(compute_chunks=3).decide(p) == Decision(compute=(1, 2))
+    assert ask(TokenTwoPointer(compute_chunks=3), p, fast) == Decision(compute=(1, 2))
 
 
 def test_loads_from_the_back_down_to_the_compute_frontier():
     p = Progress([256] * 6, [True, True, False, True, True, True])
     p.free_load_lanes = 10
-    d = TokenTwoPointer(compute_chunks=2).decide(p)
+    d = ask(TokenTwoPointer(compute_chunks=2), p)
     assert d.compute == (0, 1)  # the first unit is one chunk: the lane's speed is not known yet
     assert d.loads == (5, 4, 3, 1)  # from the back; chunk 2 is not stored, chunk 0 is being computed
     p.compute_seconds[0], p.status[0] = 0.1, ChunkStatus.COMPUTED
     p.stored = [True, False, False, False, False, False]
-    assert TokenTwoPointer(compute_chunks=2).decide(p).compute == (1, 3)  # nothing to load: full units
+    assert ask(TokenTwoPointer(compute_chunks=2), p).compute == (1, 3)  # nothing to load: full units
     p.status[0], p.stored = ChunkStatus.PENDING, [True, True, False, True, True, True]
     p.free_load_lanes = 1
-    assert TokenTwoPointer(compute_chunks=2).decide(p).loads == (5,)
+    assert ask(TokenTwoPointer(compute_chunks=2), p).loads == (5,)
 
 
 def test_bookkeeping_refuses_double_application_and_bad_drops():

@@ -43,6 +43,11 @@ class Trace:
         """The chunks whose computed KV was applied."""
         return self.chunks("compute")
 
+    def bytes_loaded(self) -> int:
+        """Bytes of the loads whose KV was applied (a dropped or failed load's, and a fetch aside's whose
+        unit computed first, are not)."""
+        return sum(e.nbytes for e in self.events if e.kind in ("load", "compute-overtaken"))
+
     def loaded(self) -> list[int]:
         """The chunks whose loaded KV was applied: fetched in place, or aside by fetches that overtook
         the compute unit holding them ("compute-overtaken")."""

@@ -297,7 +297,7 @@ class StageRestorer:
             loaded_chunks=len(trace.of_kind("load")),
             failed_loads=len(failed),
             pipelined_chunks=sum(plan.pipelined(s)),
-            bytes_loaded=progress.bytes_loaded,
+            bytes_loaded=trace.bytes_loaded(),
             boundary_bytes=reader.bytes_read,
             seconds=time.perf_counter() - t0,
             errors=[f"chunk {e.first_chunk}: {e.error}" for e in failed],

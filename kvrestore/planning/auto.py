@@ -52,7 +52,7 @@ class Workload:
     num_layers: int
     kv_bytes_per_token: int
     load_lanes: int = 4
-    #: the compute lane's floor on a token-wise unit (`Progress.min_unit_chunks`)
+    #: the compute lane's floor on a token-wise unit (`LaneTraits.min_unit_chunks`)
     min_unit_chunks: int = 1
 
     @property

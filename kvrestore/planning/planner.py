@@ -186,7 +186,7 @@ class Planner:
         )
 
     def priors(self, refs: list[ChunkRef]) -> tuple[list[float | None], tuple[float, float] | None]:
-        """What the cost model predicts before a restore has observed anything (`Progress.prior_*`):
+        """What the cost model predicts before a restore has observed anything (`costs.estimates.Priors`):
         seconds to compute each chunk on top of the chunks before it (None where unknown), and the
         link as (seconds per token delivered, latency); none while the restore probes the link it
         doubts (`plan`), so its policy judges the link from its own fetches."""
@@ -207,7 +207,7 @@ class Planner:
         return compute, (self.stored_bytes_per_token / link.bytes_per_s, link.latency_s)
 
     def unit_fixed_s(self) -> float:
-        """`Progress.prior_unit_fixed_s`: the cost model's fixed cost of a token-wise unit (0 where the
+        """`Priors.unit_fixed_s`: the cost model's fixed cost of a token-wise unit (0 where the
         priors do not come from a cost model)."""
         model = self.cost_model
         return model.chunk.fixed_s if model is not None and self.engine.times_restores_alone else 0.0
@@ -227,7 +227,7 @@ class Planner:
         return compute, (self.stored_bytes_per_token / spec.num_layers / link.bytes_per_s, link.latency_s)
 
     def floors(self, refs: list[ChunkRef]) -> list[float | None]:
-        """`Progress.compute_floor_s` of a token-wise restore: the least each chunk's compute can take
+        """`Priors.floor_s` of a token-wise restore: the least each chunk's compute can take
         (the backend's `compute_floor_s`, where it has one), where the restore has the lanes to itself."""
         floor = self._floor()
         return [floor(r.n_tokens) if floor is not None else None for r in refs]
@@ -242,7 +242,7 @@ class Planner:
         return floor if callable(floor) and self.engine.times_restores_alone else None
 
     def min_unit_chunks(self) -> int:
-        """`Progress.min_unit_chunks` of the token-wise restores (see `min_unit_tokens`)."""
+        """`LaneTraits.min_unit_chunks` of the token-wise restores (see `min_unit_tokens`)."""
         if not self.engine.times_restores_alone:  # a batch scheduler sizes units from its own token budget
             return 1
         return max(1, -(-self.min_unit_tokens() // self.chunk_size))

@@ -1,7 +1,7 @@
 """Restore policies: pure decision objects (see `base.Policy`). `Auto`, which plans by simulating
 them, lives in `kvrestore.planning`."""
 
-from kvrestore.policies.base import ChunkStatus, Decision, Policy, Progress
+from kvrestore.policies.base import ChunkStatus, Decision, Estimates, LaneTraits, Policy, Progress
 from kvrestore.policies.blend import Blend
 from kvrestore.policies.compute_only import ComputeOnly
 from kvrestore.policies.layer_two_pointer import LayerTwoPointer
@@ -19,6 +19,8 @@ __all__ = [
     "ChunkStatus",
     "ComputeOnly",
     "Decision",
+    "Estimates",
+    "LaneTraits",
     "LayerTwoPointer",
     "LoadOnly",
     "Policy",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from kvrestore.core.errors import InvalidInputError
 
@@ -27,16 +28,41 @@ class ChunkStatus(str, Enum):
 
 
 @dataclass
+class LaneTraits:
+    """What the driver's lanes are and can do, fixed before a restore's first decision."""
+
+    #: the fewest chunks a compute unit should cover on this compute lane (a GPU's units below that
+    #: are launch-bound: their time is kernel launches, not work; see `HFBackend.min_unit_tokens`)
+    min_unit_chunks: int = 1
+    #: whether the driver can race a compute unit against a chunk's fetch (`Decision.race`)
+    can_race: bool = False
+    #: whether the driver can fetch the chunks of a running compute unit aside (`Decision.overtake`)
+    can_overtake: bool = False
+
+
+@dataclass
+class RunningUnit:
+    """The compute unit running now, beyond its chunks' `COMPUTING` status."""
+
+    #: when it began (on the progress clock)
+    started: float | None = None
+    #: the chunk that it and a fetch are racing for, while they do
+    racing: int | None = None
+    #: its chunks fetched aside: True once landed, False while in flight
+    aside: dict[int, bool] = field(default_factory=dict)
+
+
+@dataclass
 class Progress:
-    """Live state of one restore.
+    """What the driver knows of one restore: each chunk's state and timings, its lanes and its clock.
 
     What is known before the restore starts is given to the constructor: the chunks, which are stored,
-    the compute lane's `min_unit_chunks`, the cost model's priors, the compute floor, and (for a driver made to take them)
-    `can_race` and `can_overtake`; an `Engine` sets the two capabilities from its request with
-    `runtime.bookkeeping.set_capabilities`. Every later change is made by `runtime.bookkeeping` alone:
+    and the lanes' traits (`LaneTraits`: an `Engine` sets the two capabilities from its request with
+    `runtime.bookkeeping.set_capabilities`). Every later change is made by `runtime.bookkeeping` alone:
     `observe` (the clock and the free load lanes, before each decision), `begin` (a decision's units
-    started) and `apply_event` (a unit finished). Policies only read it; to ask what a policy would do
-    under other observations, `as_if` gives a copy.
+    started) and `apply_event` (a unit finished). Policies only read it, with what it implies about the
+    lanes worked out apart (`costs.estimates.Estimates`); to ask what a policy would do under other
+    observations, `as_if` gives a copy.
     """
 
     chunk_tokens: list[int]
@@ -47,41 +73,11 @@ class Progress:
     free_load_lanes: int = 0
     compute_seconds: list[float | None] = field(default_factory=list)
     load_seconds: list[float | None] = field(default_factory=list)
-    load_started: list[float | None] = field(
-        default_factory=list
-    )  # when each load began (in flight or landed)
-    bytes_loaded: int = 0
+    #: when each load began (in flight or landed)
+    load_started: list[float | None] = field(default_factory=list)
     now: float = 0.0  # seconds since the restore began, on the driver's clock (real or simulated)
-    #: the fewest chunks a compute unit should cover on this compute lane (a GPU's units below that
-    #: are launch-bound: their time is kernel launches, not work; see `HFBackend.min_unit_tokens`)
-    min_unit_chunks: int = 1
-    #: whether the driver can race a compute unit against a chunk's fetch (`Decision.race`)
-    can_race: bool = False
-    #: the chunk that a compute unit and a fetch are racing for, while they do
-    racing: int | None = None
-    #: whether the driver can fetch the chunks of a running compute unit aside (`Decision.overtake`)
-    can_overtake: bool = False
-    #: the chunks of the running compute unit fetched aside: True once landed, False while in flight
-    aside: dict[int, bool] = field(default_factory=dict)
-    #: when the running compute unit began (on the progress clock)
-    compute_started: float | None = None
-    #: what the restorer's cost model predicts before this restore has observed anything: seconds to
-    #: compute each chunk (on top of the chunks before it), and the store's link as (seconds per token
-    #: delivered, seconds of latency per request)
-    prior_compute_s: list[float | None] = field(default_factory=list)
-    prior_link: tuple[float, float] | None = None
-    #: the part of each chunk's `prior_compute_s` that a compute unit pays once however many chunks it
-    #: covers (the cost model's fixed cost of a unit): k chunks in one unit cost the sum of their
-    #: priors less k - 1 times this
-    prior_unit_fixed_s: float = 0.0
-    #: seconds below which computing each chunk cannot end (its matmul FLOPs at the device's measured
-    #: rate, `backends.floor`): all a restorer knows of computing before any unit ran (None: not known)
-    compute_floor_s: list[float | None] = field(default_factory=list)
-    #: what the store had delivered at the first decision, at the first after it to see bytes arriving,
-    #: and at the latest, as (seconds, tokens' worth of bytes the store's count then showed), counting
-    #: the bytes of fetches still in flight; empty where the store sees a read's bytes only once it has
-    #: finished (`ChunkStore.delivered_bytes`)
-    delivered: list[tuple[float, float]] = field(default_factory=list)
+    lanes: LaneTraits = field(default_factory=LaneTraits)
+    running: RunningUnit = field(default_factory=RunningUnit)
 
     def __post_init__(self) -> None:
         n = len(self.chunk_tokens)
@@ -91,8 +87,6 @@ class Progress:
         self.compute_seconds = self.compute_seconds or [None] * n
         self.load_seconds = self.load_seconds or [None] * n
         self.load_started = self.load_started or [None] * n
-        self.prior_compute_s = self.prior_compute_s or [None] * n
-        self.compute_floor_s = self.compute_floor_s or [None] * n
 
     @property
     def n_chunks(self) -> int:
@@ -130,7 +124,7 @@ class Progress:
 
     def computing(self) -> tuple[int, int] | None:
         """The chunks [a, b) of the compute unit running in place (None: none, or a race)."""
-        if not self.compute_busy or self.racing is not None:
+        if not self.compute_busy or self.running.racing is not None:
             return None
         ids = [i for i, s in enumerate(self.status) if s is ChunkStatus.COMPUTING]
         return (ids[0], ids[-1] + 1) if ids else None
@@ -151,12 +145,12 @@ class Decision:
     engine waits for a dropped load to stop before the compute unit starts). `wake_at` asks to be
     asked again at that time (on the progress clock) even if no unit finishes before it.
 
-    `race` (only where `Progress.can_race`): the compute unit is one chunk that is also being fetched
+    `race` (only where `LaneTraits.can_race`): the compute unit is one chunk that is also being fetched
     (already, or by this decision's `loads`); both run and the first to finish wins: a fetch that lands
     first stops the compute unit, whose KV is never written; a compute unit that ends first stops the
     fetch and writes its KV once the fetch can write no more. The chunk is applied once either way.
 
-    `overtake` (only where `Progress.can_overtake`): chunks of the compute unit running in place to
+    `overtake` (only where `LaneTraits.can_overtake`): chunks of the compute unit running in place to
     fetch aside, into buffers of their own. Once every chunk of the unit has landed aside, the unit
     stops at its next layer boundary and the fetched chunks are written instead; a unit that finishes
     first keeps its KV and the fetched bytes are discarded. Each chunk is applied once either way.
@@ -173,6 +167,42 @@ class Decision:
 IDLE = Decision()
 
 
+class Estimates(Protocol):
+    """What a restore's observations imply about its lanes, as a policy reads it (made by
+    `costs.estimates.Estimates` from a `Progress` and the cost model's priors, once per observation;
+    see there for each rule). Units are the policy's own: chunks along tokens, layers along layers."""
+
+    @property
+    def prior_link(self) -> tuple[float, float] | None: ...
+
+    @property
+    def unit_fixed_s(self) -> float: ...
+
+    def prior_compute_s(self, j: int) -> float | None: ...
+
+    def floor_s(self, j: int) -> float | None: ...
+
+    def compute_rate(self, a: int) -> float | None: ...
+
+    def compute_at(self, j: int, rate: float | None) -> float | None: ...
+
+    def compute_s(self, a: int) -> float | None: ...
+
+    def link(self) -> tuple[float, float] | None: ...
+
+    def guessed_s_per_token(self) -> float | None: ...
+
+    def overdue(self) -> float | None: ...
+
+    def arrival_rate(self) -> float | None: ...
+
+    def sees_arrivals(self) -> bool: ...
+
+    def landed_count(self) -> int: ...
+
+    def landing(self, a: int, guess: bool = False) -> float | None: ...
+
+
 class Policy(ABC):
     """Decides the next units of a restore from its progress."""
 
@@ -182,8 +212,9 @@ class Policy(ABC):
     axis: str = "tokens"
 
     @abstractmethod
-    def decide(self, progress: Progress) -> Decision:
-        """Units to start now. Called whenever a lane is free and after every finished unit."""
+    def decide(self, progress: Progress, estimates: Estimates) -> Decision:
+        """Units to start now, from what the driver knows (`progress`) and what that implies about the
+        lanes (`estimates`). Called whenever a lane is free and after every finished unit."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

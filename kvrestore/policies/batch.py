@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvrestore.core.errors import InvalidInputError, check_int
-from kvrestore.policies.base import ChunkStatus, Decision, Policy, Progress
+from kvrestore.policies.base import ChunkStatus, Decision, Estimates, Policy, Progress
 
 #: Cake's compute budget per step (tokens): two 256-token chunks
 DEFAULT_TOKEN_BUDGET = 512
@@ -58,7 +58,9 @@ class BatchJob:
     which ranks jobs by remaining recomputation. `unit_tokens` is what each unit spends of a step's
     token budget: by default its chunk's tokens; a layer-axis job's units are layers over the whole
     prefix, each about the work of prefix/layers tokens. `skipped` (steps passed over in a row) and
-    `most_skipped` (the most ever) are kept by the driver (`bookkeeping.note_step`).
+    `most_skipped` (the most ever) are kept by the driver (`bookkeeping.note_step`). `estimate` works
+    out the `Estimates` of a progress, which the job's policy decides from (the driver's: the
+    scheduler itself computes nothing of the lanes).
     """
 
     id: int
@@ -68,6 +70,7 @@ class BatchJob:
     arrival_s: float
     chunk_cost: Sequence[float]
     unit_tokens: Sequence[int] = ()
+    estimate: Callable[[Progress], Estimates] | None = None
     skipped: int = 0
     most_skipped: int = 0
 
@@ -110,7 +113,10 @@ class BatchJob:
         granted lanes and (with `compute_free` False: the compute lane is not on offer, so the policy
         plans loads only) a busy compute lane; the job's own progress changes only in bookkeeping."""
         busy = None if compute_free else True
-        d = self.policy.decide(self.progress.as_if(now - self.arrival_s, free_load_lanes, busy))
+        view = self.progress.as_if(now - self.arrival_s, free_load_lanes, busy)
+        if self.estimate is None:
+            raise InvalidInputError("a BatchJob needs `estimate` to ask its policy")
+        d = self.policy.decide(view, self.estimate(view))
         if d.wake_at is None:
             return d
         return Decision(d.compute, d.loads, d.drop, global_wake(d.wake_at, self.arrival_s, now))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvrestore.core.errors import check_int
-from kvrestore.policies.base import IDLE, Decision, Policy, Progress, next_compute_run
+from kvrestore.policies.base import IDLE, Decision, Estimates, Policy, Progress, next_compute_run
 
 
 class ComputeOnly(Policy):
@@ -26,7 +26,7 @@ class ComputeOnly(Policy):
     def __init__(self, unit_chunks: int | None = None) -> None:
         self.unit_chunks = None if unit_chunks is None else check_int("unit_chunks", unit_chunks)
 
-    def decide(self, progress: Progress) -> Decision:
+    def decide(self, progress: Progress, estimates: Estimates) -> Decision:
         run = next_compute_run(progress, self.unit_chunks)
         return Decision(compute=run) if run else IDLE
 

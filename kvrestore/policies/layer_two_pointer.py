@@ -12,27 +12,32 @@ Along layers every unit costs the same, though, whereas the first token chunks a
 than the last (attention grows with position), which the token-wise pointer exploits on long prompts.
 The planner (`policies.planner.Auto`) picks between the two at the profiled crossover length L_delta.
 
-The decisions are the token-wise pointer's (`TokenTwoPointer`): the units are layers instead of chunks,
-and `Progress.chunk_tokens` holds the same token count for every layer.
+Where the pointers meet is decided as along tokens (`policies.meeting`, shared with `TokenTwoPointer`):
+the units are layers, each holding the prefix's token count in `Progress.chunk_tokens`.
 """
 
 from __future__ import annotations
 
 from kvrestore.core.errors import check_int
-from kvrestore.policies.token_two_pointer import TokenTwoPointer
+from kvrestore.policies.base import Decision, Estimates, Policy, Progress
+from kvrestore.policies.meeting import Meeting
 
 #: layers per compute unit (the first unit is one layer, to measure the lane; units shrink near the meeting)
 DEFAULT_COMPUTE_LAYERS = 2
 
 
-class LayerTwoPointer(TokenTwoPointer):
+class LayerTwoPointer(Policy):
     """Compute layers from the bottom, load layers from the top, meet at the cutover layer."""
 
     name = "layer-wise"
     axis = "layers"
 
     def __init__(self, compute_layers: int = DEFAULT_COMPUTE_LAYERS) -> None:
-        super().__init__(compute_chunks=check_int("compute_layers", compute_layers))
+        self.compute_layers = check_int("compute_layers", compute_layers)
+        self._meeting = Meeting(self.compute_layers)
 
     def __repr__(self) -> str:
-        return f"LayerTwoPointer(compute_layers={self.compute_chunks})"
+        return f"LayerTwoPointer(compute_layers={self.compute_layers})"
+
+    def decide(self, progress: Progress, estimates: Estimates) -> Decision:
+        return self._meeting.decide(progress, estimates)

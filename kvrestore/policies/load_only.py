@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvrestore.policies.base import ChunkStatus, Decision, Policy, Progress, next_compute_run
+from kvrestore.policies.base import ChunkStatus, Decision, Estimates, Policy, Progress, next_compute_run
 
 
 class LoadOnly(Policy):
@@ -17,7 +17,7 @@ class LoadOnly(Policy):
 
     name = "load-only"
 
-    def decide(self, progress: Progress) -> Decision:
+    def decide(self, progress: Progress, estimates: Estimates) -> Decision:
         loads = tuple(
             i for i, s in enumerate(progress.status) if s is ChunkStatus.PENDING and progress.stored[i]
         )[: progress.free_load_lanes]

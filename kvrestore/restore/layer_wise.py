@@ -13,11 +13,11 @@ import time
 import anyio
 
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
+from kvrestore.costs.estimates import Estimates, Priors
 from kvrestore.policies import ComputeOnly, LoadOnly, Policy, Progress
 from kvrestore.restore.compute import LayerCompute, prefill_into
 from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
 from kvrestore.restore.token_wise import restore_tokens
-from kvrestore.runtime.request import RunRequest
 
 
 async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResult:
@@ -30,15 +30,11 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     engine, spec = parts.engine, parts.backend.spec
     n_layers, prefix = spec.num_layers, refs[k - 1].end
     prior_compute_s, prior_link = parts.planner.layer_priors(prefix)
-    progress = Progress(
-        [prefix] * n_layers,
-        [True] * n_layers,
-        prior_compute_s=prior_compute_s,
-        prior_link=prior_link,
-        compute_floor_s=parts.planner.layer_floors(prefix),
-    )
+    priors = Priors(prior_compute_s, prior_link, floor_s=parts.planner.layer_floors(prefix))
+    progress = Progress([prefix] * n_layers, [True] * n_layers)
     whole = k == len(refs) and prior_link is not None  # (no link known: a policy waits to see fetches land)
-    if whole and policy.decide(progress.as_if(free_load_lanes=engine.load_lanes)).compute is None:
+    asked = progress.as_if(free_load_lanes=engine.load_lanes)
+    if whole and policy.decide(asked, Estimates(asked, priors)).compute is None:
         # the loads are predicted to land every layer before the first could be computed: whole chunks
         # then land sooner still (one read each, not one per layer), so the prompt goes along tokens
         return await restore_tokens(parts, job, LoadOnly())
@@ -64,11 +60,7 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
             raise ChunkLoadFailed(reader.unusable, f"layer reads stopped: {error}")
         return await reader.read_layer(layer, kv)
 
-    trace = await engine.run(
-        RunRequest(
-            progress, policy, compute, load, on_event, parts.load_timeout_s, timed_out=parts.timed_out()
-        )
-    )
+    trace = await engine.run(parts.request(progress, policy, compute, load, on_event=on_event, priors=priors))
     parts.planner.learn(trace, refs, layers_over=prefix)
     if k < len(refs):  # the chunks after the stored prefix, computed on top of it
         t_tail = time.perf_counter()

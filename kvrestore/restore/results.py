@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -15,9 +15,11 @@ from kvrestore.core.kv import KVCache
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.planning.auto import Plan
 from kvrestore.planning.planner import Planner
+from kvrestore.policies import Policy, Progress
 from kvrestore.runtime.engine import Engine
+from kvrestore.runtime.request import ComputeFn, LoadFn, RunRequest
 from kvrestore.stores.base import ChunkStore
-from kvrestore.stores.deadline import DeadlineStore
+from kvrestore.stores.deadline import Deadlines, DeadlineStore
 
 
 @dataclass
@@ -102,14 +104,19 @@ class Units:
 @dataclass
 class Parts:
     """What runs a restore: the model, the store and its chunk loader, the engine's lanes, the planner
-    that learns from each run, and how long a load may take."""
+    that learns from each run, and the restorer's deadlines (read at each restore, never copied)."""
 
     backend: ComputeBackend
     store: ChunkStore
     engine: Engine
     loader: ChunkLoader
     planner: Planner
-    load_timeout_s: float | None
+    deadlines: Deadlines
+
+    @property
+    def load_timeout_s(self) -> float | None:
+        """How long a load may take now (`Deadlines.load_s`)."""
+        return self.deadlines.load_s
 
     def buffer(self, out: KVCache | None, n_tokens: int) -> KVCache:
         """A new KV buffer, or the head of `out` (checked by `Restorer.restore`), that the lanes' CUDA
@@ -120,6 +127,21 @@ class Parts:
             kv = out.head(n_tokens)
         self.engine.lanes_after_current(kv.data.device)
         return kv
+
+    def request(
+        self, progress: Progress, policy: Policy, compute: ComputeFn, load: LoadFn, **kwargs: Any
+    ) -> RunRequest:
+        """A restore as the engine runs it, under these parts' load deadline (`kwargs`: the rest of
+        `RunRequest`: `on_event`, `fast_paths`, `delivered`, `priors`)."""
+        return RunRequest(
+            progress,
+            policy,
+            compute,
+            load,
+            load_timeout_s=self.load_timeout_s,
+            timed_out=self.timed_out(),
+            **kwargs,
+        )
 
     def timed_out(self) -> Callable[[float], None] | None:
         """What a restore tells when one of its loads ran past `load_timeout_s`: the store under its

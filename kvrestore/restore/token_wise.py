@@ -8,10 +8,11 @@ from collections.abc import Callable, Iterable
 
 from kvrestore.chunkio.load import Fetched
 from kvrestore.chunkio.read import AllFetched, fetch_chunks_sync, forget, load_chunks, load_chunks_aside
-from kvrestore.policies import Policy, Progress
+from kvrestore.costs.estimates import Priors
+from kvrestore.policies import LaneTraits, Policy, Progress
 from kvrestore.restore.compute import prefill_apart, prefill_into
 from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
-from kvrestore.runtime.request import FastPaths, RunRequest
+from kvrestore.runtime.request import FastPaths
 
 
 async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResult:
@@ -24,14 +25,9 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     t0 = time.perf_counter()
     kv = parts.buffer(out, len(tokens))
     prior_compute_s, prior_link = parts.planner.priors(refs)
+    priors = Priors(prior_compute_s, prior_link, parts.planner.unit_fixed_s(), parts.planner.floors(refs))
     progress = Progress(
-        [r.n_tokens for r in refs],
-        list(stored),
-        min_unit_chunks=parts.planner.min_unit_chunks(),
-        prior_compute_s=prior_compute_s,
-        prior_link=prior_link,
-        prior_unit_fixed_s=parts.planner.unit_fixed_s(),
-        compute_floor_s=parts.planner.floors(refs),
+        [r.n_tokens for r in refs], list(stored), lanes=LaneTraits(parts.planner.min_unit_chunks())
     )
 
     def compute(a: int, b: int) -> None:
@@ -64,19 +60,17 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     try:
         fast = FastPaths(fetch_sync if loader.reads_sync else None, compute_apart, load_aside)
         fast_paths = fast if engine.takes_fast_paths else None
-        trace = await engine.run(
-            RunRequest(
-                progress,
-                policy,
-                compute,
-                load,
-                on_event,
-                parts.load_timeout_s,
-                fast_paths,
-                delivered,
-                parts.timed_out(),
-            )
+        request = parts.request(
+            progress,
+            policy,
+            compute,
+            load,
+            on_event=on_event,
+            fast_paths=fast_paths,
+            delivered=delivered,
+            priors=priors,
         )
+        trace = await engine.run(request)
     finally:
         for key in damaged:
             await forget(parts.store, key)
@@ -93,7 +87,7 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
         computed_chunks=n_chunks(trace.computed()),
         loaded_chunks=n_chunks(trace.loaded()),
         failed_loads=len(failed),
-        bytes_loaded=progress.bytes_loaded,
+        bytes_loaded=trace.bytes_loaded(),
         seconds=time.perf_counter() - t0,
         errors=errors + [f"chunk {chunks[e.first_chunk][0].index}: {e.error}" for e in failed],
     )

@@ -39,6 +39,7 @@ from anyio.abc import TaskGroup
 from kvrestore.core.errors import InvalidInputError, UsageError
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.costs.compute import ChunkCost
+from kvrestore.costs.estimates import Estimates
 from kvrestore.policies.base import Progress
 from kvrestore.policies.batch import BatchAware, BatchJob, BatchScheduler, ComputeStep, LoadGrant
 from kvrestore.policies.compute_only import ComputeOnly
@@ -108,8 +109,10 @@ class BatchEngine(Engine):
         if self._stack is not None:
             raise RuntimeError("this BatchEngine is already running")
         stack = contextlib.AsyncExitStack()
-        self._tg = await stack.enter_async_context(anyio.create_task_group())
         self._send, receive = anyio.create_memory_object_stream[tuple](math.inf)
+        stack.callback(receive.close)  # closed once the task group below has ended (the stack unwinds
+        stack.callback(self._send.close)  # in reverse): no task is left to use them
+        self._tg = await stack.enter_async_context(anyio.create_task_group())
         self._stack = stack
         self._tg.start_soon(drive_batch, self.scheduler, _Lanes(self, self._tg, receive))
         return self
@@ -182,7 +185,7 @@ class BatchEngine(Engine):
             )
         progress = request.progress
         costs, tokens = self._unit_costs(progress, request.policy.axis)
-        job = BatchJob(next(self._ids), kind, progress, request.policy, self._now(), costs, tokens)
+        job = BatchJob(next(self._ids), kind, progress, request.policy, self._now(), costs, tokens, Estimates)
         self.scheduler.check(job)
         live = _Live(job, request)
         if progress.finished:
@@ -194,7 +197,8 @@ class BatchEngine(Engine):
         except BaseException:
             with anyio.CancelScope(shield=True):
                 live.cancelled = True
-                self._send.send_nowait(("cancel", job.id))
+                with contextlib.suppress(anyio.ClosedResourceError):  # the engine has closed meanwhile
+                    self._send.send_nowait(("cancel", job.id))
                 await live.done.wait()  # set once none of its units is still running
             raise
         if live.error is not None:

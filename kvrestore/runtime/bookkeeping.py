@@ -23,27 +23,16 @@ class PolicyError(RuntimeError):
 def set_capabilities(progress: Progress, can_race: bool, can_overtake: bool) -> None:
     """What the driver that runs the restore can do (`Decision.race`, `Decision.overtake`): set once,
     before its first decision, by a driver that learns it from its request (`Engine.run`)."""
-    progress.can_race = can_race
-    progress.can_overtake = can_overtake
+    progress.lanes.can_race = can_race
+    progress.lanes.can_overtake = can_overtake
 
 
-def observe(
-    progress: Progress, now: float, free_load_lanes: int | None = None, delivered: float | None = None
-) -> None:
-    """What the driver sees before it asks for a decision: its clock (seconds since the restore began),
-    where it hands the load lanes to this restore alone how many are free, and where its store sees
-    bytes arrive, the tokens' worth delivered so far (`Progress.delivered`)."""
+def observe(progress: Progress, now: float, free_load_lanes: int | None = None) -> None:
+    """What the driver sees before it asks for a decision: its clock (seconds since the restore began)
+    and, where it hands the load lanes to this restore alone, how many are free."""
     progress.now = now
     if free_load_lanes is not None:
         progress.free_load_lanes = free_load_lanes
-    samples = progress.delivered
-    if delivered is None or (samples and now <= samples[-1][0]):
-        return
-    # kept: the first look, the first after it to see bytes arriving, and the latest (all a rate needs)
-    if len(samples) == 3 or (len(samples) == 2 and samples[1][1] <= samples[0][1]):
-        samples[-1] = (now, delivered)
-    else:
-        samples.append((now, delivered))
 
 
 def begin(progress: Progress, decision: Decision, policy: Policy | None = None) -> None:
@@ -70,22 +59,27 @@ def begin(progress: Progress, decision: Decision, policy: Policy | None = None) 
         for j in range(a, b):
             progress.status[j] = ChunkStatus.COMPUTING
         progress.compute_busy = True
-        progress.compute_started = progress.now
+        progress.running.started = progress.now
     if decision.overtake:
         _begin_overtake(progress, decision.overtake, who)
 
 
 def _begin_overtake(progress: Progress, chunks: tuple[int, ...], who: str) -> None:
     """Fetches aside of chunks of the compute unit running in place (`Decision.overtake`)."""
-    if not progress.can_overtake:
+    if not progress.lanes.can_overtake:
         raise PolicyError(f"{who} overtook a compute unit on a driver that cannot")
     unit = progress.computing()
     for i in chunks:
-        if unit is None or not unit[0] <= i < unit[1] or i in progress.aside or not progress.stored[i]:
+        if (
+            unit is None
+            or not unit[0] <= i < unit[1]
+            or i in progress.running.aside
+            or not progress.stored[i]
+        ):
             raise PolicyError(
                 f"{who} fetched chunk {i} aside, which is not a stored chunk of the running unit"
             )
-        progress.aside[i] = False
+        progress.running.aside[i] = False
         progress.load_started[i] = progress.now
         progress.loads_in_flight += 1
 
@@ -93,7 +87,7 @@ def _begin_overtake(progress: Progress, chunks: tuple[int, ...], who: str) -> No
 def _begin_race(progress: Progress, decision: Decision, who: str) -> None:
     """A compute unit of one chunk whose fetch is in flight: the chunk stays LOADING (with `racing`
     set) until one of the two finishes."""
-    if not progress.can_race:
+    if not progress.lanes.can_race:
         raise PolicyError(f"{who} raced a compute unit against a fetch on a driver that cannot race")
     if decision.compute is None or decision.compute[1] != decision.compute[0] + 1:
         raise PolicyError(f"{who} raced a compute unit of {decision.compute}: a race is for one chunk")
@@ -104,7 +98,7 @@ def _begin_race(progress: Progress, decision: Decision, who: str) -> None:
             "done, a free compute lane and its fetch in flight)"
         )
     progress.compute_busy = True
-    progress.racing = a
+    progress.running.racing = a
 
 
 def check_compute(progress: Progress, a: int, b: int, who: str = "policy") -> None:
@@ -119,7 +113,7 @@ def check_compute(progress: Progress, a: int, b: int, who: str = "policy") -> No
 
 def apply_event(progress: Progress, event: TraceEvent) -> None:
     """Update a restore's progress with a finished unit (kept apart from decisions, as in vLLM)."""
-    if progress.racing is not None and event.first_chunk == progress.racing:
+    if progress.running.racing is not None and event.first_chunk == progress.running.racing:
         _apply_race(progress, event)
         return
     if event.kind.startswith("aside") or event.kind == "compute-overtaken":
@@ -131,8 +125,10 @@ def apply_event(progress: Progress, event: TraceEvent) -> None:
         raise PolicyError(f"{event.kind} of chunks {list(chunks)} finished, but they are not {expect.value}")
     if event.kind == "compute":
         progress.compute_busy = False
-        progress.compute_started = None
-        progress.aside = {i: False for i, landed in progress.aside.items() if not landed}  # still stopping
+        progress.running.started = None
+        progress.running.aside = {
+            i: False for i, landed in progress.running.aside.items() if not landed
+        }  # still stopping
         n = event.last_chunk - event.first_chunk + 1
         for j in range(event.first_chunk, event.last_chunk + 1):
             progress.status[j] = ChunkStatus.COMPUTED
@@ -145,7 +141,6 @@ def apply_event(progress: Progress, event: TraceEvent) -> None:
     if event.kind == "load":
         progress.status[i] = ChunkStatus.LOADED
         progress.load_seconds[i] = event.seconds
-        progress.bytes_loaded += event.nbytes
     else:  # a fault: the chunk is a miss from now on
         progress.load_started[i] = None
         progress.status[i] = ChunkStatus.PENDING
@@ -159,21 +154,20 @@ def _apply_aside(progress: Progress, event: TraceEvent) -> None:
     i = event.first_chunk
     if event.kind == "compute-overtaken":
         chunks = range(event.first_chunk, event.last_chunk + 1)
-        if not all(progress.aside.get(j) for j in chunks):
+        if not all(progress.running.aside.get(j) for j in chunks):
             raise PolicyError(f"the compute unit of chunks {list(chunks)} was overtaken before they landed")
         for j in chunks:
             progress.status[j] = ChunkStatus.LOADED
-            del progress.aside[j]
+            del progress.running.aside[j]
         progress.compute_busy = False
-        progress.compute_started = None
-        progress.bytes_loaded += event.nbytes
+        progress.running.started = None
         return
     progress.loads_in_flight -= 1
     if event.kind == "aside" and progress.status[i] is ChunkStatus.COMPUTING:
-        progress.aside[i] = True
+        progress.running.aside[i] = True
         progress.load_seconds[i] = event.seconds
         return
-    progress.aside.pop(i, None)
+    progress.running.aside.pop(i, None)
     if progress.status[i] is ChunkStatus.COMPUTING:
         progress.load_started[i] = None
     if event.kind == "aside-failed":
@@ -187,12 +181,12 @@ def _apply_race(progress: Progress, event: TraceEvent) -> None:
     i = event.first_chunk
     if event.kind == "compute-dropped":
         progress.compute_busy = False
-        progress.racing = None
+        progress.running.racing = None
         return
     if event.kind == "compute":
         if progress.status[i] is not ChunkStatus.COMPUTING:
             raise PolicyError(f"the compute unit of chunk {i} won its race after the fetch did")
-        progress.racing = None
+        progress.running.racing = None
         progress.compute_busy = False
         progress.status[i] = ChunkStatus.COMPUTED
         progress.compute_seconds[i] = event.seconds
@@ -203,7 +197,6 @@ def _apply_race(progress: Progress, event: TraceEvent) -> None:
     if event.kind == "load":
         progress.status[i] = ChunkStatus.LOADED
         progress.load_seconds[i] = event.seconds
-        progress.bytes_loaded += event.nbytes
         return
     progress.load_started[i] = None
     progress.status[i] = ChunkStatus.COMPUTING  # the compute unit has it now

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, 
 from typing import Any, Generic, Protocol, TypeVar
 
 from kvrestore.core.trace import Trace, TraceEvent
+from kvrestore.costs.estimates import NO_PRIORS, Arrivals, Estimates, Priors
 from kvrestore.policies.base import Decision, Policy, Progress
 from kvrestore.policies.batch import BatchJob, BatchScheduler, ComputeStep, LoadGrant
 from kvrestore.runtime.bookkeeping import (
@@ -186,9 +187,11 @@ async def drive(
     lanes: Lanes,
     on_event: Callable[[TraceEvent], None] | None = None,
     max_steps: int | None = None,
+    priors: Priors = NO_PRIORS,
 ) -> Trace:
-    """Run one restore to the end on `lanes`; returns its trace (events on the lanes' clock)."""
-    decider = _PolicyDecider(progress, policy, lanes, on_event)
+    """Run one restore to the end on `lanes`; returns its trace (events on the lanes' clock). Before each
+    decision the lanes are observed and their `Estimates` worked out once, on top of `priors`."""
+    decider = _PolicyDecider(progress, policy, lanes, on_event, priors)
     await run_loop(decider, max_steps)
     return decider.trace
 
@@ -197,9 +200,15 @@ class _PolicyDecider(Decider[TraceEvent | BaseException], Phase[Decision]):
     """One restore: its policy's `Decision` is the only phase; a broken rule or a stall raises."""
 
     def __init__(
-        self, progress: Progress, policy: Policy, lanes: Lanes, on_event: Callable[[TraceEvent], None] | None
+        self,
+        progress: Progress,
+        policy: Policy,
+        lanes: Lanes,
+        on_event: Callable[[TraceEvent], None] | None,
+        priors: Priors = NO_PRIORS,
     ) -> None:
         self.progress, self.policy, self.lanes, self.on_event = progress, policy, lanes, on_event
+        self.priors, self.arrivals = priors, Arrivals()
         self.trace = Trace()
         self.wait = lanes.wait
 
@@ -215,8 +224,10 @@ class _PolicyDecider(Decider[TraceEvent | BaseException], Phase[Decision]):
 
     def decide(self) -> Decision:
         progress, lanes = self.progress, self.lanes
-        observe(progress, lanes.now(), max(0, lanes.load_lanes - progress.loads_in_flight), lanes.delivered())
-        return self.policy.decide(progress)
+        now = lanes.now()
+        observe(progress, now, max(0, lanes.load_lanes - progress.loads_in_flight))
+        self.arrivals.see(now, lanes.delivered())
+        return self.policy.decide(progress, Estimates(progress, self.priors, self.arrivals.samples))
 
     def stop(self, decision: Decision) -> None:
         if decision.drop:

@@ -161,12 +161,17 @@ class Engine:
             async with anyio.create_task_group() as tg:
                 lanes.tg = tg
                 try:
-                    trace = await drive(progress, request.policy, lanes, request.on_event)
+                    trace = await drive(
+                        progress, request.policy, lanes, request.on_event, priors=request.priors
+                    )
                 finally:
                     if lanes.thread_loads:  # failed or cancelled: nothing may write into its KV after it
                         await lanes.stop_thread_loads()
         except BaseExceptionGroup as group:
             raise _single(group) from None
+        finally:  # every task that could report has ended with the task group
+            lanes.send.close()
+            lanes.receive.close()
         return trace
 
 
@@ -195,6 +200,8 @@ class _RealLanes:
         self.dropped: list[anyio.Event] = []  # the loads the next compute unit waits for to stop
         self.load_now = fast.load_now
         self.thread_loads: dict[ThreadLoad, int] = {}  # on lane threads (their chunks), not yet over
+        #: thread loads dropped while placing: whatever they report, their chunk went to the compute lane
+        self.dropped_placing: set[ThreadLoad] = set()
         self.meter = request.delivered
         self.timed_out = request.timed_out
 
@@ -338,6 +345,12 @@ class _RealLanes:
         if self.thread_loads.pop(job, None) is None:
             return
         job.work = None  # its closure holds the job: no cycle outlives the load
+        if job in self.dropped_placing and isinstance(outcome, TraceEvent):
+            # dropped after its read (its report was on its way): the drop was begun, so it counts as one
+            self.dropped_placing.discard(job)
+            outcome = TraceEvent(
+                "load-dropped", outcome.first_chunk, outcome.last_chunk, outcome.start_s, outcome.end_s
+            )
         if isinstance(outcome, TraceEvent):
             self.outcomes[outcome.first_chunk] = outcome.kind
         job.stopped.set()
@@ -397,7 +410,8 @@ class _RealLanes:
             stoppable, stopped = self.loads[i]
             if isinstance(stoppable, ThreadLoad):  # a read abandoned now is over, reported as dropped
                 t = self.now()
-                self._abandon(stoppable, TraceEvent("load-dropped", i, i, t, t))
+                if not self._abandon(stoppable, TraceEvent("load-dropped", i, i, t, t)):
+                    self.dropped_placing.add(stoppable)  # placing: it reports when done, as dropped
             else:
                 stoppable.cancel()
             self.dropped.append(stopped)
@@ -436,7 +450,7 @@ class _RealLanes:
             return item
         if item.kind.startswith("load"):
             self.loads.pop(item.first_chunk, None)
-        if item.kind == "load" and item.first_chunk == self.progress.racing and self.race_scope:
+        if item.kind == "load" and item.first_chunk == self.progress.running.racing and self.race_scope:
             self.race_scope.cancel()  # the fetch won: the compute unit stops at its next layer
         return item
 

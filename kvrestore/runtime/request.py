@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvrestore.core.trace import TraceEvent
+from kvrestore.costs.estimates import NO_PRIORS, Priors
 from kvrestore.policies.base import Policy, Progress
 
 #: computes chunks [a, b) and writes their KV
@@ -77,3 +78,5 @@ class RunRequest:
     delivered: Callable[[], float | None] | None = None
     #: told the seconds when a load of this restore ran past `load_timeout_s` (the store counts as down)
     timed_out: Callable[[float], None] | None = None
+    #: what the cost model predicts before the restore observes anything (`costs.estimates.Priors`)
+    priors: Priors = NO_PRIORS

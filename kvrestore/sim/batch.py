@@ -19,6 +19,7 @@ from typing import Any
 from kvrestore.core.bandwidth import Link
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.costs.compute import ChunkCost
+from kvrestore.costs.estimates import Estimates
 from kvrestore.policies.base import Decision, Policy, Progress
 from kvrestore.policies.batch import BatchJob, BatchScheduler, ComputeStep, LoadGrant, Unit, global_wake
 from kvrestore.runtime.bookkeeping import PolicyError
@@ -133,7 +134,9 @@ class _BatchLanes(_Machine):
     def jobs(self) -> dict[int, BatchJob] | None:
         for j in self.arrived():
             r = self.requests[j]
-            job = self.all[j] = BatchJob(j, r.kind, self.progress[j], r.policy, r.arrival_s, r.chunk_cost)
+            job = self.all[j] = BatchJob(
+                j, r.kind, self.progress[j], r.policy, r.arrival_s, r.chunk_cost, estimate=Estimates
+            )
             self.scheduler.check(job)
             if job.progress.finished:  # nothing to restore
                 self.finish[j] = r.arrival_s

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 from kvrestore.core.bandwidth import Link
 from kvrestore.core.trace import Trace, TraceEvent
-from kvrestore.policies.base import Decision, Policy, Progress
+from kvrestore.costs.estimates import Priors
+from kvrestore.policies.base import Decision, LaneTraits, Policy, Progress
 from kvrestore.runtime.driver import drive, run_sync
 
 #: compute_cost(a, b, start_s) -> seconds to compute chunks [a, b) starting at simulated time start_s
@@ -44,26 +45,21 @@ def simulate(
     unit_fixed_s: float = 0.0,
 ) -> SimResult:
     """Run `policy` to the end of one restore; loads of chunks in `failing` fail when they land.
-    `min_unit_chunks` is the compute lane's floor on a unit (`Progress.min_unit_chunks`); `priors` what
-    the policy is told before it observes anything (`Progress.prior_compute_s`, `Progress.prior_link`),
-    as a restorer tells it from its cost model, with `unit_fixed_s` the part of each chunk's prior that a
-    unit pays once (`Progress.prior_unit_fixed_s`). `sees_arrivals`: the policy sees the link's bytes arrive
-    (`Progress.delivered`), as from a `ThrottledStore`; else only whole fetches landing."""
-    prior_compute_s, prior_link = (list(priors[0]), priors[1]) if priors is not None else ([], None)
-    progress = Progress(
-        list(chunk_tokens),
-        list(stored),
-        min_unit_chunks=min_unit_chunks,
-        can_race=True,
-        can_overtake=True,
-        prior_compute_s=prior_compute_s,
-        prior_link=prior_link,
-        prior_unit_fixed_s=unit_fixed_s,
+    `min_unit_chunks` is the compute lane's floor on a unit (`LaneTraits.min_unit_chunks`); `priors` what
+    the policy is told before it observes anything (`Priors.compute_s`, `Priors.link`), as a restorer
+    tells it from its cost model, with `unit_fixed_s` the part of each chunk's prior that a unit pays
+    once (`Priors.unit_fixed_s`). `sees_arrivals`: the policy sees the link's bytes arrive
+    (`costs.estimates.Arrivals`), as from a `ThrottledStore`; else only whole fetches landing."""
+    told = (
+        Priors(list(priors[0]), priors[1], unit_fixed_s)
+        if priors is not None
+        else Priors(unit_fixed_s=unit_fixed_s)
     )
+    progress = Progress(list(chunk_tokens), list(stored), lanes=LaneTraits(min_unit_chunks, True, True))
     lanes = SimLanes(compute_cost, chunk_bytes, link, load_lanes, failing)
     if sees_arrivals and sum(chunk_tokens) > 0:
         lanes.bytes_per_token = sum(chunk_bytes) / sum(chunk_tokens)
-    trace = run_sync(drive(progress, policy, lanes, max_steps=max_steps))
+    trace = run_sync(drive(progress, policy, lanes, max_steps=max_steps, priors=told))
     return SimResult(lanes.now(), trace, progress)
 
 

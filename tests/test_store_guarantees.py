@@ -361,7 +361,11 @@ def test_processes_sharing_a_directory_share_one_capacity(tmp_path):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert codes == [0, 0], [p.stderr.read().decode()[-2000:] for p in procs]
+                p.wait()
+        errors = [p.stderr.read().decode()[-2000:] for p in procs]
+        for p in procs:
+            p.stderr.close()
+    assert codes == [0, 0], errors
     assert sampler.samples >= 10
     assert sampler.peak <= capacity
     stored = sum(f.stat().st_size for f in (tmp_path / SHARD).iterdir())

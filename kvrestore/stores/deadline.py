@@ -12,8 +12,8 @@ on each timeout in a row, up to `max_backoff_s`, back to the start after a call 
 call meanwhile fails at once, so a restore while the store is down costs no wait at all, and the store
 is probed again by the first call after the back-off.
 
-A `TieredStore` is bounded tier by tier instead: each of its tiers is put under the deadlines, with a
-back-off of its own (`bound_store`), so a tier that is down (a dead S3 under a memory and a disk tier)
+A `TieredStore` is bounded tier by tier instead: a view of it whose tiers are each under the deadlines,
+with a back-off of its own (`bound_store`; the caller's store is not changed), so a tier that is down (a dead S3 under a memory and a disk tier)
 costs one deadline once and then nothing, while the tiers above it keep answering.
 
 Blocking reads (`reads_sync`: memory of this process, a local directory) pass through without a deadline
@@ -165,13 +165,6 @@ class DeadlineStore(WrapperStore):
     def __repr__(self) -> str:  # the store it bounds, as named in learned costs and logs
         return repr(self.inner)
 
-    def __getattr__(self, name: str) -> object:
-        """Any other attribute is the bounded store's (`bytes_used`, `stats`, ...): a tiered store's
-        tier, bounded in place, still reads as the store it was."""
-        if name == "inner":  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
     # -- blocking reads: local, passed on as they are, refused while the store is down -------------
 
     @property
@@ -196,18 +189,13 @@ class DeadlineStore(WrapperStore):
 
 
 def bound_store(store: ChunkStore, deadlines: Deadlines) -> ChunkStore:
-    """`store` with every call under `deadlines`: a `DeadlineStore` around it, or, for a `TieredStore`,
-    around each of its tiers (in place, once: a tier bounded already keeps the deadlines it has), the
-    tiered store returned as it is."""
+    """`store` with every call under `deadlines`: a `DeadlineStore` around it, or, for a `TieredStore`, a
+    view of it with a `DeadlineStore` around each tier (`TieredStore.over_tiers`; a tier bounded already
+    keeps the deadlines it has). The caller's store is left as it is."""
     from kvrestore.stores.tiered import TieredStore
 
     if isinstance(store, TieredStore):
-        # in place: the store's tier moves hold the same list
-        store.tiers[:] = [
-            t if isinstance(t, DeadlineStore) else DeadlineStore(t, deadlines) for t in store.tiers
-        ]
-        store.inner = store.tiers[0]
-        return store
+        return store.over_tiers(lambda t: t if isinstance(t, DeadlineStore) else DeadlineStore(t, deadlines))
     return DeadlineStore(store, deadlines)
 
 

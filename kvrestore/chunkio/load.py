@@ -126,7 +126,7 @@ class ChunkLoader:
 
     @property
     def reads_sync(self) -> bool:
-        """Whether `load_sync` works: the store reads without the event loop (`ChunkStore.reads_sync`)."""
+        """Whether `fetch_sync` works: the store reads without the event loop (`ChunkStore.reads_sync`)."""
         return self.store.reads_sync
 
     async def load(self, key: str, start: int, dest: torch.Tensor) -> int:
@@ -151,13 +151,9 @@ class ChunkLoader:
                 self._place_staged, key, start, dest, transfer, staging, size
             )
 
-    def load_sync(self, key: str, start: int, dest: torch.Tensor) -> int:
-        """`load`, blocking, from any thread (a load lane's), for a store that `reads_sync`: read, check,
-        verify and place without the event loop (`fetch_sync`, then `Fetched.place`)."""
-        return self.fetch_sync(key, start, dest).place()
-
     def fetch_sync(self, key: str, start: int, dest: torch.Tensor) -> Fetched:
-        """The store's part of `load_sync`, blocking: the chunk's object read into bytes of this load's own
+        """The store's part of `load`, blocking, from any thread (a load lane's), for a store that
+        `reads_sync`: the chunk's object read into bytes of this load's own
         (a staging buffer, or the object a store in memory holds), nothing written into `dest`. A read
         that stalls (a network filesystem) may so be abandoned: `Fetched.place` checks, verifies and
         places the bytes (bounded work), `Fetched.discard` gives them back unused."""

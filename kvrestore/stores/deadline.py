@@ -17,9 +17,10 @@ with a back-off of its own (`bound_store`; the caller's store is not changed), s
 costs one deadline once and then nothing, while the tiers above it keep answering.
 
 Blocking reads (`reads_sync`: memory of this process, a local directory) pass through without a deadline
-of their own: they run on threads, which cannot be interrupted. A restore abandons one past
-`load_timeout_s` (its late bytes never placed) and tells the store (`timed_out`), which then counts as
-down as after any timeout: blocking reads are refused at once until the back-off ends.
+of their own: they run on threads, which cannot be interrupted. For those alone the restore's engine
+enforces `load_timeout_s` (`Parts.engine_load_timeout_s`; a load's deadline is enforced in one place): it
+abandons a read past it (its late bytes never placed) and tells the store (`timed_out`), which then
+counts as down as after any timeout: blocking reads are refused at once until the back-off ends.
 """
 
 from __future__ import annotations

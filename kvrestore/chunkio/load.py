@@ -52,7 +52,7 @@ from kvrestore.chunkio.transfer import Transfer, TransferLane
 from kvrestore.codec.checksums import device_checkable, device_checksums
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import Seal
-from kvrestore.core.errors import CorruptChunkError, InvalidInputError, MissingChunkError
+from kvrestore.core.errors import DAMAGE_FAULTS, CorruptChunkError, InvalidInputError, MissingChunkError
 from kvrestore.core.kv import buffer_problem
 from kvrestore.core.spec import ModelSpec
 from kvrestore.stores.base import ChunkStore
@@ -322,9 +322,10 @@ def upload_checked(
 class Fetched:
     """A chunk's object as `ChunkLoader.fetch_sync` read it, not yet placed: in `staged` (the transfer
     holding the staging buffer, the buffer, the size `read_into_sync` returned) or `data` (an object a
-    store in memory handed out; None: absent). `place` or `discard` ends it, once."""
+    store in memory handed out; None: absent). `place` or `discard` ends it, once. Where `damaged` is a
+    list, a `place` that finds the bytes damaged (`DAMAGE_FAULTS`) notes the key in it."""
 
-    __slots__ = ("data", "dest", "key", "loader", "staged", "start")
+    __slots__ = ("damaged", "data", "dest", "key", "loader", "staged", "start")
 
     def __init__(
         self,
@@ -337,14 +338,20 @@ class Fetched:
     ) -> None:
         self.loader, self.key, self.start, self.dest = loader, key, start, dest
         self.data, self.staged = data, staged
+        self.damaged: list[str] | None = None
 
     def place(self) -> int:
         """Check, verify and place the bytes in the destination; returns the stored bytes read."""
-        if self.staged is None:
-            return self.loader._place_object(self.key, self.start, self.dest, self.data)
-        transfer, staging, size = self.staged
-        with transfer:
-            return self.loader._place_staged(self.key, self.start, self.dest, transfer, staging, size)
+        try:
+            if self.staged is None:
+                return self.loader._place_object(self.key, self.start, self.dest, self.data)
+            transfer, staging, size = self.staged
+            with transfer:
+                return self.loader._place_staged(self.key, self.start, self.dest, transfer, staging, size)
+        except DAMAGE_FAULTS:
+            if self.damaged is not None:
+                self.damaged.append(self.key)
+            raise
 
     def discard(self) -> None:
         """Give the bytes back unplaced (the load was abandoned)."""

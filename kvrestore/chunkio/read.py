@@ -76,7 +76,8 @@ def fetch_chunk_sync(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: l
     except DAMAGE_FAULTS:
         damaged.append(ref.key)
         raise
-    return _NotingDamage(fetched, damaged)
+    fetched.damaged = damaged
+    return fetched
 
 
 def fetch_chunks_sync(
@@ -113,25 +114,6 @@ class AllFetched:
     def discard(self) -> None:
         for f in self.fetched:
             f.discard()
-
-
-class _NotingDamage(Fetched):
-    """A `Fetched` whose placing, when it finds the bytes damaged, notes the key in `damaged`."""
-
-    __slots__ = ("damaged",)
-
-    def __init__(self, fetched: Fetched, damaged: list[str]) -> None:
-        super().__init__(
-            fetched.loader, fetched.key, fetched.start, fetched.dest, fetched.data, fetched.staged
-        )
-        self.damaged = damaged
-
-    def place(self) -> int:
-        try:
-            return super().place()
-        except DAMAGE_FAULTS:
-            self.damaged.append(self.key)
-            raise
 
 
 async def forget(store: ChunkStore, key: str) -> None:

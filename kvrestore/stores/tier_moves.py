@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -134,32 +134,29 @@ class TierMoves:
 
     async def put_tiers(self, key: str, data: bytes, tiers: Iterable[int]) -> dict[int, str]:
         """Write to several tiers at once; returns {tier: error} of those that failed."""
+        return await self._on_tiers(lambda tier: tier.put(key, data), tiers)
+
+    async def delete_tiers(self, key: str, tiers: Iterable[int]) -> dict[int, str]:
+        """Delete from several tiers at once, also when cancelled; returns {tier: error} of those that
+        failed."""
+        with anyio.CancelScope(shield=True):
+            failures = await self._on_tiers(lambda tier: tier.delete(key), tiers)
+        return failures
+
+    async def _on_tiers(
+        self, call: Callable[[ChunkStore], Awaitable[None]], tiers: Iterable[int]
+    ) -> dict[int, str]:
         failures: dict[int, str] = {}
 
         async def one(i: int) -> None:
             try:
-                await self.tiers[i].put(key, data)
+                await call(self.tiers[i])
             except STORE_FAULTS as exc:
                 failures[i] = self.failed(i, exc)
 
         async with anyio.create_task_group() as tg:
             for i in tiers:
                 tg.start_soon(one, i)
-        return failures
-
-    async def delete_tiers(self, key: str, tiers: Iterable[int]) -> dict[int, str]:
-        failures: dict[int, str] = {}
-
-        async def one(i: int) -> None:
-            try:
-                await self.tiers[i].delete(key)
-            except STORE_FAULTS as exc:
-                failures[i] = self.failed(i, exc)
-
-        with anyio.CancelScope(shield=True):
-            async with anyio.create_task_group() as tg:
-                for i in tiers:
-                    tg.start_soon(one, i)
         return failures
 
     # -- promotion -------------------------------------------------------------------------------------

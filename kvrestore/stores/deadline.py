@@ -13,8 +13,9 @@ call meanwhile fails at once, so a restore while the store is down costs no wait
 is probed again by the first call after the back-off.
 
 A `TieredStore` is bounded tier by tier instead: a view of it whose tiers are each under the deadlines,
-with a back-off of its own (`bound_store`; the caller's store is not changed), so a tier that is down (a dead S3 under a memory and a disk tier)
-costs one deadline once and then nothing, while the tiers above it keep answering.
+with a back-off of its own (`bound_store`; the caller's store is not changed), so a tier that is down
+(a dead S3 under a memory and a disk tier) costs one deadline once and then nothing, while the tiers
+above it keep answering.
 
 Blocking reads (`reads_sync`: memory of this process, a local directory) pass through without a deadline
 of their own: they run on threads, which cannot be interrupted. For those alone the restore's engine

@@ -93,7 +93,7 @@ class DeadlineStore(WrapperStore):
             with anyio.move_on_after(seconds) as scope:
                 out = await call()
             if scope.cancelled_caught:
-                self._back_off()
+                self.timed_out(seconds)
                 raise StoreTimeoutError(
                     f"{self.name}: {what} did not finish within {seconds:g} s; the store counts as down "
                     f"for {self._backoff:g} s"
@@ -102,9 +102,9 @@ class DeadlineStore(WrapperStore):
         return out
 
     def timed_out(self, seconds: float) -> None:
-        """A blocking read ran past `seconds` (`load_timeout_s`) and a restore abandoned it: the store
-        counts as down for the next back-off, unless it does already (reads in flight together, such
-        as one per load lane, that time out together are one outage)."""
+        """A call ran past `seconds` (its own deadline, or a blocking read a restore abandoned past
+        `load_timeout_s`): the store counts as down for the next back-off, unless it does already (calls
+        in flight together, such as one read per load lane, that time out together are one outage)."""
         if self.down_for > 0:
             self.timeouts += 1
             return

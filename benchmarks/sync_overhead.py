@@ -68,7 +68,7 @@ def main() -> None:
         asyncio.run(restorer.restore(tokens, LoadOnly()))
         return time.perf_counter() - t0
 
-    portal: Any = sync._portal
+    portal: Any = sync._loop.portal
     for _ in range(3):  # warm-up
         portal.call(awaited)
         blocking()

@@ -8,7 +8,6 @@ generated from `Restorer`'s async ones (`kvrestore.core.sync`), so the two canno
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -31,7 +30,7 @@ from kvrestore.core.errors import InvalidInputError, KVRestoreError, UsageError,
 from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef, check_namespace, chunk_keys, namespaced
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
-from kvrestore.core.sync import mirror_sync_methods
+from kvrestore.core.sync import LoopThread, mirror_sync_methods
 from kvrestore.core.tokens import TokenIds, as_token_tensor, check_length
 from kvrestore.core.trace import TraceEvent
 from kvrestore.costs.learned import store_name
@@ -381,7 +380,7 @@ _CLOSED = "SyncRestorer.{} after close(): the restorer and its event loop are go
 class SyncRestorer:
     """The same Restorer for callers without an event loop.
 
-    Every call runs on one private event loop in a background thread (an anyio blocking portal), so
+    Every call runs on one private event loop in a background thread (`core.sync.LoopThread`), so
     stores that hold connections bound to a loop (s3fs) keep working across calls. Each public async
     method of `Restorer` has a blocking face here of the same name, signature and docstring, generated
     (`kvrestore.core.sync.mirror_sync_methods`); only `close`, which also stops the loop, is written out.
@@ -397,17 +396,14 @@ class SyncRestorer:
         self, backend: ComputeBackend, store: ChunkStore, chunk_size: int = DEFAULT_CHUNK_SIZE, **kwargs: Any
     ):
         self.restorer = Restorer(backend, store, chunk_size, **kwargs)
-        portal_cm = anyio.from_thread.start_blocking_portal()
-        self._portal = portal_cm.__enter__()
-        self._portal_cm: contextlib.AbstractContextManager[Any] | None = portal_cm
+        self._loop = LoopThread()
         self._closed = False
         self._closing = threading.Lock()
-        self._loop_thread = self._portal.call(threading.get_ident)
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._check_usable(getattr(fn, "__name__", "a call"))
         try:
-            return self._portal.call(lambda: fn(*args, **kwargs))
+            return self._loop.call(partial(fn, *args, **kwargs))
         except RuntimeError as exc:
             if self._closed and not isinstance(exc, KVRestoreError):  # closed by another thread meanwhile
                 raise UsageError(_CLOSED.format(getattr(fn, "__name__", "a call"))) from exc
@@ -418,7 +414,7 @@ class SyncRestorer:
         `on_event` callback), where it would wait for itself."""
         if self._closed:
             raise UsageError(_CLOSED.format(name))
-        if threading.get_ident() == self._loop_thread:
+        if self._loop.on_loop:
             raise UsageError(
                 f"SyncRestorer.{name} was called from inside a callback (on_event) that runs on the "
                 "restorer's own event loop, which cannot wait for itself: hand the call to another thread, "
@@ -426,17 +422,16 @@ class SyncRestorer:
             )
 
     def close(self) -> None:
-        if threading.get_ident() == self._loop_thread:
+        if self._loop.on_loop:
             self._check_usable("close")
         with self._closing:
-            if self._portal_cm is None:
+            if self._loop.closed:
                 return
             self._closed = True  # calls from now on are refused; those running finish first
             try:
-                self._portal.call(self.restorer.close)
+                self._loop.call(self.restorer.close)
             finally:
-                self._portal_cm.__exit__(None, None, None)
-                self._portal_cm = None
+                self._loop.close()
 
     def __enter__(self) -> SyncRestorer:
         return self

@@ -20,7 +20,7 @@ from kvrestore import (
     TokenTwoPointer,
 )
 from kvrestore.chunkio.load import ChunkLoader
-from kvrestore.chunkio.read import load_chunk, load_chunk_sync
+from kvrestore.chunkio.read import fetch_chunk_sync, load_chunk
 from kvrestore.core.errors import (
     CorruptChunkError,
     MissingChunkError,
@@ -122,7 +122,7 @@ def test_a_loader_refuses_a_destination_it_cannot_fill_and_keeps_the_chunk(
             with pytest.raises(InvalidInputError, match="cannot be loaded into"):
                 if reads_sync:
                     damaged: list[str] = []
-                    load_chunk_sync(loader, ref, kv, damaged)
+                    fetch_chunk_sync(loader, ref, kv, damaged).place()
                 else:
                     await load_chunk(loader, ref, kv)
             assert await store.contains([ref.key]) == [True], what
@@ -162,7 +162,7 @@ def test_only_bytes_proven_bad_delete_a_chunk(llama_backend, error, deleted):
             await load_chunk(loader, ref, kv)
         damaged: list[str] = []
         with pytest.raises(type(error)):
-            load_chunk_sync(loader, ref, kv, damaged)
+            fetch_chunk_sync(loader, ref, kv, damaged).place()
         assert await store.contains([ref.key]) == [not deleted]
         assert damaged == ([ref.key] if deleted else [])
 

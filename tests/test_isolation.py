@@ -214,7 +214,7 @@ def test_a_thousand_forged_chunks_are_never_used(llama_backend):
         anyio.run(store.put, key, _forge(spec, key, start, n_tokens, encoding, compression, signer, i))
         dest = torch.full((spec.num_layers, 2, spec.num_kv_heads, n_tokens, spec.head_dim), 7.0)
         with pytest.raises(UnauthenticatedChunkError):
-            loader.load_sync(key, start, dest)
+            loader.fetch_sync(key, start, dest).place()
         assert bool((dest == 7.0).all()), "a forged chunk's bytes reached the cache"
         refused += 1
     assert refused == 1000 and len(store) == 1000

@@ -25,6 +25,7 @@ from kvrestore.chunkio.load import Fetched
 from kvrestore.runtime.engine import Engine
 from kvrestore.stores import local
 from kvrestore.stores.deadline import BACKOFF_S
+from kvrestore.stores.wrapper import WrapperStore
 
 from .conftest import random_tokens
 from .waiting import wait_until
@@ -171,3 +172,40 @@ def test_a_read_past_its_deadline_is_abandoned_and_its_chunk_computed(
     if policy is LoadOnly:  # every chunk waits on a load: each failed, one read per lane began, no more
         assert result.stats.failed_loads == result.stats.n_chunks and 1 <= began <= LANES
         assert 0 < down_for[0] <= BACKOFF_S  # the reads that timed out together are one outage
+
+
+def test_a_loads_deadline_is_enforced_once_by_the_store_or_by_the_engine(llama_backend, tmp_path):
+    """A store whose reads block (a local directory) has each load timed by the engine, which abandons
+    the read; any other store is timed by its `DeadlineStore`, read by read, and the engine sets no
+    deadline of its own. Either way a read that never ends costs its chunk, computed instead."""
+
+    class Hanging(WrapperStore):
+        """Reads through its async methods (no blocking reads), which never answer."""
+
+        async def get(self, key):
+            await anyio.sleep_forever()
+
+        async def read_into(self, key, buffer):
+            await anyio.sleep_forever()
+
+    b = llama_backend
+    tokens = random_tokens(N_TOKENS, b.spec.vocab_size, seed=62)
+    reference = b.prefill_chunk(tokens, None, 0).data
+    local = LocalStore(str(tmp_path / "kv"))
+
+    async def main():
+        await Restorer(b, local, chunk_size=CHUNK).save(tokens)
+        blocking = Restorer(b, local, chunk_size=CHUNK, load_timeout_s=0.05)
+        hanging = Restorer(b, Hanging(local), chunk_size=CHUNK, load_timeout_s=0.05)
+        bounds = [r._parts.engine_load_timeout_s() for r in (blocking, hanging)]
+        blocking.load_timeout_s = 0.5  # read at each restore, from its one owner
+        bounds.append(blocking._parts.engine_load_timeout_s())
+        result = await hanging.restore(tokens, LoadOnly())
+        return bounds, result, hanging.bounded_store.timeouts, hanging.bounded_store.down_for
+
+    bounds, result, timeouts, down_for = anyio.run(main)
+    assert bounds == [0.05, None, 0.5]
+    assert result.stats.loaded_chunks == 0 and result.stats.failed_loads == result.stats.n_chunks
+    assert 1 <= timeouts <= 4  # the store's deadline: one read per load lane, the loads after refused
+    assert 0 < down_for <= BACKOFF_S  # the reads that timed out together are one outage
+    torch.testing.assert_close(result.kv.data, reference, atol=ATOL, rtol=0)

@@ -525,6 +525,31 @@ def test_restore_through_tiers_is_exact_and_warms_the_upper_tiers(llama_backend,
         torch.testing.assert_close(res.kv.data, ref, atol=ATOL, rtol=0)
 
 
+def test_a_restorer_wraps_a_tiered_store_and_leaves_the_callers_object_as_it_was(llama_backend, tmp_path):
+    """The restorer bounds each tier through a view of its own (`TieredStore.over_tiers`): the caller's
+    store keeps its tiers and parts, and still sees what the restorer did (counters, write-back)."""
+    b = llama_backend
+    tokens = random_tokens(64, b.spec.vocab_size, seed=13)
+    top, bottom = MemoryStore(), FsspecStore(str(tmp_path / "disk"))
+    store = TieredStore([top, bottom])
+    before = dict(vars(store))
+    tiers, moves_tiers = list(store.tiers), store.moves.tiers
+
+    async def main():
+        async with Restorer(b, store, chunk_size=32) as r:
+            assert r.bounded_store is not store and r.bounded_store.tiers[1] is not bottom
+            await r.save(tokens)
+            res = await r.restore(tokens, LoadOnly())
+        return res, await bottom.contains([c.key for c in r.chunks(tokens)[1]])
+
+    res, on_disk = run(main)
+    assert vars(store).keys() == before.keys() and all(vars(store)[k] is v for k, v in before.items())
+    assert store.tiers == tiers and all(t is u for t, u in zip(store.tiers, tiers, strict=True))
+    assert store.inner is top and store.moves.tiers is moves_tiers
+    assert res.stats.loaded_chunks == 2 and store.stats[0].hits == 2  # counted on the caller's store
+    assert on_disk == [True, True]  # the restorer's write-back reached the lower tier
+
+
 def test_write_back_put_and_delete_are_not_overtaken_by_an_older_flush(tmp_path):
     """A flush still writing an older object to a slow lower tier must not land after a newer put or a
     delete of the same key (it would resurrect stale or deleted bytes)."""

@@ -52,7 +52,7 @@ from kvrestore.chunkio.transfer import Transfer, TransferLane
 from kvrestore.codec.checksums import device_checkable, device_checksums
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import Seal
-from kvrestore.core.errors import CorruptChunkError, InvalidInputError, MissingChunkError
+from kvrestore.core.errors import DAMAGE_FAULTS, CorruptChunkError, InvalidInputError, MissingChunkError
 from kvrestore.core.kv import buffer_problem
 from kvrestore.core.spec import ModelSpec
 from kvrestore.stores.base import ChunkStore
@@ -126,7 +126,7 @@ class ChunkLoader:
 
     @property
     def reads_sync(self) -> bool:
-        """Whether `load_sync` works: the store reads without the event loop (`ChunkStore.reads_sync`)."""
+        """Whether `fetch_sync` works: the store reads without the event loop (`ChunkStore.reads_sync`)."""
         return self.store.reads_sync
 
     async def load(self, key: str, start: int, dest: torch.Tensor) -> int:
@@ -151,13 +151,9 @@ class ChunkLoader:
                 self._place_staged, key, start, dest, transfer, staging, size
             )
 
-    def load_sync(self, key: str, start: int, dest: torch.Tensor) -> int:
-        """`load`, blocking, from any thread (a load lane's), for a store that `reads_sync`: read, check,
-        verify and place without the event loop (`fetch_sync`, then `Fetched.place`)."""
-        return self.fetch_sync(key, start, dest).place()
-
     def fetch_sync(self, key: str, start: int, dest: torch.Tensor) -> Fetched:
-        """The store's part of `load_sync`, blocking: the chunk's object read into bytes of this load's own
+        """The store's part of `load`, blocking, from any thread (a load lane's), for a store that
+        `reads_sync`: the chunk's object read into bytes of this load's own
         (a staging buffer, or the object a store in memory holds), nothing written into `dest`. A read
         that stalls (a network filesystem) may so be abandoned: `Fetched.place` checks, verifies and
         places the bytes (bounded work), `Fetched.discard` gives them back unused."""
@@ -326,9 +322,10 @@ def upload_checked(
 class Fetched:
     """A chunk's object as `ChunkLoader.fetch_sync` read it, not yet placed: in `staged` (the transfer
     holding the staging buffer, the buffer, the size `read_into_sync` returned) or `data` (an object a
-    store in memory handed out; None: absent). `place` or `discard` ends it, once."""
+    store in memory handed out; None: absent). `place` or `discard` ends it, once. Where `damaged` is a
+    list, a `place` that finds the bytes damaged (`DAMAGE_FAULTS`) notes the key in it."""
 
-    __slots__ = ("data", "dest", "key", "loader", "staged", "start")
+    __slots__ = ("damaged", "data", "dest", "key", "loader", "staged", "start")
 
     def __init__(
         self,
@@ -341,14 +338,20 @@ class Fetched:
     ) -> None:
         self.loader, self.key, self.start, self.dest = loader, key, start, dest
         self.data, self.staged = data, staged
+        self.damaged: list[str] | None = None
 
     def place(self) -> int:
         """Check, verify and place the bytes in the destination; returns the stored bytes read."""
-        if self.staged is None:
-            return self.loader._place_object(self.key, self.start, self.dest, self.data)
-        transfer, staging, size = self.staged
-        with transfer:
-            return self.loader._place_staged(self.key, self.start, self.dest, transfer, staging, size)
+        try:
+            if self.staged is None:
+                return self.loader._place_object(self.key, self.start, self.dest, self.data)
+            transfer, staging, size = self.staged
+            with transfer:
+                return self.loader._place_staged(self.key, self.start, self.dest, transfer, staging, size)
+        except DAMAGE_FAULTS:
+            if self.damaged is not None:
+                self.damaged.append(self.key)
+            raise
 
     def discard(self) -> None:
         """Give the bytes back unplaced (the load was abandoned)."""

@@ -25,21 +25,22 @@ from kvrestore.stores.base import ChunkStore
 log = logging.getLogger("kvrestore.chunkio")
 
 
-async def load_chunk(loader: ChunkLoader, ref: ChunkRef, kv: KVCache) -> int:
-    """Fetch, verify and place `ref` in its token range of `kv` (`ChunkLoader.load`); returns the stored
-    bytes read. A damaged chunk (`DAMAGE_FAULTS`) is forgotten before its error propagates."""
+async def load_chunk(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, first: int = 0) -> int:
+    """Fetch, verify and place `ref` in its token range of `kv` (`ChunkLoader.load`), which begins at
+    token `first` of the prompt; returns the stored bytes read. A damaged chunk (`DAMAGE_FAULTS`) is
+    forgotten before its error propagates."""
     try:
-        return await loader.load(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
+        return await loader.load(ref.key, ref.start, kv.chunk(ref.start - first, ref.end - first).data)
     except DAMAGE_FAULTS:
         await forget(loader.store, ref.key)
         raise
 
 
-async def load_chunks(loader: ChunkLoader, refs: list[ChunkRef], kv: KVCache) -> int:
+async def load_chunks(loader: ChunkLoader, refs: list[ChunkRef], kv: KVCache, first: int = 0) -> int:
     """`load_chunk` of each of `refs` (a unit's chunks), one after another; the stored bytes read."""
     nbytes = 0
     for ref in refs:
-        nbytes += await load_chunk(loader, ref, kv)
+        nbytes += await load_chunk(loader, ref, kv, first)
     return nbytes
 
 
@@ -54,15 +55,7 @@ async def load_chunks_aside(
     stream = loader.stream_for(rows.device)
     with on_stream(stream, rows.device):  # from the load stream's memory: only it writes the buffer
         aside = KVCache(kv.spec, torch.empty_like(rows))
-    nbytes = 0
-    for ref in refs:
-        try:
-            nbytes += await loader.load(
-                ref.key, ref.start, aside.chunk(ref.start - first, ref.end - first).data
-            )
-        except DAMAGE_FAULTS:
-            await forget(loader.store, ref.key)
-            raise
+    nbytes = await load_chunks(loader, refs, aside, first)
 
     def commit() -> None:
         with on_stream(stream, rows.device):
@@ -71,11 +64,6 @@ async def load_chunks_aside(
             stream.synchronize()
 
     return nbytes, commit
-
-
-def load_chunk_sync(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: list[str]) -> int:
-    """`load_chunk`, blocking (`fetch_chunk_sync`, then its `place`)."""
-    return fetch_chunk_sync(loader, ref, kv, damaged).place()
 
 
 def fetch_chunk_sync(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: list[str]) -> Fetched:
@@ -88,7 +76,8 @@ def fetch_chunk_sync(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: l
     except DAMAGE_FAULTS:
         damaged.append(ref.key)
         raise
-    return _NotingDamage(fetched, damaged)
+    fetched.damaged = damaged
+    return fetched
 
 
 def fetch_chunks_sync(
@@ -125,25 +114,6 @@ class AllFetched:
     def discard(self) -> None:
         for f in self.fetched:
             f.discard()
-
-
-class _NotingDamage(Fetched):
-    """A `Fetched` whose placing, when it finds the bytes damaged, notes the key in `damaged`."""
-
-    __slots__ = ("damaged",)
-
-    def __init__(self, fetched: Fetched, damaged: list[str]) -> None:
-        super().__init__(
-            fetched.loader, fetched.key, fetched.start, fetched.dest, fetched.data, fetched.staged
-        )
-        self.damaged = damaged
-
-    def place(self) -> int:
-        try:
-            return super().place()
-        except DAMAGE_FAULTS:
-            self.damaged.append(self.key)
-            raise
 
 
 async def forget(store: ChunkStore, key: str) -> None:

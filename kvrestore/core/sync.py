@@ -1,4 +1,10 @@
-"""Blocking faces of async methods, generated rather than copied by hand.
+"""The bridge from blocking callers to async code: an event loop to run coroutines on, and blocking faces
+of async methods, generated rather than copied by hand.
+
+`LoopThread` is one event loop in a daemon thread that any other thread hands coroutines to (the
+`SyncRestorer`'s loop, the vLLM worker side's I/O loop); `CallerLoop` runs them on a loop of its own in
+the calling thread (the vLLM scheduler side), or on a `LoopThread` where that thread already runs a loop.
+A store's client (an S3 session) stays on the one loop it was made on, whichever is used.
 
 A sync class that wraps an async object (`SyncRestorer` wraps a `Restorer`) gets, for every public
 coroutine method of the async class, a blocking method of the same name, signature and docstring that
@@ -9,12 +15,93 @@ pattern, done once at class creation instead of per instance.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
 import inspect
-from collections.abc import Callable
+import threading
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+import anyio
+import anyio.from_thread
+
 T = TypeVar("T", bound=type)
+R = TypeVar("R")
+
+
+def _bounded(
+    fn: Callable[..., Awaitable[R]], args: tuple[Any, ...], timeout: float | None
+) -> Callable[[], Any]:
+    """`fn(*args)` as a coroutine function, failing with TimeoutError (cancelled) after `timeout` s."""
+    if timeout is None:
+        return functools.partial(fn, *args)
+
+    async def bounded() -> R:
+        with anyio.fail_after(timeout):
+            return await fn(*args)
+
+    return bounded
+
+
+class LoopThread:
+    """One anyio event loop in a daemon thread (a blocking portal); coroutines are run on it from any
+    other thread."""
+
+    def __init__(self) -> None:
+        self._cm = anyio.from_thread.start_blocking_portal()
+        self.portal = self._cm.__enter__()
+        self.closed = False
+        self.thread_id = self.portal.call(threading.get_ident)
+
+    @property
+    def on_loop(self) -> bool:
+        """Whether the calling thread is the loop's own (a call from it would wait for itself)."""
+        return threading.get_ident() == self.thread_id
+
+    def submit(self, fn: Callable[..., Awaitable[R]], *args: Any) -> concurrent.futures.Future[R]:
+        """Start `fn(*args)` on the loop; its future."""
+        return self.portal.start_task_soon(fn, *args)
+
+    def call(self, fn: Callable[..., Awaitable[R]], *args: Any, timeout: float | None = None) -> R:
+        """Run `fn(*args)` on the loop and wait for it; TimeoutError (and the task cancelled) after
+        `timeout` seconds."""
+        return self.portal.call(_bounded(fn, args, timeout))
+
+    def close(self) -> None:
+        """Stop the loop and its thread, once (the tasks still running are cancelled)."""
+        if not self.closed:
+            self.closed = True
+            self._cm.__exit__(None, None, None)
+
+
+class CallerLoop:
+    """Runs coroutines to completion on one event loop, in the calling thread: a store's client (an S3
+    session) stays on the loop it was made on, and no thread is started. Where the calling thread
+    already runs a loop (it cannot run a second), the calls go to a `LoopThread` made then."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: LoopThread | None = None
+
+    def call(self, fn: Callable[..., Awaitable[R]], *args: Any, timeout: float | None = None) -> R:
+        """`fn(*args)`, waited for; TimeoutError (the task cancelled) after `timeout` seconds."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+            return self._loop.run_until_complete(_bounded(fn, args, timeout)())
+        if self._thread is None:
+            self._thread = LoopThread()
+        return self._thread.call(fn, *args, timeout=timeout)
+
+    def close(self) -> None:
+        if self._loop is not None:
+            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
+            self._loop.close()
+        if self._thread is not None:
+            self._thread.close()
 
 
 def public_coroutines(cls: type) -> list[str]:

@@ -13,9 +13,9 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -30,39 +30,13 @@ from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, CorruptChunkError, InvalidInputError
 from kvrestore.core.kv import KVCache, KVChunk
 from kvrestore.core.spec import ModelSpec
+from kvrestore.core.sync import LoopThread as IOThread
 from kvrestore.integrations.vllm_layout import fp8_sections
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")
 
 T = TypeVar("T")
-
-
-class IOThread:
-    """One anyio event loop in a daemon thread; coroutines are submitted from any other thread."""
-
-    def __init__(self) -> None:
-        self._cm = anyio.from_thread.start_blocking_portal()
-        self.portal = self._cm.__enter__()
-        self._closed = False
-
-    def submit(self, fn: Callable[..., Awaitable[T]], *args: Any) -> concurrent.futures.Future[T]:
-        return self.portal.start_task_soon(fn, *args)
-
-    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float | None = None) -> T:
-        """Run `fn(*args)` on the loop and wait for it; TimeoutError (and the task cancelled) after
-        `timeout` seconds."""
-
-        async def bounded() -> T:
-            with anyio.fail_after(timeout):
-                return await fn(*args)
-
-        return self.portal.call(bounded)
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._cm.__exit__(None, None, None)
 
 
 class ChunkSaver:

@@ -9,18 +9,15 @@ any case: it needs the answer to schedule the request).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import anyio
-
 from kvrestore.core.keys import ChunkRef
-from kvrestore.integrations.vllm_io import STORE_FAULTS, IOThread, LoadChunk
+from kvrestore.core.sync import CallerLoop
+from kvrestore.integrations.vllm_io import STORE_FAULTS, LoadChunk
 from kvrestore.integrations.vllm_keys import RequestKeys
 from kvrestore.integrations.vllm_layout import blocks_of
 from kvrestore.integrations.vllm_meta import (
@@ -38,40 +35,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 T = TypeVar("T")
-
-
-class CallerLoop:
-    """Runs coroutines to completion on one event loop, in the calling thread: a store's client (an S3
-    session) stays on the loop it was made on, and no thread is started. Where the calling thread
-    already runs a loop (it cannot run a second), the calls go to an `IOThread` made then."""
-
-    def __init__(self) -> None:
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._io: IOThread | None = None
-
-    def call(self, fn: Callable[..., Awaitable[T]], *args: Any, timeout: float | None = None) -> T:
-        """`fn(*args)`, waited for; TimeoutError (the task cancelled) after `timeout` seconds."""
-
-        async def bounded() -> T:
-            with anyio.fail_after(timeout):
-                return await fn(*args)
-
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-            return self._loop.run_until_complete(bounded())
-        if self._io is None:
-            self._io = IOThread()
-        return self._io.portal.call(bounded)
-
-    def close(self) -> None:
-        if self._loop is not None:
-            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-            self._loop.close()
-        if self._io is not None:
-            self._io.close()
 
 
 @dataclass

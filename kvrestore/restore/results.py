@@ -104,7 +104,8 @@ class Units:
 @dataclass
 class Parts:
     """What runs a restore: the model, the store and its chunk loader, the engine's lanes, the planner
-    that learns from each run, and the restorer's deadlines (read at each restore, never copied)."""
+    that learns from each run, and the restorer's deadlines (read at each restore, never copied): a load's
+    deadline is enforced by the store (`DeadlineStore`) or, for blocking reads, by the engine, never both."""
 
     backend: ComputeBackend
     store: ChunkStore
@@ -112,11 +113,6 @@ class Parts:
     loader: ChunkLoader
     planner: Planner
     deadlines: Deadlines
-
-    @property
-    def load_timeout_s(self) -> float | None:
-        """How long a load may take now (`Deadlines.load_s`)."""
-        return self.deadlines.load_s
 
     def buffer(self, out: KVCache | None, n_tokens: int) -> KVCache:
         """A new KV buffer, or the head of `out` (checked by `Restorer.restore`), that the lanes' CUDA
@@ -138,10 +134,16 @@ class Parts:
             policy,
             compute,
             load,
-            load_timeout_s=self.load_timeout_s,
+            load_timeout_s=self.engine_load_timeout_s(),
             timed_out=self.timed_out(),
             **kwargs,
         )
+
+    def engine_load_timeout_s(self) -> float | None:
+        """What the engine bounds each load by: `Deadlines.load_s` (read now) where the store's reads
+        block (`reads_sync`: the engine abandons a read past it), else None, as the store bounds each of
+        its reads by the same deadline (`DeadlineStore`): every load is timed once."""
+        return self.deadlines.load_s if self.store.reads_sync else None
 
     def timed_out(self) -> Callable[[float], None] | None:
         """What a restore tells when one of its loads ran past `load_timeout_s`: the store under its

@@ -12,14 +12,16 @@ on each timeout in a row, up to `max_backoff_s`, back to the start after a call 
 call meanwhile fails at once, so a restore while the store is down costs no wait at all, and the store
 is probed again by the first call after the back-off.
 
-A `TieredStore` is bounded tier by tier instead: each of its tiers is put under the deadlines, with a
-back-off of its own (`bound_store`), so a tier that is down (a dead S3 under a memory and a disk tier)
-costs one deadline once and then nothing, while the tiers above it keep answering.
+A `TieredStore` is bounded tier by tier instead: a view of it whose tiers are each under the deadlines,
+with a back-off of its own (`bound_store`; the caller's store is not changed), so a tier that is down
+(a dead S3 under a memory and a disk tier) costs one deadline once and then nothing, while the tiers
+above it keep answering.
 
 Blocking reads (`reads_sync`: memory of this process, a local directory) pass through without a deadline
-of their own: they run on threads, which cannot be interrupted. A restore abandons one past
-`load_timeout_s` (its late bytes never placed) and tells the store (`timed_out`), which then counts as
-down as after any timeout: blocking reads are refused at once until the back-off ends.
+of their own: they run on threads, which cannot be interrupted. For those alone the restore's engine
+enforces `load_timeout_s` (`Parts.engine_load_timeout_s`; a load's deadline is enforced in one place): it
+abandons a read past it (its late bytes never placed) and tells the store (`timed_out`), which then
+counts as down as after any timeout: blocking reads are refused at once until the back-off ends.
 """
 
 from __future__ import annotations
@@ -91,7 +93,7 @@ class DeadlineStore(WrapperStore):
             with anyio.move_on_after(seconds) as scope:
                 out = await call()
             if scope.cancelled_caught:
-                self._back_off()
+                self.timed_out(seconds)
                 raise StoreTimeoutError(
                     f"{self.name}: {what} did not finish within {seconds:g} s; the store counts as down "
                     f"for {self._backoff:g} s"
@@ -100,9 +102,9 @@ class DeadlineStore(WrapperStore):
         return out
 
     def timed_out(self, seconds: float) -> None:
-        """A blocking read ran past `seconds` (`load_timeout_s`) and a restore abandoned it: the store
-        counts as down for the next back-off, unless it does already (reads in flight together, such
-        as one per load lane, that time out together are one outage)."""
+        """A call ran past `seconds` (its own deadline, or a blocking read a restore abandoned past
+        `load_timeout_s`): the store counts as down for the next back-off, unless it does already (calls
+        in flight together, such as one read per load lane, that time out together are one outage)."""
         if self.down_for > 0:
             self.timeouts += 1
             return
@@ -165,13 +167,6 @@ class DeadlineStore(WrapperStore):
     def __repr__(self) -> str:  # the store it bounds, as named in learned costs and logs
         return repr(self.inner)
 
-    def __getattr__(self, name: str) -> object:
-        """Any other attribute is the bounded store's (`bytes_used`, `stats`, ...): a tiered store's
-        tier, bounded in place, still reads as the store it was."""
-        if name == "inner":  # not set yet (copy, pickle): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
     # -- blocking reads: local, passed on as they are, refused while the store is down -------------
 
     @property
@@ -196,18 +191,13 @@ class DeadlineStore(WrapperStore):
 
 
 def bound_store(store: ChunkStore, deadlines: Deadlines) -> ChunkStore:
-    """`store` with every call under `deadlines`: a `DeadlineStore` around it, or, for a `TieredStore`,
-    around each of its tiers (in place, once: a tier bounded already keeps the deadlines it has), the
-    tiered store returned as it is."""
+    """`store` with every call under `deadlines`: a `DeadlineStore` around it, or, for a `TieredStore`, a
+    view of it with a `DeadlineStore` around each tier (`TieredStore.over_tiers`; a tier bounded already
+    keeps the deadlines it has). The caller's store is left as it is."""
     from kvrestore.stores.tiered import TieredStore
 
     if isinstance(store, TieredStore):
-        # in place: the store's tier moves hold the same list
-        store.tiers[:] = [
-            t if isinstance(t, DeadlineStore) else DeadlineStore(t, deadlines) for t in store.tiers
-        ]
-        store.inner = store.tiers[0]
-        return store
+        return store.over_tiers(lambda t: t if isinstance(t, DeadlineStore) else DeadlineStore(t, deadlines))
     return DeadlineStore(store, deadlines)
 
 

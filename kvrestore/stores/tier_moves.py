@@ -10,7 +10,8 @@ to read, write or delete and hands the moves to it.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+import copy
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -31,6 +32,15 @@ class TierStats:
     promoted_in: int = 0  # objects copied into this tier from a lower one
     flushed_in: int = 0  # write-back copies that reached this tier
     last_error: str | None = None
+
+
+@dataclass
+class Sizes:
+    """The counts and the flusher that every view of one `TierMoves` shares."""
+
+    dirty_bytes: int = 0
+    promote_bytes: int = 0
+    flusher: asyncio.Task[None] | None = None
 
 
 @dataclass(eq=False)
@@ -77,11 +87,16 @@ class TierMoves:
         self.flush_retries = flush_retries
         self.stats = [TierStats(t.name) for t in tiers]
         self.dirty: dict[str, DirtyEntry] = {}  # accepted by the top tier, not yet by every other
-        self.dirty_bytes = 0
-        self.promote_bytes = 0
         self._promoting: dict[str, object] = {}
         self.bg = Background()
-        self._flusher: asyncio.Task[None] | None = None
+        self.sizes = Sizes()  # shared by every view (`over`)
+
+    def over(self, tiers: Sequence[ChunkStore]) -> TierMoves:
+        """These moves (the same buffer, promotions, counters and background tasks) made through
+        `tiers`, one for each of this one's (a wrapper of each, such as a `DeadlineStore`)."""
+        view = copy.copy(self)
+        view.tiers = tiers
+        return view
 
     # -- bookkeeping ---------------------------------------------------------------------------------
 
@@ -99,14 +114,14 @@ class TierMoves:
     def hold(self, key: str, data: bytes, pending: set[int]) -> None:
         """Keep `data`, which the top tier has, until it reaches the tiers `pending`; start the flusher."""
         self.dirty[key] = DirtyEntry(data, pending)
-        self.dirty_bytes += len(data)
+        self.sizes.dirty_bytes += len(data)
         self.kick()
 
     def take(self, key: str) -> DirtyEntry | None:
         """Stop holding `key` (a new put of it, or a delete); its flush in flight, if any, goes on."""
         e = self.dirty.pop(key, None)
         if e is not None:
-            self.dirty_bytes -= len(e.data)
+            self.sizes.dirty_bytes -= len(e.data)
         return e
 
     def forget(self, key: str) -> None:
@@ -119,11 +134,23 @@ class TierMoves:
 
     async def put_tiers(self, key: str, data: bytes, tiers: Iterable[int]) -> dict[int, str]:
         """Write to several tiers at once; returns {tier: error} of those that failed."""
+        return await self._on_tiers(lambda tier: tier.put(key, data), tiers)
+
+    async def delete_tiers(self, key: str, tiers: Iterable[int]) -> dict[int, str]:
+        """Delete from several tiers at once, also when cancelled; returns {tier: error} of those that
+        failed."""
+        with anyio.CancelScope(shield=True):
+            failures = await self._on_tiers(lambda tier: tier.delete(key), tiers)
+        return failures
+
+    async def _on_tiers(
+        self, call: Callable[[ChunkStore], Awaitable[None]], tiers: Iterable[int]
+    ) -> dict[int, str]:
         failures: dict[int, str] = {}
 
         async def one(i: int) -> None:
             try:
-                await self.tiers[i].put(key, data)
+                await call(self.tiers[i])
             except STORE_FAULTS as exc:
                 failures[i] = self.failed(i, exc)
 
@@ -132,35 +159,20 @@ class TierMoves:
                 tg.start_soon(one, i)
         return failures
 
-    async def delete_tiers(self, key: str, tiers: Iterable[int]) -> dict[int, str]:
-        failures: dict[int, str] = {}
-
-        async def one(i: int) -> None:
-            try:
-                await self.tiers[i].delete(key)
-            except STORE_FAULTS as exc:
-                failures[i] = self.failed(i, exc)
-
-        with anyio.CancelScope(shield=True):
-            async with anyio.create_task_group() as tg:
-                for i in tiers:
-                    tg.start_soon(one, i)
-        return failures
-
     # -- promotion -------------------------------------------------------------------------------------
 
     def promote_copy(self, key: str, data: bytes, found_in: int) -> None:
         """Copy an object read from tier `found_in` into the tiers above it, in the background."""
         if not self.promote or found_in == 0 or key in self._promoting:
             return
-        if self.promote_bytes + len(data) > self.max_promote_bytes:
+        if self.sizes.promote_bytes + len(data) > self.max_promote_bytes:
             return  # promotions are an optimisation: skip rather than queue without bound
         token = object()
         self._promoting[key] = token
-        self.promote_bytes += len(data)
+        self.sizes.promote_bytes += len(data)
         if self.bg.spawn(self._promote_task, key, data, found_in, token) is None:
             self._promoting.pop(key, None)
-            self.promote_bytes -= len(data)
+            self.sizes.promote_bytes -= len(data)
 
     async def _promote_task(self, key: str, data: bytes, found_in: int, token: object) -> None:
         try:
@@ -173,7 +185,7 @@ class TierMoves:
             if self._promoting.get(key) is not token:  # deleted while it was written: undo
                 await self.delete_tiers(key, written)
         finally:
-            self.promote_bytes -= len(data)
+            self.sizes.promote_bytes -= len(data)
             if self._promoting.get(key) is token:
                 del self._promoting[key]
 
@@ -181,8 +193,8 @@ class TierMoves:
 
     def kick(self) -> None:
         """Make sure a flusher runs on this loop."""
-        if not self.bg.is_live(self._flusher):
-            self._flusher = self.bg.spawn(self._flush_loop)
+        if not self.bg.is_live(self.sizes.flusher):
+            self.sizes.flusher = self.bg.spawn(self._flush_loop)
 
     async def _flush_loop(self) -> None:
         failures = 0
@@ -217,7 +229,7 @@ class TierMoves:
                 return True
             if not e.pending and self.dirty.get(key) is e:
                 del self.dirty[key]
-                self.dirty_bytes -= len(e.data)
+                self.sizes.dirty_bytes -= len(e.data)
             return not failed
         finally:
             e.busy = False

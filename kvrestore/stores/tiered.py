@@ -21,7 +21,8 @@ promotion or flush still in flight, and that copy is deleted again when it lands
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
 
 from kvrestore.core.errors import STORE_FAULTS, InvalidInputError, StoreError, check_int
 from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object
@@ -96,10 +97,20 @@ class TieredStore(WrapperStore):
         self.stats: list[TierStats] = self.moves.stats
         self.dirty_hits = 0
 
+    def over_tiers(self, wrap: Callable[[ChunkStore], ChunkStore]) -> TieredStore:
+        """This store reached through `wrap(tier)` for each of its tiers (e.g. a `DeadlineStore` each): a
+        new object that shares this one's write-back buffer, promotions and counters, so a write through
+        either is flushed by both; this one is left as it is."""
+        view = copy.copy(self)
+        view.tiers = [wrap(t) for t in self.tiers]
+        view.inner = view.tiers[0]
+        view.moves = self.moves.over(view.tiers)
+        return view
+
     @property
     def dirty_bytes(self) -> int:
         """Bytes held for write-back."""
-        return self.moves.dirty_bytes
+        return self.moves.sizes.dirty_bytes
 
     @property
     def pending_writes(self) -> int:
@@ -208,7 +219,7 @@ class TieredStore(WrapperStore):
         inline = (
             self.write == "through"
             or not lower
-            or self.moves.dirty_bytes + len(data) > self.max_dirty_bytes
+            or self.moves.sizes.dirty_bytes + len(data) > self.max_dirty_bytes
             or not self.moves.bg.available()
         )
         if inline:

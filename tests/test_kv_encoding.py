@@ -132,7 +132,7 @@ def test_the_header_names_the_encoding_and_the_checksums_cover_the_stored_bytes(
     blob = codec.encode_chunk(KVChunk(0, kv), spec, "k", encoding=name)
     header, _ = codec.read_header(blob)
     enc = codec.spec_encoding(spec, name)
-    assert header.encoding == enc.tag and header.version == codec.FORMAT_VERSION
+    assert header.encoding == enc.tag and header.version == codec.PLAIN_VERSION
     sections = codec.body_sections(header, blob)
     assert sections.shape[1] == enc.section_bytes(40) and sections.shape[1] % 8 == 0
     assert [s.device_sum for s in header.layers] == [as_signed(int(x)) for x in device_checksums(sections)]

@@ -245,9 +245,8 @@ class LayerReader:
             head = await self._get(chunk.key, 0, codec.HEADER_PROBE)
             if len(head) >= codec.PREFIX_SIZE and codec.header_length(head) > len(head):
                 head = await self._get(chunk.key, 0, codec.header_length(head))
-            header, _ = codec.read_header(head)
-            codec.check_header(
-                header, self.spec, chunk.key, chunk.stored_at, chunk.n_tokens, self.encoding.name, self.seal
+            header = codec.probe_header(
+                head, self.spec, chunk.key, chunk.stored_at, chunk.n_tokens, self.encoding.name, self.seal
             )
         except LOAD_FAULTS as exc:
             # a chunk gone before the restore reads it is a plain miss; anything else is worth reporting

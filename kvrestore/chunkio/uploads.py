@@ -218,8 +218,10 @@ class LayerUploads:
         chunks, i = self.reader.chunks, 0
         while i < len(spans):
             run = [spans[i]]
-            while self.reader.encoding.native and i + len(run) < len(spans):
+            while self._runs(spans[i][0]) and i + len(run) < len(spans):
                 (pj, pat, pn), (j, at, n) = run[-1], spans[i + len(run)]
+                if not self._runs(j):
+                    break
                 prev, chunk = chunks[pj], chunks[j]
                 if (n, chunk.n_tokens) != (pn, prev.n_tokens) or at != pat + pn:
                     break
@@ -237,12 +239,17 @@ class LayerUploads:
             src = device_buf[at0 : at0 + len(run) * n0].view(dest.dtype).view(len(run), Lp, 2, H, T, D)
             dest.unflatten(3, (len(run), T)).copy_(src.permute(1, 2, 3, 0, 4, 5))
 
+    def _runs(self, j: int) -> bool:
+        """Whether chunk j's span can be placed in one copy with its neighbours': native, keys row-major."""
+        return self.reader.encoding.native and not codec.key_tile(self.reader.headers[j])
+
     def _place(self, layers: range, j: int, kv: KVCache, span: torch.Tensor) -> None:
         """Copy chunk j's uploaded span (uint8, its sections of `layers` laid out as its rows) to its rows,
         or decode it there where the sections are encoded."""
         dest = self.reader._dest(layers, j, kv)
-        if self.reader.encoding.native:
-            dest.copy_(span.view(dest.dtype).view(dest.shape))
+        if self.reader.encoding.native:  # keys a writer stored in tiles turned row-major on the way
+            tile = codec.key_tile(self.reader.headers[j])
+            codec.place_rows(dest, span.view(dest.dtype).view(dest.shape), tile)
         else:
             self.reader.encoding.decode(span.view(len(layers), -1), dest)
 

@@ -89,8 +89,12 @@ class ChunkSaver:
         encoding: str = "native",
         seal: Seal | None = None,
         retry_after_s: float = 10.0,
+        key_tile: int = 0,
     ) -> None:
         self.spec = spec
+        #: native chunks of whole tiles are stored with their keys in tiles of this many tokens (0: not):
+        #: the page size of a cache that keeps its keys so (`codec.layout`), set by the worker
+        self.key_tile = key_tile
         self.retry_after_s = retry_after_s
         self._down_until = 0.0  # time.monotonic() until which writes are not tried
         self.store = store
@@ -192,8 +196,17 @@ class ChunkSaver:
                     compression=self.compression,
                     seal=self.seal,
                 )
+            tile = self.key_tile if self.encoding == "native" else 0
+            if tile and chunk.n_tokens % tile:  # a chunk of part of a tile: keys row-major
+                tile = 0
             return codec.encode_chunk(
-                chunk, self.spec, key, compression=self.compression, encoding=self.encoding, seal=self.seal
+                chunk,
+                self.spec,
+                key,
+                compression=self.compression,
+                encoding=self.encoding,
+                seal=self.seal,
+                key_tile=tile,
             )
 
         try:
@@ -310,7 +323,8 @@ class _SectionReader(LayerReader):
         raw = enc.section_bytes(header.n_tokens)
         for layer, stored in codec.span_sections(header, layers, data).items():
             section = header.layers[layer]
-            if header.compression != "none" or section.length != raw or section.raw_length != raw:
+            tiled = codec.key_tile(header)  # keys turned row-major: a copy (another reader's layout)
+            if header.compression != "none" or tiled or section.length != raw or section.raw_length != raw:
                 self.sections[j, layer] = codec.decode_layers(header, {layer: stored}, spec, [layer])[0]
                 continue
             if len(stored) != section.length or host_checksum(stored) != section.checksum:

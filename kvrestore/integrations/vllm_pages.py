@@ -89,33 +89,59 @@ class HostLayer:
 class _ChunkPlan:
     """Where one chunk's tokens [start, start + n) go in a request's pages, the same for every layer:
     its values as byte ranges of a layer's cache (in the order a section holds them: head by head,
-    page by page), and its keys as one transposing copy where the pages are whole and consecutive."""
+    page by page), and its keys the same way where the writer stored them in tiles of one page each
+    (`codec.layout`) and the chunk starts and ends on a page boundary, else as one transposing copy
+    from staging (by whole consecutive pages where it can)."""
 
-    def __init__(self, n: int, stored: int, pages: list[tuple[int, int, int, int]], host: HostLayer) -> None:
-        self.n, self.stored, self.pages = n, stored, pages
+    def __init__(
+        self, n: int, stored: int, pages: list[tuple[int, int, int, int]], host: HostLayer, tile: int = 0
+    ) -> None:
+        self.n, self.stored, self.pages, self.tile = n, stored, pages, tile
         tail = (stored - n) * host.row
-        self.values: list[tuple[int, int]] = []  # (offset, length) in a layer's bytes; length < 0: a tail
-        for h in range(host.heads):
-            for block, a, b, _ in pages:
-                self.values.append(
-                    (((block * host.heads + h) * 2 + 1) * host.half + a * host.row, (b - a) * host.row)
-                )
-            if tail:
-                self.values.append((h * tail, -tail))
         bs = host.block_size
-        blocks = [block for block, _, _, _ in pages]
         whole = all(a == 0 and b == bs for _, a, b, _ in pages)
+        #: (offset, length) in a layer's bytes; length < 0: a tail, past k (in staging, hashed only)
+        self.values = self._ranges(pages, host, 1, tail, 0)
+        self.keys = self._ranges(pages, host, 0, tail, host.heads * tail) if tile == bs and whole else None
+        blocks = [block for block, _, _, _ in pages]
         self.run = (
             blocks[0]
             if pages and whole and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
             else None
         )
 
-    def value_views(self, layer_bytes: memoryview, tails: memoryview) -> list[memoryview]:
-        return [layer_bytes[o : o + n] if n > 0 else tails[o : o - n] for o, n in self.values]
+    @staticmethod
+    def _ranges(
+        pages: list[tuple[int, int, int, int]], host: HostLayer, half: int, tail: int, tails_at: int
+    ) -> list[tuple[int, int]]:
+        """The keys' (`half` 0) or the values' (1) byte ranges of `pages`, head by head, each head's
+        tokens past k (`tail` bytes) at `tails_at` in the tails."""
+        out: list[tuple[int, int]] = []
+        for h in range(host.heads):
+            for block, a, b, _ in pages:
+                out.append(
+                    (((block * host.heads + h) * 2 + half) * host.half + a * host.row, (b - a) * host.row)
+                )
+            if tail:
+                out.append((tails_at + h * tail, -tail))
+        return out
+
+    def views(
+        self, ranges: list[tuple[int, int]], layer_bytes: memoryview, tails: memoryview
+    ) -> list[memoryview]:
+        return [layer_bytes[o : o + n] if n > 0 else tails[o : o - n] for o, n in ranges]
 
     def place_keys(self, dest: np.ndarray, keys: np.ndarray) -> None:
-        """Copy staged keys (``[H, T, D]``) into a layer's keys (`HostLayer.keys`), transposing."""
+        """Copy staged keys (``[H, T, D]``; as stored, in tiles where the writer tiled them) into a
+        layer's keys (`HostLayer.keys`), transposing."""
+        if self.tile:  # another page size or a cut chunk: row-major first (a second copy, the rare case)
+            H, T, D = keys.shape
+            rows = np.empty_like(keys)
+            np.copyto(
+                rows.reshape(H, T // self.tile, self.tile, D),
+                keys.reshape(H, -1, D, self.tile).swapaxes(2, 3),
+            )
+            keys = rows
         if self.run is not None:  # [H, P * bs, D] -> [P, H, bs, D]: one copy per head
             P = len(self.pages)
             H, _, D = keys.shape
@@ -192,13 +218,9 @@ class HostPageLoad:
         head = memoryview(probe)[:got]
         if codec.header_length(head) > got:
             raise CorruptChunkError(f"header longer than {PROBE_BYTES} bytes")
-        header, header_end = codec.read_header(head)
-        codec.check_header(header, self.spec, c.key, c.start, c.end - c.start, "native", self.seal)
+        header = codec.probe_header(head, self.spec, c.key, c.start, c.end - c.start, "native", self.seal)
         if header.compression != "none":
             raise CompressedChunkError(f"stored {header.compression}-compressed, read here uncompressed only")
-        body = header.layers[0].offset
-        if any(head[header_end : min(body, got)]):
-            raise CorruptChunkError("nonzero padding between header and sections")
         return header
 
     def wait(self, layer: int) -> bool:
@@ -240,7 +262,8 @@ class HostPageLoad:
             c, host = self.chunks[j], self.layers[0]
             n = min(c.end, self.k) - c.start  # tokens placed; the rest of the section is read to be verified
             pages = list(_pages(self.block_ids, c.start, c.start + n, host.block_size))
-            plan = self._plans[j] = _ChunkPlan(n, self._headers[j].n_tokens, pages, host)
+            header = self._headers[j]
+            plan = self._plans[j] = _ChunkPlan(n, header.n_tokens, pages, host, codec.key_tile(header))
         return plan
 
     def _stage(self, i: int, plan: _ChunkPlan, host: HostLayer) -> tuple[np.ndarray, memoryview]:
@@ -251,7 +274,7 @@ class HostPageLoad:
         if i == len(staging):
             most = max(h.n_tokens for h in self._headers.values())
             keys = np.empty(H * most * D, dtype=host.keys.dtype)
-            staging.append((keys, memoryview(bytearray(H * most * host.row))))
+            staging.append((keys, memoryview(bytearray(2 * H * most * host.row))))
         keys, tails = staging[i]
         return keys[: H * plan.stored * D].reshape(H, plan.stored, D), tails
 
@@ -268,8 +291,11 @@ class HostPageLoad:
         for i, layer in enumerate(layers):
             host = self.layers[layer]
             keys, tails = self._stage(i, plan, host)
-            staged.append((keys, host))
-            mine = [keys.data.cast("B"), *plan.value_views(host.bytes, tails)]
+            if plan.keys is None:  # through staging, then transposed into the pages
+                staged.append((keys, host))
+                mine = [keys.data.cast("B"), *plan.views(plan.values, host.bytes, tails)]
+            else:  # keys and values straight into the pages: one copy
+                mine = plan.views(plan.keys, host.bytes, tails) + plan.views(plan.values, host.bytes, tails)
             parts.append(mine)
             buffers.extend(mine)
         past_end = memoryview(bytearray(1))  # filled only if the object is longer than its header says

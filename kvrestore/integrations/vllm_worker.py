@@ -167,6 +167,9 @@ class WorkerSide:
             self._lane = TransferLane(StagingPool(pinned=True), self._load_stream)
         if self._layout == "cpu":
             self._check_cpu_kernels(int(first.shape[2]))
+        # the keys of native chunks stored as the pages keep them, a tile a page: read back straight
+        # into the pages (`HostPageLoad`); every other reader converts them (`codec.layout`)
+        self.saver.key_tile = int(first.shape[2]) if self._layout == "cpu" and self._fp8_scales is None else 0
         log.info("kvrestore: %d KV layers, layout %s %s", len(ordered), self._layout, tuple(first.shape))
 
     def _check_cpu_kernels(self, block_size: int) -> None:

@@ -297,7 +297,7 @@ def test_layer_wise_restores_load_exactly_the_decoded_layers(llama_backend, name
     """Along layers, on the host path and on the device path (deferred device checks, run here on a CPU
     cache): loaded layers hold the decoded KV, computed layers the full prefill's."""
     if defer:
-        monkeypatch.setattr(LayerReader, "_defers", lambda self, kv: True)
+        monkeypatch.setattr(LayerReader, "defers", lambda self, kv: True)
     b = llama_backend
     tokens = random_tokens(64, b.spec.vocab_size, seed=5)
     full = _full(b, tokens)

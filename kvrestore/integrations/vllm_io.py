@@ -23,6 +23,7 @@ import anyio.to_thread
 import torch
 
 from kvrestore import codec
+from kvrestore.chunkio.dest import CacheRows, Destination
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
 from kvrestore.codec.checksums import host_checksum
 from kvrestore.codec.quant import Encoding
@@ -297,34 +298,31 @@ class Piece(NamedTuple):
 Pieces = list[Piece]
 
 
-class _SectionReader(LayerReader):
-    """A `LayerReader` that keeps each verified section instead of copying it into a cache: an
-    uncompressed section, checked against its checksum, is viewed as a tensor over the bytes read (no
-    copy: vLLM's pages take the bytes from there, decoded on the way where the encoding is not native);
-    a compressed one is decoded into a tensor of its own. Only chunks in the reader's `encoding` are
-    read: another is foreign (`codec.check_header`). Several layers read at once come in one range
-    read per chunk (`LayerLoad`'s `layers_per_read`)."""
+class KeptSections(CacheRows):
+    """A `LayerReader` destination (`chunkio.dest`) that keeps each verified section instead of copying
+    it into a cache: an uncompressed section, checked against its checksum, is viewed as a tensor over
+    the bytes read (no copy: vLLM's pages take the bytes from there, decoded on the way where the
+    encoding is not native); a compressed one, or one whose keys another writer stored in tiles
+    (`codec.layout`), is decoded into a tensor of its own. Each read's sections replace the last's."""
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        store: ChunkStore,
-        chunks: Sequence[StoredChunk],
-        encoding: str = "native",
-        seal: Seal | None = None,
-    ) -> None:
-        super().__init__(spec, store, chunks, encoding=encoding, seal=seal)
+    def __init__(self) -> None:
+        super().__init__()
         #: (chunk, layer) -> its section: the KV ``[2, H, T, D]``, or (encoded) its bytes as stored
         self.sections: dict[tuple[int, int], torch.Tensor] = {}
+        self._read: range | None = None
 
-    def place(self, layers: range, j: int, data: bytes | memoryview, kv: KVCache) -> None:
-        header, spec, enc = self.headers[j], self.spec, self.encoding
+    def place(
+        self, reader: LayerReader, layers: range, j: int, data: bytes | memoryview, kv: KVCache
+    ) -> None:
+        if layers != self._read:  # a new read: the last one's were placed
+            self.sections, self._read = {}, layers
+        header, spec, enc = reader.headers[j], reader.spec, reader.encoding
         shape = (2, spec.num_kv_heads, header.n_tokens, spec.head_dim)
         raw = enc.section_bytes(header.n_tokens)
         for layer, stored in codec.span_sections(header, layers, data).items():
             section = header.layers[layer]
-            tiled = codec.key_tile(header)  # keys turned row-major: a copy (another reader's layout)
-            if header.compression != "none" or tiled or section.length != raw or section.raw_length != raw:
+            copied = header.compression != "none" or codec.key_tile(header)
+            if copied or section.length != raw or section.raw_length != raw:
                 self.sections[j, layer] = codec.decode_layers(header, {layer: stored}, spec, [layer])[0]
                 continue
             if len(stored) != section.length or host_checksum(stored) != section.checksum:
@@ -334,32 +332,21 @@ class _SectionReader(LayerReader):
                 flat = torch.frombuffer(stored, dtype=torch.uint8)
             self.sections[j, layer] = flat.view(spec.dtype).view(shape) if enc.native else flat
 
-    async def read_layers(self, layers: range, kv: KVCache) -> int:
-        self.sections = {}  # the last read's were placed
-        return await super().read_layers(layers, kv)
-
-    def piece(self, j: int, layer: int, start: int, n_tokens: int) -> Piece:
+    def piece(self, reader: LayerReader, j: int, layer: int, start: int, n_tokens: int) -> Piece:
         """Tokens [start, start + n_tokens) of chunk j's section of `layer`, as read."""
         data = self.sections[j, layer]
-        encoded = data.dtype == torch.uint8 and not self.encoding.native  # else KV: native or decoded
-        enc = self.encoding if encoded else codec.spec_encoding(self.spec)
-        return Piece(start, n_tokens, data, enc, self.headers[j].n_tokens)
+        encoded = data.dtype == torch.uint8 and not reader.encoding.native  # else KV: native or decoded
+        enc = reader.encoding if encoded else codec.spec_encoding(reader.spec)
+        return Piece(start, n_tokens, data, enc, reader.headers[j].n_tokens)
 
 
-class BackgroundLoad:
-    """Loads tokens [0, k) of one request from stored chunks, layer by layer, on the I/O thread (`run`,
-    a subclass's): what every such load shares. Chunks that are missing, damaged or of another model end
-    in `failed` (indices into `chunks`); a store fault or a timeout fails every chunk. `wait(layer)`
-    blocks until the layer is placed (or given up); `cancel` stops placing layers: once it returns,
-    nothing more is placed (placing runs under the lock it takes)."""
+class ChunkLoad:
+    """What every load of tokens [0, k) of one request from its stored chunks keeps: the chunks that did
+    not load (`failed`, indices into `chunks`) and why (`errors`), the bytes read, the seconds the reads
+    took (once every layer is read)."""
 
     def __init__(
-        self,
-        spec: ModelSpec,
-        store: ChunkStore,
-        chunks: Sequence[LoadChunk],
-        k: int,
-        seal: Seal | None = None,
+        self, spec: ModelSpec, store: ChunkStore, chunks: Sequence[LoadChunk], k: int, seal: Seal | None
     ) -> None:
         self.spec = spec
         self.store = store
@@ -369,8 +356,53 @@ class BackgroundLoad:
         self.failed: set[int] = set()
         self.errors: list[str] = []
         self.bytes_read = 0
-        self.seconds: float | None = None  # from start to the last layer placed
+        self.seconds: float | None = None
         self.cancelled = False
+
+    def _fail(self, indices: Sequence[int] | range, errors: Sequence[str]) -> None:
+        new = set(indices) - self.failed
+        if new:
+            self.failed |= new
+            self.errors.extend(errors)
+
+    def _upto(self) -> int:
+        """Tokens placed: up to the first failed chunk (vLLM recomputes from there on)."""
+        return min([self.k] + [self.chunks[j].start for j in self.failed])
+
+    def failed_ranges(self) -> list[tuple[int, int]]:
+        """Token ranges, within [0, k), whose KV did not load."""
+        return failed_token_ranges(self.chunks, self.failed, self.k)
+
+
+class BackgroundLoad(ChunkLoad):
+    """A `ChunkLoad` run on the I/O thread through one `LayerReader` (`run`): the headers first, then the
+    first layer alone (compute starts sooner) and `layers_per_read` layers at a time after it, each read
+    placed into `rows` through the reader's `dest`, and each of its layers handed to
+    `place_layer(i, layer, upto)` (`i`: the layer's place in the read, `upto`: the tokens to place).
+    Chunks that are missing, damaged or of another model end in `failed`; a store fault or a timeout
+    fails every chunk. `wait(layer)` blocks until the layer is placed (or given up); `cancel` stops
+    placing layers: once it returns, nothing more is placed (placing runs under the lock it takes)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        store: ChunkStore,
+        chunks: Sequence[LoadChunk],
+        k: int,
+        seal: Seal | None,
+        *,
+        dest: Destination,
+        rows: KVCache,
+        place_layer: Callable[[int, int, int], None],
+        layers_per_read: int,
+        **reader_options: Any,
+    ) -> None:
+        super().__init__(spec, store, chunks, k, seal)
+        stored = [StoredChunk(c.key, c.start, c.start, c.end - c.start) for c in self.chunks]
+        self.reader = LayerReader(spec, store, stored, seal=seal, dest=dest, **reader_options)
+        self.rows = rows
+        self.place_layer = place_layer
+        self.layers_per_read = max(1, layers_per_read)
         self._lock = threading.Lock()
         self._events = [threading.Event() for _ in range(spec.num_layers)]
         self.future: concurrent.futures.Future[None] | None = None
@@ -383,15 +415,27 @@ class BackgroundLoad:
         self.future = io.submit(self._guarded)
 
     async def run(self) -> None:
-        """Read and place every layer, setting each layer's event once it is placed."""
-        raise NotImplementedError
-
-    def _stored(self) -> list[StoredChunk]:
-        return [StoredChunk(c.key, c.start, c.start, c.end - c.start) for c in self.chunks]
-
-    def _upto(self) -> int:
-        """Tokens placed: up to the first failed chunk (vLLM recomputes from there on)."""
-        return min([self.k] + [self.chunks[j].start for j in self.failed])
+        """Open the reader's chunks (failing those that do not check out), then read and place every
+        layer, failing the chunks a read names; after each read, `place_layer` for its layers under the
+        lock and unless cancelled, and wake each layer's waiter."""
+        reader = self.reader
+        ok = await reader.open()
+        self._fail([j for j, good in enumerate(ok) if not good], reader.errors)
+        L, step = self.spec.num_layers, self.layers_per_read
+        for layers in [range(0, 1), *(range(a, min(a + step, L)) for a in range(1, L, step))]:
+            if self.cancelled:
+                break
+            if len(self.failed) < len(self.chunks):
+                try:
+                    await reader.read_layers(layers, self.rows)
+                except ChunkLoadFailed as exc:
+                    self._fail(exc.indices, [exc.error])
+            for i, layer in enumerate(layers):
+                with self._lock:
+                    upto = self._upto()
+                    if not self.cancelled and upto > 0:
+                        self.place_layer(i, layer, upto)
+                self._placed(layer, reader.bytes_read)
 
     async def _guarded(self) -> None:
         """`run`, with every fault failing the load (vLLM then recomputes) and every layer's event set at
@@ -418,38 +462,6 @@ class BackgroundLoad:
             self.seconds = time.perf_counter() - self._t0
         self._events[layer].set()
 
-    async def _read_and_place(
-        self, reader: LayerReader, kv: KVCache, step: int, place_layer: Callable[[int, int, int], None]
-    ) -> None:
-        """Open `reader`'s chunks (failing those that do not check out), then read the first layer
-        alone (compute starts sooner) and `step` layers at a time after it into `kv`, failing the chunks
-        a read names; after each read, `place_layer(i, layer, upto)` for its layers (`i`: the layer's
-        place in the read, `upto`: the tokens to place), under the lock and unless cancelled, and wake
-        the layer's waiter."""
-        ok = await reader.open()
-        self._fail([j for j, good in enumerate(ok) if not good], reader.errors)
-        L = self.spec.num_layers
-        for layers in [range(0, 1), *(range(a, min(a + step, L)) for a in range(1, L, step))]:
-            if self.cancelled:
-                break
-            if len(self.failed) < len(self.chunks):
-                try:
-                    await reader.read_layers(layers, kv)
-                except ChunkLoadFailed as exc:
-                    self._fail(exc.indices, [exc.error])
-            for i, layer in enumerate(layers):
-                with self._lock:
-                    upto = self._upto()
-                    if not self.cancelled and upto > 0:
-                        place_layer(i, layer, upto)
-                self._placed(layer, reader.bytes_read)
-
-    def _fail(self, indices: Sequence[int] | range, errors: Sequence[str]) -> None:
-        new = set(indices) - self.failed
-        if new:
-            self.failed |= new
-            self.errors.extend(errors)
-
     def wait(self, layer: int) -> bool:
         """Block until `layer` is placed or given up; False (and the load cancelled, every chunk failed)
         if the deadline passed first."""
@@ -471,17 +483,14 @@ class BackgroundLoad:
         for ev in self._events:
             ev.set()
 
-    def failed_ranges(self) -> list[tuple[int, int]]:
-        """Token ranges, within [0, k), whose KV did not load."""
-        return failed_token_ranges(self.chunks, self.failed, self.k)
-
 
 class LayerLoad(BackgroundLoad):
     """A `BackgroundLoad` that hands each layer's verified KV to `place(layer, pieces)` as `Pieces`
     covering tokens [0, T) (T = k, or the start of the first failed chunk), each over the bytes read
-    where the chunk is stored uncompressed (decoded by `Piece.kv` where its `encoding` is not native);
-    `place` writes it where the engine wants it, on the I/O thread. The load for a host cache and for
-    caches `DeviceLayerLoad` does not take (`vllm_device`)."""
+    where the chunk is stored uncompressed (`KeptSections`; decoded by `Piece.kv` where its `encoding`
+    is not native); `place` writes it where the engine wants it, on the I/O thread. The load for a host
+    cache and for caches `DeviceLayerLoad` does not take (`vllm_device`). Only chunks in `encoding` are
+    read: another is foreign (`codec.check_header`)."""
 
     def __init__(
         self,
@@ -494,21 +503,27 @@ class LayerLoad(BackgroundLoad):
         encoding: str = "native",
         seal: Seal | None = None,
     ) -> None:
-        super().__init__(spec, store, chunks, k, seal)
         self.place = place
-        self.layers_per_read = max(1, layers_per_read)
-        self.encoding = encoding
+        self.kept = KeptSections()
+        # the sections stay in `kept`, not in a cache
+        rows = KVCache.empty(spec, 0)
+        super().__init__(
+            spec,
+            store,
+            chunks,
+            k,
+            seal,
+            dest=self.kept,
+            rows=rows,
+            place_layer=self._pieces,
+            layers_per_read=layers_per_read,
+            encoding=encoding,
+        )
 
-    async def run(self) -> None:
-        reader = _SectionReader(self.spec, self.store, self._stored(), self.encoding, self.seal)
-
-        def place(_: int, layer: int, upto: int) -> None:
-            pieces = [
-                reader.piece(j, layer, c.start, min(c.end, upto) - c.start)
-                for j, c in enumerate(self.chunks)
-                if c.start < upto
-            ]
-            self.place(layer, pieces)
-
-        # the sections stay in `reader.sections`, not in a cache
-        await self._read_and_place(reader, KVCache.empty(self.spec, 0), self.layers_per_read, place)
+    def _pieces(self, _: int, layer: int, upto: int) -> None:
+        pieces = [
+            self.kept.piece(self.reader, j, layer, c.start, min(c.end, upto) - c.start)
+            for j, c in enumerate(self.chunks)
+            if c.start < upto
+        ]
+        self.place(layer, pieces)

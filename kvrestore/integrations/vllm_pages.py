@@ -43,7 +43,7 @@ from kvrestore.core.errors import (
     TruncatedChunkError,
 )
 from kvrestore.core.spec import ModelSpec
-from kvrestore.integrations.vllm_io import IOThread, LoadChunk, covering, failed_token_ranges
+from kvrestore.integrations.vllm_io import ChunkLoad, IOThread, LoadChunk
 from kvrestore.integrations.vllm_layout import _pages
 from kvrestore.stores.base import ChunkStore
 
@@ -155,9 +155,9 @@ class _ChunkPlan:
                 np.copyto(dest[block, h, a:b], keys[h, at : at + b - a])
 
 
-class HostPageLoad:
+class HostPageLoad(ChunkLoad):
     """Loads tokens [0, k) of one request straight into vLLM's host pages, layer by layer as vLLM asks
-    for them (`wait`, on the step thread). The same interface as `vllm_io.LayerLoad`: `failed` (indices
+    for them (`wait`, on the step thread). A `ChunkLoad`, as `vllm_io.LayerLoad` is: `failed` (indices
     into `chunks`), `errors`, `bytes_read`, `seconds` (the time spent reading: what the link took)."""
 
     def __init__(
@@ -171,19 +171,10 @@ class HostPageLoad:
         layers_per_read: int = 4,
         seal: Seal | None = None,
     ) -> None:
-        self.spec = spec
-        self.store = store
-        self.seal = seal  # where set, a chunk without its valid MAC is a miss (`codec.seal`)
-        self.chunks = covering(chunks, k)
-        self.k = k
+        super().__init__(spec, store, chunks, k, seal)
         self.layers = list(layers)
         self.block_ids = list(block_ids)
         self.layers_per_read = max(1, layers_per_read)
-        self.failed: set[int] = set()
-        self.errors: list[str] = []
-        self.bytes_read = 0
-        self.seconds: float | None = None
-        self.cancelled = False
         self._headers: dict[int, codec.ChunkHeader] = {}
         self._read_upto = 0  # layers below this one are read
         self._spent = 0.0
@@ -204,10 +195,10 @@ class HostPageLoad:
             try:
                 self._headers[j] = self._header(c)
             except STORE_FAULTS as exc:
-                self._fail(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
+                self._fault(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
                 break
             except LOAD_FAULTS as exc:
-                self._fail([j], f"chunk {c.key[:12]}: {type(exc).__name__}: {exc}", exc, c.key)
+                self._fault([j], f"chunk {c.key[:12]}: {type(exc).__name__}: {exc}", exc, c.key)
         self._spent += time.perf_counter() - t
 
     def _header(self, c: LoadChunk) -> codec.ChunkHeader:
@@ -249,12 +240,12 @@ class HostPageLoad:
             try:
                 self._read(j, layers)
             except STORE_FAULTS as exc:
-                self._fail(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
+                self._fault(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
             except LOAD_FAULTS as exc:
-                self._fail([j], f"chunk {c.key[:12]}: {type(exc).__name__}: {exc}", exc, c.key)
+                self._fault([j], f"chunk {c.key[:12]}: {type(exc).__name__}: {exc}", exc, c.key)
             except Exception as exc:  # a bug: fail the load (vLLM recomputes), never vLLM's step
                 log.exception("kvrestore: loading into host pages failed")
-                self._fail(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
+                self._fault(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
 
     def _plan(self, j: int) -> _ChunkPlan:
         plan = self._plans.get(j)
@@ -313,13 +304,12 @@ class HostPageLoad:
         for keys, host in staged:
             plan.place_keys(host.keys, keys)
 
-    def _fail(
+    def _fault(
         self, indices: Sequence[int] | range, error: str, exc: BaseException | None = None, key: str = ""
     ) -> None:
-        new = set(indices) - self.failed
-        if new:
-            self.failed |= new
-            self.errors.append(error)
+        """Fail chunks `indices` for `error`, deleting in the background an object its bytes proved
+        damaged (`exc`)."""
+        self._fail(indices, [error])
         damaged = isinstance(exc, DAMAGE_FAULTS)  # a compressed or missing chunk is not damaged
         if damaged and self._io is not None:  # as `LayerReader` does: never served again
             self.deletes.append(self._io.submit(self.store.delete, key))
@@ -329,8 +319,4 @@ class HostPageLoad:
         if not self.cancelled:
             self.cancelled = True
             if self._read_upto < self.spec.num_layers:
-                self._fail(range(len(self.chunks)), why)
-
-    def failed_ranges(self) -> list[tuple[int, int]]:
-        """Token ranges, within [0, k), whose KV did not load."""
-        return failed_token_ranges(self.chunks, self.failed, self.k)
+                self._fault(range(len(self.chunks)), why)

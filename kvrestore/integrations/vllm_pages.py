@@ -9,13 +9,15 @@ they stall at every barrier while another thread holds one of them):
 * a chunk's values go from the file into the pages with one `preadv` (`ChunkStore.scatter_into_sync`):
   the "cpu" layout keeps a page's values row-major, as a stored section does, so the pages take the
   bytes directly;
-* its keys, which the pages keep column-major, go into a small staging buffer and are transposed into
-  the pages once verified;
+* its keys, which the pages keep column-major, go there in the same `preadv` where the connector saved
+  them so (format 5: tiles of one page, `codec.layout`) and the chunk covers whole pages; otherwise
+  (a chunk of another writer, page size, or a last partial page) into a small staging buffer, then
+  transposed into the pages once verified;
 * every section is checked against its xxh3-64 where its bytes landed (`host_checksum_parts`).
 
 A chunk whose header or section does not check out is failed: vLLM recomputes its blocks (and, with the
-connector's recompute policy, everything after them), so damaged bytes written into the values of its
-pages are never used. `LayerLoad` (`vllm_io`) is the load for every other store, encoding and device.
+connector's recompute policy, everything after them), so damaged bytes written into its pages are never
+used. `LayerLoad` (`vllm_io`) is the load for every other store, encoding and device.
 """
 
 from __future__ import annotations

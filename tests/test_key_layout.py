@@ -4,7 +4,10 @@ and a damaged one is never placed. A format-4 chunk is written as it always was.
 
 from __future__ import annotations
 
+import zlib
+
 import anyio
+import msgspec
 import pytest
 import torch
 
@@ -13,7 +16,7 @@ from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader
 from kvrestore.chunkio.load import ChunkLoader
 from kvrestore.chunkio.stored import StoredChunk
 from kvrestore.codec.seal import Seal
-from kvrestore.core.errors import CorruptChunkError
+from kvrestore.core.errors import CorruptChunkError, InvalidInputError
 from kvrestore.core.kv import KVCache, KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.stores import LocalStore, MemoryStore
@@ -73,14 +76,12 @@ def test_a_whole_tiled_chunk_decodes_to_the_kv_it_was_saved_from(compression, si
 
 def test_tiles_that_do_not_divide_the_chunk_are_refused_as_damage():
     kv = _prompt(1)
-    with pytest.raises(Exception, match="whole tiles"):
+    with pytest.raises(InvalidInputError, match="whole tiles"):
         _blob(kv, 0, 5)
     header, end = codec.read_header(_blob(kv, 0, 8))
-    import msgspec
-
     bad = msgspec.structs.replace(header, key_tile=5)
     raw = codec.chunk._ENCODER.encode(bad)
-    blob = codec.chunk._PREFIX.pack(codec.MAGIC, len(raw), __import__("zlib").crc32(raw)) + raw
+    blob = codec.chunk._PREFIX.pack(codec.MAGIC, len(raw), zlib.crc32(raw)) + raw
     with pytest.raises(CorruptChunkError, match="key tiles"):
         codec.read_header(blob)
 
@@ -92,24 +93,35 @@ def _store(kind: str, tmp_path, kv: torch.Tensor, tile: int):
     return store
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("kind", ["memory", "file"])
 @pytest.mark.parametrize("tile", [0, 4, 16])
-def test_a_restore_load_reads_a_tiled_chunk_as_the_kv_it_was_saved_from(tmp_path, kind, tile):
-    """`ChunkLoader` (what a `Restorer`'s load lanes run): async, and blocking with `load_sync`."""
+def test_a_restore_load_reads_a_tiled_chunk_as_the_kv_it_was_saved_from(tmp_path, kind, tile, device):
+    """`ChunkLoader` (what a `Restorer`'s load lanes run): async, and blocking with `load_sync`; into a
+    GPU cache the sections go up as stored, are checked there and turned row-major there."""
     kv = _prompt()
     store = _store(kind, tmp_path, kv, tile)
     loader = ChunkLoader(SPEC, store)
     for j in range(3):
-        dest = torch.zeros(SPEC.num_layers, 2, SPEC.num_kv_heads, T, SPEC.head_dim)
+        dest = torch.zeros(SPEC.num_layers, 2, SPEC.num_kv_heads, T, SPEC.head_dim, device=device)
         anyio.run(loader.load, KEYS[j], j * T, dest)
-        assert torch.equal(dest, kv[:, :, :, j * T : (j + 1) * T])
+        assert torch.equal(dest.cpu(), kv[:, :, :, j * T : (j + 1) * T])
         if store.reads_sync:
             dest.zero_()
             loader.load_sync(KEYS[j], j * T, dest)
-            assert torch.equal(dest, kv[:, :, :, j * T : (j + 1) * T])
+            assert torch.equal(dest.cpu(), kv[:, :, :, j * T : (j + 1) * T])
+    if device == "cuda":  # a damaged key is caught by the device checksum, never placed as KV
+        blob = bytearray(anyio.run(store.get, KEYS[1]))
+        blob[codec.read_header(bytes(blob))[0].layers[0].offset + 5] ^= 0xFF
+        anyio.run(store.put, KEYS[1], bytes(blob))
+        with pytest.raises(CorruptChunkError):
+            anyio.run(loader.load, KEYS[1], T, torch.zeros_like(dest))
 
 
-@pytest.mark.parametrize("path", ["host", "device-path", "deferred"])
+@pytest.mark.parametrize("path", ["host", "device-path", "deferred", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("kind", ["memory", "file"])
 def test_layer_reads_of_tiled_chunks_place_the_kv_and_fail_a_damaged_one(tmp_path, kind, path):
     """`LayerReader` on a CPU cache: checked on the host, through the device path (checked per read),
@@ -127,7 +139,7 @@ def test_layer_reads_of_tiled_chunks_place_the_kv_and_fail_a_damaged_one(tmp_pat
             SPEC, store, stored, defer_checks=path == "deferred", device_path=path == "device-path"
         )
         await reader.open()
-        out = KVCache.empty(SPEC, 3 * T)
+        out = KVCache.empty(SPEC, 3 * T, device="cuda" if path == "cuda" else "cpu")
         out.data.zero_()
         failed: list[int] = []
         for layers in reader.read_plan(0, SPEC.num_layers, out):
@@ -142,9 +154,9 @@ def test_layer_reads_of_tiled_chunks_place_the_kv_and_fail_a_damaged_one(tmp_pat
         return out, failed
 
     whole, failed = anyio.run(read, False)
-    assert failed == [] and torch.equal(whole.data, kv)
+    assert failed == [] and torch.equal(whole.data.cpu(), kv)
     damaged, failed = anyio.run(read, True)
     assert failed == [1]
     for j in (0, 2):
-        assert torch.equal(damaged.data[..., j * T : (j + 1) * T, :], kv[..., j * T : (j + 1) * T, :])
+        assert torch.equal(damaged.data[..., j * T : (j + 1) * T, :].cpu(), kv[..., j * T : (j + 1) * T, :])
     assert not anyio.run(store.contains, [KEYS[1]])[0]  # deleted: proven damaged

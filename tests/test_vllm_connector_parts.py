@@ -23,7 +23,7 @@ from kvrestore.costs.compute import ChunkCost
 from kvrestore.costs.learned import fit_prefill_steps
 from kvrestore.costs.links import LinkCost
 from kvrestore.integrations.vllm_costs import CostBook, loading_factor
-from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, LoadChunk
+from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LoadChunk
 from kvrestore.integrations.vllm_layout import (
     LAYOUTS,
     blocks_of,
@@ -32,6 +32,7 @@ from kvrestore.integrations.vllm_layout import (
     kv_views,
     scatter_tokens,
 )
+from kvrestore.integrations.vllm_load import LayerLoad
 from kvrestore.integrations.vllm_plan import (
     ConnectorConfig,
     ConnectorContext,
@@ -421,8 +422,8 @@ def test_fp8_pages_are_stored_as_they_are_and_requantized_only_for_other_scales(
     """An fp8 cache's values go into fp8 sections untouched, with the layer's scales; loaded into pages of
     the same scales they come back as they were, into pages of other scales they are decoded and
     quantized with those (an int8 chunk likewise)."""
-    from kvrestore.integrations.vllm_io import Piece
     from kvrestore.integrations.vllm_layout import fp8_layer_scales, fp8_sections, fp8_values
+    from kvrestore.integrations.vllm_load import Piece
 
     enc = codec.spec_encoding(SPEC, "fp8")
     values = torch.randn(SPEC.num_layers, 2, H, 12, D).to(torch.float8_e4m3fn).view(torch.uint8)

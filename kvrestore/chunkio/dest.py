@@ -5,7 +5,7 @@ them means. A reader is given one, never subclassed.
 * `CacheRows` (the default): a `KVCache`'s rows, chunk j's tokens of layer l at row l and the chunk's
   token range; with `per_read`, a cache that holds the layers of one read only (the read's first layer
   at row 0: the vLLM connector's device buffer of one read).
-* `vllm_io.KeptSections`: each verified section kept as read, for the vLLM connector's host load to
+* `vllm_load.KeptSections`: each verified section kept as read, for the vLLM connector's host load to
   write into its pages.
 * `blend.chunks.RotatedRows`: a cache's rows, the keys of chunks placed elsewhere than where they were
   saved re-rotated once placed (CacheBlend).

@@ -17,7 +17,7 @@ they stall at every barrier while another thread holds one of them):
 
 A chunk whose header or section does not check out is failed: vLLM recomputes its blocks (and, with the
 connector's recompute policy, everything after them), so damaged bytes written into its pages are never
-used. `LayerLoad` (`vllm_io`) is the load for every other store, encoding and device.
+used. `LayerLoad` (`vllm_load`) is the load for every other store, encoding and device.
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ from kvrestore.core.errors import (
     TruncatedChunkError,
 )
 from kvrestore.core.spec import ModelSpec
-from kvrestore.integrations.vllm_io import ChunkLoad, IOThread, LoadChunk
+from kvrestore.integrations.vllm_io import IOThread, LoadChunk
 from kvrestore.integrations.vllm_layout import _pages
+from kvrestore.integrations.vllm_load import ChunkLoad
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")
@@ -159,7 +160,7 @@ class _ChunkPlan:
 
 class HostPageLoad(ChunkLoad):
     """Loads tokens [0, k) of one request straight into vLLM's host pages, layer by layer as vLLM asks
-    for them (`wait`, on the step thread). A `ChunkLoad`, as `vllm_io.LayerLoad` is: `failed` (indices
+    for them (`wait`, on the step thread). A `ChunkLoad`, as `vllm_load.LayerLoad` is: `failed` (indices
     into `chunks`), `errors`, `bytes_read`, `seconds` (the time spent reading: what the link took)."""
 
     def __init__(

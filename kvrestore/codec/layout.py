@@ -16,12 +16,23 @@ import numpy as np
 import torch
 
 
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def tile_keys(dense: torch.Tensor, tile: int) -> torch.Tensor:
     """`dense` (``[L, 2, H, T, D]``, row-major keys) as it is stored with keys in tiles of `tile` tokens
-    (a new contiguous tensor)."""
+    (a new contiguous tensor). On the host the copies are numpy's, on one thread (torch's would spread
+    over the cores a serving engine's compute threads are pinned to)."""
     out = torch.empty_like(dense, memory_format=torch.contiguous_format)
-    out[:, 1] = dense[:, 1]
-    stored_keys(out[:, 0], tile).copy_(dense[:, 0].unflatten(-2, (-1, tile)))
+    keys = stored_keys(out[:, 0], tile)
+    rows = dense[:, 0].unflatten(-2, (-1, tile))
+    if dense.device.type != "cpu":
+        out[:, 1] = dense[:, 1]
+        keys.copy_(rows)
+        return out
+    ints = _INT_OF_SIZE[dense.element_size()]
+    np.copyto(out[:, 1].view(ints).numpy(), dense[:, 1].view(ints).numpy())
+    np.copyto(keys.view(ints).numpy(), rows.view(ints).numpy())
     return out
 
 

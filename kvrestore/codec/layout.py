@@ -15,7 +15,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

@@ -273,8 +273,9 @@ class HostPageLoad(ChunkLoad):
         return keys[: H * plan.stored * D].reshape(H, plan.stored, D), tails
 
     def _read(self, j: int, layers: range) -> None:
-        """Chunk j's sections of `layers`: values into the pages, keys into staging, in one scatter read;
-        verified there, then the keys transposed into the pages."""
+        """Chunk j's sections of `layers` in one scatter read: values into the pages, keys too where they
+        are stored as the pages keep them (`_ChunkPlan.keys`), else into staging; verified where they
+        landed, then any staged keys transposed into the pages."""
         c, header, plan = self.chunks[j], self._headers[j], self._plan(j)
         first, end = codec.layer_span(header, layers)
         if not codec.back_to_back(header, layers):

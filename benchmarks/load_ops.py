@@ -159,16 +159,16 @@ def count_connector(pages: int, layers: int, block_size: int = 16, chunk_tokens:
             _scatter_device(k, v, block_ids, 0, rows)
         places.append(tally)
 
-    class CountingReader(vllm_device._ReadLayersReader):
-        def _upload_layers(self, layers, sections, kv):  # type: ignore[no-untyped-def]
-            with OpTally() as tally:
-                bad = super()._upload_layers(layers, sections, kv)
-            reads.append(tally)
-            return bad
+    upload = LayerReader._upload_layers
+
+    def counted(self, layers, sections, kv):  # type: ignore[no-untyped-def]
+        with OpTally() as tally:
+            bad = upload(self, layers, sections, kv)
+        reads.append(tally)
+        return bad
 
     io = IOThread()
-    original = vllm_device._ReadLayersReader
-    vllm_device._ReadLayersReader = CountingReader  # type: ignore[misc]
+    LayerReader._upload_layers = counted  # type: ignore[method-assign]  # every read of the load's reader
     try:
         load = vllm_device.DeviceLayerLoad(
             spec,
@@ -186,7 +186,7 @@ def count_connector(pages: int, layers: int, block_size: int = 16, chunk_tokens:
             assert load.future is not None
             load.future.result(timeout=60)
     finally:
-        vllm_device._ReadLayersReader = original  # type: ignore[misc]
+        LayerReader._upload_layers = upload  # type: ignore[method-assign]
         io.close()
     exact = (
         placed

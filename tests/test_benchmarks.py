@@ -278,3 +278,10 @@ def test_seal_cost_tiny(tmp_path: Path) -> None:
     data = run_script("seal_cost.py", tmp_path / "seal_cost-tiny.json")
     assert data["config"]["tiny"] and data["chunks"] == 4
     assert len(data["unsigned_s"]) == len(data["signed_s"]) == 1 and data["mac_s_per_restore"] > 0
+
+
+def test_host_pages_tiny(tmp_path: Path) -> None:
+    data = run_script("host_pages.py", tmp_path / "host_pages-tiny.json")
+    assert data["config"]["tokens"] == 1000 and len(data["results"]) == 3
+    assert all(r["exact"] for name, r in data["results"].items() if "format" in name)
+    assert set(data["ratios"]) == {"format5_vs_format4", "format5_vs_copy", "format4_vs_copy"}

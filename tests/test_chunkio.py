@@ -270,7 +270,7 @@ def test_truncated_overlong_foreign_and_missing(tmp_path, where):
 def older_format(blob: bytes) -> bytes:
     """The same chunk with its header's version set to the previous format (checksums still valid)."""
     header, end = codec.read_header(blob)
-    raw = msgspec.msgpack.encode({**msgspec.structs.asdict(header), "version": codec.FORMAT_VERSION - 1})
+    raw = msgspec.msgpack.encode({**msgspec.structs.asdict(header), "version": codec.PLAIN_VERSION - 1})
     return struct.pack("<4sII", codec.MAGIC, len(raw), zlib.crc32(raw)) + raw + blob[end:]
 
 

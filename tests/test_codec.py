@@ -43,7 +43,7 @@ def test_round_trip(dtype, compression):
     assert torch.equal(out.data, chunk.data)
 
     header, end = codec.read_header(blob[: codec.HEADER_PROBE])
-    assert (header.version, header.fingerprint, header.key) == (codec.FORMAT_VERSION, FP, KEY)
+    assert (header.version, header.fingerprint, header.key) == (codec.PLAIN_VERSION, FP, KEY)
     assert (header.start, header.n_tokens, header.compression) == (256, 7, compression)
     assert header.layers[0].offset == codec.body_start_after(end) and header.end == len(blob)
     assert header.layers[0].offset % codec.BODY_ALIGN == 0
@@ -162,7 +162,7 @@ def test_unparseable_header_with_valid_checksum_is_corrupt():
 
 def test_older_format_version_is_foreign():
     header, _ = codec.read_header(BLOBS["none"])
-    older = msgspec.msgpack.encode({**msgspec.structs.asdict(header), "version": codec.FORMAT_VERSION - 1})
+    older = msgspec.msgpack.encode({**msgspec.structs.asdict(header), "version": codec.PLAIN_VERSION - 1})
     with pytest.raises(ForeignChunkError, match="version"):
         decode(_with_header(older))
 

@@ -132,7 +132,7 @@ def test_the_header_names_the_encoding_and_the_checksums_cover_the_stored_bytes(
     blob = codec.encode_chunk(KVChunk(0, kv), spec, "k", encoding=name)
     header, _ = codec.read_header(blob)
     enc = codec.spec_encoding(spec, name)
-    assert header.encoding == enc.tag and header.version == codec.FORMAT_VERSION
+    assert header.encoding == enc.tag and header.version == codec.PLAIN_VERSION
     sections = codec.body_sections(header, blob)
     assert sections.shape[1] == enc.section_bytes(40) and sections.shape[1] % 8 == 0
     assert [s.device_sum for s in header.layers] == [as_signed(int(x)) for x in device_checksums(sections)]
@@ -297,7 +297,7 @@ def test_layer_wise_restores_load_exactly_the_decoded_layers(llama_backend, name
     """Along layers, on the host path and on the device path (deferred device checks, run here on a CPU
     cache): loaded layers hold the decoded KV, computed layers the full prefill's."""
     if defer:
-        monkeypatch.setattr(LayerReader, "_defers", lambda self, kv: True)
+        monkeypatch.setattr(LayerReader, "defers", lambda self, kv: True)
     b = llama_backend
     tokens = random_tokens(64, b.spec.vocab_size, seed=5)
     full = _full(b, tokens)

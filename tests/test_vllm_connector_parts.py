@@ -23,7 +23,7 @@ from kvrestore.costs.compute import ChunkCost
 from kvrestore.costs.learned import fit_prefill_steps
 from kvrestore.costs.links import LinkCost
 from kvrestore.integrations.vllm_costs import CostBook, loading_factor
-from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, LoadChunk
+from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LoadChunk
 from kvrestore.integrations.vllm_layout import (
     LAYOUTS,
     blocks_of,
@@ -32,6 +32,7 @@ from kvrestore.integrations.vllm_layout import (
     kv_views,
     scatter_tokens,
 )
+from kvrestore.integrations.vllm_load import LayerLoad
 from kvrestore.integrations.vllm_plan import (
     ConnectorConfig,
     ConnectorContext,
@@ -311,11 +312,12 @@ def io():
     t.close()
 
 
-def _stored_prompt(store: MemoryStore, io: IOThread, n: int = 40, chunk: int = 16):
-    """A prompt's chunks saved through a ChunkSaver; returns (chunks, its full KV [L, 2, H, n, D])."""
+def _stored_prompt(store: MemoryStore, io: IOThread, n: int = 40, chunk: int = 16, key_tile: int = 0):
+    """A prompt's chunks saved through a ChunkSaver (keys in tiles of `key_tile` tokens where whole:
+    `codec.layout`); returns (chunks, its full KV [L, 2, H, n, D])."""
     kv = torch.randn(SPEC.num_layers, 2, H, n, D)
     refs = chunk_keys(list(range(n)), SPEC.fingerprint, chunk)
-    saver = ChunkSaver(SPEC, store, io)
+    saver = ChunkSaver(SPEC, store, io, key_tile=key_tile)
     for r in refs:
         assert saver.submit(r.key, KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()))
     assert saver.flush(timeout=10)
@@ -343,9 +345,10 @@ def _load(store, io, chunks, k, timeout=10.0):
     return load, placed
 
 
-def test_a_layer_load_places_every_layer_of_the_prefix(io):
+@pytest.mark.parametrize("key_tile", [0, 8])
+def test_a_layer_load_places_every_layer_of_the_prefix(io, key_tile):
     store = MemoryStore()
-    chunks, kv = _stored_prompt(store, io)
+    chunks, kv = _stored_prompt(store, io, key_tile=key_tile)
     load, placed = _load(store, io, chunks, 24)  # ends inside the second chunk
     assert not load.failed and load.failed_ranges() == []
     assert sorted(placed) == [0, 1, 2]
@@ -419,8 +422,8 @@ def test_fp8_pages_are_stored_as_they_are_and_requantized_only_for_other_scales(
     """An fp8 cache's values go into fp8 sections untouched, with the layer's scales; loaded into pages of
     the same scales they come back as they were, into pages of other scales they are decoded and
     quantized with those (an int8 chunk likewise)."""
-    from kvrestore.integrations.vllm_io import Piece
     from kvrestore.integrations.vllm_layout import fp8_layer_scales, fp8_sections, fp8_values
+    from kvrestore.integrations.vllm_load import Piece
 
     enc = codec.spec_encoding(SPEC, "fp8")
     values = torch.randn(SPEC.num_layers, 2, H, 12, D).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -602,8 +605,9 @@ def test_the_device_scatter_writes_what_the_host_scatter_writes(start, n):
 @pytest.mark.parametrize("device_path", [False, True], ids=["host-checked", "device-path"])
 @pytest.mark.parametrize("where", ["memory", "file"])
 @pytest.mark.parametrize("k", [24, 40])
+@pytest.mark.parametrize("key_tile", [0, 8])
 def test_a_device_layer_load_places_each_layer_as_rows_up_to_the_first_failed_chunk(
-    io, k, where, device_path, tmp_path
+    io, k, where, device_path, tmp_path, key_tile
 ):
     """`DeviceLayerLoad` (run here on a host buffer): each layer's rows [2, H, T, D] as the prompt's KV,
     a read of two layers at a time after the first alone; a damaged chunk in the middle stops the rows
@@ -634,7 +638,7 @@ def test_a_device_layer_load_places_each_layer_as_rows_up_to_the_first_failed_ch
         return load, placed
 
     store = MemoryStore() if where == "memory" else LocalStore(str(tmp_path))
-    chunks, kv = _stored_prompt(store, io)
+    chunks, kv = _stored_prompt(store, io, key_tile=key_tile)
     good, placed = load(store, chunks)
     assert not good.failed and sorted(placed) == [0, 1, 2]
     for layer in range(3):

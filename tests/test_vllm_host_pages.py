@@ -12,7 +12,13 @@ from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LoadChunk
 from kvrestore.integrations.vllm_layout import gather_tokens
-from kvrestore.integrations.vllm_pages import CompressedChunkError, HostLayer, HostPageLoad, applies
+from kvrestore.integrations.vllm_pages import (
+    CompressedChunkError,
+    HostLayer,
+    HostPageLoad,
+    _ChunkPlan,
+    applies,
+)
 from kvrestore.stores import LocalStore, MemoryStore, ThrottledStore
 
 H, D, BS, NB, L = 2, 4, 8, 12, 5
@@ -29,11 +35,12 @@ def io():
     t.close()
 
 
-def _saved(store, io, spec, n=44, chunk=16, compression="none"):
-    """A prompt of `n` tokens saved in chunks (the last one partial); (chunks, its KV [L, 2, H, n, D])."""
+def _saved(store, io, spec, n=44, chunk=16, compression="none", key_tile=0):
+    """A prompt of `n` tokens saved in chunks (the last one partial); (chunks, its KV [L, 2, H, n, D]).
+    With `key_tile`, the whole chunks' keys are stored in tiles of that many tokens (`codec.layout`)."""
     kv = torch.randn(L, 2, H, n, D).to(spec.dtype)
     refs = chunk_keys(list(range(n)), spec.fingerprint, chunk)
-    saver = ChunkSaver(spec, store, io, compression=compression)
+    saver = ChunkSaver(spec, store, io, compression=compression, key_tile=key_tile)
     for r in refs:
         assert saver.submit(r.key, KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()))
     assert saver.flush(timeout=10) and saver.written == len(refs)
@@ -57,13 +64,22 @@ def _load(store, io, spec, chunks, k, pages, ids):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("k", [40, 32, 8])
 @pytest.mark.parametrize("ids", [[9, 3, 11, 0, 5, 7], [2, 3, 4, 5, 6, 7]], ids=["scattered", "consecutive"])
-def test_a_load_puts_each_token_where_the_backend_reads_it_and_nothing_else(tmp_path, io, dtype, k, ids):
+@pytest.mark.parametrize("tile", [0, BS, 4], ids=["row-major", "tiled-as-pages", "other-tiles"])
+def test_a_load_puts_each_token_where_the_backend_reads_it_and_nothing_else(
+    tmp_path, io, dtype, k, ids, tile, monkeypatch
+):
     """Tokens [0, k) land in the request's pages (in or out of order, the last chunk partial, cut at k),
     keys transposed as the backend keeps them; no other slot is written, and the bytes read are the
-    chunks' whole sections (each verified)."""
+    chunks' whole sections (each verified). Keys stored a page to a tile go straight into the pages,
+    never through staging; keys in other tiles are converted."""
     spec = _spec(dtype)
     store = LocalStore(str(tmp_path))
-    chunks, kv = _saved(store, io, spec)
+    chunks, kv = _saved(store, io, spec, key_tile=tile)
+    staged: list[int] = []
+    original = _ChunkPlan.place_keys
+    monkeypatch.setattr(
+        _ChunkPlan, "place_keys", lambda self, *a: (staged.append(self.n), original(self, *a))
+    )
     # 6 pages of 8 for the 44 tokens; consecutive whole pages take their keys in one copy
     pages = _pages(spec)
     load = _load(store, io, spec, chunks, k, pages, ids)
@@ -76,6 +92,9 @@ def test_a_load_puts_each_token_where_the_backend_reads_it_and_nothing_else(tmp_
         assert not pages[layer][untouched].any()
         if k % BS:  # the rest of the last page holds nothing loaded
             assert not gather_tokens(pages[layer], "cpu", ids, k, -(-k // BS) * BS, H, D).any()
+    # the last chunk (12 tokens) is not of whole tiles: its keys are row-major, through staging
+    whole = [c for c in used if c.end - c.start == 16]
+    assert len(staged) == L * len(used) - (L * len(whole) if tile == BS else 0)
 
 
 def test_a_memory_store_loads_the_same(io):
@@ -91,10 +110,13 @@ def test_a_memory_store_loads_the_same(io):
 
 
 @pytest.mark.parametrize("where", ["header", "first layer", "last layer", "truncated"])
-def test_a_damaged_chunk_fails_its_tokens_only_and_is_deleted(tmp_path, io, where):
+@pytest.mark.parametrize("tile", [0, BS], ids=["row-major", "tiled-as-pages"])
+def test_a_damaged_chunk_fails_its_tokens_only_and_is_deleted(tmp_path, io, where, tile):
+    """Damage anywhere (a key read straight into the pages included) fails the chunk: vLLM recomputes
+    its tokens whatever its pages hold."""
     spec = _spec()
     store = LocalStore(str(tmp_path))
-    chunks, kv = _saved(store, io, spec)
+    chunks, kv = _saved(store, io, spec, key_tile=tile)
     blob = bytearray(io.call(store.get, chunks[1].key))
     first = codec.read_header(bytes(blob))[0].layers[0].offset
     if where == "truncated":

@@ -15,8 +15,9 @@ from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.keys import chunk_keys, namespaced
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, LoadChunk
+from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LoadChunk
 from kvrestore.integrations.vllm_keys import RequestKeys
+from kvrestore.integrations.vllm_load import LayerLoad
 from kvrestore.integrations.vllm_pages import HostLayer, HostPageLoad
 from kvrestore.integrations.vllm_plan import ConnectorConfig, ConnectorContext
 from kvrestore.integrations.vllm_stats import records

@@ -198,8 +198,8 @@ def test_an_fp8_cache_is_saved_as_it_is_and_loads_back_byte_for_byte():
 def test_host_pages_from_a_local_directory_are_read_on_the_step_thread(tmp_path):
     """vLLM's CPU pages from a store that reads without the event loop: `HostPageLoad`, on the step's
     thread, with the same pages as a load through the I/O thread (a throttled link) gives."""
-    from kvrestore.integrations.vllm_io import LayerLoad
     from kvrestore.integrations.vllm_layout import gather_tokens
+    from kvrestore.integrations.vllm_load import LayerLoad
     from kvrestore.integrations.vllm_pages import HostPageLoad
     from kvrestore.stores import LocalStore, ThrottledStore
 

@@ -23,6 +23,7 @@ import anyio.to_thread
 import torch
 
 from kvrestore import codec
+from kvrestore.chunkio.dest import CacheRows
 from kvrestore.chunkio.layers import LayerReader, StoredChunk
 from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.codec.seal import Seal
@@ -92,12 +93,53 @@ async def save_chunk(
     return key, len(blob)
 
 
+class RotatedRows(CacheRows):
+    """A blend's cache rows (`chunkio.dest`), the keys of every chunk placed elsewhere than where it was
+    saved (`stored_at`) re-rotated to where it sits once its sections are in place."""
+
+    def __init__(self, backend: HFBackend) -> None:
+        super().__init__()
+        self.backend = backend
+        self._rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def placed(self, reader: LayerReader, layers: range, chunks: Sequence[int], kv: KVCache) -> None:
+        """Re-rotate the keys of `chunks` on `layers` (in place). On the device path (CUDA) one rotation
+        covers the layers whole (the identity, exactly, on rows of chunks that did not move; other rows
+        are recomputed after this anyway): a few kernels per read instead of a few per chunk and layer.
+        The angles are the same for every layer: made once."""
+        stored = reader.chunks
+        moved = [j for j in chunks if stored[j].offset != stored[j].stored_at]
+        if not moved:
+            return
+        keys = kv.data[layers.start : layers.stop, 0]  # [n, H, N, D]
+        if reader.defers(kv):  # the device path (on a CPU cache in tests: the same ops)
+            rotation = self._rotations.get(-1)
+            if rotation is None or rotation[0].device != keys.device or rotation[0].shape[0] != keys.shape[2]:
+                old = torch.arange(keys.shape[2], dtype=torch.int64)
+                new = old.clone()
+                for c in stored:
+                    old[c.offset : c.offset + c.n_tokens] = torch.arange(
+                        c.stored_at, c.stored_at + c.n_tokens
+                    )
+                old, new = upload(old, keys.device), upload(new, keys.device)
+                rotation = self._rotations[-1] = self.backend.rerotation(keys, old, new)
+            keys.copy_(self.backend.rerotate_keys(keys, 0, 0, rotation))
+            return
+        for j in moved:
+            chunk = stored[j]
+            k = keys[:, :, chunk.offset : chunk.offset + chunk.n_tokens]
+            rotation = self._rotations.get(j)
+            if rotation is None:
+                rotation = self._rotations[j] = self.backend.rerotation(k, chunk.stored_at, chunk.offset)
+            k.copy_(self.backend.rerotate_keys(k, chunk.stored_at, chunk.offset, rotation))
+
+
 class StoreChunkSource(LayerReader):
     """Loads the chunks of one blend from a store, layer by layer, into a KVCache at their offsets,
     re-rotating the keys of every chunk placed elsewhere than where it was saved (`stored_at`, the
-    shared prefix's length). Into a CUDA cache the layers' checks are deferred (`chunkio.deferred`):
-    the blend's cache is its own until it returns, so the fusor reads the checks once, at the end
-    (`verify`), and a damaged chunk restarts the blend with its tokens recomputed."""
+    shared prefix's length: `RotatedRows`). Into a CUDA cache the layers' checks are deferred
+    (`chunkio.deferred`): the blend's cache is its own until it returns, so the fusor reads the checks
+    once, at the end (`verify`), and a damaged chunk restarts the blend with its tokens recomputed."""
 
     def __init__(
         self,
@@ -113,9 +155,11 @@ class StoreChunkSource(LayerReader):
     ) -> None:
         """`options`: the rest of `LayerReader`'s (`ahead`, `layers_per_read`), passed on as they are."""
         chunks = [StoredChunk(k, stored_at, o, n) for k, o, n in zip(keys, offsets, lengths, strict=True)]
-        super().__init__(backend.spec, store, chunks, lane=lane, defer_checks=defer_checks, **options)
+        dest = RotatedRows(backend)
+        super().__init__(
+            backend.spec, store, chunks, lane=lane, defer_checks=defer_checks, dest=dest, **options
+        )
         self.backend = backend
-        self._rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def bytes_loaded(self) -> int:
@@ -124,34 +168,3 @@ class StoreChunkSource(LayerReader):
     async def load_layer(self, layer: int, kv: KVCache) -> int:
         """Place layer `layer` of every open chunk into `kv` (keys re-rotated); returns bytes read."""
         return await self.read_layer(layer, kv)
-
-    def after_layers(self, layers: range, placed: Sequence[int], kv: KVCache) -> None:
-        """Re-rotate the keys of the chunks `placed` on `layers` from where they were saved to where they
-        sit (in place). On the device path (CUDA) one rotation covers the layers whole (the identity,
-        exactly, on rows of chunks that did not move; other rows are recomputed after this anyway): a
-        few kernels per read instead of a few per chunk and layer. The angles are the same for every
-        layer: made once."""
-        moved = [j for j in placed if self.chunks[j].offset != self.chunks[j].stored_at]
-        if not moved:
-            return
-        keys = kv.data[layers.start : layers.stop, 0]  # [n, H, N, D]
-        if self._defers(kv):  # the device path (on a CPU cache in tests: the same ops)
-            rotation = self._rotations.get(-1)
-            if rotation is None or rotation[0].device != keys.device or rotation[0].shape[0] != keys.shape[2]:
-                old = torch.arange(keys.shape[2], dtype=torch.int64)
-                new = old.clone()
-                for c in self.chunks:
-                    old[c.offset : c.offset + c.n_tokens] = torch.arange(
-                        c.stored_at, c.stored_at + c.n_tokens
-                    )
-                old, new = upload(old, keys.device), upload(new, keys.device)
-                rotation = self._rotations[-1] = self.backend.rerotation(keys, old, new)
-            keys.copy_(self.backend.rerotate_keys(keys, 0, 0, rotation))
-            return
-        for j in moved:
-            chunk = self.chunks[j]
-            k = keys[:, :, chunk.offset : chunk.offset + chunk.n_tokens]
-            rotation = self._rotations.get(j)
-            if rotation is None:
-                rotation = self._rotations[j] = self.backend.rerotation(k, chunk.stored_at, chunk.offset)
-            k.copy_(self.backend.rerotate_keys(k, chunk.stored_at, chunk.offset, rotation))

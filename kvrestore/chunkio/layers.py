@@ -26,6 +26,7 @@ import torch
 
 from kvrestore import codec
 from kvrestore.chunkio.deferred import DeferredChecks
+from kvrestore.chunkio.dest import CacheRows, Destination
 from kvrestore.chunkio.pool import StagingPool
 from kvrestore.chunkio.stored import ChunkLoadFailed, StoredChunk, each, layers_name
 from kvrestore.chunkio.transfer import TransferLane
@@ -45,10 +46,8 @@ from kvrestore.stores.base import ChunkStore
 
 
 class LayerReader:
-    """Reads one layer of many stored chunks at a time into a KVCache.
-
-    Subclasses may override `after_layers` to transform the sections once they are in place
-    (CacheBlend re-rotates the keys of a chunk placed somewhere other than where it was saved).
+    """Reads one layer of many stored chunks at a time into a KVCache, or wherever its destination
+    (`dest`, `chunkio.dest`: a cache's rows by default) puts the verified sections.
     """
 
     def __init__(
@@ -63,8 +62,10 @@ class LayerReader:
         encoding: str = "native",
         device_path: bool = False,
         seal: Seal | None = None,
+        dest: Destination | None = None,
     ) -> None:
         self.spec = spec
+        self.dest: Destination = dest or CacheRows()  # where the verified sections go
         self.seal = seal  # where set, every header's MAC is checked before its sections are read
         self.encoding = codec.spec_encoding(spec, encoding)  # the one it reads: another is foreign
         self.store = store
@@ -124,7 +125,7 @@ class LayerReader:
     async def read_layers(self, layers: range, kv: KVCache) -> int:
         """`read_layer` for consecutive `layers` at once: one range read per chunk covers all of them
         (their sections lie back to back), and on the device path one upload per chunk, one checksum
-        call, one placement per chunk and one `after_layers` serve them all. A chunk with any section
+        call, one placement per chunk and one `dest.placed` serve them all. A chunk with any section
         missing or damaged is named in `ChunkLoadFailed`; its rows of `layers` are then not to be used
         (they may hold part of what was read)."""
         device_path = kv.data.device.type == "cuda" or bool(self.defer_checks) or self.device_path
@@ -163,22 +164,15 @@ class LayerReader:
         a restore waits for first, and what the loading controller times), then `layers_per_read` at a
         time where the checks are deferred (fewer host calls, thread hops and kernels per layer: the
         loader shares the host with a compute lane that is bound by its launches), else one by one."""
-        step = self.layers_per_read if self._defers(kv) else 1
+        step = self.layers_per_read if self.defers(kv) else 1
         plan = [range(first, min(first + 1, stop))] if first < stop else []
         plan += [range(a, min(a + step, stop)) for a in range(first + 1, stop, step)]
         return plan
 
     def place(self, layers: range, j: int, data: bytes | memoryview, kv: KVCache) -> None:
-        """Verify chunk j's sections of `layers` (`data`: their byte span, `codec.layer_span`) and copy
-        them to its token range of a CPU cache (blocking)."""
-        header, out = self.headers[j], self._dest(layers, j, kv)
-        codec.decode_layers(
-            header, codec.span_sections(header, layers, data), self.spec, list(layers), out=out
-        )
-
-    def after_layers(self, layers: range, placed: Sequence[int], kv: KVCache) -> None:
-        """A hook run once the sections of chunks `placed` of `layers` are verified and in place (on the
-        upload stream for a CUDA cache); CacheBlend re-rotates the keys there."""
+        """Verify chunk j's sections of `layers` (`data`: their byte span, `codec.layer_span`) and place
+        them through `dest` (on a CPU cache: its token range; blocking)."""
+        self.dest.place(self, layers, j, data, kv)
 
     def _upload_layers(
         self, layers: range, sections: dict[int, bytes | memoryview | None], kv: KVCache
@@ -187,23 +181,19 @@ class LayerReader:
         # the device path of a read, made per read: kept on the reader it would be a reference cycle
         return LayerUploads(self).upload(layers, sections, kv)
 
-    def _dest(self, layers: range, j: int, kv: KVCache) -> torch.Tensor:
-        """Where chunk j's rows of `layers` go in `kv`: ``[len(layers), 2, H, n_tokens, D]``."""
+    def rows_of(self, layers: range, j: int, kv: KVCache) -> torch.Tensor:
+        """Where chunk j's rows of `layers` go in `kv` (`dest`): ``[len(layers), 2, H, n_tokens, D]``."""
         chunk = self.chunks[j]
-        return self._rows(layers, chunk.offset, chunk.n_tokens, kv)
+        return self.dest.rows(layers, chunk.offset, chunk.n_tokens, kv)
 
-    def _rows(self, layers: range, start: int, n_tokens: int, kv: KVCache) -> torch.Tensor:
-        """Tokens [start, start + n_tokens) of `layers` in `kv` (a subclass may map them elsewhere)."""
-        return kv.data[layers.start : layers.stop, :, :, start : start + n_tokens]
-
-    def _defers(self, kv: KVCache) -> bool:
+    def defers(self, kv: KVCache) -> bool:
         """Whether reads into `kv` defer their checks (`defer_checks`: None means on a CUDA cache)."""
         return bool(self.defer_checks or (self.defer_checks is None and kv.data.device.type == "cuda"))
 
     def _deferred(self, kv: KVCache) -> DeferredChecks | None:
         """This reader's deferred checks for `kv` (made on first use), or None if it checks each layer."""
         cuda = kv.data.device.type == "cuda"
-        if not self._defers(kv):
+        if not self.defers(kv):
             return None
         if self.checks is None or self.checks.device != kv.data.device:
             with on_stream(self.stream, kv.data.device):
@@ -245,9 +235,8 @@ class LayerReader:
             head = await self._get(chunk.key, 0, codec.HEADER_PROBE)
             if len(head) >= codec.PREFIX_SIZE and codec.header_length(head) > len(head):
                 head = await self._get(chunk.key, 0, codec.header_length(head))
-            header, _ = codec.read_header(head)
-            codec.check_header(
-                header, self.spec, chunk.key, chunk.stored_at, chunk.n_tokens, self.encoding.name, self.seal
+            header = codec.probe_header(
+                head, self.spec, chunk.key, chunk.stored_at, chunk.n_tokens, self.encoding.name, self.seal
             )
         except LOAD_FAULTS as exc:
             # a chunk gone before the restore reads it is a plain miss; anything else is worth reporting
@@ -269,7 +258,7 @@ class LayerReader:
                 placed.append(j)
             except ChunkDecodeError as exc:
                 bad.append((j, exc))
-        self.after_layers(layers, placed, kv)
+        self.dest.placed(self, layers, placed, kv)
         return bad
 
     async def _get(self, key: str, start: int, end: int) -> bytes:

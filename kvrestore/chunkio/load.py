@@ -43,7 +43,6 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
-import numpy as np
 import torch
 
 from kvrestore import codec
@@ -71,11 +70,6 @@ def zstd_bound(nbytes: int) -> int:
 
 
 StreamFor = Callable[[torch.device], "torch.cuda.Stream | None"]
-
-
-def _byte_rows(t: torch.Tensor) -> np.ndarray:
-    """A numpy uint8 view of a CPU tensor whose last dimension is contiguous (any dtype, bf16 too)."""
-    return t.view(torch.uint8).numpy()
 
 
 class ChunkLoader:
@@ -237,9 +231,8 @@ class ChunkLoader:
             self._place_decoded(header, data, dest, transfer)
         elif dest.device.type != "cuda":
             codec.verify_sections(header, data)
-            if self.encoding.native:
-                rows = _byte_rows(dest)
-                np.copyto(rows, np.frombuffer(codec.body(header, data), np.uint8).reshape(rows.shape))
+            if self.encoding.native:  # keys a writer stored in tiles turned row-major on the way
+                codec.copy_bytes(dest, codec.body(header, data), codec.key_tile(header))
             else:
                 self.encoding.decode(codec.body_sections(header, data), dest)
         else:
@@ -261,7 +254,8 @@ class ChunkLoader:
         device on the load stream, then compare every layer's device checksum (and decode an encoded
         body into `dest` there)."""
         expected = [section.device_sum for section in header.layers] if self._device_checkable(dest) else None
-        upload_checked(host[header.layers[0].offset : header.end], dest, expected, transfer, self.encoding)
+        body = host[header.layers[0].offset : header.end]
+        upload_checked(body, dest, expected, transfer, self.encoding, codec.key_tile(header))
 
     def _place_decoded(
         self, header: codec.ChunkHeader, data: memoryview, dest: torch.Tensor, transfer: Transfer
@@ -290,16 +284,18 @@ def upload_checked(
     expected: Sequence[int] | None,
     transfer: Transfer,
     encoding: Encoding | None = None,
+    key_tile: int = 0,
 ) -> None:
     """Copy `host` (pinned bytes laid out as `dest`, e.g. a chunk's body or one layer's section) to the
     CUDA tensor `dest` ([n, ...]: n layers) on `transfer`'s stream, hand the buffers `transfer` staged
     back to be reused once the copy has finished, then compare each of the n layers' device checksum
     with `expected` (None: the bytes were verified on the host). With a quantized `encoding`, `host`
     holds the n encoded sections: they go up to a device buffer, are checked there and decoded into
-    `dest`, on the stream. Blocks until the stream has done all of it (the GIL is released meanwhile);
+    `dest`, on the stream; native sections whose keys are stored in tiles (`key_tile`,
+    `codec.layout`) go up as they are, are checked there and turned into `dest`'s rows. Blocks until the stream has done all of it (the GIL is released meanwhile);
     raises CorruptChunkError on a mismatch, naming the layer."""
     with transfer.running():
-        if encoding is None or encoding.native:
+        if (encoding is None or encoding.native) and not key_tile:
             stored = dest
             dest.copy_(host.view(dest.dtype).view(dest.shape), non_blocking=True)
         else:  # allocated on this stream: reused only after what is queued on it
@@ -309,7 +305,9 @@ def upload_checked(
             stored.copy_(host.view(stored.shape), non_blocking=True)
         transfer.copied()
         sums = device_checksums(stored).to("cpu", non_blocking=True) if expected is not None else None
-        if stored is not dest:
+        if stored is not dest and key_tile:
+            codec.place_rows(dest, stored.view(dest.dtype).view(dest.shape), key_tile)
+        elif stored is not dest:
             assert encoding is not None
             encoding.decode(stored, dest)
     transfer.wait()

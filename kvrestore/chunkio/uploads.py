@@ -49,7 +49,7 @@ class LayerUploads:
         reader's lane. The spans go up to one device buffer on its stream (a pinned `MemoryStore`'s
         object as it lies, other bytes through one shared pinned staging buffer); one
         `segment_checksums` checks every section there, then the chunks' spans are copied to their rows
-        and `after_layers` runs, on the same stream. Returns the unusable chunks."""
+        and the reader's `dest.placed` runs, on the same stream. Returns the unusable chunks."""
         bad: list[tuple[int, BaseException]] = []
         ups: list[tuple[int, torch.Tensor, bool]] = []  # (chunk, its pinned span, whether it was staged)
         decoded: list[tuple[int, torch.Tensor]] = []  # compressed, or rows not whole words: host-checked
@@ -99,9 +99,9 @@ class LayerUploads:
                     layers, ups, kv, bad, transfer, checks, None if staging is None else staging.tensor
                 )
                 for j, host in decoded:
-                    self.reader._dest(layers, j, kv).copy_(host)
+                    self.reader.rows_of(layers, j, kv).copy_(host)
                     placed.append(j)
-                self.reader.after_layers(layers, placed, kv)
+                self.reader.dest.placed(self.reader, layers, placed, kv)
                 if checks is not None:
                     checks.placed(layers)
                     return bad
@@ -218,8 +218,10 @@ class LayerUploads:
         chunks, i = self.reader.chunks, 0
         while i < len(spans):
             run = [spans[i]]
-            while self.reader.encoding.native and i + len(run) < len(spans):
+            while self._runs(spans[i][0]) and i + len(run) < len(spans):
                 (pj, pat, pn), (j, at, n) = run[-1], spans[i + len(run)]
+                if not self._runs(j):
+                    break
                 prev, chunk = chunks[pj], chunks[j]
                 if (n, chunk.n_tokens) != (pn, prev.n_tokens) or at != pat + pn:
                     break
@@ -232,17 +234,22 @@ class LayerUploads:
                 self._place(layers, j0, kv, device_buf[at0 : at0 + n0])
                 continue
             T = chunks[j0].n_tokens
-            dest = self.reader._rows(layers, chunks[j0].offset, len(run) * T, kv)  # [L', 2, H, J*T, D]
+            dest = self.reader.dest.rows(layers, chunks[j0].offset, len(run) * T, kv)  # [L', 2, H, J*T, D]
             Lp, _, H, _, D = dest.shape
             src = device_buf[at0 : at0 + len(run) * n0].view(dest.dtype).view(len(run), Lp, 2, H, T, D)
             dest.unflatten(3, (len(run), T)).copy_(src.permute(1, 2, 3, 0, 4, 5))
 
+    def _runs(self, j: int) -> bool:
+        """Whether chunk j's span can be placed in one copy with its neighbours': native, keys row-major."""
+        return self.reader.encoding.native and not codec.key_tile(self.reader.headers[j])
+
     def _place(self, layers: range, j: int, kv: KVCache, span: torch.Tensor) -> None:
         """Copy chunk j's uploaded span (uint8, its sections of `layers` laid out as its rows) to its rows,
         or decode it there where the sections are encoded."""
-        dest = self.reader._dest(layers, j, kv)
-        if self.reader.encoding.native:
-            dest.copy_(span.view(dest.dtype).view(dest.shape))
+        dest = self.reader.rows_of(layers, j, kv)
+        if self.reader.encoding.native:  # keys a writer stored in tiles turned row-major on the way
+            tile = codec.key_tile(self.reader.headers[j])
+            codec.place_rows(dest, span.view(dest.dtype).view(dest.shape), tile)
         else:
             self.reader.encoding.decode(span.view(len(layers), -1), dest)
 

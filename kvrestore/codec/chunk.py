@@ -15,9 +15,12 @@ offset, stored length, raw length and xxh3-64 checksum, so
   for a reader that uploads the section to a GPU first and verifies it there), and the object must end
   exactly where the last section ends. A damaged chunk is always reported, never decoded wrongly.
 
-Format 4 added the encodings (the header names one, `ChunkHeader.encoding`; both checksums cover the
-encoded bytes as stored), format 3 the device checksum. A chunk of an older format is foreign to this
-reader: a clean miss, recomputed and written again in the current format.
+Format 5 added the writer's key layout (`TiledHeader.key_tile`, `codec.layout`: keys stored as vLLM's
+CPU pages keep them, converted on read by every other reader); a chunk without one is still written as
+format 4, byte for byte, and read by both. Format 4 added the encodings (the header names one,
+`ChunkHeader.encoding`; both checksums cover the encoded bytes as stored), format 3 the device
+checksum. A chunk of an older format is foreign to this reader: a clean miss, recomputed and written
+again in the current format.
 
 The framing (prefix, header, reading and checking it) is `codec.header`; boundary activations
 (`codec.boundary`) use the same framing under their own magic.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Mapping, Sequence
 
+import msgspec
 import numpy as np
 import torch
 import zstandard
@@ -49,10 +53,13 @@ from kvrestore.codec.header import (
     FORMAT_VERSION,
     HEADER_PROBE,
     MAGIC,
+    PLAIN_VERSION,
     PREFIX_SIZE,
+    READ_VERSIONS,
     Buffer,
     ChunkHeader,
     LayerSection,
+    TiledHeader,
     _check_spec,
     _require_little_endian,
     back_to_back,
@@ -60,12 +67,15 @@ from kvrestore.codec.header import (
     check_header,
     header_encoding,
     header_length,
+    key_tile,
     layer_ranges,
     layer_span,
+    probe_header,
     read_header,
     span_sections,
     spec_encoding,
 )
+from kvrestore.codec.layout import place_host_rows, place_rows, tile_keys
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import CorruptChunkError, InvalidInputError, TruncatedChunkError
@@ -92,10 +102,13 @@ def encode_chunk(
     level: int = 1,
     encoding: str = "native",
     seal: Seal | None = None,
+    key_tile: int = 0,
 ) -> bytes:
     """Serialise `chunk` (data [L, 2, H, T, D] in `spec.dtype`) for storage under `key`, its sections
     in `encoding` (`quant.ENCODINGS`; encoded where the KV lies, e.g. on its GPU), its header signed
-    with `seal` where given (`codec.seal`).
+    with `seal` where given (`codec.seal`). With `key_tile` (native only, dividing T) the keys are
+    stored in tiles of that many tokens, column-major in each (`codec.layout`: a format-5 chunk);
+    without, the chunk is format 4, as every reader reads it.
 
     Native and uncompressed, the tensor bytes are copied exactly once (into the returned object).
     """
@@ -111,9 +124,14 @@ def encode_chunk(
         )
     if data.dtype != spec.dtype:
         raise InvalidInputError(f"chunk dtype {data.dtype} does not match spec dtype {spec.dtype}")
+    if key_tile and (not enc.native or key_tile < 0 or data.shape[3] % key_tile):
+        raise InvalidInputError(f"key tiles of {key_tile} tokens need native chunks of whole tiles")
     # native: the KV's own bytes; else its encoded sections [L, section bytes], whole int64 words
     dense = data.detach().contiguous() if enc.native else enc.encode(data.detach())
-    return _frame(dense, chunk.start, int(data.shape[3]), spec, key, enc, compression, level, seal)
+    if key_tile:
+        dense = tile_keys(dense, key_tile)
+    n_tokens = int(data.shape[3])
+    return _frame(dense, chunk.start, n_tokens, spec, key, enc, compression, level, seal, key_tile)
 
 
 def encode_sections(
@@ -154,8 +172,10 @@ def _frame(
     compression: str,
     level: int,
     seal: Seal | None,
+    tile: int = 0,
 ) -> bytes:
-    """The stored object for `dense`, the chunk's sections ([L, ...] contiguous, any device)."""
+    """The stored object for `dense`, the chunk's sections ([L, ...] contiguous, any device), its keys in
+    tiles of `tile` tokens where not 0 (`TiledHeader`)."""
     L, D = spec.num_layers, spec.head_dim
     if not enc.native or device_checkable(D * dense.element_size()):
         dsums = [as_signed(int(x)) for x in device_checksums(dense).tolist()]  # where the KV is
@@ -179,7 +199,7 @@ def _frame(
             sections.append(LayerSection(off, n, raw_len, c, d))
             off += n
         header = ChunkHeader(
-            version=FORMAT_VERSION,
+            version=PLAIN_VERSION,
             fingerprint=spec.fingerprint,
             key=key,
             start=start,
@@ -192,6 +212,9 @@ def _frame(
             layers=sections,
             encoding=enc.tag,
         )
+        if tile:
+            fields = {**msgspec.structs.asdict(header), "version": FORMAT_VERSION}
+            header = TiledHeader(**fields, key_tile=tile)
         # signed, the MAC has a fixed size: the header's length is the same whatever the MAC
         return _ENCODER.encode(header) if seal is None else seal.sign(header, _ENCODER)
 
@@ -228,7 +251,13 @@ def bounded_zstd(stored: Buffer, limit: int, what: str) -> bytes:
 
 
 def _fill(
-    dst: torch.Tensor, stored: Buffer, section: LayerSection, compression: str, layer: int, enc: Encoding
+    dst: torch.Tensor,
+    stored: Buffer,
+    section: LayerSection,
+    compression: str,
+    layer: int,
+    enc: Encoding,
+    tile: int = 0,
 ) -> None:
     """Verify one stored section and decode it into `dst` ([2, H, T, D], may be a strided view of a cache)."""
     if len(stored) < section.length:
@@ -245,7 +274,7 @@ def _fill(
             )
         stored = raw
     if enc.native:
-        copy_bytes(dst, stored)
+        copy_bytes(dst, stored, tile)
     else:
         enc.decode(byte_tensor(stored).view(1, -1), dst.unsqueeze(0))
 
@@ -257,17 +286,20 @@ def byte_tensor(data: Buffer) -> torch.Tensor:
     return torch.frombuffer(view if not view.readonly else bytearray(view), dtype=torch.uint8)
 
 
-def copy_bytes(dst: torch.Tensor, data: Buffer) -> None:
-    """Copy raw tensor bytes (`dst`'s dtype and shape, C order) into `dst`, which may be strided.
+def copy_bytes(dst: torch.Tensor, data: Buffer, key_tile: int = 0) -> None:
+    """Copy raw tensor bytes (`dst`'s dtype and shape, C order) into `dst`, which may be strided; with
+    `key_tile`, `data` is sections (`dst`: ``[..., 2, H, T, D]``) whose keys are stored in tiles
+    (`codec.layout`), turned row-major on the way.
 
     One copy, outside the GIL, from the bytes as they are, read-only ones included (a store's `bytes`):
     on the CPU through numpy views of both sides; elsewhere through a host tensor over the bytes.
     """
     if dst.device.type == "cpu":
         as_torch, as_numpy = _INT_OF_SIZE[dst.element_size()]
-        np.copyto(dst.view(as_torch).numpy(), np.frombuffer(data, as_numpy).reshape(dst.shape))
+        src = np.frombuffer(data, as_numpy).reshape(dst.shape)
+        place_host_rows(dst.view(as_torch).numpy(), src, key_tile)
         return
-    dst.copy_(byte_tensor(data).view(dst.dtype).view(dst.shape))
+    place_rows(dst, byte_tensor(data).view(dst.dtype).view(dst.shape), key_tile)
 
 
 def decode_layers(
@@ -300,8 +332,9 @@ def decode_layers(
         raise InvalidInputError(
             f"out is {tuple(out.shape)} {out.dtype} on {out.device}, need {shape} {spec.dtype} on cpu"
         )
+    tile = key_tile(header)
     for j, i in enumerate(order):
-        _fill(out[j], sections[i], header.layers[i], header.compression, i, enc)
+        _fill(out[j], sections[i], header.layers[i], header.compression, i, enc, tile)
     return out if torch.device(device).type == "cpu" else out.to(device)
 
 
@@ -317,16 +350,12 @@ def check_object(
     """The checked header of a whole stored object: the chunk asked for, of this model and `encoding`,
     signed under `seal` where given, complete, its padding zero. The sections are not verified yet
     (`verify_sections`, or a device checksum)."""
-    header, header_end = read_header(data)
-    check_header(header, spec, key, start, n_tokens, encoding, seal)
-    end = header.end if header.layers else header_end
+    header = probe_header(data, spec, key, start, n_tokens, encoding, seal)
+    end = header.end if header.layers else header_length(data)
     if len(data) < end:
         raise TruncatedChunkError(f"object is {len(data)} bytes, header says {end}")
     if len(data) > end:
         raise CorruptChunkError(f"object is {len(data)} bytes, {len(data) - end} past the last section")
-    body = header.layers[0].offset if header.layers else header_end
-    if any(memoryview(data)[header_end:body]):
-        raise CorruptChunkError("nonzero padding between header and sections")
     return header
 
 
@@ -383,8 +412,15 @@ __all__ = [
     "HEADER_PROBE",
     "LayerSection",
     "MAGIC",
+    "PLAIN_VERSION",
     "PREFIX_SIZE",
+    "READ_VERSIONS",
+    "TiledHeader",
+    "key_tile",
+    "place_rows",
+    "probe_header",
     "body",
+    "copy_bytes",
     "body_sections",
     "body_start_after",
     "check_header",

@@ -22,7 +22,13 @@ from kvrestore.core.errors import CorruptChunkError, ForeignChunkError, Truncate
 from kvrestore.core.spec import ModelSpec, dtype_name
 
 MAGIC = b"KVRC"
-FORMAT_VERSION = 4  # 4: KV encodings; 3: a device checksum per section; 2: xxh3-64 section checksums
+#: 5: the writer's key layout (`TiledHeader.key_tile`); 4: KV encodings; 3: a device checksum per
+#: section; 2: xxh3-64 section checksums
+FORMAT_VERSION = 5
+#: the version of a chunk written without a key layout of its own: format 4 as it was, byte for byte,
+#: so every reader of format 4 still reads it (and a format-4 reader takes a tiled chunk for foreign)
+PLAIN_VERSION = 4
+READ_VERSIONS = (PLAIN_VERSION, FORMAT_VERSION)
 HEADER_PROBE = 4096
 COMPRESSIONS = ("none", "zstd")
 
@@ -70,6 +76,21 @@ class ChunkHeader(msgspec.Struct, frozen=True):
         return max((s.offset + s.length for s in self.layers), default=0)
 
 
+class TiledHeader(ChunkHeader, frozen=True, kw_only=True):
+    """The header of a format-5 chunk: a native one whose keys the writer stored in tiles of `key_tile`
+    tokens, each column-major (per head ``[T / key_tile, D, key_tile]``: vLLM's CPU pages keep a page's
+    keys so), its values as in every chunk (`codec.layout`). A reader in that layout reads the keys
+    straight into its pages; any other converts them on read."""
+
+    key_tile: int
+
+
+def key_tile(header: ChunkHeader) -> int:
+    """The tokens of the writer's key tiles (`TiledHeader`), or 0: keys row-major, as in every format-4
+    chunk."""
+    return header.key_tile if isinstance(header, TiledHeader) else 0
+
+
 class _Versioned(msgspec.Struct):
     """Just the version field, read first so a newer format is reported as foreign, not corrupt."""
 
@@ -78,6 +99,7 @@ class _Versioned(msgspec.Struct):
 
 _ENCODER = msgspec.msgpack.Encoder()
 _HEADER_DECODER = msgspec.msgpack.Decoder(ChunkHeader)
+_TILED_DECODER = msgspec.msgpack.Decoder(TiledHeader)
 _VERSION_DECODER = msgspec.msgpack.Decoder(_Versioned)
 
 
@@ -132,9 +154,10 @@ def read_header(prefix: Buffer) -> tuple[ChunkHeader, int]:
         raise CorruptChunkError("header checksum mismatch")
     try:
         version = _VERSION_DECODER.decode(raw).version
-        if version != FORMAT_VERSION:
-            raise ForeignChunkError(f"chunk format version {version}, this reader handles {FORMAT_VERSION}")
-        header = _HEADER_DECODER.decode(raw)
+        if version not in READ_VERSIONS:
+            raise ForeignChunkError(f"chunk format version {version}, this reader handles {READ_VERSIONS}")
+        # a header is re-encoded as it was decoded (its MAC is over that): each version its own struct
+        header = (_HEADER_DECODER if version == PLAIN_VERSION else _TILED_DECODER).decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise CorruptChunkError(f"unparseable chunk header: {e}") from e
     _check_sections(header, need)
@@ -158,11 +181,13 @@ def _check_sections(header: ChunkHeader, header_end: int) -> None:
         if header.compression == "none" and s.length != s.raw_length:
             raise CorruptChunkError(f"uncompressed section {i} has length {s.length} != raw {s.raw_length}")
         off += s.length
+    tile = key_tile(header)
+    if isinstance(header, TiledHeader) and (tile < 1 or header.n_tokens % tile):
+        raise CorruptChunkError(f"key tiles of {tile} tokens in a chunk of {header.n_tokens}")
 
 
 def _check_spec(header: ChunkHeader, spec: ModelSpec) -> quant.Encoding:
     expect = {
-        "version": FORMAT_VERSION,
         "fingerprint": spec.fingerprint,
         "dtype": dtype_name(spec.dtype),
         "num_layers": spec.num_layers,
@@ -174,6 +199,8 @@ def _check_spec(header: ChunkHeader, spec: ModelSpec) -> quant.Encoding:
         if got != want:
             raise ForeignChunkError(f"chunk {field} is {got!r}, expected {want!r}")
     enc = header_encoding(header, spec)
+    if key_tile(header) and not enc.native:
+        raise ForeignChunkError(f"key tiles in a chunk of the {enc.name} encoding")
     raw = enc.section_bytes(header.n_tokens)
     for i, s in enumerate(header.layers):
         if s.raw_length != raw:
@@ -202,6 +229,27 @@ def check_header(
     enc = _check_spec(header, spec)
     if enc.name != encoding:
         raise ForeignChunkError(f"chunk encoding is {enc.name!r}, this reader reads {encoding!r}")
+
+
+def probe_header(
+    head: Buffer,
+    spec: ModelSpec,
+    key: str,
+    start: int,
+    n_tokens: int,
+    encoding: str = "native",
+    seal: Seal | None = None,
+) -> ChunkHeader:
+    """The checked header (`check_header`) at the start of `head`, the first bytes of a stored object
+    (`HEADER_PROBE` or more: where the header is longer, `read_header` raises TruncatedChunkError and
+    `header_length(head)` says how many bytes to read instead), and the padding after it zero as far
+    as `head` holds it. What every reader that reads a chunk's sections by range checks first."""
+    header, header_end = read_header(head)
+    check_header(header, spec, key, start, n_tokens, encoding, seal)
+    body = header.layers[0].offset if header.layers else header_end
+    if any(memoryview(head)[header_end : min(body, len(head))]):
+        raise CorruptChunkError("nonzero padding between header and sections")
+    return header
 
 
 def layer_ranges(header: ChunkHeader, layers: Sequence[int] | None = None) -> list[tuple[int, int]]:

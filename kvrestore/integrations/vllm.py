@@ -20,7 +20,7 @@ What it does:
   tokens, with a warning) and picks the split k (`vllm_plan.choose_split`: load [0, k), compute [k, n),
   both finishing together, from the link and compute costs the connector has measured), logged at INFO
   with its prediction. The worker side loads [0, k) layer by layer in the background
-  (`vllm_io.LayerLoad`) while vLLM computes; `wait_for_layer_load` waits only for the layer about to run.
+  (`vllm_load`) while vLLM computes; `wait_for_layer_load` waits only for the layer about to run.
 * Faults. A chunk missing, corrupt or of another model when loaded: its blocks go to
   `get_block_ids_with_load_errors` and vLLM recomputes them (the connector sets vLLM's
   `kv_load_failure_policy` to "recompute" unless `on_load_error` is "fail").
@@ -35,7 +35,7 @@ role, and `KVRestoreConnector` holds a `SchedulerSide` (`vllm_scheduler`: lookup
 step loads and saves; no I/O thread, no saver) or a `WorkerSide` (`vllm_worker`: the loads, the page
 writes, the saver), never both; `vllm_meta` is what they tell each other. The vLLM-free parts are in
 `vllm_layout` (paged layouts), `vllm_plan` (config, split, fingerprint), `vllm_costs` (learned costs),
-`vllm_io` (background I/O) and `vllm_stats` (counters and records); this module is the glue to vLLM's
+`vllm_io` (background I/O), `vllm_load` (the loads) and `vllm_stats` (counters and records); this module is the glue to vLLM's
 interface.
 """
 

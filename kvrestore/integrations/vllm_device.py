@@ -22,31 +22,25 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvrestore.chunkio.layers import LayerReader
+from kvrestore.chunkio.dest import CacheRows
 from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.codec.seal import Seal
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.streams import on_stream
-from kvrestore.integrations.vllm_io import BackgroundLoad, LoadChunk
+from kvrestore.integrations.vllm_io import LoadChunk
+from kvrestore.integrations.vllm_load import BackgroundLoad
 from kvrestore.stores.base import ChunkStore
-
-
-class _ReadLayersReader(LayerReader):
-    """A `LayerReader` whose cache holds only the layers of one read: the read's first layer is row 0."""
-
-    def _rows(self, layers: range, start: int, n_tokens: int, kv: KVCache) -> torch.Tensor:
-        return kv.data[: len(layers), :, :, start : start + n_tokens]
 
 
 class DeviceLayerLoad(BackgroundLoad):
     """Loads tokens [0, k) of one request into a device's pages (see the module doc): each read of
-    `layers_per_read` layers lands checked in a device buffer of those layers, and `place(layer, rows)`
-    writes each layer's ``[2, H, T, D]`` rows (T = k, or the start of the first failed chunk) into the
-    pages, on the I/O thread, under the load's lock (after `cancel` returns nothing more is placed).
-    `lane` is where the bytes go up: its pinned staging pool (shared by the worker's loads) and its
-    stream, the one `place` writes the pages on, so a read's buffer is reused only once the layers
-    placed from it are written."""
+    `layers_per_read` layers lands checked in a device buffer of those layers (`CacheRows` of one
+    read), and `place(layer, rows)` writes each layer's ``[2, H, T, D]`` rows (T = k, or the start of
+    the first failed chunk) into the pages, on the I/O thread, under the load's lock (after `cancel`
+    returns nothing more is placed). `lane` is where the bytes go up: its pinned staging pool (shared
+    by the worker's loads) and its stream, the one `place` writes the pages on, so a read's buffer is
+    reused only once the layers placed from it are written."""
 
     def __init__(
         self,
@@ -62,32 +56,25 @@ class DeviceLayerLoad(BackgroundLoad):
         device_path: bool = False,
         seal: Seal | None = None,
     ) -> None:
-        super().__init__(spec, store, chunks, k, seal)
         self.place = place
         self.lane = lane
         self.device = device
-        self.layers_per_read = max(1, layers_per_read)
-        self.encoding = encoding
-        self.device_path = device_path  # on a host buffer too (`LayerReader.device_path`: tests)
-
-    async def run(self) -> None:
-        reader = _ReadLayersReader(
-            self.spec,
-            self.store,
-            self._stored(),
-            lane=self.lane,
+        n = max(1, layers_per_read)
+        shape = (n, 2, spec.num_kv_heads, chunks[-1].end if chunks else 0, spec.head_dim)
+        with on_stream(lane.stream, device):  # freed once the stream's copies out of it are done
+            rows = KVCache(spec, torch.empty(shape, dtype=spec.dtype, device=device))
+        super().__init__(
+            spec,
+            store,
+            chunks,
+            k,
+            seal,
+            dest=CacheRows(per_read=True),
+            rows=rows,
+            place_layer=lambda i, layer, upto: self.place(layer, rows.data[i, :, :, :upto]),
+            layers_per_read=n,
+            lane=lane,
             defer_checks=False,
-            encoding=self.encoding,
-            device_path=self.device_path,
-            seal=self.seal,
-        )
-        s = self.spec
-        shape = (self.layers_per_read, 2, s.num_kv_heads, self.chunks[-1].end, s.head_dim)
-        with on_stream(self.lane.stream, self.device):  # freed once the stream's copies out of it are done
-            rows = KVCache(s, torch.empty(shape, dtype=s.dtype, device=self.device))
-        await self._read_and_place(
-            reader,
-            rows,
-            self.layers_per_read,
-            lambda i, layer, upto: self.place(layer, rows.data[i, :, :, :upto]),
+            encoding=encoding,
+            device_path=device_path,  # on a host buffer too (`LayerReader.device_path`: tests)
         )

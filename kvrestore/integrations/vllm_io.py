@@ -1,9 +1,9 @@
-"""The vLLM connector's background I/O, without vLLM: an event loop in its own thread, a bounded saver
-and a layer-by-layer loader over kvrestore's stores, codec and `LayerReader`.
+"""The vLLM connector's background I/O, without vLLM: an event loop in its own thread, a bounded saver,
+and the stored chunks a load reads (`LoadChunk`; the loads themselves: `vllm_load`).
 
 vLLM calls a connector from its step loop, synchronously; every store operation here runs on one anyio
 event loop in a daemon thread (`IOThread`), and the step loop only waits where it must: for the layer it
-is about to compute (`LayerLoad.wait`), with a bound.
+is about to compute (`vllm_load.BackgroundLoad.wait`), with a bound.
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ import concurrent.futures
 import logging
 import threading
 import time
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -23,20 +21,15 @@ import anyio.to_thread
 import torch
 
 from kvrestore import codec
-from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
-from kvrestore.codec.checksums import host_checksum
-from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import Seal
-from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, CorruptChunkError, InvalidInputError
-from kvrestore.core.kv import KVCache, KVChunk
+from kvrestore.core.errors import STORE_FAULTS, InvalidInputError
+from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import LoopThread as IOThread
 from kvrestore.integrations.vllm_layout import fp8_sections
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")
-
-T = TypeVar("T")
 
 
 class ChunkSaver:
@@ -63,8 +56,12 @@ class ChunkSaver:
         encoding: str = "native",
         seal: Seal | None = None,
         retry_after_s: float = 10.0,
+        key_tile: int = 0,
     ) -> None:
         self.spec = spec
+        #: native chunks of whole tiles are stored with their keys in tiles of this many tokens (0: not):
+        #: the page size of a cache that keeps its keys so (`codec.layout`), set by the worker
+        self.key_tile = key_tile
         self.retry_after_s = retry_after_s
         self._down_until = 0.0  # time.monotonic() until which writes are not tried
         self.store = store
@@ -166,8 +163,17 @@ class ChunkSaver:
                     compression=self.compression,
                     seal=self.seal,
                 )
+            tile = self.key_tile if self.encoding == "native" else 0
+            if tile and chunk.n_tokens % tile:  # a chunk of part of a tile: keys row-major
+                tile = 0
             return codec.encode_chunk(
-                chunk, self.spec, key, compression=self.compression, encoding=self.encoding, seal=self.seal
+                chunk,
+                self.spec,
+                key,
+                compression=self.compression,
+                encoding=self.encoding,
+                seal=self.seal,
+                key_tile=tile,
             )
 
         try:
@@ -222,253 +228,3 @@ def covering(chunks: Sequence[LoadChunk], k: int) -> list[LoadChunk]:
 def failed_token_ranges(chunks: Sequence[LoadChunk], failed: set[int], k: int) -> list[tuple[int, int]]:
     """Token ranges, within [0, k), of the `failed` chunks (indices into `chunks`)."""
     return [(chunks[j].start, min(chunks[j].end, k)) for j in sorted(failed) if chunks[j].start < k]
-
-
-class Piece(NamedTuple):
-    """One chunk's part of one layer that a load places: tokens [start, start + n_tokens).
-
-    `data` is what was read and verified, not copied: in the native encoding a ``[2, H, T, D]`` view of
-    the KV (T, the chunk's tokens, >= n_tokens), in another the section's bytes as stored (uint8), which
-    `kv` decodes where the pages are."""
-
-    start: int
-    n_tokens: int
-    data: torch.Tensor
-    encoding: Encoding
-    stored_tokens: int
-
-    def kv(self, device: torch.device | None = None) -> torch.Tensor:
-        """The piece's KV ``[2, H, n_tokens, D]`` in the model's dtype. Native: a view of the bytes read
-        (the caller moves it). Encoded: decoded on `device` (default: the host), an encoded section
-        going up as the small bytes it is and decoded on the current stream."""
-        if self.encoding.native:
-            return self.data[:, :, : self.n_tokens]
-        sections = self.data.view(1, -1)
-        if device is not None and device.type != "cpu":
-            sections = sections.pin_memory().to(device, non_blocking=True)
-        enc = self.encoding
-        shape = (1, 2, enc.num_kv_heads, self.stored_tokens, enc.head_dim)
-        out = torch.empty(shape, dtype=enc.dtype, device=sections.device)
-        enc.decode(sections, out)
-        return out[0, :, :, : self.n_tokens]
-
-
-#: what a load hands its `place` for one layer: a `Piece` per chunk, in token order, together covering
-#: tokens [0, upto)
-Pieces = list[Piece]
-
-
-class _SectionReader(LayerReader):
-    """A `LayerReader` that keeps each verified section instead of copying it into a cache: an
-    uncompressed section, checked against its checksum, is viewed as a tensor over the bytes read (no
-    copy: vLLM's pages take the bytes from there, decoded on the way where the encoding is not native);
-    a compressed one is decoded into a tensor of its own. Only chunks in the reader's `encoding` are
-    read: another is foreign (`codec.check_header`). Several layers read at once come in one range
-    read per chunk (`LayerLoad`'s `layers_per_read`)."""
-
-    def __init__(
-        self,
-        spec: ModelSpec,
-        store: ChunkStore,
-        chunks: Sequence[StoredChunk],
-        encoding: str = "native",
-        seal: Seal | None = None,
-    ) -> None:
-        super().__init__(spec, store, chunks, encoding=encoding, seal=seal)
-        #: (chunk, layer) -> its section: the KV ``[2, H, T, D]``, or (encoded) its bytes as stored
-        self.sections: dict[tuple[int, int], torch.Tensor] = {}
-
-    def place(self, layers: range, j: int, data: bytes | memoryview, kv: KVCache) -> None:
-        header, spec, enc = self.headers[j], self.spec, self.encoding
-        shape = (2, spec.num_kv_heads, header.n_tokens, spec.head_dim)
-        raw = enc.section_bytes(header.n_tokens)
-        for layer, stored in codec.span_sections(header, layers, data).items():
-            section = header.layers[layer]
-            if header.compression != "none" or section.length != raw or section.raw_length != raw:
-                self.sections[j, layer] = codec.decode_layers(header, {layer: stored}, spec, [layer])[0]
-                continue
-            if len(stored) != section.length or host_checksum(stored) != section.checksum:
-                raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
-            with warnings.catch_warnings():  # read-only bytes: nothing writes through the view
-                warnings.simplefilter("ignore", UserWarning)
-                flat = torch.frombuffer(stored, dtype=torch.uint8)
-            self.sections[j, layer] = flat.view(spec.dtype).view(shape) if enc.native else flat
-
-    async def read_layers(self, layers: range, kv: KVCache) -> int:
-        self.sections = {}  # the last read's were placed
-        return await super().read_layers(layers, kv)
-
-    def piece(self, j: int, layer: int, start: int, n_tokens: int) -> Piece:
-        """Tokens [start, start + n_tokens) of chunk j's section of `layer`, as read."""
-        data = self.sections[j, layer]
-        encoded = data.dtype == torch.uint8 and not self.encoding.native  # else KV: native or decoded
-        enc = self.encoding if encoded else codec.spec_encoding(self.spec)
-        return Piece(start, n_tokens, data, enc, self.headers[j].n_tokens)
-
-
-class BackgroundLoad:
-    """Loads tokens [0, k) of one request from stored chunks, layer by layer, on the I/O thread (`run`,
-    a subclass's): what every such load shares. Chunks that are missing, damaged or of another model end
-    in `failed` (indices into `chunks`); a store fault or a timeout fails every chunk. `wait(layer)`
-    blocks until the layer is placed (or given up); `cancel` stops placing layers: once it returns,
-    nothing more is placed (placing runs under the lock it takes)."""
-
-    def __init__(
-        self,
-        spec: ModelSpec,
-        store: ChunkStore,
-        chunks: Sequence[LoadChunk],
-        k: int,
-        seal: Seal | None = None,
-    ) -> None:
-        self.spec = spec
-        self.store = store
-        self.seal = seal  # where set, a chunk without its valid MAC is a miss (`codec.seal`)
-        self.chunks = covering(chunks, k)
-        self.k = k
-        self.failed: set[int] = set()
-        self.errors: list[str] = []
-        self.bytes_read = 0
-        self.seconds: float | None = None  # from start to the last layer placed
-        self.cancelled = False
-        self._lock = threading.Lock()
-        self._events = [threading.Event() for _ in range(spec.num_layers)]
-        self.future: concurrent.futures.Future[None] | None = None
-        self.deadline: float | None = None  # time.monotonic() by which every layer must be placed
-        self._t0 = time.perf_counter()
-
-    def start(self, io: IOThread, timeout: float | None = None) -> None:
-        """Run the load on `io`'s loop; every layer must be placed within `timeout` seconds."""
-        self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.future = io.submit(self._guarded)
-
-    async def run(self) -> None:
-        """Read and place every layer, setting each layer's event once it is placed."""
-        raise NotImplementedError
-
-    def _stored(self) -> list[StoredChunk]:
-        return [StoredChunk(c.key, c.start, c.start, c.end - c.start) for c in self.chunks]
-
-    def _upto(self) -> int:
-        """Tokens placed: up to the first failed chunk (vLLM recomputes from there on)."""
-        return min([self.k] + [self.chunks[j].start for j in self.failed])
-
-    async def _guarded(self) -> None:
-        """`run`, with every fault failing the load (vLLM then recomputes) and every layer's event set at
-        the end, so the step loop is never left waiting."""
-        self._t0 = time.perf_counter()
-        try:
-            await self.run()
-        except (*LOAD_FAULTS, *STORE_FAULTS) as exc:
-            self._fail(range(len(self.chunks)), [f"{type(exc).__name__}: {exc}"])
-        except BaseException as exc:  # a bug: still never leave the step loop waiting
-            self._fail(range(len(self.chunks)), [f"{type(exc).__name__}: {exc}"])
-            if not isinstance(exc, (Exception, anyio.get_cancelled_exc_class())):
-                raise
-            log.exception("kvrestore: loading failed")
-        finally:
-            for ev in self._events:
-                ev.set()
-
-    def _placed(self, layer: int, bytes_read: int) -> None:
-        """Layer `layer` is placed: wake whoever waits for it. Before the last layer's wake-up, the
-        load's `bytes_read` and `seconds` are set: the step loop reads them once every layer is placed."""
-        if layer == self.spec.num_layers - 1:
-            self.bytes_read = bytes_read
-            self.seconds = time.perf_counter() - self._t0
-        self._events[layer].set()
-
-    async def _read_and_place(
-        self, reader: LayerReader, kv: KVCache, step: int, place_layer: Callable[[int, int, int], None]
-    ) -> None:
-        """Open `reader`'s chunks (failing those that do not check out), then read the first layer
-        alone (compute starts sooner) and `step` layers at a time after it into `kv`, failing the chunks
-        a read names; after each read, `place_layer(i, layer, upto)` for its layers (`i`: the layer's
-        place in the read, `upto`: the tokens to place), under the lock and unless cancelled, and wake
-        the layer's waiter."""
-        ok = await reader.open()
-        self._fail([j for j, good in enumerate(ok) if not good], reader.errors)
-        L = self.spec.num_layers
-        for layers in [range(0, 1), *(range(a, min(a + step, L)) for a in range(1, L, step))]:
-            if self.cancelled:
-                break
-            if len(self.failed) < len(self.chunks):
-                try:
-                    await reader.read_layers(layers, kv)
-                except ChunkLoadFailed as exc:
-                    self._fail(exc.indices, [exc.error])
-            for i, layer in enumerate(layers):
-                with self._lock:
-                    upto = self._upto()
-                    if not self.cancelled and upto > 0:
-                        place_layer(i, layer, upto)
-                self._placed(layer, reader.bytes_read)
-
-    def _fail(self, indices: Sequence[int] | range, errors: Sequence[str]) -> None:
-        new = set(indices) - self.failed
-        if new:
-            self.failed |= new
-            self.errors.extend(errors)
-
-    def wait(self, layer: int) -> bool:
-        """Block until `layer` is placed or given up; False (and the load cancelled, every chunk failed)
-        if the deadline passed first."""
-        timeout = None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-        if self._events[layer].wait(timeout):
-            return True
-        self.cancel(f"layer {layer} not loaded by the deadline")
-        return False
-
-    def cancel(self, why: str) -> None:
-        """Stop placing layers (nothing is written after this returns); every chunk counts as failed."""
-        with self._lock:
-            if not self.cancelled:
-                self.cancelled = True
-                if not all(ev.is_set() for ev in self._events):
-                    self._fail(range(len(self.chunks)), [why])
-        if self.future is not None:
-            self.future.cancel()
-        for ev in self._events:
-            ev.set()
-
-    def failed_ranges(self) -> list[tuple[int, int]]:
-        """Token ranges, within [0, k), whose KV did not load."""
-        return failed_token_ranges(self.chunks, self.failed, self.k)
-
-
-class LayerLoad(BackgroundLoad):
-    """A `BackgroundLoad` that hands each layer's verified KV to `place(layer, pieces)` as `Pieces`
-    covering tokens [0, T) (T = k, or the start of the first failed chunk), each over the bytes read
-    where the chunk is stored uncompressed (decoded by `Piece.kv` where its `encoding` is not native);
-    `place` writes it where the engine wants it, on the I/O thread. The load for a host cache and for
-    caches `DeviceLayerLoad` does not take (`vllm_device`)."""
-
-    def __init__(
-        self,
-        spec: ModelSpec,
-        store: ChunkStore,
-        chunks: Sequence[LoadChunk],
-        k: int,
-        place: Callable[[int, Pieces], None],
-        layers_per_read: int = 4,
-        encoding: str = "native",
-        seal: Seal | None = None,
-    ) -> None:
-        super().__init__(spec, store, chunks, k, seal)
-        self.place = place
-        self.layers_per_read = max(1, layers_per_read)
-        self.encoding = encoding
-
-    async def run(self) -> None:
-        reader = _SectionReader(self.spec, self.store, self._stored(), self.encoding, self.seal)
-
-        def place(_: int, layer: int, upto: int) -> None:
-            pieces = [
-                reader.piece(j, layer, c.start, min(c.end, upto) - c.start)
-                for j, c in enumerate(self.chunks)
-                if c.start < upto
-            ]
-            self.place(layer, pieces)
-
-        # the sections stay in `reader.sections`, not in a cache
-        await self._read_and_place(reader, KVCache.empty(self.spec, 0), self.layers_per_read, place)

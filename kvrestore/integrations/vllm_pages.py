@@ -9,13 +9,15 @@ they stall at every barrier while another thread holds one of them):
 * a chunk's values go from the file into the pages with one `preadv` (`ChunkStore.scatter_into_sync`):
   the "cpu" layout keeps a page's values row-major, as a stored section does, so the pages take the
   bytes directly;
-* its keys, which the pages keep column-major, go into a small staging buffer and are transposed into
-  the pages once verified;
+* its keys, which the pages keep column-major, go there in the same `preadv` where the connector saved
+  them so (format 5: tiles of one page, `codec.layout`) and the chunk covers whole pages; otherwise
+  (a chunk of another writer, page size, or a last partial page) into a small staging buffer, then
+  transposed into the pages once verified;
 * every section is checked against its xxh3-64 where its bytes landed (`host_checksum_parts`).
 
 A chunk whose header or section does not check out is failed: vLLM recomputes its blocks (and, with the
-connector's recompute policy, everything after them), so damaged bytes written into the values of its
-pages are never used. `LayerLoad` (`vllm_io`) is the load for every other store, encoding and device.
+connector's recompute policy, everything after them), so damaged bytes written into its pages are never
+used. `LayerLoad` (`vllm_load`) is the load for every other store, encoding and device.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ from kvrestore.core.errors import (
     TruncatedChunkError,
 )
 from kvrestore.core.spec import ModelSpec
-from kvrestore.integrations.vllm_io import IOThread, LoadChunk, covering, failed_token_ranges
+from kvrestore.integrations.vllm_io import IOThread, LoadChunk
 from kvrestore.integrations.vllm_layout import _pages
+from kvrestore.integrations.vllm_load import ChunkLoad
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")
@@ -89,33 +92,59 @@ class HostLayer:
 class _ChunkPlan:
     """Where one chunk's tokens [start, start + n) go in a request's pages, the same for every layer:
     its values as byte ranges of a layer's cache (in the order a section holds them: head by head,
-    page by page), and its keys as one transposing copy where the pages are whole and consecutive."""
+    page by page), and its keys the same way where the writer stored them in tiles of one page each
+    (`codec.layout`) and the chunk starts and ends on a page boundary, else as one transposing copy
+    from staging (by whole consecutive pages where it can)."""
 
-    def __init__(self, n: int, stored: int, pages: list[tuple[int, int, int, int]], host: HostLayer) -> None:
-        self.n, self.stored, self.pages = n, stored, pages
+    def __init__(
+        self, n: int, stored: int, pages: list[tuple[int, int, int, int]], host: HostLayer, tile: int = 0
+    ) -> None:
+        self.n, self.stored, self.pages, self.tile = n, stored, pages, tile
         tail = (stored - n) * host.row
-        self.values: list[tuple[int, int]] = []  # (offset, length) in a layer's bytes; length < 0: a tail
-        for h in range(host.heads):
-            for block, a, b, _ in pages:
-                self.values.append(
-                    (((block * host.heads + h) * 2 + 1) * host.half + a * host.row, (b - a) * host.row)
-                )
-            if tail:
-                self.values.append((h * tail, -tail))
         bs = host.block_size
-        blocks = [block for block, _, _, _ in pages]
         whole = all(a == 0 and b == bs for _, a, b, _ in pages)
+        #: (offset, length) in a layer's bytes; length < 0: a tail, past k (in staging, hashed only)
+        self.values = self._ranges(pages, host, 1, tail, 0)
+        self.keys = self._ranges(pages, host, 0, tail, host.heads * tail) if tile == bs and whole else None
+        blocks = [block for block, _, _, _ in pages]
         self.run = (
             blocks[0]
             if pages and whole and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
             else None
         )
 
-    def value_views(self, layer_bytes: memoryview, tails: memoryview) -> list[memoryview]:
-        return [layer_bytes[o : o + n] if n > 0 else tails[o : o - n] for o, n in self.values]
+    @staticmethod
+    def _ranges(
+        pages: list[tuple[int, int, int, int]], host: HostLayer, half: int, tail: int, tails_at: int
+    ) -> list[tuple[int, int]]:
+        """The keys' (`half` 0) or the values' (1) byte ranges of `pages`, head by head, each head's
+        tokens past k (`tail` bytes) at `tails_at` in the tails."""
+        out: list[tuple[int, int]] = []
+        for h in range(host.heads):
+            for block, a, b, _ in pages:
+                out.append(
+                    (((block * host.heads + h) * 2 + half) * host.half + a * host.row, (b - a) * host.row)
+                )
+            if tail:
+                out.append((tails_at + h * tail, -tail))
+        return out
+
+    def views(
+        self, ranges: list[tuple[int, int]], layer_bytes: memoryview, tails: memoryview
+    ) -> list[memoryview]:
+        return [layer_bytes[o : o + n] if n > 0 else tails[o : o - n] for o, n in ranges]
 
     def place_keys(self, dest: np.ndarray, keys: np.ndarray) -> None:
-        """Copy staged keys (``[H, T, D]``) into a layer's keys (`HostLayer.keys`), transposing."""
+        """Copy staged keys (``[H, T, D]``; as stored, in tiles where the writer tiled them) into a
+        layer's keys (`HostLayer.keys`), transposing."""
+        if self.tile:  # another page size or a cut chunk: row-major first (a second copy, the rare case)
+            H, T, D = keys.shape
+            rows = np.empty_like(keys)
+            np.copyto(
+                rows.reshape(H, T // self.tile, self.tile, D),
+                keys.reshape(H, -1, D, self.tile).swapaxes(2, 3),
+            )
+            keys = rows
         if self.run is not None:  # [H, P * bs, D] -> [P, H, bs, D]: one copy per head
             P = len(self.pages)
             H, _, D = keys.shape
@@ -129,9 +158,9 @@ class _ChunkPlan:
                 np.copyto(dest[block, h, a:b], keys[h, at : at + b - a])
 
 
-class HostPageLoad:
+class HostPageLoad(ChunkLoad):
     """Loads tokens [0, k) of one request straight into vLLM's host pages, layer by layer as vLLM asks
-    for them (`wait`, on the step thread). The same interface as `vllm_io.LayerLoad`: `failed` (indices
+    for them (`wait`, on the step thread). A `ChunkLoad`, as `vllm_load.LayerLoad` is: `failed` (indices
     into `chunks`), `errors`, `bytes_read`, `seconds` (the time spent reading: what the link took)."""
 
     def __init__(
@@ -145,19 +174,10 @@ class HostPageLoad:
         layers_per_read: int = 4,
         seal: Seal | None = None,
     ) -> None:
-        self.spec = spec
-        self.store = store
-        self.seal = seal  # where set, a chunk without its valid MAC is a miss (`codec.seal`)
-        self.chunks = covering(chunks, k)
-        self.k = k
+        super().__init__(spec, store, chunks, k, seal)
         self.layers = list(layers)
         self.block_ids = list(block_ids)
         self.layers_per_read = max(1, layers_per_read)
-        self.failed: set[int] = set()
-        self.errors: list[str] = []
-        self.bytes_read = 0
-        self.seconds: float | None = None
-        self.cancelled = False
         self._headers: dict[int, codec.ChunkHeader] = {}
         self._read_upto = 0  # layers below this one are read
         self._spent = 0.0
@@ -178,10 +198,10 @@ class HostPageLoad:
             try:
                 self._headers[j] = self._header(c)
             except STORE_FAULTS as exc:
-                self._fail(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
+                self._fault(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
                 break
             except LOAD_FAULTS as exc:
-                self._fail([j], f"chunk {c.key[:12]}: {type(exc).__name__}: {exc}", exc, c.key)
+                self._fault([j], f"chunk {c.key[:12]}: {type(exc).__name__}: {exc}", exc, c.key)
         self._spent += time.perf_counter() - t
 
     def _header(self, c: LoadChunk) -> codec.ChunkHeader:
@@ -192,13 +212,9 @@ class HostPageLoad:
         head = memoryview(probe)[:got]
         if codec.header_length(head) > got:
             raise CorruptChunkError(f"header longer than {PROBE_BYTES} bytes")
-        header, header_end = codec.read_header(head)
-        codec.check_header(header, self.spec, c.key, c.start, c.end - c.start, "native", self.seal)
+        header = codec.probe_header(head, self.spec, c.key, c.start, c.end - c.start, "native", self.seal)
         if header.compression != "none":
             raise CompressedChunkError(f"stored {header.compression}-compressed, read here uncompressed only")
-        body = header.layers[0].offset
-        if any(head[header_end : min(body, got)]):
-            raise CorruptChunkError("nonzero padding between header and sections")
         return header
 
     def wait(self, layer: int) -> bool:
@@ -227,12 +243,12 @@ class HostPageLoad:
             try:
                 self._read(j, layers)
             except STORE_FAULTS as exc:
-                self._fail(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
+                self._fault(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
             except LOAD_FAULTS as exc:
-                self._fail([j], f"chunk {c.key[:12]}: {type(exc).__name__}: {exc}", exc, c.key)
+                self._fault([j], f"chunk {c.key[:12]}: {type(exc).__name__}: {exc}", exc, c.key)
             except Exception as exc:  # a bug: fail the load (vLLM recomputes), never vLLM's step
                 log.exception("kvrestore: loading into host pages failed")
-                self._fail(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
+                self._fault(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
 
     def _plan(self, j: int) -> _ChunkPlan:
         plan = self._plans.get(j)
@@ -240,7 +256,8 @@ class HostPageLoad:
             c, host = self.chunks[j], self.layers[0]
             n = min(c.end, self.k) - c.start  # tokens placed; the rest of the section is read to be verified
             pages = list(_pages(self.block_ids, c.start, c.start + n, host.block_size))
-            plan = self._plans[j] = _ChunkPlan(n, self._headers[j].n_tokens, pages, host)
+            header = self._headers[j]
+            plan = self._plans[j] = _ChunkPlan(n, header.n_tokens, pages, host, codec.key_tile(header))
         return plan
 
     def _stage(self, i: int, plan: _ChunkPlan, host: HostLayer) -> tuple[np.ndarray, memoryview]:
@@ -251,13 +268,14 @@ class HostPageLoad:
         if i == len(staging):
             most = max(h.n_tokens for h in self._headers.values())
             keys = np.empty(H * most * D, dtype=host.keys.dtype)
-            staging.append((keys, memoryview(bytearray(H * most * host.row))))
+            staging.append((keys, memoryview(bytearray(2 * H * most * host.row))))
         keys, tails = staging[i]
         return keys[: H * plan.stored * D].reshape(H, plan.stored, D), tails
 
     def _read(self, j: int, layers: range) -> None:
-        """Chunk j's sections of `layers`: values into the pages, keys into staging, in one scatter read;
-        verified there, then the keys transposed into the pages."""
+        """Chunk j's sections of `layers` in one scatter read: values into the pages, keys too where they
+        are stored as the pages keep them (`_ChunkPlan.keys`), else into staging; verified where they
+        landed, then any staged keys transposed into the pages."""
         c, header, plan = self.chunks[j], self._headers[j], self._plan(j)
         first, end = codec.layer_span(header, layers)
         if not codec.back_to_back(header, layers):
@@ -268,8 +286,11 @@ class HostPageLoad:
         for i, layer in enumerate(layers):
             host = self.layers[layer]
             keys, tails = self._stage(i, plan, host)
-            staged.append((keys, host))
-            mine = [keys.data.cast("B"), *plan.value_views(host.bytes, tails)]
+            if plan.keys is None:  # through staging, then transposed into the pages
+                staged.append((keys, host))
+                mine = [keys.data.cast("B"), *plan.views(plan.values, host.bytes, tails)]
+            else:  # keys and values straight into the pages: one copy
+                mine = plan.views(plan.keys, host.bytes, tails) + plan.views(plan.values, host.bytes, tails)
             parts.append(mine)
             buffers.extend(mine)
         past_end = memoryview(bytearray(1))  # filled only if the object is longer than its header says
@@ -287,13 +308,12 @@ class HostPageLoad:
         for keys, host in staged:
             plan.place_keys(host.keys, keys)
 
-    def _fail(
+    def _fault(
         self, indices: Sequence[int] | range, error: str, exc: BaseException | None = None, key: str = ""
     ) -> None:
-        new = set(indices) - self.failed
-        if new:
-            self.failed |= new
-            self.errors.append(error)
+        """Fail chunks `indices` for `error`, deleting in the background an object its bytes proved
+        damaged (`exc`)."""
+        self._fail(indices, [error])
         damaged = isinstance(exc, DAMAGE_FAULTS)  # a compressed or missing chunk is not damaged
         if damaged and self._io is not None:  # as `LayerReader` does: never served again
             self.deletes.append(self._io.submit(self.store.delete, key))
@@ -303,8 +323,4 @@ class HostPageLoad:
         if not self.cancelled:
             self.cancelled = True
             if self._read_upto < self.spec.num_layers:
-                self._fail(range(len(self.chunks)), why)
-
-    def failed_ranges(self) -> list[tuple[int, int]]:
-        """Token ranges, within [0, k), whose KV did not load."""
-        return failed_token_ranges(self.chunks, self.failed, self.k)
+                self._fault(range(len(self.chunks)), why)

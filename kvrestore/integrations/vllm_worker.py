@@ -1,7 +1,7 @@
 """The worker side of the vLLM connector (`kvrestore.integrations.vllm.KVRestoreConnector`).
 
 The worker registers vLLM's paged KV caches (and works out their layout), starts each step's loads layer by
-layer (`vllm_device.DeviceLayerLoad` into CUDA pages and `vllm_io.LayerLoad` otherwise, in the background;
+layer (`vllm_device.DeviceLayerLoad` into CUDA pages and `vllm_load.LayerLoad` otherwise, in the background;
 `vllm_pages.HostPageLoad` on the step thread, straight into host pages), waits only for the layer about to run, copies computed chunks out of the pages for the
 saver, and reports blocks that did not load so vLLM recomputes them.
 """
@@ -26,7 +26,7 @@ from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.streams import HostEvent, on_stream, timing_event
 from kvrestore.integrations.vllm_device import DeviceLayerLoad
-from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread, LayerLoad, Pieces
+from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread
 from kvrestore.integrations.vllm_layout import (
     blocks_of,
     fp8_layer_scales,
@@ -35,6 +35,7 @@ from kvrestore.integrations.vllm_layout import (
     kv_views,
     scatter_tokens,
 )
+from kvrestore.integrations.vllm_load import LayerLoad, Pieces
 from kvrestore.integrations.vllm_meta import (
     KVRestoreConnectorMetadata,
     KVRestoreWorkerMetadata,
@@ -167,6 +168,9 @@ class WorkerSide:
             self._lane = TransferLane(StagingPool(pinned=True), self._load_stream)
         if self._layout == "cpu":
             self._check_cpu_kernels(int(first.shape[2]))
+        # the keys of native chunks stored as the pages keep them, a tile a page: read back straight
+        # into the pages (`HostPageLoad`); every other reader converts them (`codec.layout`)
+        self.saver.key_tile = int(first.shape[2]) if self._layout == "cpu" and self._fp8_scales is None else 0
         log.info("kvrestore: %d KV layers, layout %s %s", len(ordered), self._layout, tuple(first.shape))
 
     def _check_cpu_kernels(self, block_size: int) -> None:

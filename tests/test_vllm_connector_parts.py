@@ -37,11 +37,10 @@ from kvrestore.integrations.vllm_plan import (
     ConnectorContext,
     check_shared_memory,
     checkpoint_fingerprint,
-    choose_split,
-    max_loadable,
     preflight,
 )
 from kvrestore.integrations.vllm_stats import log_through
+from kvrestore.planning.split import choose_split, max_loadable
 from kvrestore.policies import LoadOnly
 from kvrestore.restorer import SyncRestorer
 from kvrestore.stores import MemoryStore

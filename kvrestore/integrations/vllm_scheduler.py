@@ -29,8 +29,9 @@ from kvrestore.integrations.vllm_meta import (
     LoadSpec,
     SaveSpec,
 )
-from kvrestore.integrations.vllm_plan import ConnectorContext, SplitChoice, choose_split
+from kvrestore.integrations.vllm_plan import ConnectorContext
 from kvrestore.integrations.vllm_stats import Counters, emit
+from kvrestore.planning.split import SplitChoice, choose_split
 from kvrestore.stores.base import ChunkStore
 
 if TYPE_CHECKING:

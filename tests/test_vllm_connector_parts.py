@@ -19,10 +19,10 @@ from kvrestore.core.errors import InvalidInputError, StoreError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
+from kvrestore.costs.book import CostBook, loading_factor
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.costs.learned import fit_prefill_steps
 from kvrestore.costs.links import LinkCost
-from kvrestore.integrations.vllm_costs import CostBook, loading_factor
 from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LayerLoad, LoadChunk
 from kvrestore.integrations.vllm_layout import (
     LAYOUTS,

@@ -10,7 +10,7 @@ from kvrestore import codec
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.integrations.vllm_costs import CostBook
+from kvrestore.costs.book import CostBook
 from kvrestore.integrations.vllm_io import LoadChunk
 from kvrestore.integrations.vllm_meta import KVRestoreConnectorMetadata, LoadSpec, SaveSpec
 from kvrestore.integrations.vllm_plan import ConnectorConfig, ConnectorContext

@@ -34,9 +34,9 @@ The connector is split by role, as vLLM's own OffloadingConnector is: vLLM makes
 role, and `KVRestoreConnector` holds a `SchedulerSide` (`vllm_scheduler`: lookups, the split, what each
 step loads and saves; no I/O thread, no saver) or a `WorkerSide` (`vllm_worker`: the loads, the page
 writes, the saver), never both; `vllm_meta` is what they tell each other. The vLLM-free parts are in
-`vllm_layout` (paged layouts), `vllm_plan` (config, fingerprint), `vllm_costs` (learned costs),
-`vllm_io` (background I/O) and `vllm_stats` (counters and records); this module is the glue to vLLM's
-interface.
+`vllm_layout` (paged layouts), `vllm_plan` (config, fingerprint), `vllm_io` (background I/O) and
+`vllm_stats` (counters and records); the split and the learned costs are the library's
+(`planning.split`, `costs.book`). This module is the glue to vLLM's interface.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ from kvrestore.codec.seal import Seal, seal_of, secret_from_env
 from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
 from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec, dtype_name
+from kvrestore.costs.book import CostBook
 from kvrestore.costs.links import LinkCost
-from kvrestore.integrations.vllm_costs import CostBook
 from kvrestore.integrations.vllm_layout import LAYOUTS
 from kvrestore.planning.split import SPLITS
 from kvrestore.stores import MemoryStore, ThrottledStore, open_store

@@ -7,6 +7,7 @@ import threading
 import torch
 
 from kvrestore import codec
+from kvrestore.core.errors import StoreError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
@@ -271,5 +272,38 @@ def test_hit_tokens_count_only_what_a_load_can_take():
         assert (
             side.counters.take()["hit_tokens"] == 32
         )  # 40 stored; the last block holds the token to compute
+    finally:
+        side.shutdown()
+
+
+def test_a_failed_lookup_makes_every_prompt_a_miss_for_retry_after_s():
+    """Lookups go through the library's DeadlineStore: a store that refuses one is counted once, then
+    not asked again for `retry_after_s` (every prompt a miss, nothing saved)."""
+
+    class Refusing(MemoryStore):
+        asked = 0
+
+        def contains_sync(self, keys):
+            return None  # as a remote store: asked on the event loop
+
+        async def contains(self, keys):
+            self.asked += 1
+            raise StoreError("connection refused")
+
+    store = Refusing()
+    ctx = ConnectorContext(
+        ConnectorConfig.from_extra({"store_url": "memory://", "retry_after_s": 60}),
+        SPEC,
+        BLOCK,
+        CostBook(None),
+    )
+    side = SchedulerSide(ctx, store)
+    try:
+        tokens = list(range(40))
+        assert side.get_num_new_matched_tokens(_Request("a", tokens), 0) == (0, False)  # type: ignore[arg-type]
+        assert side.get_num_new_matched_tokens(_Request("b", tokens), 0) == (0, False)  # type: ignore[arg-type]
+        counts = side.counters.take()
+        assert store.asked == 1 and counts["lookups"] == 1 and counts["lookup_failures"] == 1
+        assert 0 < side.lookups.down_for <= 60
     finally:
         side.shutdown()

@@ -3,8 +3,9 @@
 It looks each new prompt up in the store, picks the split (how many stored tokens to load), and tells
 the worker side, step by step, which chunks to load and which to save (`vllm_worker`'s metadata). It
 moves no KV: the scheduler process starts no I/O thread and no saver. A lookup runs on an event loop of
-its own, in the scheduler's thread, for at most `lookup_timeout_s` (vLLM's scheduler waits for it in
-any case: it needs the answer to schedule the request).
+its own, in the scheduler's thread, through the library's `DeadlineStore`: at most `lookup_timeout_s`
+(vLLM's scheduler waits for it in any case: it needs the answer to schedule the request), and, once the
+store has failed one, none for `retry_after_s` (every prompt is then a miss).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -33,6 +33,7 @@ from kvrestore.integrations.vllm_plan import ConnectorContext
 from kvrestore.integrations.vllm_stats import Counters, emit
 from kvrestore.planning.split import SplitChoice, choose_split
 from kvrestore.stores.base import ChunkStore
+from kvrestore.stores.deadline import Deadlines, DeadlineStore
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -95,10 +96,15 @@ class SchedulerSide:
         self.ctx = ctx
         self.config = ctx.config
         self.store = store if store is not None else ctx.open_store()
+        c = self.config
+        retry = c.retry_after_s
+        #: the store as lookups see it: bounded by `lookup_timeout_s`, then down for `retry_after_s`
+        self.lookups = DeadlineStore(
+            self.store, Deadlines(c.lookup_timeout_s, None, None, backoff_s=retry, max_backoff_s=retry)
+        )
         self.loop = CallerLoop()
         self.counters = Counters()
         self.keys = RequestKeys(ctx.key_space)
-        self._down_until = 0.0
         self._reqs: dict[str, _Request] = {}
         self._unkeyed: set[str] = set()  # requests neither loaded nor saved (`vllm_keys.Unkeyable`)
 
@@ -159,16 +165,16 @@ class SchedulerSide:
     def _lookup(self, keys: list[str]) -> list[bool]:
         """Which chunks are stored; all False (recorded, with a warning) if the store does not answer in
         time, and for `retry_after_s` after that."""
-        if time.monotonic() < self._down_until:
+        if self.lookups.down_for > 0:
             return [False] * len(keys)
         self.counters.add(lookups=1)
         try:
-            found = self.store.contains_sync(keys)  # a local store: no event loop, no thread
+            found = self.lookups.contains_sync(keys)  # a local store: no event loop, no thread
             if found is not None:
                 return found
-            return list(self.loop.call(self.store.contains, keys, timeout=self.config.lookup_timeout_s))
+            return list(self.loop.call(self.lookups.contains, keys))
         except STORE_FAULTS as exc:
-            self._down_until = time.monotonic() + self.config.retry_after_s
+            self.lookups.failed()  # a timeout has marked it down already; any other fault does now
             self.counters.add(lookup_failures=1)
             emit(
                 logging.WARNING,
@@ -176,7 +182,7 @@ class SchedulerSide:
                 "store %(store)s did not answer a lookup (%(error)s); computing without it for %(retry_s).0f s",
                 store=self.config.store_url,
                 error=f"{type(exc).__name__}: {exc or 'timeout'}",
-                retry_s=self.config.retry_after_s,
+                retry_s=self.lookups.down_for,
             )
             return [False] * len(keys)
 
@@ -225,7 +231,7 @@ class SchedulerSide:
                     list(st.block_ids),
                 )
             )
-        if not self.config.save or time.monotonic() < self._down_until:
+        if not self.config.save or self.lookups.down_for > 0:
             return  # while the store is down, chunks are not even copied out
         done = computed + n_new
         todo = []

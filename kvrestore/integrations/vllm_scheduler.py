@@ -6,6 +6,11 @@ moves no KV: the scheduler process starts no I/O thread and no saver. A lookup r
 its own, in the scheduler's thread, through the library's `DeadlineStore`: at most `lookup_timeout_s`
 (vLLM's scheduler waits for it in any case: it needs the answer to schedule the request), and, once the
 store has failed one, none for `retry_after_s` (every prompt is then a miss).
+
+Many requests at once (``"batch": true``, the default): each split counts what the lanes hold before it
+(`LinkQueue`: the loads planned in this scheduling pass and those sent and not yet reported finished by
+the worker, and the compute planned in this pass), and each step's loads are sent in the link's order,
+the load that saves the most compute per byte first (`policies.batch.link_order`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -32,6 +38,7 @@ from kvrestore.integrations.vllm_meta import (
 from kvrestore.integrations.vllm_plan import ConnectorContext
 from kvrestore.integrations.vllm_stats import Counters, emit
 from kvrestore.planning.split import SplitChoice, choose_split
+from kvrestore.policies.batch import QueuedLoad, link_order
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.deadline import Deadlines, DeadlineStore
 
@@ -89,6 +96,48 @@ class _Request:
     choice: SplitChoice | None = None
 
 
+class LinkQueue:
+    """The connector's loads that have not finished, as the scheduler side knows them: those planned in
+    this scheduling pass (not sent yet: the link will serve them in its order), and those sent, until
+    the worker reports them finished (`KVRestoreWorkerMetadata.loaded`) or `timeout_s` after they were
+    sent (by then a load has been cancelled in any case). Also the compute planned in this pass."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._planned: dict[str, tuple[QueuedLoad | None, float]] = {}
+        self._sent: dict[str, tuple[QueuedLoad, float]] = {}  # and when it is taken as finished
+
+    def plan(self, req_id: str, load: QueuedLoad | None, compute_s: float) -> None:
+        self._planned[req_id] = (load, compute_s)
+
+    def planned(self, req_id: str) -> QueuedLoad | None:
+        entry = self._planned.get(req_id)
+        return entry[0] if entry else None
+
+    def ahead(self, req_id: str) -> tuple[float, float]:
+        """What the lanes hold before `req_id`'s split: the bytes of every other request's load not
+        finished, and the compute planned in this pass for the others."""
+        now = time.monotonic()
+        self._sent = {r: v for r, v in self._sent.items() if v[1] > now}
+        loads = [q for r, (q, _) in self._sent.items() if r != req_id]
+        loads += [q for r, (q, _) in self._planned.items() if r != req_id and q is not None]
+        return sum(q.nbytes for q in loads), sum(c for r, (_, c) in self._planned.items() if r != req_id)
+
+    def send(self, req_ids: Iterable[str]) -> None:
+        """The pass is over: `req_ids`' loads were sent; plans not sent are dropped (asked again)."""
+        until = time.monotonic() + self.timeout_s
+        for r in req_ids:
+            q = self.planned(r)
+            if q is not None:
+                self._sent[r] = (q, until)
+        self._planned.clear()
+
+    def finished(self, req_ids: Iterable[str]) -> None:
+        for r in req_ids:
+            self._sent.pop(r, None)
+            self._planned.pop(r, None)
+
+
 class SchedulerSide:
     """The connector's scheduler-role calls, over `ctx` and a store of its own."""
 
@@ -105,6 +154,7 @@ class SchedulerSide:
         self.loop = CallerLoop()
         self.counters = Counters()
         self.keys = RequestKeys(ctx.key_space)
+        self.queue = LinkQueue(c.load_timeout_s)
         self._reqs: dict[str, _Request] = {}
         self._unkeyed: set[str] = set()  # requests neither loaded nor saved (`vllm_keys.Unkeyable`)
 
@@ -130,6 +180,7 @@ class SchedulerSide:
             ends.append(ref.end)
         costs = self.ctx.costs
         costs.refresh()
+        ahead, compute_ahead = self.queue.ahead(request.request_id) if self.config.batch else (0.0, 0.0)
         choice = choose_split(
             n_tokens=len(tokens),
             chunk_ends=ends,
@@ -141,8 +192,13 @@ class SchedulerSide:
             compute=costs.compute_cost(),
             loading=costs.loading_factor(),
             mode=self.config.split,
+            bytes_ahead=ahead,
+            compute_ahead_s=compute_ahead,
         )
         st.choice = choice
+        loads = choice.k > num_computed_tokens  # vLLM's own prefix cache may hold the whole split
+        load = choice.queued(request.request_id) if loads else None
+        self.queue.plan(request.request_id, load, choice.compute_s or 0.0)
         if fresh:
             self.counters.add(hit_tokens=choice.loadable_tokens)
         if ends and fresh:
@@ -157,7 +213,7 @@ class SchedulerSide:
             self.counters.add(
                 planned_tokens=choice.k, partial_splits=int(0 < choice.k < choice.loadable_tokens)
             )
-        if choice.k <= num_computed_tokens:
+        if not loads:
             return 0, False
         st.load_k = choice.k
         return choice.k - num_computed_tokens, False
@@ -212,9 +268,21 @@ class SchedulerSide:
                 st.block_ids.extend(new_blocks[0])
             self._step(meta, req_id, st, cached.num_computed_tokens[i], sched.get(req_id, 0))
         for req_id in scheduler_output.finished_req_ids:
-            self._reqs.pop(req_id, None)
-            self._unkeyed.discard(req_id)
+            self._forget(req_id)
+        if self.config.batch:  # the link serves the load that saves the most compute per byte first
+            rank = {q.key: i for i, q in enumerate(link_order(self._planned_loads(meta)))}
+            meta.loads.sort(key=lambda spec: rank.get(spec.req_id, len(rank)))
+        self.queue.send(spec.req_id for spec in meta.loads)
         return meta
+
+    def _planned_loads(self, meta: KVRestoreConnectorMetadata) -> list[QueuedLoad]:
+        loads = (self.queue.planned(spec.req_id) for spec in meta.loads)
+        return [q for q in loads if q is not None]
+
+    def _forget(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+        self._unkeyed.discard(req_id)
+        self.queue.finished([req_id])
 
     def _step(
         self, meta: KVRestoreConnectorMetadata, req_id: str, st: _Request, computed: int, n_new: int
@@ -249,6 +317,7 @@ class SchedulerSide:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, KVRestoreWorkerMetadata):
             return
+        self.queue.finished(meta.loaded)
         for req_id, chunks in meta.failed.items():
             st = self._reqs.get(req_id)
             if st is None or not chunks:
@@ -258,8 +327,7 @@ class SchedulerSide:
             st.next_save = min(st.next_save, min(chunks))
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        self._reqs.pop(request.request_id, None)
-        self._unkeyed.discard(request.request_id)
+        self._forget(request.request_id)
         return False, None
 
     def shutdown(self) -> None:

@@ -101,6 +101,7 @@ class WorkerSide:
         self._pending_lock = threading.Lock()
         self._load_errors: set[int] = set()
         self._failed_chunks: dict[str, set[int]] = {}
+        self._loaded: set[str] = set()  # requests whose loads ended since the last report
         self._errors_lock = threading.Lock()
         self._bound_at: float | None = None
         self._waited_s = 0.0  # this step's time in wait_for_layer_load: the step minus it is compute
@@ -384,6 +385,7 @@ class WorkerSide:
         failed: set[str] = set()
         for spec, load in self._loads:
             load.cancel("the step ended")  # a no-op for a load that finished
+            self._loaded.add(spec.req_id)
             ranges = load.failed_ranges()
             bad = [b for a, e in ranges for b in blocks_of(spec.block_ids, a, e, self.block_size)]
             if bad:
@@ -456,9 +458,10 @@ class WorkerSide:
             self.saver.submit_reserved(c.key, KVChunk(c.start, data), ready, fp8_scales=self._fp8_scales)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._failed_chunks:
+        if not self._failed_chunks and not self._loaded:
             return None
-        meta, self._failed_chunks = KVRestoreWorkerMetadata(self._failed_chunks), {}
+        meta = KVRestoreWorkerMetadata(self._failed_chunks, self._loaded)
+        self._failed_chunks, self._loaded = {}, set()
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:

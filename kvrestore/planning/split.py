@@ -11,11 +11,13 @@ minimises it. Its compute also shares the host with the load's reads, checks and
 (how much slower such steps computed than the model says: `costs.book.loading_factor`) scales the
 compute of every split that loads.
 
-Many requests at once (CacheFlow's batch rule). A split is not planned as if the link were free: the
-loads already on it (`queue`, `policies.batch.QueuedLoad`) go first where they have started or save
-more compute per byte than this one would (`bytes_ahead`), so their bytes are counted before this
-load's; and the compute the lane already owes (`compute_ahead_s`) before this request's. A request
-arriving while others load therefore loads less and computes more than on a free link.
+Many requests at once (CacheFlow's batch rule). A split is not planned as if the lanes were free: the
+bytes of the loads already queued on the link and not finished (`bytes_ahead`) are served before this
+load's, and the compute the lane already owes (`compute_ahead_s`) runs before this request's. A request
+arriving while others load therefore loads less and computes more than on a free link. Among loads that
+have not started, the link then serves the one that saves the most compute per byte first
+(`policies.batch.link_order`); a split never counts on jumping that queue (the loads before it were
+planned on the bytes ahead of them, and were promised their place).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.costs.links import LinkCost
-from kvrestore.policies.batch import QueuedLoad, bytes_ahead
+from kvrestore.policies.batch import QueuedLoad
 
 SPLITS = ("planned", "load_all", "compute_all")
 
@@ -49,7 +51,7 @@ class SplitChoice:
     reason: str
     nbytes: float = 0.0  # bytes the load reads (whole chunks)
     saved_s: float = 0.0  # compute the load saves (0 where the costs are not known)
-    ahead_bytes: float = 0.0  # bytes the link serves before this load
+    bytes_ahead: float = 0.0  # bytes the link serves before this load
 
     def queued(self, key: str) -> QueuedLoad | None:
         """This split's load as it waits on the link (None: it loads nothing)."""
@@ -67,14 +69,14 @@ class SplitChoice:
             "compute_s": self.compute_s,
             "load_all_s": self.load_all_s,
             "compute_all_s": self.compute_all_s,
-            "ahead_bytes": self.ahead_bytes,
+            "bytes_ahead": self.bytes_ahead,
             "reason": self.reason,
         }
 
     def explain(self) -> str:
         if self.predicted_s is None:
             return f"load {self.k} of {self.n_tokens} tokens ({self.reason})"
-        ahead = f", {self.ahead_bytes / 1e6:.1f} MB queued ahead" if self.ahead_bytes else ""
+        ahead = f", {self.bytes_ahead / 1e6:.1f} MB queued ahead" if self.bytes_ahead else ""
         return (
             f"load {self.k} of {self.n_tokens} tokens, compute {self.n_tokens - self.k}: predicted "
             f"{self.predicted_s:.3f} s (load {self.load_s:.3f} s, compute {self.compute_s:.3f} s; "
@@ -108,17 +110,18 @@ def choose_split(
     compute: ChunkCost | None,
     loading: float | None = None,
     mode: str = "planned",
-    queue: Sequence[QueuedLoad] = (),
+    bytes_ahead: float = 0.0,
     compute_ahead_s: float = 0.0,
 ) -> SplitChoice:
     """The split for a prompt of `n_tokens` whose leading stored chunks end at `chunk_ends`. A split that
     loads computes its suffix `loading` times slower than alone (`loading_factor`; 1 if not known).
-    `queue` (loads on the link not finished) and `compute_ahead_s` (compute the lane owes first) are
-    what the lanes hold before this request (the module docstring); empty, the lanes are free."""
+    `bytes_ahead` (loads queued on the link, not finished) and `compute_ahead_s` (compute the lane owes
+    first) are what the lanes hold before this request (the module docstring); 0, the lanes are free."""
     if mode not in SPLITS:
         raise InvalidInputError(f"split must be one of {SPLITS}, got {mode!r}")
-    if compute_ahead_s < 0 or not math.isfinite(compute_ahead_s):
-        raise InvalidInputError(f"compute_ahead_s must be a finite number >= 0, got {compute_ahead_s!r}")
+    for name, v in (("bytes_ahead", bytes_ahead), ("compute_ahead_s", compute_ahead_s)):
+        if not (math.isfinite(v) and v >= 0):
+            raise InvalidInputError(f"{name} must be a finite number >= 0, got {v!r}")
     stored = chunk_ends[-1] if chunk_ends else 0
     kmax = max_loadable(n_tokens, stored, block_size)
     step = math.lcm(chunk_size, block_size)
@@ -127,21 +130,19 @@ def choose_split(
     def nbytes(k: int) -> float:
         return loaded_tokens_read(k, chunk_ends) * bytes_per_token
 
-    def predict(k: int) -> tuple[float, float, float, float, float]:
-        """(finish, load seconds, compute seconds, compute saved, bytes ahead) of loading k tokens."""
+    def predict(k: int) -> tuple[float, float, float, float]:
+        """(finish, load seconds, compute seconds, compute saved) of loading k tokens."""
         assert link is not None and compute is not None
         alone = compute.seconds(n_tokens, 0)
         c = compute.seconds(n_tokens - k, k)
         if k == 0:
-            return compute_ahead_s + c, 0.0, c, 0.0, 0.0
+            return compute_ahead_s + c, 0.0, c, 0.0
         saved = max(0.0, alone - c)
         c *= loading or 1.0
-        b = nbytes(k)
-        ahead = bytes_ahead(queue, saved / b if b > 0 else 0.0)
         # headers, then a round per layer, after the bytes the link serves first
-        ld = (num_layers + 1) * link.latency_s + (ahead + b) / link.bytes_per_s
+        ld = (num_layers + 1) * link.latency_s + (bytes_ahead + nbytes(k)) / link.bytes_per_s
         cc = compute_ahead_s + c
-        return max(ld + cc / num_layers, cc + ld / num_layers), ld, c, saved, ahead
+        return max(ld + cc / num_layers, cc + ld / num_layers), ld, c, saved
 
     known = link is not None and compute is not None
     if mode == "compute_all" or kmax == 0:
@@ -156,10 +157,10 @@ def choose_split(
         reason = "planned: the load and the compute finish together"
     if not known:
         return SplitChoice(k, n_tokens, stored, kmax, None, None, None, None, None, reason, nbytes(k))
-    total, ld, c, saved, ahead = predict(k)
+    total, ld, c, saved = predict(k)
     load_all, compute_all = predict(kmax)[0], predict(0)[0]
     return SplitChoice(
-        k, n_tokens, stored, kmax, total, ld, c, load_all, compute_all, reason, nbytes(k), saved, ahead
+        k, n_tokens, stored, kmax, total, ld, c, load_all, compute_all, reason, nbytes(k), saved, bytes_ahead
     )
 
 

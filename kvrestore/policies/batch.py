@@ -15,9 +15,9 @@ them get the shared lanes:
   fetch next, so lanes move on to shorter requests once the long ones are down to cheaper chunks.
 
 The same rule on a link that serves whole loads (the vLLM connector's, where each request loads its
-prefix in one go): `QueuedLoad` is a load on the link that has not finished, `link_order` serves the
-ones not started by the compute they save per byte, and `bytes_ahead` is what the link serves before a
-new load, which a split counts (`planning.split.choose_split`).
+prefix in one go): `QueuedLoad` is a load waiting for the link, and `link_order` serves the waiting
+loads by the compute they save per byte. A split counts every queued load's bytes as
+ahead of its own (`planning.split.choose_split`).
 
 `FifoLanes` is the baseline: the same per-request pointers with both lanes served in arrival order (a
 first-come first-served scheduler, as vLLM's default).
@@ -283,14 +283,12 @@ class BatchAware(BatchScheduler):
 
 @dataclass(frozen=True)
 class QueuedLoad:
-    """A load on a shared link that has not finished: `nbytes` read, `saved_s` of compute it saves
-    (what computing its tokens would take), and whether the link has `started` it (a started load is
-    served whatever arrives after it)."""
+    """A load waiting for a shared link: `nbytes` read, `saved_s` of compute it saves (what computing
+    its tokens would take more than loading them)."""
 
     key: str
     nbytes: float
     saved_s: float
-    started: bool = False
 
     @property
     def value(self) -> float:
@@ -299,15 +297,6 @@ class QueuedLoad:
 
 
 def link_order(loads: Iterable[QueuedLoad]) -> list[QueuedLoad]:
-    """The order a link serves `loads` in: the started ones first (as they came), then CacheFlow's rule
-    (§3.3): the load that saves the most compute per byte first, ties in arrival order."""
-    loads = list(loads)
-    started = [q for q in loads if q.started]
-    waiting = sorted((q for q in loads if not q.started), key=lambda q: -q.value)  # stable: ties by arrival
-    return started + waiting
-
-
-def bytes_ahead(queue: Iterable[QueuedLoad], value: float) -> float:
-    """Bytes a link holding `queue` serves before a new load worth `value` (compute saved per byte):
-    every started load, and every waiting one worth at least as much (an equal one came first)."""
-    return sum(q.nbytes for q in queue if q.started or q.value >= value)
+    """The order a link serves waiting `loads` in, CacheFlow's rule (§3.3): the load that saves the
+    most compute per byte first, ties in arrival order."""
+    return sorted(loads, key=lambda q: -q.value)  # stable: ties keep their arrival order

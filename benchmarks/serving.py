@@ -357,7 +357,8 @@ def try_others(args: argparse.Namespace, model: Path) -> dict[str, Any]:
 # -- the run ------------------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def model_and_text() -> tuple[Path, Callable[[str], list[int]], Texts]:
+    """The bundled SmolLM2 checkpoint, its tokenizer's `encode`, and the reference text's token ids."""
     from transformers import AutoTokenizer
 
     from kvrestore.backends.hf import smollm2_checkpoint
@@ -370,6 +371,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
     texts = Texts(reference_tokens(tok, 53_000))
+    return model, encode, texts
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model, encode, texts = model_and_text()
     ldqa = LongDocQA(args.docs, args.doc_tokens, 24, args.answer_tokens, args.inflight, args.seed)
     mrqa = MultiRoundQA(
         args.users,

@@ -40,8 +40,8 @@ from serving import (
     KV_BYTES_PER_TOKEN,
     LongDocQA,
     Phase,
-    Texts,
     log,
+    model_and_text,
     report_head,
     serve_phase,
     snapshot,
@@ -60,18 +60,7 @@ CONFIGS = {  # label -> the connector's extra config beyond the store
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoTokenizer
-
-    from kvrestore.backends.hf import smollm2_checkpoint
-    from kvrestore.tools.text import reference_tokens
-
-    model = smollm2_checkpoint()
-    tok = AutoTokenizer.from_pretrained(str(model))
-
-    def encode(text: str) -> list[int]:
-        return list(tok(text, add_special_tokens=False)["input_ids"])
-
-    texts = Texts(reference_tokens(tok, 53_000))
+    model, encode, texts = model_and_text()
     docs = LongDocQA(args.docs, args.doc_tokens, 24, args.answer_tokens, args.docs, args.seed)
     docs.make(texts)
     args.primer = texts.take(64)

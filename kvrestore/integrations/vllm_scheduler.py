@@ -99,8 +99,9 @@ class _Request:
 class LinkQueue:
     """The connector's loads that have not finished, as the scheduler side knows them: those planned in
     this scheduling pass (not sent yet: the link will serve them in its order), and those sent, until
-    the worker reports them finished (`KVRestoreWorkerMetadata.loaded`) or `timeout_s` after they were
-    sent (by then a load has been cancelled in any case). Also the compute planned in this pass."""
+    the worker reports them finished (`KVRestoreWorkerMetadata.loaded`, at the end of the step that ran
+    them), or at most `timeout_s` after they were sent (a report that never came does not hold the link
+    forever). Also the compute planned in this pass."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s

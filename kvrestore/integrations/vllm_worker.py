@@ -383,6 +383,7 @@ class WorkerSide:
         """Settle the step's loads (a load still running is cancelled): note the blocks and chunks that
         did not load, learn the link's cost from those that did. Returns the requests whose load failed."""
         failed: set[str] = set()
+        moved, longest = 0, 0.0  # the step's loads share the link: one sample, their bytes over the longest
         for spec, load in self._loads:
             load.cancel("the step ended")  # a no-op for a load that finished
             self._loaded.add(spec.req_id)
@@ -409,7 +410,7 @@ class WorkerSide:
                     from_token=first,
                 )
             elif load.seconds is not None:
-                self.costs.add_load(self.ctx.link_key, load.bytes_read, load.seconds)
+                moved, longest = moved + load.bytes_read, max(longest, load.seconds)
                 self.counters.add(loads=1, loaded_tokens=spec.k, loaded_bytes=load.bytes_read)
                 emit(
                     logging.INFO,
@@ -421,6 +422,8 @@ class WorkerSide:
                     seconds=load.seconds,
                     blocks=blocks_of(spec.block_ids, 0, spec.k, self.block_size),
                 )
+        if moved:
+            self.costs.add_load(self.ctx.link_key, moved, longest)
         if self._loads and self._load_stream is not None:  # every load is settled: vLLM's stream goes on
             vllm_stream = torch.cuda.current_stream(self._caches[0].device)  # after every page they wrote
             vllm_stream.wait_stream(self._load_stream)

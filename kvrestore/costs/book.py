@@ -65,7 +65,8 @@ def loading_factor(samples: Sequence[Sequence[float]], compute: ChunkCost) -> fl
 class CostBook:
     """What a connector has measured, kept across processes in one small JSON file per model and
     machine: the engine's prefill steps ([n, past, seconds]) and, per store link, whole loads ([bytes,
-    seconds]). A scheduler and a worker in one process share one book (`CostBook.shared`); in separate
+    seconds]; loads that share the link, as a step's do, are one sample: their bytes over the longest).
+    A scheduler and a worker in one process share one book (`CostBook.shared`); in separate
     processes the scheduler re-reads the file when the worker has written it: at once for the first
     sample of a kind, then at most every `WRITE_EVERY_S`, and at `flush` (shutdown, exit)."""
 

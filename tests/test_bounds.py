@@ -197,6 +197,19 @@ def test_a_store_that_is_down_flushes_only_what_was_written_through_it():
     run(main)
 
 
+def test_a_call_that_failed_marks_the_store_down_like_a_timeout():
+    """`failed` (a refused or unreachable store, not a deadline): down for one back-off, not longer when
+    told twice, and every call refused until it ends."""
+    store = DeadlineStore(MemoryStore(), Deadlines(lookup_s=1.0, backoff_s=30, max_backoff_s=60))
+    assert store.down_for == 0
+    store.failed()
+    first = store.down_for
+    store.failed()  # the same outage
+    assert 0 < store.down_for <= first <= 30
+    with pytest.raises(StoreTimeoutError):
+        store.contains_sync(["ab" * 8])
+
+
 @pytest.mark.slow
 def test_slow_s3_within_the_deadline_loads_and_past_it_recomputes(llama_backend, s3_server, s3_bucket):
     b = llama_backend

@@ -19,10 +19,9 @@ from kvrestore.core.errors import InvalidInputError, StoreError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
+from kvrestore.costs.book import CostBook
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.costs.learned import fit_prefill_steps
-from kvrestore.costs.links import LinkCost
-from kvrestore.integrations.vllm_costs import CostBook, loading_factor
 from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LoadChunk
 from kvrestore.integrations.vllm_layout import (
     LAYOUTS,
@@ -38,8 +37,6 @@ from kvrestore.integrations.vllm_plan import (
     ConnectorContext,
     check_shared_memory,
     checkpoint_fingerprint,
-    choose_split,
-    max_loadable,
     preflight,
 )
 from kvrestore.integrations.vllm_stats import log_through
@@ -149,84 +146,6 @@ def test_layout_errors_are_clear():
 
 # -- the split -------------------------------------------------------------------------------------
 
-KV_PER_TOKEN = 46_080  # SmolLM2-135M, fp32
-ENDS = [256 * (i + 1) for i in range(7)] + [2000]  # a stored 2,000-token prompt in 256-token chunks
-COMPUTE = ChunkCost.per_pair(0.0, 2.5e-3, 1.0e-6)  # ~5 s for 2,000 tokens from scratch
-
-
-def _split(
-    link: LinkCost | None,
-    compute: ChunkCost | None = COMPUTE,
-    mode: str = "planned",
-    ends=ENDS,
-    loading: float | None = None,
-):
-    return choose_split(
-        n_tokens=2000,
-        chunk_ends=ends,
-        chunk_size=256,
-        block_size=128,
-        bytes_per_token=KV_PER_TOKEN,
-        num_layers=30,
-        link=link,
-        compute=compute,
-        loading=loading,
-        mode=mode,
-    )
-
-
-def test_the_split_is_block_aligned_leaves_a_token_to_compute_and_stays_in_the_stored_prefix():
-    assert max_loadable(2000, 2000, 128) == 1920
-    assert max_loadable(2048, 2048, 128) == 1920  # the last token is always computed
-    assert max_loadable(2000, 700, 128) == 640
-    assert _split(None).k == 1920  # no costs measured yet: load what is stored
-    assert "no measured cost of the link" in _split(None).reason
-    assert _split(LinkCost(1e12), mode="compute_all").k == 0
-    assert _split(LinkCost(1e3), mode="load_all").k == 1920
-    assert _split(LinkCost(1e9), ends=ENDS[:3]).k == 768
-    assert _split(LinkCost(1e9), ends=[]).k == 0
-
-
-def test_the_planned_split_follows_the_link():
-    fast, slow = _split(LinkCost(1e12)), _split(LinkCost(1e5))
-    assert fast.k == 1920 and slow.k == 0
-    balance_bw = 2000 * KV_PER_TOKEN / COMPUTE.seconds(2000)  # loading all = computing all
-    mid = _split(LinkCost(balance_bw))
-    assert 0 < mid.k < 1920 and mid.k % 256 == 0
-    assert mid.predicted_s < 0.8 * min(mid.load_all_s, mid.compute_all_s)
-    assert abs(mid.load_s - mid.compute_s) < 0.25 * mid.predicted_s  # they finish nearly together
-    assert "predicted" in mid.explain() and str(mid.k) in mid.explain()
-    with pytest.raises(InvalidInputError):
-        _split(LinkCost(1e9), mode="half")
-
-
-def test_how_much_slower_steps_that_load_compute_is_learned_and_slows_a_split(tmp_path):
-    """A step that loaded computed beside the load: how much slower than alone is learned from such
-    steps, and a split then predicts its suffix that much slower (compute-all does not change)."""
-    L = 30
-    compute = ChunkCost.per_pair(0.0, 1e-3, 0.0)  # 1 s for 1,000 tokens
-    # computed 1,000 tokens after a past of 1,000 loaded in 0.6 s: 3 s where alone it takes 1 s
-    samples = [[1000, 1000, 0.6, 3.0 + 0.6 / L, L], [1000, 500, 0.3, 3.0 + 0.3 / L, L]]
-    assert loading_factor(samples, compute) == pytest.approx(3.0)
-    # a load-all step (a few tokens computed after the load) says nothing about the compute
-    assert loading_factor([[32, 1968, 2.0, 2.05, L]], compute) is None
-    # nor does one after a quick load: its step is mostly a step's fixed costs
-    assert loading_factor([[32, 3968, 0.1, 0.9, L]], compute) is None
-    assert loading_factor([[80, 1920, 0.1, 0.2, L]], ChunkCost.per_pair(0.0, 1e-3, 0.0)) is None
-    book = CostBook(tmp_path / "c.json")
-    assert book.loading_factor() is None  # no compute cost yet
-    book.add_compute(2000, 0, 2.0)
-    for row in samples:
-        book.add_loading_step(*row[:4], num_layers=L)  # type: ignore[call-arg]
-    book.flush()  # written behind the step; here, for another process to read
-    assert CostBook(tmp_path / "c.json").loading_factor() == pytest.approx(3.0)  # another process
-    balance_bw = 2000 * KV_PER_TOKEN / COMPUTE.seconds(2000)
-    alone, beside = _split(LinkCost(balance_bw)), _split(LinkCost(balance_bw), loading=3.0)
-    assert beside.compute_all_s == alone.compute_all_s
-    assert beside.k > alone.k  # computing beside a load is dearer: load more of the prompt
-    c = COMPUTE.seconds(2000 - beside.k, beside.k)
-    assert beside.compute_s == pytest.approx(3.0 * c)
-
 
 def test_compute_cost_is_learned_from_steps():
     assert fit_prefill_steps([]) is None
@@ -258,7 +177,10 @@ def test_cost_book_persists_across_processes(tmp_path):
 def test_config_is_checked():
     cfg = ConnectorConfig.from_extra({"store_url": "/tmp/kv", "chunk_size": 128, "split": "load_all"})
     assert cfg.chunk_size == 128 and cfg.split == "load_all" and cfg.compression == "none"
+    assert cfg.batch is True  # CacheFlow's batch rule, unless turned off
+    assert ConnectorConfig.from_extra({"store_url": "/x", "batch": False}).batch is False
     for bad, match in [
+        ({"store_url": "/x", "batch": "no"}, "batch must be true or false"),
         ({}, "store_url"),
         ({"store_url": "/x", "chunk": 3}, "unknown kv_connector_extra_config keys"),
         ({"store_url": "/x", "chunk_size": 0}, "chunk_size"),

@@ -7,10 +7,11 @@ import threading
 import torch
 
 from kvrestore import codec
+from kvrestore.core.errors import StoreError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.integrations.vllm_costs import CostBook
+from kvrestore.costs.book import CostBook
 from kvrestore.integrations.vllm_io import LoadChunk
 from kvrestore.integrations.vllm_meta import KVRestoreConnectorMetadata, LoadSpec, SaveSpec
 from kvrestore.integrations.vllm_plan import ConnectorConfig, ConnectorContext
@@ -273,3 +274,134 @@ def test_hit_tokens_count_only_what_a_load_can_take():
         )  # 40 stored; the last block holds the token to compute
     finally:
         side.shutdown()
+
+
+def test_a_failed_lookup_makes_every_prompt_a_miss_for_retry_after_s():
+    """Lookups go through the library's DeadlineStore: a store that refuses one is counted once, then
+    not asked again for `retry_after_s` (every prompt a miss, nothing saved)."""
+
+    class Refusing(MemoryStore):
+        asked = 0
+
+        def contains_sync(self, keys):
+            return None  # as a remote store: asked on the event loop
+
+        async def contains(self, keys):
+            self.asked += 1
+            raise StoreError("connection refused")
+
+    store = Refusing()
+    ctx = ConnectorContext(
+        ConnectorConfig.from_extra({"store_url": "memory://", "retry_after_s": 60}),
+        SPEC,
+        BLOCK,
+        CostBook(None),
+    )
+    side = SchedulerSide(ctx, store)
+    try:
+        tokens = list(range(40))
+        assert side.get_num_new_matched_tokens(_Request("a", tokens), 0) == (0, False)  # type: ignore[arg-type]
+        assert side.get_num_new_matched_tokens(_Request("b", tokens), 0) == (0, False)  # type: ignore[arg-type]
+        counts = side.counters.take()
+        assert store.asked == 1 and counts["lookups"] == 1 and counts["lookup_failures"] == 1
+        assert 0 < side.lookups.down_for <= 60
+    finally:
+        side.shutdown()
+
+
+def _costed_side(store: MemoryStore, batch: bool) -> SchedulerSide:
+    """A scheduler side whose costs are known: a 400-token prompt computes in about 4 s, and the link
+    loads it in as long (the balance)."""
+    extra = {"store_url": "memory://", "chunk_size": 16, "batch": batch}
+    probe = ConnectorContext(ConnectorConfig.from_extra(extra), SPEC, BLOCK, CostBook(None))
+    extra["link_bytes_per_s"] = 400 * probe.stored_bytes_per_token / 4.0
+    book = CostBook(None)
+    for n, past, s in [(400, 0, 4.0), (200, 200, 2.2), (100, 300, 1.2), (1, 400, 0.01)]:
+        book.add_compute(n, past, s)
+    return SchedulerSide(ConnectorContext(ConnectorConfig.from_extra(extra), SPEC, BLOCK, book), store)
+
+
+def _output(side: SchedulerSide, req_ids: list[str], k: dict[str, int]) -> object:
+    """vLLM's SchedulerOutput for a step that schedules `req_ids`, new, each after its loaded `k`."""
+    from types import SimpleNamespace
+
+    new = [
+        SimpleNamespace(req_id=r, block_ids=([i * 50 + b for b in range(50)],), num_computed_tokens=k[r])
+        for i, r in enumerate(req_ids)
+    ]
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    return SimpleNamespace(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={r: 400 - k[r] for r in req_ids},
+        finished_req_ids=set(),
+    )
+
+
+def test_requests_loading_at_once_share_the_link_under_the_batch_rule():
+    """Four prompts asked in one scheduling pass: with the batch rule each split counts the loads and
+    the compute queued before it (no later one is planned on free lanes), the step's loads go in the link's order (most
+    compute saved per byte first), and once the worker reports them finished the link is free again.
+    Without it, every split is planned as if alone."""
+    from types import SimpleNamespace
+
+    from kvrestore.integrations.vllm_meta import KVRestoreWorkerMetadata
+    from kvrestore.policies.batch import link_order
+
+    store = MemoryStore()
+    prompts = {r: [1000 * i + t for t in range(400)] for i, r in enumerate("abcd")}
+    alone, batched = _costed_side(store, False), _costed_side(store, True)
+    try:
+        for ref in (ref for t in prompts.values() for ref in chunk_keys(t, batched.ctx.key_space, 16)):
+            batched.loop.call(store.put, ref.key, b"x")
+        ks_alone = [alone.get_num_new_matched_tokens(_Request(r, t), 0)[0] for r, t in prompts.items()]  # type: ignore[arg-type]
+        assert len(set(ks_alone)) == 1 and 0 < ks_alone[0] < 392  # a split of each, as if alone
+        ks = {r: batched.get_num_new_matched_tokens(_Request(r, t), 0)[0] for r, t in prompts.items()}  # type: ignore[arg-type]
+        assert ks["a"] == ks_alone[0]  # the first finds the link free
+        assert ks["b"] < ks["a"]  # the second finds the first's load ahead of its own: it loads less
+        assert ks["c"] > ks["b"]  # the third finds the compute lane owing more than the link: it loads
+        assert all(
+            batched._reqs[r].choice.predicted_s >= batched._reqs["a"].choice.predicted_s for r in "bcd"
+        )  # type: ignore[union-attr, operator]
+        for r, t in prompts.items():
+            batched.update_state_after_alloc(_Request(r, t), ks[r])  # type: ignore[arg-type]
+        sent = [r for r in prompts if ks[r] > 0]
+        expected = [q.key for q in link_order(batched.queue.planned(r) for r in sent)]  # type: ignore[misc]
+        meta = batched.build_connector_meta(_output(batched, list(prompts), ks))  # type: ignore[arg-type]
+        assert [spec.req_id for spec in meta.loads] == expected
+        late = [5000 + t for t in range(400)]
+        for ref in chunk_keys(late, batched.ctx.key_space, 16):
+            batched.loop.call(store.put, ref.key, b"x")
+        assert batched.get_num_new_matched_tokens(_Request("e", late), 0)[0] < ks["a"]  # they still load
+        batched.update_connector_output(
+            SimpleNamespace(kv_connector_worker_meta=KVRestoreWorkerMetadata(loaded=set(sent)))
+        )
+        assert batched.get_num_new_matched_tokens(_Request("e", late), 0)[0] == ks["a"]  # the link is free
+    finally:
+        alone.shutdown()
+        batched.shutdown()
+
+
+def test_loads_that_share_a_step_are_one_sample_of_the_link_and_reported_finished():
+    """Two requests load in one step: they share the link, so the book learns one sample (their bytes
+    over the longer load), not two slow ones; the worker reports both loads over (the scheduler's
+    `LinkQueue` frees the link)."""
+    store = MemoryStore()
+    side = worker(store)
+    meta = KVRestoreConnectorMetadata()
+    try:
+        for i, req in enumerate("ab"):
+            (ref,) = chunk_keys(list(range(100 * i, 100 * i + 16)), SPEC.fingerprint, CHUNK)
+            blob = codec.encode_chunk(KVChunk(0, torch.randn(L, 2, H, 16, D)), SPEC, ref.key)
+            side.io.call(store.put, ref.key, blob)
+            meta.loads.append(LoadSpec(req, [LoadChunk(ref.key, 0, 16)], 16, [2 * i, 2 * i + 1]))
+            meta.steps.append((req, 1, 16))
+        step(side, meta)
+        counts = side.take_counts()
+        assert counts["loads"] == 2 and counts["load_failures"] == 0
+        ((nbytes, seconds),) = side.costs.links[side.ctx.link_key]
+        assert nbytes == counts["loaded_bytes"] and seconds > 0
+        assert side.build_connector_worker_meta().loaded == {"a", "b"}  # type: ignore[union-attr]
+        assert side.build_connector_worker_meta() is None  # reported once
+    finally:
+        side.io.close()

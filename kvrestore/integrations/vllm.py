@@ -17,10 +17,11 @@ What it does:
   share one store, both ways. At most `save_queue_bytes` of KV wait to be written; past that a chunk is
   dropped and counted, so saving never stalls a step.
 * Loading. The scheduler side looks the prompt up (a bounded wait: a store that is down means zero
-  tokens, with a warning) and picks the split k (`vllm_plan.choose_split`: load [0, k), compute [k, n),
-  both finishing together, from the link and compute costs the connector has measured), logged at INFO
-  with its prediction. The worker side loads [0, k) layer by layer in the background
-  (`vllm_load`) while vLLM computes; `wait_for_layer_load` waits only for the layer about to run.
+  tokens, with a warning) and picks the split k (`planning.split.choose_split`: load [0, k), compute
+  [k, n), both finishing together, from the link and compute costs the connector has measured, counting
+  the loads already queued on the link: CacheFlow's batch rule), logged at INFO with its prediction. The
+  worker side loads [0, k) layer by layer in the background (`vllm_load`) while vLLM computes;
+  `wait_for_layer_load` waits only for the layer about to run.
 * Faults. A chunk missing, corrupt or of another model when loaded: its blocks go to
   `get_block_ids_with_load_errors` and vLLM recomputes them (the connector sets vLLM's
   `kv_load_failure_policy` to "recompute" unless `on_load_error` is "fail").
@@ -34,9 +35,9 @@ The connector is split by role, as vLLM's own OffloadingConnector is: vLLM makes
 role, and `KVRestoreConnector` holds a `SchedulerSide` (`vllm_scheduler`: lookups, the split, what each
 step loads and saves; no I/O thread, no saver) or a `WorkerSide` (`vllm_worker`: the loads, the page
 writes, the saver), never both; `vllm_meta` is what they tell each other. The vLLM-free parts are in
-`vllm_layout` (paged layouts), `vllm_plan` (config, split, fingerprint), `vllm_costs` (learned costs),
-`vllm_io` (background I/O), `vllm_load` (the loads) and `vllm_stats` (counters and records); this module is the glue to vLLM's
-interface.
+`vllm_layout` (paged layouts), `vllm_plan` (config, fingerprint), `vllm_io` (background I/O),
+`vllm_load` (the loads) and `vllm_stats` (counters and records); the split and the learned costs are the
+library's (`planning.split`, `costs.book`). This module is the glue to vLLM's interface.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What the vLLM connector's two sides tell each other: each step's loads and saves (scheduler ->
-worker, `KVRestoreConnectorMetadata`) and the chunks that did not load (worker -> scheduler,
-`KVRestoreWorkerMetadata`)."""
+worker, `KVRestoreConnectorMetadata`) and the loads that finished and the chunks that did not load
+(worker -> scheduler, `KVRestoreWorkerMetadata`)."""
 
 from __future__ import annotations
 
@@ -37,12 +37,14 @@ class KVRestoreConnectorMetadata(KVConnectorMetadata):
 @dataclass
 class KVRestoreWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler: per request, the chunks that did not load (vLLM recomputes them; the
-    scheduler side then saves them again)."""
+    scheduler side then saves them again), and the requests whose loads are over (off the link)."""
 
     failed: dict[str, set[int]] = field(default_factory=dict)
+    loaded: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, KVRestoreWorkerMetadata):
             for req_id, chunks in other.failed.items():
                 self.failed.setdefault(req_id, set()).update(chunks)
+            self.loaded |= other.loaded
         return self

@@ -1,17 +1,7 @@
-"""What the vLLM connector decides, without vLLM: its configuration and context, how many stored tokens
-to load (the split), and the model's fingerprint (what it learns about costs: `vllm_costs`).
-
-The split. vLLM computes a request's tokens [k, n) while the connector loads [0, k) layer by layer, so
-loading layer l+1 overlaps computing layer l. Loading k tokens costs a round trip per layer plus the bytes
-of every chunk that overlaps [0, k) over the link; computing n - k tokens after a past of k costs
-`ChunkCost.seconds(n - k, k)`. With the two pipelined over L layers, a split finishes after about
-``max(load + compute / L, compute + load / L)``: the slower of the two plus one layer of the other. The
-connector picks the k (block- and chunk-aligned, at most the stored prefix and n - 1) that minimises it.
-Both costs are `kvrestore.costs` models (`ChunkCost`, `LinkCost`), learned by `CostBook` from what
-vLLM's steps and the connector's loads took (`fit_prefill_steps`, `link_from_loads`); a step that loaded
-is the one sample of computing after a long past. Its compute also shares the host with the load's
-reads, checks and page writes: `loading_factor` (how much slower such steps computed than the model
-says) scales the compute of every split that loads.
+"""What the vLLM connector decides, without vLLM: its configuration and context (what the scheduler
+side and the worker side share) and the model's fingerprint. The split itself (how many stored tokens
+to load) is the library's (`kvrestore.planning.split`); what the connector learns about costs is
+`kvrestore.costs.book`.
 """
 
 from __future__ import annotations
@@ -20,10 +10,9 @@ import contextlib
 import functools
 import json
 import logging
-import math
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,17 +25,14 @@ from kvrestore.codec.seal import Seal, seal_of, secret_from_env
 from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
 from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec, dtype_name
-from kvrestore.costs.compute import ChunkCost
+from kvrestore.costs.book import CostBook
 from kvrestore.costs.links import LinkCost
-from kvrestore.integrations.vllm_costs import CostBook
 from kvrestore.integrations.vllm_layout import LAYOUTS
+from kvrestore.planning.split import SPLITS
 from kvrestore.stores import MemoryStore, ThrottledStore, open_store
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")
-
-SPLITS = ("planned", "load_all", "compute_all")
-
 
 # -- configuration ----------------------------------------------------------------------------------
 
@@ -59,6 +45,9 @@ class ConnectorConfig:
     chunk_size: int = 256
     compression: str = "none"
     split: str = "planned"  # "planned" | "load_all" | "compute_all" (never load)
+    #: CacheFlow's batch rule: a split counts the loads queued on the link ahead of it, and the link
+    #: serves first the load that saves the most compute per byte (False: each split as if alone)
+    batch: bool = True
     store_options: Mapping[str, Any] = field(default_factory=dict)  # passed to open_store
     save: bool = True
     load: bool = True
@@ -101,6 +90,8 @@ class ConnectorConfig:
             raise InvalidInputError(f"compression must be 'none' or 'zstd', got {cfg.compression!r}")
         if cfg.split not in SPLITS:
             raise InvalidInputError(f"split must be one of {SPLITS}, got {cfg.split!r}")
+        if not isinstance(cfg.batch, bool):
+            raise InvalidInputError(f"batch must be true or false, got {cfg.batch!r}")
         if cfg.on_load_error not in ("recompute", "fail"):
             raise InvalidInputError(f"on_load_error must be 'recompute' or 'fail', got {cfg.on_load_error!r}")
         if cfg.kv_encoding not in ENCODINGS:
@@ -228,112 +219,6 @@ def preflight(config: ConnectorConfig) -> None:
     url = config.store_url
     if "://" not in url or url.startswith("file://"):
         open_store(url, **{"read_only": not config.save, **dict(config.store_options)})
-
-
-# -- the split ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SplitChoice:
-    """How many prompt tokens to load (`k`) and what that was predicted to cost."""
-
-    k: int
-    n_tokens: int
-    stored_tokens: int  # the longest stored prefix (whole chunks)
-    loadable_tokens: int  # the most that could be loaded (whole blocks, leaving a token to compute)
-    predicted_s: float | None  # None: no measured costs to predict with
-    load_s: float | None
-    compute_s: float | None
-    load_all_s: float | None  # the prediction for the largest k
-    compute_all_s: float | None  # and for k = 0
-    reason: str
-
-    def fields(self) -> dict[str, Any]:
-        """The choice as a record (`vllm_stats.emit`): tokens, predictions in seconds, the reason."""
-        return {
-            "k": self.k,
-            "n_tokens": self.n_tokens,
-            "stored_tokens": self.stored_tokens,
-            "loadable_tokens": self.loadable_tokens,
-            "predicted_s": self.predicted_s,
-            "load_s": self.load_s,
-            "compute_s": self.compute_s,
-            "load_all_s": self.load_all_s,
-            "compute_all_s": self.compute_all_s,
-            "reason": self.reason,
-        }
-
-    def explain(self) -> str:
-        if self.predicted_s is None:
-            return f"load {self.k} of {self.n_tokens} tokens ({self.reason})"
-        return (
-            f"load {self.k} of {self.n_tokens} tokens, compute {self.n_tokens - self.k}: predicted "
-            f"{self.predicted_s:.3f} s (load {self.load_s:.3f} s, compute {self.compute_s:.3f} s; "
-            f"load-all {self.load_all_s:.3f} s, compute-all {self.compute_all_s:.3f} s; {self.reason})"
-        )
-
-
-def max_loadable(n_tokens: int, stored_tokens: int, block_size: int) -> int:
-    """The most tokens vLLM can take from the store: within the stored prefix, leaving at least one
-    prompt token to compute (vLLM needs its logits), whole blocks."""
-    return max(0, min(stored_tokens, n_tokens - 1)) // block_size * block_size
-
-
-def loaded_tokens_read(k: int, chunk_ends: Sequence[int]) -> int:
-    """Tokens whose bytes are read to load [0, k): every chunk that overlaps [0, k), whole."""
-    for end in chunk_ends:
-        if end >= k:
-            return end if k > 0 else 0
-    return chunk_ends[-1] if chunk_ends and k > 0 else 0
-
-
-def choose_split(
-    *,
-    n_tokens: int,
-    chunk_ends: Sequence[int],
-    chunk_size: int,
-    block_size: int,
-    bytes_per_token: float,
-    num_layers: int,
-    link: LinkCost | None,
-    compute: ChunkCost | None,
-    loading: float | None = None,
-    mode: str = "planned",
-) -> SplitChoice:
-    """The split for a prompt of `n_tokens` whose leading stored chunks end at `chunk_ends`. A split that
-    loads computes its suffix `loading` times slower than alone (`loading_factor`; 1 if not known)."""
-    if mode not in SPLITS:
-        raise InvalidInputError(f"split must be one of {SPLITS}, got {mode!r}")
-    stored = chunk_ends[-1] if chunk_ends else 0
-    kmax = max_loadable(n_tokens, stored, block_size)
-    step = math.lcm(chunk_size, block_size)
-    candidates = sorted({0, kmax, *range(step, kmax, step)})
-
-    def predict(k: int) -> tuple[float, float, float]:
-        assert link is not None and compute is not None
-        c = compute.seconds(n_tokens - k, k)
-        if k == 0:
-            return c, 0.0, c
-        c *= loading or 1.0
-        nbytes = loaded_tokens_read(k, chunk_ends) * bytes_per_token
-        ld = (num_layers + 1) * link.latency_s + nbytes / link.bytes_per_s  # headers, then a round per layer
-        return max(ld + c / num_layers, c + ld / num_layers), ld, c
-
-    known = link is not None and compute is not None
-    if mode == "compute_all" or kmax == 0:
-        k, reason = 0, "split=compute_all" if mode == "compute_all" else "nothing loadable is stored"
-    elif mode == "load_all":
-        k, reason = kmax, "split=load_all"
-    elif not known:
-        missing = " and ".join(w for w, v in (("the link", link), ("compute", compute)) if v is None)
-        k, reason = kmax, f"no measured cost of {missing} yet: loading every stored token"
-    else:
-        k = min(candidates, key=lambda c: (predict(c)[0], -c))
-        reason = "planned: the load and the compute finish together"
-    if not known:
-        return SplitChoice(k, n_tokens, stored, kmax, None, None, None, None, None, reason)
-    total, ld, c = predict(k)
-    return SplitChoice(k, n_tokens, stored, kmax, total, ld, c, predict(kmax)[0], predict(0)[0], reason)
 
 
 # -- the model ---------------------------------------------------------------------------------------

@@ -3,8 +3,14 @@
 It looks each new prompt up in the store, picks the split (how many stored tokens to load), and tells
 the worker side, step by step, which chunks to load and which to save (`vllm_worker`'s metadata). It
 moves no KV: the scheduler process starts no I/O thread and no saver. A lookup runs on an event loop of
-its own, in the scheduler's thread, for at most `lookup_timeout_s` (vLLM's scheduler waits for it in
-any case: it needs the answer to schedule the request).
+its own, in the scheduler's thread, through the library's `DeadlineStore`: at most `lookup_timeout_s`
+(vLLM's scheduler waits for it in any case: it needs the answer to schedule the request), and, once the
+store has failed one, none for `retry_after_s` (every prompt is then a miss).
+
+Many requests at once (``"batch": true``, the default): each split counts what the lanes hold before it
+(`LinkQueue`: the loads planned in this scheduling pass and those sent and not yet reported finished by
+the worker, and the compute planned in this pass), and each step's loads are sent in the link's order,
+the load that saves the most compute per byte first (`policies.batch.link_order`).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -26,9 +33,12 @@ from kvrestore.integrations.vllm_meta import (
     LoadSpec,
     SaveSpec,
 )
-from kvrestore.integrations.vllm_plan import ConnectorContext, SplitChoice, choose_split
+from kvrestore.integrations.vllm_plan import ConnectorContext
 from kvrestore.integrations.vllm_stats import Counters, emit
+from kvrestore.planning.split import SplitChoice, choose_split
+from kvrestore.policies.batch import QueuedLoad, link_order
 from kvrestore.stores.base import ChunkStore
+from kvrestore.stores.deadline import Deadlines, DeadlineStore
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -50,6 +60,49 @@ class _Request:
     choice: SplitChoice | None = None
 
 
+class LinkQueue:
+    """The connector's loads that have not finished, as the scheduler side knows them: those planned in
+    this scheduling pass (not sent yet: the link will serve them in its order), and those sent, until
+    the worker reports them finished (`KVRestoreWorkerMetadata.loaded`, at the end of the step that ran
+    them), or at most `timeout_s` after they were sent (a report that never came does not hold the link
+    forever). Also the compute planned in this pass."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._planned: dict[str, tuple[QueuedLoad | None, float]] = {}
+        self._sent: dict[str, tuple[QueuedLoad, float]] = {}  # and when it is taken as finished
+
+    def plan(self, req_id: str, load: QueuedLoad | None, compute_s: float) -> None:
+        self._planned[req_id] = (load, compute_s)
+
+    def planned(self, req_id: str) -> QueuedLoad | None:
+        entry = self._planned.get(req_id)
+        return entry[0] if entry else None
+
+    def ahead(self, req_id: str) -> tuple[float, float]:
+        """What the lanes hold before `req_id`'s split: the bytes of every other request's load not
+        finished, and the compute planned in this pass for the others."""
+        now = time.monotonic()
+        self._sent = {r: v for r, v in self._sent.items() if v[1] > now}
+        loads = [q for r, (q, _) in self._sent.items() if r != req_id]
+        loads += [q for r, (q, _) in self._planned.items() if r != req_id and q is not None]
+        return sum(q.nbytes for q in loads), sum(c for r, (_, c) in self._planned.items() if r != req_id)
+
+    def send(self, req_ids: Iterable[str]) -> None:
+        """The pass is over: `req_ids`' loads were sent; plans not sent are dropped (asked again)."""
+        until = time.monotonic() + self.timeout_s
+        for r in req_ids:
+            q = self.planned(r)
+            if q is not None:
+                self._sent[r] = (q, until)
+        self._planned.clear()
+
+    def finished(self, req_ids: Iterable[str]) -> None:
+        for r in req_ids:
+            self._sent.pop(r, None)
+            self._planned.pop(r, None)
+
+
 class SchedulerSide:
     """The connector's scheduler-role calls, over `ctx` and a store of its own."""
 
@@ -57,10 +110,16 @@ class SchedulerSide:
         self.ctx = ctx
         self.config = ctx.config
         self.store = store if store is not None else ctx.open_store()
+        c = self.config
+        retry = c.retry_after_s
+        #: the store as lookups see it: bounded by `lookup_timeout_s`, then down for `retry_after_s`
+        self.lookups = DeadlineStore(
+            self.store, Deadlines(c.lookup_timeout_s, None, None, backoff_s=retry, max_backoff_s=retry)
+        )
         self.loop = CallerLoop()
         self.counters = Counters()
         self.keys = RequestKeys(ctx.key_space)
-        self._down_until = 0.0
+        self.queue = LinkQueue(c.load_timeout_s)
         self._reqs: dict[str, _Request] = {}
         self._unkeyed: set[str] = set()  # requests neither loaded nor saved (`vllm_keys.Unkeyable`)
 
@@ -86,6 +145,7 @@ class SchedulerSide:
             ends.append(ref.end)
         costs = self.ctx.costs
         costs.refresh()
+        ahead, compute_ahead = self.queue.ahead(request.request_id) if self.config.batch else (0.0, 0.0)
         choice = choose_split(
             n_tokens=len(tokens),
             chunk_ends=ends,
@@ -97,8 +157,13 @@ class SchedulerSide:
             compute=costs.compute_cost(),
             loading=costs.loading_factor(),
             mode=self.config.split,
+            bytes_ahead=ahead,
+            compute_ahead_s=compute_ahead,
         )
         st.choice = choice
+        loads = choice.k > num_computed_tokens  # vLLM's own prefix cache may hold the whole split
+        load = choice.queued(request.request_id) if loads else None
+        self.queue.plan(request.request_id, load, choice.compute_s or 0.0)
         if fresh:
             self.counters.add(hit_tokens=choice.loadable_tokens)
         if ends and fresh:
@@ -113,7 +178,7 @@ class SchedulerSide:
             self.counters.add(
                 planned_tokens=choice.k, partial_splits=int(0 < choice.k < choice.loadable_tokens)
             )
-        if choice.k <= num_computed_tokens:
+        if not loads:
             return 0, False
         st.load_k = choice.k
         return choice.k - num_computed_tokens, False
@@ -121,16 +186,16 @@ class SchedulerSide:
     def _lookup(self, keys: list[str]) -> list[bool]:
         """Which chunks are stored; all False (recorded, with a warning) if the store does not answer in
         time, and for `retry_after_s` after that."""
-        if time.monotonic() < self._down_until:
+        if self.lookups.down_for > 0:
             return [False] * len(keys)
         self.counters.add(lookups=1)
         try:
-            found = self.store.contains_sync(keys)  # a local store: no event loop, no thread
+            found = self.lookups.contains_sync(keys)  # a local store: no event loop, no thread
             if found is not None:
                 return found
-            return list(self.loop.call(self.store.contains, keys, timeout=self.config.lookup_timeout_s))
+            return list(self.loop.call(self.lookups.contains, keys))
         except STORE_FAULTS as exc:
-            self._down_until = time.monotonic() + self.config.retry_after_s
+            self.lookups.failed()  # a timeout has marked it down already; any other fault does now
             self.counters.add(lookup_failures=1)
             emit(
                 logging.WARNING,
@@ -138,7 +203,7 @@ class SchedulerSide:
                 "store %(store)s did not answer a lookup (%(error)s); computing without it for %(retry_s).0f s",
                 store=self.config.store_url,
                 error=f"{type(exc).__name__}: {exc or 'timeout'}",
-                retry_s=self.config.retry_after_s,
+                retry_s=self.lookups.down_for,
             )
             return [False] * len(keys)
 
@@ -168,9 +233,21 @@ class SchedulerSide:
                 st.block_ids.extend(new_blocks[0])
             self._step(meta, req_id, st, cached.num_computed_tokens[i], sched.get(req_id, 0))
         for req_id in scheduler_output.finished_req_ids:
-            self._reqs.pop(req_id, None)
-            self._unkeyed.discard(req_id)
+            self._forget(req_id)
+        if self.config.batch:  # the link serves the load that saves the most compute per byte first
+            rank = {q.key: i for i, q in enumerate(link_order(self._planned_loads(meta)))}
+            meta.loads.sort(key=lambda spec: rank.get(spec.req_id, len(rank)))
+        self.queue.send(spec.req_id for spec in meta.loads)
         return meta
+
+    def _planned_loads(self, meta: KVRestoreConnectorMetadata) -> list[QueuedLoad]:
+        loads = (self.queue.planned(spec.req_id) for spec in meta.loads)
+        return [q for q in loads if q is not None]
+
+    def _forget(self, req_id: str) -> None:
+        self._reqs.pop(req_id, None)
+        self._unkeyed.discard(req_id)
+        self.queue.finished([req_id])
 
     def _step(
         self, meta: KVRestoreConnectorMetadata, req_id: str, st: _Request, computed: int, n_new: int
@@ -187,7 +264,7 @@ class SchedulerSide:
                     list(st.block_ids),
                 )
             )
-        if not self.config.save or time.monotonic() < self._down_until:
+        if not self.config.save or self.lookups.down_for > 0:
             return  # while the store is down, chunks are not even copied out
         done = computed + n_new
         todo = []
@@ -205,6 +282,7 @@ class SchedulerSide:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         if not isinstance(meta, KVRestoreWorkerMetadata):
             return
+        self.queue.finished(meta.loaded)
         for req_id, chunks in meta.failed.items():
             st = self._reqs.get(req_id)
             if st is None or not chunks:
@@ -214,8 +292,7 @@ class SchedulerSide:
             st.next_save = min(st.next_save, min(chunks))
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
-        self._reqs.pop(request.request_id, None)
-        self._unkeyed.discard(request.request_id)
+        self._forget(request.request_id)
         return False, None
 
     def shutdown(self) -> None:

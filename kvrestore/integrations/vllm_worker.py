@@ -102,6 +102,7 @@ class WorkerSide:
         self._pending_lock = threading.Lock()
         self._load_errors: set[int] = set()
         self._failed_chunks: dict[str, set[int]] = {}
+        self._loaded: set[str] = set()  # requests whose loads ended since the last report
         self._errors_lock = threading.Lock()
         self._bound_at: float | None = None
         self._waited_s = 0.0  # this step's time in wait_for_layer_load: the step minus it is compute
@@ -386,8 +387,10 @@ class WorkerSide:
         """Settle the step's loads (a load still running is cancelled): note the blocks and chunks that
         did not load, learn the link's cost from those that did. Returns the requests whose load failed."""
         failed: set[str] = set()
+        moved, longest = 0, 0.0  # the step's loads share the link: one sample, their bytes over the longest
         for spec, load in self._loads:
             load.cancel("the step ended")  # a no-op for a load that finished
+            self._loaded.add(spec.req_id)
             ranges = load.failed_ranges()
             bad = [b for a, e in ranges for b in blocks_of(spec.block_ids, a, e, self.block_size)]
             if bad:
@@ -411,7 +414,7 @@ class WorkerSide:
                     from_token=first,
                 )
             elif load.seconds is not None:
-                self.costs.add_load(self.ctx.link_key, load.bytes_read, load.seconds)
+                moved, longest = moved + load.bytes_read, max(longest, load.seconds)
                 self.counters.add(loads=1, loaded_tokens=spec.k, loaded_bytes=load.bytes_read)
                 emit(
                     logging.INFO,
@@ -423,6 +426,8 @@ class WorkerSide:
                     seconds=load.seconds,
                     blocks=blocks_of(spec.block_ids, 0, spec.k, self.block_size),
                 )
+        if moved:
+            self.costs.add_load(self.ctx.link_key, moved, longest)
         if self._loads and self._load_stream is not None:  # every load is settled: vLLM's stream goes on
             vllm_stream = torch.cuda.current_stream(self._caches[0].device)  # after every page they wrote
             vllm_stream.wait_stream(self._load_stream)
@@ -460,9 +465,10 @@ class WorkerSide:
             self.saver.submit_reserved(c.key, KVChunk(c.start, data), ready, fp8_scales=self._fp8_scales)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._failed_chunks:
+        if not self._failed_chunks and not self._loaded:
             return None
-        meta, self._failed_chunks = KVRestoreWorkerMetadata(self._failed_chunks), {}
+        meta = KVRestoreWorkerMetadata(self._failed_chunks, self._loaded)
+        self._failed_chunks, self._loaded = {}, set()
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -14,6 +14,11 @@ them get the shared lanes:
   is the long prefixes' far chunks; the rule ranks each request by the chunk its load pointer would
   fetch next, so lanes move on to shorter requests once the long ones are down to cheaper chunks.
 
+The same rule on a link that serves whole loads (the vLLM connector's, where each request loads its
+prefix in one go): `QueuedLoad` is a load waiting for the link, and `link_order` serves the waiting
+loads by the compute they save per byte. A split counts every queued load's bytes as
+ahead of its own (`planning.split.choose_split`).
+
 `FifoLanes` is the baseline: the same per-request pointers with both lanes served in arrival order (a
 first-come first-served scheduler, as vLLM's default).
 
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvrestore.core.errors import InvalidInputError, check_int
@@ -274,3 +279,24 @@ class BatchAware(BatchScheduler):
 
     def load_order(self, job: BatchJob) -> tuple:
         return (-job.next_load_value(), job.arrival_s, job.id)
+
+
+@dataclass(frozen=True)
+class QueuedLoad:
+    """A load waiting for a shared link: `nbytes` read, `saved_s` of compute it saves (what computing
+    its tokens would take more than loading them)."""
+
+    key: str
+    nbytes: float
+    saved_s: float
+
+    @property
+    def value(self) -> float:
+        """Compute saved per byte read: what the link's next byte is worth spent on this load."""
+        return self.saved_s / self.nbytes if self.nbytes > 0 else 0.0
+
+
+def link_order(loads: Iterable[QueuedLoad]) -> list[QueuedLoad]:
+    """The order a link serves waiting `loads` in, CacheFlow's rule (§3.3): the load that saves the
+    most compute per byte first, ties in arrival order."""
+    return sorted(loads, key=lambda q: -q.value)  # stable: ties keep their arrival order

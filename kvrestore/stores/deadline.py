@@ -110,6 +110,12 @@ class DeadlineStore(WrapperStore):
             return
         self._back_off()
 
+    def failed(self) -> None:
+        """A call failed otherwise than by its deadline (refused, unreachable): the store counts as down
+        for the next back-off, as after a timeout, unless it does already."""
+        if self.down_for <= 0:
+            self._back_off()
+
     def _back_off(self) -> None:
         """A call ran past its deadline: the store counts as down for the next back-off (doubling)."""
         self.timeouts += 1

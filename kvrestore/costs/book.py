@@ -1,5 +1,9 @@
-"""What the vLLM connector learns about costs, without vLLM: vLLM's prefill steps, the store's link,
-and how much slower vLLM computes while a load runs beside it (`CostBook`, `loading_factor`)."""
+"""The cost book an engine's connector learns through and plans with (the vLLM connector's scheduler and
+worker sides): an engine's prefill steps (fitted by `learned.fit_prefill_steps`), whole loads per store
+link (`links.link_from_loads`), and how much slower the engine computes while a load runs beside it
+(`loading_factor`). One small JSON file per model and machine, shared by the processes that learn and
+plan (`CostBook`). A `Restorer` learns through `learned.CostLearner` instead: its units and loads are
+its own, timed by its driver."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from kvrestore.costs.learned import fit_prefill_steps
 from kvrestore.costs.links import LinkCost, link_from_loads
 from kvrestore.costs.profile import machine_id
 
-log = logging.getLogger("kvrestore.vllm")
+log = logging.getLogger("kvrestore.costs.book")
 
 #: the range a learned `loading_factor` is kept in
 LOADING_FACTOR_RANGE = (0.5, 20.0)
@@ -59,9 +63,10 @@ def loading_factor(samples: Sequence[Sequence[float]], compute: ChunkCost) -> fl
 
 
 class CostBook:
-    """What the connector has measured, kept across processes in one small JSON file per model and
-    machine: vLLM's prefill steps ([n, past, seconds]) and, per store link, whole loads ([bytes,
-    seconds]). A scheduler and a worker in one process share one book (`CostBook.shared`); in separate
+    """What a connector has measured, kept across processes in one small JSON file per model and
+    machine: the engine's prefill steps ([n, past, seconds]) and, per store link, whole loads ([bytes,
+    seconds]; loads that share the link, as a step's do, are one sample: their bytes over the longest).
+    A scheduler and a worker in one process share one book (`CostBook.shared`); in separate
     processes the scheduler re-reads the file when the worker has written it: at once for the first
     sample of a kind, then at most every `WRITE_EVERY_S`, and at `flush` (shutdown, exit)."""
 

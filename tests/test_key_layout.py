@@ -100,7 +100,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.parametrize("kind", ["memory", "file"])
 @pytest.mark.parametrize("tile", [0, 4, 16])
 def test_a_restore_load_reads_a_tiled_chunk_as_the_kv_it_was_saved_from(tmp_path, kind, tile, device):
-    """`ChunkLoader` (what a `Restorer`'s load lanes run): async, and blocking with `load_sync`; into a
+    """`ChunkLoader` (what a `Restorer`'s load lanes run): async, and blocking with `fetch_sync` then `place`; into a
     GPU cache the sections go up as stored, are checked there and turned row-major there."""
     kv = _prompt()
     store = _store(kind, tmp_path, kv, tile)
@@ -111,7 +111,7 @@ def test_a_restore_load_reads_a_tiled_chunk_as_the_kv_it_was_saved_from(tmp_path
         assert torch.equal(dest.cpu(), kv[:, :, :, j * T : (j + 1) * T])
         if store.reads_sync:
             dest.zero_()
-            loader.load_sync(KEYS[j], j * T, dest)
+            loader.fetch_sync(KEYS[j], j * T, dest).place()
             assert torch.equal(dest.cpu(), kv[:, :, :, j * T : (j + 1) * T])
     if device == "cuda":  # a damaged key is caught by the device checksum, never placed as KV
         blob = bytearray(anyio.run(store.get, KEYS[1]))

@@ -11,7 +11,7 @@ from kvrestore.core.errors import StoreError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.costs.book import CostBook
+from kvrestore.costs.learned import CostLearner
 from kvrestore.integrations.vllm_io import LoadChunk
 from kvrestore.integrations.vllm_meta import KVRestoreConnectorMetadata, LoadSpec, SaveSpec
 from kvrestore.integrations.vllm_plan import ConnectorConfig, ConnectorContext
@@ -43,7 +43,7 @@ class Saver:
 def worker(store: MemoryStore) -> WorkerSide:
     """A worker side over flash-attn pages of a tiny model, its costs in memory only."""
     ctx = ConnectorContext(
-        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostBook(None)
+        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostLearner(SPEC)
     )
     side = WorkerSide(ctx, store=store, saver=Saver())  # type: ignore[arg-type]
     side.register_kv_caches(
@@ -117,7 +117,7 @@ def test_a_worker_and_a_scheduler_are_separate_objects_with_separate_resources()
     from kvrestore.integrations.vllm_scheduler import SchedulerSide
 
     ctx = ConnectorContext(
-        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostBook(None)
+        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostLearner(SPEC)
     )
     threads = set(threading.enumerate())
     sched = SchedulerSide(ctx)
@@ -152,7 +152,7 @@ def test_an_fp8_cache_is_saved_as_it_is_and_loads_back_byte_for_byte():
         ConnectorConfig.from_extra({"store_url": "memory://", "kv_encoding": "fp8"}),
         SPEC,
         BLOCK,
-        CostBook(None),
+        CostLearner(SPEC),
     )
     store = MemoryStore()
     pages = {n: torch.randn(2, N_BLOCKS, BLOCK, H, D).to(torch.float8_e4m3fn) for n in names}
@@ -182,7 +182,7 @@ def test_an_fp8_cache_is_saved_as_it_is_and_loads_back_byte_for_byte():
 
         native = WorkerSide(
             ConnectorContext(
-                ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostBook(None)
+                ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostLearner(SPEC)
             ),
             store=store,
         )
@@ -213,7 +213,7 @@ def test_host_pages_from_a_local_directory_are_read_on_the_step_thread(tmp_path)
     seen = {}
     for name, store in (("local", local), ("throttled", ThrottledStore(local, 1e9))):
         ctx = ConnectorContext(
-            ConnectorConfig.from_extra({"store_url": str(tmp_path)}), spec, block, CostBook(None)
+            ConnectorConfig.from_extra({"store_url": str(tmp_path)}), spec, block, CostLearner(spec)
         )
         side = WorkerSide(ctx, store=store, saver=Saver())  # type: ignore[arg-type]
         side.register_kv_caches(
@@ -261,7 +261,7 @@ class _Request:
 def test_hit_tokens_count_only_what_a_load_can_take():
     store = MemoryStore()
     ctx = ConnectorContext(
-        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostBook(None)
+        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostLearner(SPEC)
     )
     tokens = list(range(40))  # one stored chunk of 40 tokens; blocks of 8
     side = SchedulerSide(ctx, store)
@@ -295,7 +295,7 @@ def test_a_failed_lookup_makes_every_prompt_a_miss_for_retry_after_s():
         ConnectorConfig.from_extra({"store_url": "memory://", "retry_after_s": 60}),
         SPEC,
         BLOCK,
-        CostBook(None),
+        CostLearner(SPEC),
     )
     side = SchedulerSide(ctx, store)
     try:
@@ -313,11 +313,11 @@ def _costed_side(store: MemoryStore, batch: bool) -> SchedulerSide:
     """A scheduler side whose costs are known: a 400-token prompt computes in about 4 s, and the link
     loads it in as long (the balance)."""
     extra = {"store_url": "memory://", "chunk_size": 16, "batch": batch}
-    probe = ConnectorContext(ConnectorConfig.from_extra(extra), SPEC, BLOCK, CostBook(None))
+    probe = ConnectorContext(ConnectorConfig.from_extra(extra), SPEC, BLOCK, CostLearner(SPEC))
     extra["link_bytes_per_s"] = 400 * probe.stored_bytes_per_token / 4.0
-    book = CostBook(None)
+    book = CostLearner(SPEC)
     for n, past, s in [(400, 0, 4.0), (200, 200, 2.2), (100, 300, 1.2), (1, 400, 0.01)]:
-        book.add_compute(n, past, s)
+        book.observe_step(n, past, s)
     return SchedulerSide(ConnectorContext(ConnectorConfig.from_extra(extra), SPEC, BLOCK, book), store)
 
 

@@ -82,7 +82,7 @@ def test_chunks_computed_over_a_failed_load_are_not_saved():
     try:
         step(side, meta("a"))
         assert side.get_block_ids_with_load_errors() == {0, 1}
-        assert saver.submitted == [] and side.costs.loading == [] and side.costs.compute == []
+        assert saver.submitted == [] and side.costs.state.loading == [] and side.costs.state.steps == []
         assert side.build_connector_worker_meta().failed == {"a": {0}}  # type: ignore[union-attr]
         counts = side.take_counts()
         assert counts["load_failures"] == 1 and counts["failed_chunks"] == 1 and counts["loads"] == 0
@@ -97,10 +97,10 @@ def test_chunks_computed_over_a_failed_load_are_not_saved():
             pages = side._caches[layer][:, :2].reshape(2, 16, H, D).transpose(1, 2)
             assert torch.equal(pages, kv[layer])
         # a step that loaded is a sample of computing after a past, and of computing beside a load
-        ((n_new, past, load_s, step_s, layers),) = side.costs.loading
+        ((n_new, past, load_s, step_s, layers),) = side.costs.state.loading
         assert (n_new, past, layers) == (16, 16, L) and load_s > 0 and step_s > 0
-        ((n_new, past, seconds),) = side.costs.compute
-        assert (n_new, past) == (16, 16) and 0 <= seconds <= step_s
+        ((n_new, past, seconds),) = side.costs.state.steps
+        assert (n_new, past) == (16, 16) and 0 < seconds <= step_s
         counts = side.take_counts()
         assert (
             counts["loads"] == 1
@@ -243,8 +243,8 @@ def test_host_pages_from_a_local_directory_are_read_on_the_step_thread(tmp_path)
             assert side.take_counts()["loaded_tokens"] == 36
             # a step that read on its own thread computed after each read, not beside it: a sample of
             # computing only
-            assert len(side.costs.compute) == 1
-            assert len(side.costs.loading) == (0 if name == "local" else 1)
+            assert len(side.costs.state.steps) == 1
+            assert len(side.costs.state.loading) == (0 if name == "local" else 1)
             for layer in range(L):
                 got = gather_tokens(side._caches[layer], "cpu", blocks, 0, 36, H, d)
                 assert torch.equal(got, kv[layer, :, :, :36])
@@ -399,7 +399,7 @@ def test_loads_that_share_a_step_are_one_sample_of_the_link_and_reported_finishe
         step(side, meta)
         counts = side.take_counts()
         assert counts["loads"] == 2 and counts["load_failures"] == 0
-        ((nbytes, seconds),) = side.costs.links[side.ctx.link_key]
+        ((nbytes, seconds),) = side.costs.state.links[side.ctx.link_key]
         assert nbytes == counts["loaded_bytes"] and seconds > 0
         assert side.build_connector_worker_meta().loaded == {"a", "b"}  # type: ignore[union-attr]
         assert side.build_connector_worker_meta() is None  # reported once

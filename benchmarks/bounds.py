@@ -200,14 +200,14 @@ def case_poisoned(b: HFBackend, tmp: str) -> dict[str, Any]:
     tokens = tokens_of(b, 1024, seed=4)
     store = LocalStore(os.path.join(tmp, "kv"))
     path = Path(tmp) / "learned.json"
-    learner = CostLearner(b.spec, b.device, store_name(store))
+    learner = CostLearner(b.spec, b.device, store_name(store), path)
 
     async def main() -> dict[str, Any]:
         async with Restorer(b, store, learn=False) as w:  # compute samples, and the prompt stored
             await w.save(tokens)  # computed: the learned costs have compute units to predict with
             w.costs.state.link = LinkCost(2e3, 5.0)  # in bounds, absurd
             learner.state = w.costs.state
-            learner.save(path)
+            learner.save()
         rounds = []
         async with Restorer(b, store, learn=path) as r, Restorer(b, store, learn=False) as ref:
             for _ in range(6):  # each Auto restore interleaved with the two strategies it is held to

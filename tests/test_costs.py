@@ -124,10 +124,9 @@ def test_what_was_learned_is_kept_for_the_next_restorer_of_the_same_store(llama_
     path = tmp_path / "costs.json"
     anyio.run(lambda: restore_twice(learn=path))
     assert json.loads(path.read_bytes())["restores"] == 1
-    other = CostLearner(llama_backend.spec, "cpu", "another store")
-    assert not other.load(path)
+    assert not CostLearner(llama_backend.spec, "cpu", "another store", path).state.restores
     path.write_bytes(b"{not json")
-    assert not other.load(path)
+    assert not CostLearner(llama_backend.spec, "cpu", store_name(store), path).state.restores
     with pytest.raises(InvalidInputError, match="learn"):
         Restorer(llama_backend, store, learn=3)  # type: ignore[arg-type]
 

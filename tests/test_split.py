@@ -6,10 +6,12 @@ over bytes and costs: no engine, no clock."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvrestore.core.errors import InvalidInputError
-from kvrestore.costs.book import CostBook, loading_factor
+from kvrestore.core.spec import ModelSpec
 from kvrestore.costs.compute import ChunkCost
+from kvrestore.costs.learned import CostLearner, loading_factor
 from kvrestore.costs.links import LinkCost
 from kvrestore.planning.split import choose_split, max_loadable
 from kvrestore.policies.batch import QueuedLoad, link_order
@@ -17,6 +19,7 @@ from kvrestore.policies.batch import QueuedLoad, link_order
 KV_PER_TOKEN = 46_080  # SmolLM2-135M, fp32
 ENDS = [256 * (i + 1) for i in range(7)] + [2000]  # a stored 2,000-token prompt in 256-token chunks
 COMPUTE = ChunkCost.per_pair(0.0, 2.5e-3, 1.0e-6)  # ~5 s for 2,000 tokens from scratch
+SPEC = ModelSpec("m", 30, 3, 64, 100, torch.float32, "s" * 32)
 
 
 def _split(
@@ -80,13 +83,13 @@ def test_how_much_slower_steps_that_load_compute_is_learned_and_slows_a_split(tm
     # nor does one after a quick load: its step is mostly a step's fixed costs
     assert loading_factor([[32, 3968, 0.1, 0.9, L]], compute) is None
     assert loading_factor([[80, 1920, 0.1, 0.2, L]], ChunkCost.per_pair(0.0, 1e-3, 0.0)) is None
-    book = CostBook(tmp_path / "c.json")
+    book = CostLearner(SPEC, path=tmp_path / "c.json")
     assert book.loading_factor() is None  # no compute cost yet
-    book.add_compute(2000, 0, 2.0)
+    book.observe_step(2000, 0, 2.0)
     for row in samples:
-        book.add_loading_step(*row[:4], num_layers=L)  # type: ignore[call-arg]
+        book.observe_loading(*row[:4], num_layers=L)  # type: ignore[call-arg]
     book.flush()  # written behind the step; here, for another process to read
-    assert CostBook(tmp_path / "c.json").loading_factor() == pytest.approx(3.0)  # another process
+    assert CostLearner(SPEC, path=tmp_path / "c.json").loading_factor() == pytest.approx(3.0)
     balance_bw = 2000 * KV_PER_TOKEN / COMPUTE.seconds(2000)
     alone, beside = _split(LinkCost(balance_bw)), _split(LinkCost(balance_bw), loading=3.0)
     assert beside.compute_all_s == alone.compute_all_s

@@ -19,9 +19,8 @@ from kvrestore.core.errors import InvalidInputError, StoreError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.costs.book import CostBook
 from kvrestore.costs.compute import ChunkCost
-from kvrestore.costs.learned import fit_prefill_steps
+from kvrestore.costs.learned import CostLearner, fit_prefill_steps
 from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LoadChunk
 from kvrestore.integrations.vllm_layout import (
     LAYOUTS,
@@ -161,17 +160,19 @@ def test_compute_cost_is_learned_from_steps():
 
 
 def test_cost_book_persists_across_processes(tmp_path):
-    book = CostBook(tmp_path / "c.json")
-    book.add_compute(2000, 0, 6.0)
-    book.add_load("file:///kv", 90_000_000, 3.0)
+    book = CostLearner(SPEC, path=tmp_path / "c.json")
+    book.observe_step(2000, 0, 6.0)
+    book.observe_load("file:///kv", 90_000_000, 3.0)
     book.flush()  # the book writes on a thread of its own: this waits for the file
-    again = CostBook(tmp_path / "c.json")  # another process reading the same file
-    assert again.compute == [[2000.0, 0.0, 6.0]]
-    assert again.link("file:///kv").bytes_per_s == pytest.approx(3e7)
-    assert again.link("s3://other") is None
+    again = CostLearner(SPEC, path=tmp_path / "c.json")  # another process reading the same file
+    assert again.state.steps == [[2000.0, 0.0, 6.0]]
+    assert again.link_cost("file:///kv").bytes_per_s == pytest.approx(3e7)
+    assert again.link_cost("s3://other") is None
     for i in range(40):
-        book.add_compute(1000 + i, 0, 1.0)
-    assert len(book.compute) == CostBook.MAX_PREFILLS
+        book.observe_step(1000 + i, 0, 1.0)
+    assert len(book.state.steps) == CostLearner.MAX_PREFILLS
+    (tmp_path / "c.json").write_text('{"compute": [[2000, 0, 6.0]]}')  # another format: a hint not taken
+    assert CostLearner(SPEC, path=tmp_path / "c.json").step_cost() is None
 
 
 def test_config_is_checked():
@@ -608,7 +609,7 @@ def test_with_save_off_the_connector_opens_its_store_read_only(tmp_path):
         ConnectorConfig.from_extra({"store_url": str(tmp_path / "kv"), "save": False}),
         SPEC,
         8,
-        CostBook.shared(SPEC.fingerprint, tmp_path / "costs"),
+        CostLearner.shared(SPEC, tmp_path / "costs"),
     )
     store = spec_ctx.open_store()
     t = IOThread()
@@ -668,14 +669,14 @@ def test_the_connectors_lines_go_to_vllms_handlers_unless_logging_is_configured(
 def test_the_scheduler_reads_the_costs_the_worker_learned_whatever_their_threads(tmp_path):
     """vLLM's scheduler process runs fewer torch threads than its worker: one cost file for both."""
     threads = torch.get_num_threads()
-    worker = CostBook.shared(SPEC.fingerprint, tmp_path)
-    worker.add_compute(256, 0, 0.5)
-    worker.add_load("kv", 10_000_000, 0.01)
+    worker = CostLearner.shared(SPEC, tmp_path)
+    worker.observe_step(256, 0, 0.5)
+    worker.observe_load("kv", 10_000_000, 0.01)
     worker.flush()
     torch.set_num_threads(1 if threads != 1 else 2)
     try:
-        scheduler = CostBook(CostBook.shared(SPEC.fingerprint, tmp_path).path)
+        scheduler = CostLearner(SPEC, path=CostLearner.shared(SPEC, tmp_path).path)
     finally:
         torch.set_num_threads(threads)
     assert scheduler.path == worker.path
-    assert scheduler.compute_cost() is not None and scheduler.link("kv") is not None
+    assert scheduler.step_cost() is not None and scheduler.link_cost("kv") is not None

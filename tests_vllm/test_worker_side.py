@@ -11,7 +11,7 @@ from kvrestore.core.errors import StoreError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.costs.book import CostBook
+from kvrestore.costs.learned import CostLearner
 from kvrestore.integrations.vllm_io import LoadChunk
 from kvrestore.integrations.vllm_meta import KVRestoreConnectorMetadata, LoadSpec, SaveSpec
 from kvrestore.integrations.vllm_plan import ConnectorConfig, ConnectorContext
@@ -43,7 +43,7 @@ class Saver:
 def worker(store: MemoryStore) -> WorkerSide:
     """A worker side over flash-attn pages of a tiny model, its costs in memory only."""
     ctx = ConnectorContext(
-        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostBook(None)
+        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostLearner(SPEC)
     )
     side = WorkerSide(ctx, store=store, saver=Saver())  # type: ignore[arg-type]
     side.register_kv_caches(
@@ -82,7 +82,7 @@ def test_chunks_computed_over_a_failed_load_are_not_saved():
     try:
         step(side, meta("a"))
         assert side.get_block_ids_with_load_errors() == {0, 1}
-        assert saver.submitted == [] and side.costs.loading == [] and side.costs.compute == []
+        assert saver.submitted == [] and side.costs.state.loading == [] and side.costs.state.steps == []
         assert side.build_connector_worker_meta().failed == {"a": {0}}  # type: ignore[union-attr]
         counts = side.take_counts()
         assert counts["load_failures"] == 1 and counts["failed_chunks"] == 1 and counts["loads"] == 0
@@ -97,10 +97,10 @@ def test_chunks_computed_over_a_failed_load_are_not_saved():
             pages = side._caches[layer][:, :2].reshape(2, 16, H, D).transpose(1, 2)
             assert torch.equal(pages, kv[layer])
         # a step that loaded is a sample of computing after a past, and of computing beside a load
-        ((n_new, past, load_s, step_s, layers),) = side.costs.loading
+        ((n_new, past, load_s, step_s, layers),) = side.costs.state.loading
         assert (n_new, past, layers) == (16, 16, L) and load_s > 0 and step_s > 0
-        ((n_new, past, seconds),) = side.costs.compute
-        assert (n_new, past) == (16, 16) and 0 <= seconds <= step_s
+        ((n_new, past, seconds),) = side.costs.state.steps
+        assert (n_new, past) == (16, 16) and 0 < seconds <= step_s
         counts = side.take_counts()
         assert (
             counts["loads"] == 1
@@ -117,7 +117,7 @@ def test_a_worker_and_a_scheduler_are_separate_objects_with_separate_resources()
     from kvrestore.integrations.vllm_scheduler import SchedulerSide
 
     ctx = ConnectorContext(
-        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostBook(None)
+        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostLearner(SPEC)
     )
     threads = set(threading.enumerate())
     sched = SchedulerSide(ctx)
@@ -152,7 +152,7 @@ def test_an_fp8_cache_is_saved_as_it_is_and_loads_back_byte_for_byte():
         ConnectorConfig.from_extra({"store_url": "memory://", "kv_encoding": "fp8"}),
         SPEC,
         BLOCK,
-        CostBook(None),
+        CostLearner(SPEC),
     )
     store = MemoryStore()
     pages = {n: torch.randn(2, N_BLOCKS, BLOCK, H, D).to(torch.float8_e4m3fn) for n in names}
@@ -182,7 +182,7 @@ def test_an_fp8_cache_is_saved_as_it_is_and_loads_back_byte_for_byte():
 
         native = WorkerSide(
             ConnectorContext(
-                ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostBook(None)
+                ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostLearner(SPEC)
             ),
             store=store,
         )
@@ -213,7 +213,7 @@ def test_host_pages_from_a_local_directory_are_read_on_the_step_thread(tmp_path)
     seen = {}
     for name, store in (("local", local), ("throttled", ThrottledStore(local, 1e9))):
         ctx = ConnectorContext(
-            ConnectorConfig.from_extra({"store_url": str(tmp_path)}), spec, block, CostBook(None)
+            ConnectorConfig.from_extra({"store_url": str(tmp_path)}), spec, block, CostLearner(spec)
         )
         side = WorkerSide(ctx, store=store, saver=Saver())  # type: ignore[arg-type]
         side.register_kv_caches(
@@ -243,8 +243,8 @@ def test_host_pages_from_a_local_directory_are_read_on_the_step_thread(tmp_path)
             assert side.take_counts()["loaded_tokens"] == 36
             # a step that read on its own thread computed after each read, not beside it: a sample of
             # computing only
-            assert len(side.costs.compute) == 1
-            assert len(side.costs.loading) == (0 if name == "local" else 1)
+            assert len(side.costs.state.steps) == 1
+            assert len(side.costs.state.loading) == (0 if name == "local" else 1)
             for layer in range(L):
                 got = gather_tokens(side._caches[layer], "cpu", blocks, 0, 36, H, d)
                 assert torch.equal(got, kv[layer, :, :, :36])
@@ -261,7 +261,7 @@ class _Request:
 def test_hit_tokens_count_only_what_a_load_can_take():
     store = MemoryStore()
     ctx = ConnectorContext(
-        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostBook(None)
+        ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostLearner(SPEC)
     )
     tokens = list(range(40))  # one stored chunk of 40 tokens; blocks of 8
     side = SchedulerSide(ctx, store)
@@ -295,7 +295,7 @@ def test_a_failed_lookup_makes_every_prompt_a_miss_for_retry_after_s():
         ConnectorConfig.from_extra({"store_url": "memory://", "retry_after_s": 60}),
         SPEC,
         BLOCK,
-        CostBook(None),
+        CostLearner(SPEC),
     )
     side = SchedulerSide(ctx, store)
     try:
@@ -313,11 +313,11 @@ def _costed_side(store: MemoryStore, batch: bool) -> SchedulerSide:
     """A scheduler side whose costs are known: a 400-token prompt computes in about 4 s, and the link
     loads it in as long (the balance)."""
     extra = {"store_url": "memory://", "chunk_size": 16, "batch": batch}
-    probe = ConnectorContext(ConnectorConfig.from_extra(extra), SPEC, BLOCK, CostBook(None))
+    probe = ConnectorContext(ConnectorConfig.from_extra(extra), SPEC, BLOCK, CostLearner(SPEC))
     extra["link_bytes_per_s"] = 400 * probe.stored_bytes_per_token / 4.0
-    book = CostBook(None)
+    book = CostLearner(SPEC)
     for n, past, s in [(400, 0, 4.0), (200, 200, 2.2), (100, 300, 1.2), (1, 400, 0.01)]:
-        book.add_compute(n, past, s)
+        book.observe_step(n, past, s)
     return SchedulerSide(ConnectorContext(ConnectorConfig.from_extra(extra), SPEC, BLOCK, book), store)
 
 
@@ -399,7 +399,7 @@ def test_loads_that_share_a_step_are_one_sample_of_the_link_and_reported_finishe
         step(side, meta)
         counts = side.take_counts()
         assert counts["loads"] == 2 and counts["load_failures"] == 0
-        ((nbytes, seconds),) = side.costs.links[side.ctx.link_key]
+        ((nbytes, seconds),) = side.costs.state.links[side.ctx.link_key]
         assert nbytes == counts["loaded_bytes"] and seconds > 0
         assert side.build_connector_worker_meta().loaded == {"a", "b"}  # type: ignore[union-attr]
         assert side.build_connector_worker_meta() is None  # reported once

@@ -21,6 +21,8 @@ LINK_BYTES_PER_S = (1e3, 1e13)
 LINK_LATENCY_S = (0.0, 10.0)
 #: tokens in one compute unit, or of past KV before it
 TOKENS = (0.0, 1e7)
+#: bytes of one load
+BYTES = (0.0, 1e15)
 #: seconds of one compute unit (or one layer of one)
 UNIT_SECONDS = (0.0, 1e5)
 #: seconds per unit (token, token^2, ...) of a fitted cost term

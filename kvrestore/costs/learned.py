@@ -1,32 +1,35 @@
-"""Costs learned from the work itself: the cost model of a `Restorer` that has no profile.
+"""The one cost book (`CostLearner`): costs learned from the work itself, by a `Restorer` without a
+profile (its planner and simulator predict with them) and by an engine's connector (vLLM's).
 
 `kvrestore profile` measures a machine once (about 50 s per machine, model, dtype and store). A
-restorer without one learns the same model from what it does anyway:
+restorer without one learns the same model from what it does anyway: every compute unit of every save
+and restore (n tokens prefilled after p tokens of past KV, or one decoder layer over N tokens), every
+load (`links.LinkEstimate` follows the link), and how each strategy's restores compared with the
+predictions (`calibration.Calibration`). Until it has seen a compute unit and a load, `Auto` explores
+with a policy that adapts by itself and learns from its trace; `CostLearner.profile()` then fits the
+samples into a `Profile`, the same cost model a measured profile is. An engine learns from its own
+steps: its prefill steps (`fit_prefill_steps`), whole loads per store link (`links.link_from_loads`),
+and how much slower it computes while a load runs beside it (`loading_factor`).
 
-* every compute unit of every save and restore: n tokens prefilled after p tokens of past KV, in
-  seconds (token-wise units), or one decoder layer over N tokens (layer-wise units);
-* every load (the link: `links.LinkEstimate` follows the delivery rate and estimates the per-request
-  latency);
-* how each strategy's restores compared with the predictions (`calibration.Calibration`).
-
-Until it has seen both a compute unit and a load, `Auto` explores with a policy that adapts by itself
-(the layer-wise two-pointer for a short stored prefix, the token-wise one for a long one) and learns
-from its trace. `CostLearner.profile()` then fits the samples into a `Profile`, the same cost model a
-measured profile is, so the planner predicts with one or the other alike.
-
-What was learned is kept per machine, model, dtype, device and store: `save`/`load` a small JSON file
-under the cache directory (`learned_path`), so the next restorer of the same process or machine starts
-where this one stopped.
+What was learned is one `LearnedState` in one small JSON file, replaced atomically and ignored if
+anything in it is out of bounds (`costs.bounds`): a restorer's per machine, model, dtype, device and
+store (`learned_path`), so the next restorer starts where this one stopped; an engine's per model and
+machine (`CostLearner.shared`), shared by the processes that learn and plan with it.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import logging
 import math
 import os
 import re
-import secrets
+import statistics
+import tempfile
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,8 +37,10 @@ import msgspec
 import torch
 
 from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec, dtype_name
 from kvrestore.costs.bounds import (
+    BYTES,
     TOKENS,
     UNIT_SECONDS,
     calibration_problem,
@@ -46,27 +51,33 @@ from kvrestore.costs.bounds import (
 )
 from kvrestore.costs.compute import ChunkCost, LayerCost
 from kvrestore.costs.fit import fit_nonnegative
-from kvrestore.costs.links import LinkCost
+from kvrestore.costs.links import LinkCost, link_from_loads
 from kvrestore.costs.profile import Profile, machine_id, profile_dir, profile_key
 
 log = logging.getLogger("kvrestore.costs.learned")
 
 LEARNED_VERSION = 1
+#: the device of an engine's book
+ENGINE = "engine"
 #: the most recent samples of each kind kept (older ones age out, so the model follows the machine)
 MAX_SAMPLES = 256
+#: the range a learned `loading_factor` is kept in
+LOADING_FACTOR_RANGE = (0.5, 20.0)
+#: the fewest new tokens a step that loaded must compute to be a sample of `loading_factor`
+LOADING_MIN_TOKENS = 256
 
 
 class LearnedState(msgspec.Struct):
-    """What a `CostLearner` has seen: its samples, link and calibration (the persisted form)."""
+    """What a `CostLearner` has seen: its samples, links and calibration (the persisted form)."""
 
     machine: str
     fingerprint: str
     dtype: str
     device: str
     store: str
-    #: [n tokens, past tokens, seconds] of token-wise compute units
+    #: [n tokens, past tokens, seconds] of a restorer's token-wise compute units
     chunk: list[list[float]] = msgspec.field(default_factory=list)
-    #: [N tokens, seconds per layer] of layer-wise compute units
+    #: [N tokens, seconds per layer] of a restorer's layer-wise compute units
     layer: list[list[float]] = msgspec.field(default_factory=list)
     link: LinkCost | None = None
     loads: int = 0  # restores (or saves) whose loads moved the link estimate
@@ -74,6 +85,13 @@ class LearnedState(msgspec.Struct):
     #: the calibration's log(measured / predicted) per strategy, and its observation counts
     calibration: dict[str, float] = msgspec.field(default_factory=dict)
     calibrated: dict[str, int] = msgspec.field(default_factory=dict)
+    #: an engine's steps, decode steps included: [n new tokens, past, seconds]
+    steps: list[list[float]] = msgspec.field(default_factory=list)
+    #: an engine's whole loads per store link: [bytes, seconds] (a step's loads share the link: one
+    #: sample, their bytes over the longest)
+    links: dict[str, list[list[float]]] = msgspec.field(default_factory=dict)
+    #: an engine's steps that loaded: [n new, past, load seconds, step seconds, layers]
+    loading: list[list[float]] = msgspec.field(default_factory=list)
     version: int = LEARNED_VERSION
 
 
@@ -97,16 +115,52 @@ def learned_path(spec: ModelSpec, device: torch.device | str, store: str) -> Pat
 
 
 class CostLearner:
-    """Learns compute and link costs from the restorer's own work (see the module docstring)."""
+    """The cost book (see the module docstring) of a restorer on `device` over `store`, or of an engine
+    (`ENGINE`), kept at `path` (None: in memory only), which it starts from if it is there and of this
+    machine, model, dtype, device and store.
 
-    def __init__(self, spec: ModelSpec, device: torch.device | str, store: str) -> None:
-        self.spec = spec
-        self.state = LearnedState(
-            machine_id(), spec.fingerprint, dtype_name(spec.dtype), torch.device(device).type, store
-        )
+    A restorer's planner writes the file after each restore (`save`). An engine's samples are written
+    behind them: at once for the first of a kind (another process's planner has nothing to go on
+    without it), else at most every `WRITE_EVERY_S` (each write is a file replaced on the step's
+    thread), and at `flush` (shutdown, exit). A connector's scheduler and worker in one process share
+    one book (`shared`); in separate processes the scheduler re-reads the file when the worker has
+    written it (`refresh`)."""
+
+    MAX_PREFILLS = 32
+    MAX_SMALL = 8
+    MAX_LOADS = 16
+    MAX_LOADING = 16
+    WRITE_EVERY_S = 5.0
+
+    _shared: dict[str, CostLearner] = {}
+    _shared_lock = threading.Lock()
+
+    def __init__(
+        self, spec: ModelSpec, device: torch.device | str = ENGINE, store: str = "", path: Path | None = None
+    ) -> None:
+        self.spec, self.path = spec, path
+        kind = str(device).split(":")[0]  # a torch device's type; an engine's book is of the machine
+        machine = machine_id(threads=kind != ENGINE)  # whatever its processes' threads (vLLM's differ)
+        self.state = LearnedState(machine, spec.fingerprint, dtype_name(spec.dtype), kind, store)
         self._fitted: Profile | None = None  # cached fit, dropped when a sample arrives
+        self._lock = threading.Lock()
+        self._mtime = self._written_at = 0.0
+        self._due = False  # an engine learned since the last write
+        self.refresh()
 
-    # -- observing ----------------------------------------------------------------------------------
+    @classmethod
+    def shared(cls, spec: ModelSpec, cost_dir: str | os.PathLike | None = None) -> CostLearner:
+        """The one engine book of `spec` on this machine in this process, written at exit too."""
+        root = Path(cost_dir) if cost_dir is not None else cache_root() / "vllm"
+        path = root / f"costs-{spec.fingerprint[:16]}-{machine_id(threads=False)}.json"
+        with cls._shared_lock:
+            book = cls._shared.get(str(path))
+            if book is None:
+                book = cls._shared[str(path)] = cls(spec, path=path)
+                atexit.register(book.flush)  # what a process that is not shut down learned last
+            return book
+
+    # -- a restorer's observations ------------------------------------------------------------------
 
     def observe_compute(self, n_tokens: int, past: int, seconds: float) -> None:
         """A token-wise compute unit: `n_tokens` prefilled after `past` tokens, in `seconds`."""
@@ -128,6 +182,43 @@ class CostLearner:
 
     def observe_restore(self) -> None:
         self.state.restores += 1
+
+    # -- an engine's observations -------------------------------------------------------------------
+
+    def observe_step(self, n_tokens: int, past: int, seconds: float) -> None:
+        """An engine's step: `n_tokens` new tokens computed after `past`, in `seconds`. The latest
+        `MAX_PREFILLS` prefills and `MAX_SMALL` decode steps are kept."""
+        if not (seconds > 0 and math.isfinite(seconds)):
+            return
+        with self._lock:
+            steps = self.state.steps
+            small = n_tokens < MIN_PREFILL_TOKENS
+            same = [s for s in steps if (s[0] < MIN_PREFILL_TOKENS) == small]
+            if len(same) >= (self.MAX_SMALL if small else self.MAX_PREFILLS):
+                steps.remove(same[0])
+            first = not small and not any(s[0] >= MIN_PREFILL_TOKENS for s in steps)
+            steps.append([float(n_tokens), float(past), float(seconds)])
+        self._learned(first)
+
+    def observe_load(self, link_key: str, nbytes: int, seconds: float) -> None:
+        """An engine's whole load of `nbytes` over the link `link_key`, in `seconds`."""
+        if not (nbytes > 0 and seconds > 0 and math.isfinite(seconds)):
+            return
+        with self._lock:
+            rows = self.state.links.setdefault(link_key, [])
+            first = not rows
+            rows.append([float(nbytes), float(seconds)])
+            del rows[: -self.MAX_LOADS]
+        self._learned(first)
+
+    def observe_loading(self, n_new: int, past: int, load_s: float, step_s: float, num_layers: int) -> None:
+        """A step that computed `n_new` tokens after a `past` it loaded in `load_s`, taking `step_s`."""
+        with self._lock:
+            rows = self.state.loading
+            first = not rows
+            rows.append([float(n_new), float(past), float(load_s), float(step_s), float(num_layers)])
+            del rows[: -self.MAX_LOADING]
+        self._learned(first)
 
     # -- what was learned ---------------------------------------------------------------------------
 
@@ -192,58 +283,113 @@ class CostLearner:
             f"layer-wise compute units, loads of {s.loads} restores ({link}), over {s.restores} restores"
         )
 
+    def step_cost(self) -> ChunkCost | None:
+        """An engine's prefill cost, fitted from its steps (`fit_prefill_steps`)."""
+        with self._lock:
+            return fit_prefill_steps(self.state.steps)
+
+    def link_cost(self, link_key: str) -> LinkCost | None:
+        """The link `link_key` as an engine's whole loads over it saw it (`links.link_from_loads`)."""
+        with self._lock:
+            return link_from_loads(self.state.links.get(link_key, []))
+
+    def loading_factor(self) -> float | None:
+        """How much slower the engine computes beside a load than `step_cost` says (`loading_factor`)."""
+        compute = self.step_cost()
+        with self._lock:
+            samples = list(self.state.loading)
+        return None if compute is None else loading_factor(samples, compute)
+
     # -- persisting ---------------------------------------------------------------------------------
 
-    def save(self, path: str | os.PathLike) -> Path:
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        tmp.write_bytes(msgspec.json.encode(self.state))
-        tmp.replace(target)
-        return target
-
-    def load(self, path: str | os.PathLike) -> bool:
-        """Start from what was saved at `path` (if it is there and of this machine, model and store);
-        whether it was. A damaged file is logged and ignored: learning starts again."""
-        path = Path(path)
+    def refresh(self) -> bool:
+        """Start from the file if another process (or restorer) wrote it since it was last read, and it
+        is of this machine, model and store; whether it was. A damaged file, or one with anything out of
+        bounds (a file is a hint: `state_problem`), is logged and ignored: learning starts again."""
+        if self.path is None:
+            return False
         try:
-            state = msgspec.json.decode(path.read_bytes(), type=LearnedState)
+            mtime = self.path.stat().st_mtime
+            if mtime == self._mtime:
+                return False
+            self._mtime = mtime  # not read again (nor logged again) until it is rewritten
+            state = msgspec.json.decode(self.path.read_bytes(), type=LearnedState)
         except FileNotFoundError:
             return False
         except (OSError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            log.warning("ignoring learned costs at %s: %s", path, exc)
+            log.warning("ignoring learned costs at %s: %s", self.path, exc)
             return False
-        mine = self.state
-        same = (state.version, state.machine, state.fingerprint, state.dtype, state.device, state.store) == (
-            LEARNED_VERSION,
-            mine.machine,
-            mine.fingerprint,
-            mine.dtype,
-            mine.device,
-            mine.store,
-        )
-        if not same:
-            log.info("learned costs at %s are of another machine, model or store: not used", path)
+        if _identity(state) != _identity(self.state):
+            log.info("learned costs at %s are of another machine, model or store: not used", self.path)
             return False
         problem = state_problem(state)
-        if problem is not None:  # a file is a hint: one out of bounds is ignored, never used
-            log.warning("ignoring learned costs at %s: %s", path, problem)
+        if problem is not None:
+            log.warning("ignoring learned costs at %s: %s", self.path, problem)
             return False
-        self.state = state
-        self._fitted = None
+        with self._lock:
+            self.state = state
+            self._fitted = None
         return True
+
+    def save(self) -> None:
+        """Write what was learned to the file now, replacing it atomically (a reader, in any process,
+        never sees half of one). Raises OSError."""
+        if self.path is None:
+            return
+        with self._lock:
+            self._due = False
+            data = msgspec.json.encode(self.state)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".costs-", dir=self.path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        self._mtime = self.path.stat().st_mtime
+        self._written_at = time.monotonic()
+
+    def flush(self) -> None:
+        """Write what an engine learned since the last write, now (at shutdown, or for another
+        process). Learning is best effort: a failure to write is logged."""
+        if not self._due:
+            return
+        try:
+            self.save()
+        except OSError as exc:
+            log.debug("could not persist learned costs to %s: %s", self.path, exc)
+
+    def _learned(self, first: bool) -> None:
+        """Note an engine's new sample: written at once if it is the first of its kind, else at most
+        every `WRITE_EVERY_S`, and at `flush`."""
+        with self._lock:
+            self._due = True
+            due = first or time.monotonic() - self._written_at > self.WRITE_EVERY_S
+        if due:
+            self.flush()
 
 
 def state_problem(state: LearnedState) -> str | None:
     """What is out of bounds in learned costs read from a file (`costs.bounds`), or None."""
+    rows = [state.chunk, state.layer, state.steps, state.loading, *state.links.values()]
     return first_problem(
         samples_problem("token-wise", state.chunk, (TOKENS, TOKENS, UNIT_SECONDS)),
         samples_problem("layer-wise", state.layer, (TOKENS, UNIT_SECONDS)),
-        None if len(state.chunk) <= MAX_SAMPLES and len(state.layer) <= MAX_SAMPLES else "too many samples",
+        samples_problem("step", state.steps, (TOKENS, TOKENS, UNIT_SECONDS)),
+        samples_problem("loading step", state.loading, (TOKENS, TOKENS, UNIT_SECONDS, UNIT_SECONDS, TOKENS)),
+        *(samples_problem(f"load over {k}", v, (BYTES, UNIT_SECONDS)) for k, v in state.links.items()),
+        None if all(len(r) <= MAX_SAMPLES for r in rows) else "too many samples",
         link_problem(state.link),
         counts_problem("restore", [state.loads, state.restores, *state.calibrated.values()]),
         calibration_problem(state.calibration),
     )
+
+
+def _identity(s: LearnedState) -> tuple[object, ...]:
+    return (s.version, s.machine, s.fingerprint, s.dtype, s.device, s.store)
 
 
 def _append(samples: list[list[float]], sample: list[float]) -> None:
@@ -296,6 +442,35 @@ def fit_prefill_steps(samples: Sequence[Sequence[float]]) -> ChunkCost | None:
     return fit_prefill_cost(rows)
 
 
+def loading_factor(samples: Sequence[Sequence[float]], compute: ChunkCost) -> float | None:
+    """How much slower a step's compute runs while a load runs beside it (its reads, checks and page
+    copies share the host with vLLM's kernels), from steps that loaded: [n new, past, load seconds, step
+    seconds, layers]. A step computes after its loaded layers arrive, so it ends about ``load / layers``
+    after its compute would, or a layer's compute after the load. Where the compute ended last (the step
+    outlasted its load by more than half its predicted compute) and was a sizeable part of the step (at
+    least a quarter of the load and of the whole step), ``(step - load / layers) / compute`` is what the
+    compute took against what it takes alone. The median of those; None without one.
+
+    A few tokens computed after a load (fewer than `LOADING_MIN_TOKENS`: a load-all step) tell nothing
+    of it: their step is mostly a step's fixed costs, which no per-token model predicts well, and taken
+    as a ratio they made every split look two to twenty times dearer than it was."""
+    ratios = []
+    for n_new, past, load_s, step_s, layers in samples:
+        c = compute.seconds(int(n_new), int(past))
+        if (
+            n_new < LOADING_MIN_TOKENS
+            or c <= 0
+            or c < 0.25 * max(load_s, step_s)
+            or step_s - load_s < 0.5 * c
+        ):
+            continue
+        ratios.append((step_s - load_s / max(layers, 1.0)) / c)
+    if not ratios:
+        return None
+    lo, hi = LOADING_FACTOR_RANGE
+    return min(hi, max(lo, statistics.median(ratios)))
+
+
 def _fit_layer(samples: Sequence[Sequence[float]]) -> LayerCost:
     """``fixed + N per_token + N^2 per_token2`` per layer."""
     rows = [[1.0, n, n * n] for n, _ in samples]
@@ -317,7 +492,9 @@ __all__ = [
     "LearnedState",
     "check_learn",
     "fit_prefill_cost",
+    "fit_prefill_steps",
     "learned_dir",
     "learned_path",
+    "loading_factor",
     "store_name",
 ]

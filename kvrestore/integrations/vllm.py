@@ -37,7 +37,7 @@ step loads and saves; no I/O thread, no saver) or a `WorkerSide` (`vllm_worker`:
 writes, the saver), never both; `vllm_meta` is what they tell each other. The vLLM-free parts are in
 `vllm_layout` (paged layouts), `vllm_plan` (config, fingerprint), `vllm_io` (background I/O),
 `vllm_load` (the loads) and `vllm_stats` (counters and records); the split and the learned costs are the
-library's (`planning.split`, `costs.book`). This module is the glue to vLLM's interface.
+library's (`planning.split`, `costs.learned`). This module is the glue to vLLM's interface.
 """
 
 from __future__ import annotations

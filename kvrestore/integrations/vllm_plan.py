@@ -1,7 +1,7 @@
 """What the vLLM connector decides, without vLLM: its configuration and context (what the scheduler
 side and the worker side share) and the model's fingerprint. The split itself (how many stored tokens
 to load) is the library's (`kvrestore.planning.split`); what the connector learns about costs is
-`kvrestore.costs.book`.
+the one cost book's (`kvrestore.costs.learned`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvrestore.codec.seal import Seal, seal_of, secret_from_env
 from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
 from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec, dtype_name
-from kvrestore.costs.book import CostBook
+from kvrestore.costs.learned import CostLearner
 from kvrestore.costs.links import LinkCost
 from kvrestore.integrations.vllm_layout import LAYOUTS
 from kvrestore.planning.split import SPLITS
@@ -117,11 +117,11 @@ class ConnectorContext:
     config: ConnectorConfig
     spec: ModelSpec
     block_size: int
-    costs: CostBook
+    costs: CostLearner
 
     @classmethod
     def make(cls, config: ConnectorConfig, spec: ModelSpec, block_size: int) -> ConnectorContext:
-        return cls(config, spec, block_size, CostBook.shared(spec.fingerprint, config.cost_dir))
+        return cls(config, spec, block_size, CostLearner.shared(spec, config.cost_dir))
 
     @property
     def encoding(self) -> Encoding:

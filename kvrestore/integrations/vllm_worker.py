@@ -379,9 +379,9 @@ class WorkerSide:
         while self._timed_steps and self._timed_steps[0][3].query():
             n_new, past, start, end, waited, load_s = self._timed_steps.popleft()
             seconds = start.elapsed_time(end) / 1e3
-            self.costs.add_compute(n_new, past, max(0.0, seconds - waited))
+            self.costs.observe_step(n_new, past, max(0.0, seconds - waited))
             if load_s is not None:
-                self.costs.add_loading_step(n_new, past, load_s, seconds, self.spec.num_layers)
+                self.costs.observe_loading(n_new, past, load_s, seconds, self.spec.num_layers)
 
     def _finish_loads(self) -> set[str]:
         """Settle the step's loads (a load still running is cancelled): note the blocks and chunks that
@@ -427,7 +427,7 @@ class WorkerSide:
                     blocks=blocks_of(spec.block_ids, 0, spec.k, self.block_size),
                 )
         if moved:
-            self.costs.add_load(self.ctx.link_key, moved, longest)
+            self.costs.observe_load(self.ctx.link_key, moved, longest)
         if self._loads and self._load_stream is not None:  # every load is settled: vLLM's stream goes on
             vllm_stream = torch.cuda.current_stream(self._caches[0].device)  # after every page they wrote
             vllm_stream.wait_stream(self._load_stream)

@@ -102,13 +102,11 @@ class Planner:
         spec = backend.spec
         self.stored_bytes_per_token = stored_bytes_per_token or spec.kv_bytes_per_token
         self.profile = find_profile(backend, profile)
-        self.costs = CostLearner(spec, backend.device, store_name)
         learn = check_learn(learn)
         self.learned_at: Path | None = (
-            learned_path(spec, backend.device, self.costs.state.store) if learn is True else learn or None
+            learned_path(spec, backend.device, store_name) if learn is True else learn or None
         )
-        if self.learned_at is not None:
-            self.costs.load(self.learned_at)
+        self.costs = CostLearner(spec, backend.device, store_name, self.learned_at)
         start = self.profile.link if self.profile is not None else None
         self.link = LinkEstimate(start or self.costs.state.link)
         self.link.measured_latency = start is not None  # else it goes on estimating it from the loads
@@ -374,7 +372,7 @@ class Planner:
         self.costs.state.calibration = self.calibration.logs()
         self.costs.state.calibrated = dict(self.calibration.observations)
         try:
-            await anyio.to_thread.run_sync(self.costs.save, self.learned_at)
+            await anyio.to_thread.run_sync(self.costs.save)
         except OSError as exc:
             log.warning("could not keep the learned costs at %s: %s", self.learned_at, exc)
             self.learned_at = None

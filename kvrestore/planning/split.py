@@ -8,7 +8,7 @@ that overlaps [0, k) over the link; computing n - k tokens after a past of k cos
 ``max(load + compute / L, compute + load / L)``: the slower of the two plus one layer of the other.
 `choose_split` picks the k (block- and chunk-aligned, at most the stored prefix and n - 1) that
 minimises it. Its compute also shares the host with the load's reads, checks and page writes: `loading`
-(how much slower such steps computed than the model says: `costs.book.loading_factor`) scales the
+(how much slower such steps computed than the model says: `costs.learned.loading_factor`) scales the
 compute of every split that loads.
 
 Many requests at once (CacheFlow's batch rule). A split is not planned as if the lanes were free: the

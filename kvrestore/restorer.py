@@ -360,7 +360,7 @@ class Restorer:
 
     async def close(self) -> None:
         """Keep what was learned; free the staging memory, the lanes of an engine made here, the store."""
-        await self.planner.keep()  # logs a failure to write, never raises one
+        await self.planner.keep(settle=True)  # logs a failure to write, never raises one
         self.loader.close()
         if self._own_engine:
             self.engine.close()

@@ -27,7 +27,14 @@ from kvrestore.chunkio.save import SaveStats
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import seal_of
 from kvrestore.core.errors import InvalidInputError, KVRestoreError, UsageError, check_int, check_seconds
-from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef, check_namespace, chunk_keys, key_space, namespaced
+from kvrestore.core.keys import (
+    DEFAULT_CHUNK_SIZE,
+    ChunkRef,
+    check_namespace,
+    chunk_keys,
+    key_space,
+    namespaced,
+)
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import LoopThread, mirror_sync_methods

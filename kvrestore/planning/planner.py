@@ -120,8 +120,7 @@ class Planner:
             self.link.reprobe()  # a link read from a file is a hint: the first loads here replace it
         self._calibration = Calibration()  # how this restorer's restores compare with predictions
         self._calibration.resume(self.costs.state.calibration, self.costs.state.calibrated)
-        #: per strategy, its restores not yet set against their predictions (`calibration`): (the
-        #: prediction, to work out; the seconds measured), the last `UNSETTLED`
+        #: per strategy, its last `UNSETTLED` restores not set against their predictions: (prediction, seconds)
         self._unsettled: dict[str, list[tuple[Callable[[], float], float]]] = {}
         self._unprobed = 0  # restores since the link was last measured by loads
         self._probe: Plan | None = None  # the last plan that probes the link
@@ -138,10 +137,8 @@ class Planner:
 
     @property
     def calibration(self) -> Calibration:
-        """How this restorer's restores compare with the cost model's predictions. A restore of a policy
-        the caller named is set against its prediction only here, when `Auto` plans (or the learned
-        costs are written at `close`): predicting it takes a simulation, which the restore itself does
-        not need."""
+        """How this restorer's restores compare with the cost model's predictions. A restore is set against
+        its prediction (for a policy the caller named, a simulation the restore does not need) only here."""
         unsettled, self._unsettled = self._unsettled, {}
         for name, restores in unsettled.items():
             for predicted, seconds in restores:
@@ -285,9 +282,8 @@ class Planner:
     ) -> Callable[[], float] | None:
         """The cost model's own (uncalibrated) prediction for running `policy`, where there is one to
         learn from: a cost model, a link estimate, a strategy the planner knows, and an engine whose
-        restore times are their own (`Engine.times_restores_alone`; not a `BatchEngine`). It is a call
-        that works it out from the costs known now: `Auto`'s plan holds it, any other policy is
-        simulated only once `calibration` is read."""
+        restore times are their own (`Engine.times_restores_alone`; not a `BatchEngine`), from the costs
+        known now, as a call: it is simulated only once `calibration` is read."""
         if plan is not None and plan is self._probe:  # predicted with the link it doubts: no yardstick
             self._probing = True
             return None
@@ -396,9 +392,8 @@ class Planner:
             self.costs.observe_compute(n_tokens, start, seconds)
 
     async def keep(self, settle: bool = False) -> None:
-        """Persist what was learned (a small JSON file; a failure to write it is logged, not raised);
-        `settle`: with every restore set against its prediction first (`calibration`), else with
-        those settled so far."""
+        """Persist what was learned (a small JSON file; a failure to write it is logged, not raised),
+        with the restores set against their predictions so far, or, `settle`, all of them."""
         if self.learned_at is None or self.profile is not None:
             return
         calibration = self.calibration if settle else self._calibration

@@ -24,10 +24,17 @@ from kvrestore.blend.chunks import BlendKeys
 from kvrestore.blend.entry import blend_prompt, save_prompt_chunk
 from kvrestore.chunkio import ChunkLoader
 from kvrestore.chunkio.save import SaveStats
-from kvrestore.codec.quant import Encoding, key_space
+from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import seal_of
 from kvrestore.core.errors import InvalidInputError, KVRestoreError, UsageError, check_int, check_seconds
-from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef, check_namespace, chunk_keys, namespaced
+from kvrestore.core.keys import (
+    DEFAULT_CHUNK_SIZE,
+    ChunkRef,
+    check_namespace,
+    chunk_keys,
+    key_space,
+    namespaced,
+)
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import LoopThread, mirror_sync_methods
@@ -360,7 +367,7 @@ class Restorer:
 
     async def close(self) -> None:
         """Keep what was learned; free the staging memory, the lanes of an engine made here, the store."""
-        await self.planner.keep()  # logs a failure to write, never raises one
+        await self.planner.keep(settle=True)  # logs a failure to write, never raises one
         self.loader.close()
         if self._own_engine:
             self.engine.close()

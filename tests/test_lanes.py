@@ -336,8 +336,8 @@ def test_a_thread_load_dropped_while_placing_reports_as_dropped():
     from kvrestore.core.trace import TraceEvent
     from kvrestore.policies import Progress
     from kvrestore.runtime.engine import Engine, _RealLanes
+    from kvrestore.runtime.lanes import ThreadLoad
     from kvrestore.runtime.request import FastPaths, RunRequest
-    from kvrestore.runtime.units import ThreadLoad
 
     async def never(i: int) -> int:
         raise AssertionError("no async load runs here")

@@ -341,9 +341,9 @@ def test_the_compute_floor_counts_two_flops_a_weight_at_the_measured_rate(llama_
     assert floor.seconds(256) == pytest.approx(2 * floor.seconds(128))
     assert ComputeFloor(1e9, 1e12).seconds(1000) == pytest.approx(1.0)
     llama_backend.compute_floor_s(1)
-    kept = llama_backend._floor
-    llama_backend.compute_floor_s(64)
-    assert llama_backend._floor is kept  # measured once per backend
+    kept = llama_backend._floor_s_per_token
+    assert llama_backend.compute_floor_s(64) == pytest.approx(64 * kept)
+    assert llama_backend._floor_s_per_token == kept  # measured once per backend
 
 
 class SilentLink(ThrottledStore):

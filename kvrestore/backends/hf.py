@@ -18,7 +18,7 @@ import torch
 
 from kvrestore.backends.attention import apply_rope, attend_fn, attention_plan
 from kvrestore.backends.checkpoints import SMOLLM2_GGUF, smollm2_checkpoint, smollm2_gguf_path
-from kvrestore.backends.floor import ComputeFloor, measure_floor
+from kvrestore.backends.floor import measure_floor
 from kvrestore.backends.hf_blend import REROTATABLE_ROPE_TYPES, HFBlend
 from kvrestore.core.cancel import checkpoint
 from kvrestore.core.errors import InvalidInputError, UnsupportedModelError
@@ -113,14 +113,14 @@ class HFBackend:
         #: the most tokens a prompt may have: the config's `max_position_embeddings` (None: not known)
         self.context_length: int | None = getattr(config, "max_position_embeddings", None)
         self.blend = HFBlend(self)
-        self._floor: ComputeFloor | None = None
+        self._floor_s_per_token: float | None = None
 
     def compute_floor_s(self, n_tokens: int) -> float:
         """The least time computing `n_tokens` can take here: their matmul FLOPs at the matmul rate
         measured on this device (`kvrestore.backends.floor`; measured once, on first use)."""
-        if self._floor is None:
-            self._floor = measure_floor(self._layers, self.dtype, self.device)
-        return self._floor.seconds(n_tokens)
+        if self._floor_s_per_token is None:
+            self._floor_s_per_token = measure_floor(self._layers, self.dtype, self.device).seconds(1)
+        return n_tokens * self._floor_s_per_token
 
     # -- loading ---------------------------------------------------------------------------------
 

@@ -118,11 +118,6 @@ class ChunkLoader:
         for pool in self._pools.values():
             pool.close()
 
-    @property
-    def reads_sync(self) -> bool:
-        """Whether `fetch_sync` works: the store reads without the event loop (`ChunkStore.reads_sync`)."""
-        return self.store.reads_sync
-
     async def load(self, key: str, start: int, dest: torch.Tensor) -> int:
         """Read chunk `key` (saved at token `start`) into `dest` ([L, 2, H, T, D], a cache's token range);
         returns the stored bytes read. Raises MissingChunkError, a ChunkDecodeError (damaged, truncated,

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrestore.core.errors import ForeignChunkError, InvalidInputError
+from kvrestore.core.keys import key_space  # chunks of each encoding have keys of their own
 
 # decoders only read through zero-copy views of stored bytes; torch's warning about read-only buffers
 # does not apply
@@ -253,13 +254,6 @@ def from_tag(tag: tuple[str, str, int], dtype: torch.dtype, num_kv_heads: int, h
     if enc.tag != tuple(tag):
         raise ForeignChunkError(f"chunk encoding {tuple(tag)!r}, this reader decodes {name!r} as {enc.tag!r}")
     return enc
-
-
-def key_space(fingerprint: str, name: str) -> str:
-    """What chunk keys are hashed under for a model's `fingerprint` and an encoding: the fingerprint
-    itself for native chunks, else the fingerprint and the encoding, so one store holds the chunks of
-    several encodings under different keys and a lookup finds only its own encoding's."""
-    return fingerprint if name == "native" else f"{fingerprint}|kv-encoding:{name}"
 
 
 __all__ = ["ENCODINGS", "GROUP", "Encoding", "encoding", "from_tag", "key_space"]

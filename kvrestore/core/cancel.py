@@ -1,4 +1,4 @@
-"""Stopping a compute unit part-way when its restore is cancelled.
+"""Stopping a compute unit part-way: when its restore is cancelled, or when fetches overtake it.
 
 A compute unit runs in a worker thread, and a thread cannot be interrupted: without a check inside the
 unit, a restore cancelled by a deadline would return only once the unit it was computing had finished,
@@ -7,6 +7,9 @@ a whole prompt's prefill for `ComputeOnly`. So a unit runs under a `UnitCancel` 
 stops at the next layer boundary, and the restore returns within one layer's compute time, not one
 unit's. The rows the unit had written are left part-way, which is fine: a cancelled restore's KV is
 not used. A backend that never calls `checkpoint()` still works; it stops only at the unit's end.
+
+The engine stops a unit the same way once the load lanes have landed every chunk of it aside
+(`Decision.overtake`): `Unit` is such a unit as the engine tracks it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,23 @@ class Checkpoints:
         if self.began is None or self.stopped is None or self.passed == 0:
             return None
         return self.passed, self.stopped - self.began
+
+
+class Unit:
+    """A compute unit running in place, and the fetches aside that may overtake it (`Decision.overtake`):
+    `scope` stops it (at its next layer boundary) once every chunk of it has `landed` aside."""
+
+    __slots__ = ("a", "b", "checkpoints", "fetching", "landed", "scope")
+
+    def __init__(self, a: int, b: int) -> None:
+        self.a, self.b = a, b
+        self.scope = anyio.CancelScope()
+        self.checkpoints = Checkpoints()  # how far it got, if it is stopped part-way
+        self.fetching: dict[int, anyio.CancelScope] = {}
+        self.landed: dict[int, tuple[int, Callable[[], None]]] = {}
+
+    def overtaken(self) -> bool:
+        return len(self.landed) == self.b - self.a
 
 
 def checkpoint() -> None:

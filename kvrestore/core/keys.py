@@ -6,7 +6,7 @@ chunk *and everything before it*: the KV of a chunk depends on its whole prefix,
 the key of chunk i only when they share every token up to the end of chunk i.
 
 The fingerprint given is the *key space*: the model's fingerprint, with its KV encoding where that is not
-native (`codec.quant.key_space`) and a namespace where there is one (`namespaced`: a tenant, a LoRA
+native (`key_space`) and a namespace where there is one (`namespaced`: a tenant, a LoRA
 adapter). A key space a namespace names never shares a key with another, nor with the space without a
 namespace; no namespace gives the keys every earlier release gave. Inputs that change the KV at a
 position without changing its token id (an image behind its placeholder tokens) are `extras`: each one's
@@ -65,6 +65,13 @@ def check_namespace(namespace: object, what: str = "namespace") -> str | None:
             f"{what} must be a non-empty string (a tenant, an adapter) or None, got {namespace!r}"
         )
     return namespace
+
+
+def key_space(fingerprint: str, encoding: str) -> str:
+    """What chunk keys are hashed under for a model's `fingerprint` and a KV encoding (`codec.quant`):
+    the fingerprint itself for native chunks, else the fingerprint and the encoding, so one store holds
+    the chunks of several encodings under different keys and a lookup finds only its own encoding's."""
+    return fingerprint if encoding == "native" else f"{fingerprint}|kv-encoding:{encoding}"
 
 
 #: what a namespace names -> the personalisation of its hash (no two kinds' spaces can be alike)

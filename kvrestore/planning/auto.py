@@ -30,9 +30,8 @@ from kvrestore.costs.links import LinkCost
 from kvrestore.costs.profile import Profile
 from kvrestore.policies.base import Policy
 from kvrestore.policies.compute_only import ComputeOnly
-from kvrestore.policies.layer_two_pointer import LayerTwoPointer
 from kvrestore.policies.load_only import LoadOnly
-from kvrestore.policies.token_two_pointer import TokenTwoPointer
+from kvrestore.policies.meeting import LayerTwoPointer, TokenTwoPointer
 from kvrestore.sim.simulate import simulate
 
 #: the prompt lengths (tokens) searched for the crossover L_delta

@@ -50,6 +50,10 @@ UNTRIED_MARGIN = 1.15
 #: (see `Planner.plan`)
 PROBE_EVERY = 16
 
+#: restores of one strategy kept unsettled (`Planner.calibration`): an older one would weigh 2 ** -64 of
+#: the calibration (`Calibration.weight` 0.5), nothing a double holds, so it is only counted
+UNSETTLED = 64
+
 #: a compute unit's fixed cost (launches, per-call work) may be at most this share of its time
 LAUNCH_SHARE = 0.25
 #: the largest unit the cost model may ask for on its own
@@ -112,8 +116,10 @@ class Planner:
         self.link.measured_latency = start is not None  # else it goes on estimating it from the loads
         if start is None and self.costs.state.link is not None:
             self.link.reprobe()  # a link read from a file is a hint: the first loads here replace it
-        self.calibration = Calibration()  # how this restorer's restores compare with predictions
-        self.calibration.resume(self.costs.state.calibration, self.costs.state.calibrated)
+        self._calibration = Calibration()  # how this restorer's restores compare with predictions
+        self._calibration.resume(self.costs.state.calibration, self.costs.state.calibrated)
+        #: per strategy, its last `UNSETTLED` restores not set against their predictions: (prediction, seconds)
+        self._unsettled: dict[str, list[tuple[Callable[[], float], float]]] = {}
         self._unprobed = 0  # restores since the link was last measured by loads
         self._probe: Plan | None = None  # the last plan that probes the link
         self._probing = False  # the restore running now probes it: its loads replace the estimate
@@ -126,6 +132,16 @@ class Planner:
         floor = self._floor()
         if floor is not None:  # measured once per backend, here rather than inside a first restore
             floor(1)
+
+    @property
+    def calibration(self) -> Calibration:
+        """How this restorer's restores compare with the cost model's predictions. A restore is set against
+        its prediction (for a policy the caller named, a simulation the restore does not need) only here."""
+        unsettled, self._unsettled = self._unsettled, {}
+        for name, restores in unsettled.items():
+            for predicted, seconds in restores:
+                self._calibration.observe(name, predicted(), seconds)
+        return self._calibration
 
     @property
     def cost_model(self) -> Profile | None:
@@ -261,26 +277,29 @@ class Planner:
 
     def predicted(
         self, policy: Policy, plan: Plan | None, refs: list[ChunkRef], stored: Sequence[bool]
-    ) -> float | None:
+    ) -> Callable[[], float] | None:
         """The cost model's own (uncalibrated) prediction for running `policy`, where there is one to
         learn from: a cost model, a link estimate, a strategy the planner knows, and an engine whose
-        restore times are their own (`Engine.times_restores_alone`; not a `BatchEngine`)."""
+        restore times are their own (`Engine.times_restores_alone`; not a `BatchEngine`), from the costs
+        known now, as a call: it is simulated only once `calibration` is read."""
         if plan is not None and plan is self._probe:  # predicted with the link it doubts: no yardstick
             self._probing = True
             return None
-        model = self.cost_model
-        if model is None or self.link.current is None or not self.engine.times_restores_alone:
+        model, link = self.cost_model, self.link.current
+        if model is None or link is None or not self.engine.times_restores_alone:
             return None
         if plan is not None and policy.name in plan.predicted_s:
-            return plan.predicted_s[policy.name] / plan.calibration.get(policy.name, 1.0)
+            seconds = plan.predicted_s[policy.name] / plan.calibration.get(policy.name, 1.0)
+            return lambda: seconds
         if policy.name not in PLANNED or not any(stored):
             return None
-        return predict(policy, model, self.link.current, self.workload(refs, stored))
+        work = self.workload(refs, stored)
+        return lambda: predict(policy, model, link, work)
 
     def calibrate(
         self,
         policy: Policy,
-        predicted: float | None,
+        predicted: Callable[[], float] | None,
         refs: list[ChunkRef],
         stored: Sequence[bool],
         seconds: float,
@@ -292,7 +311,12 @@ class Planner:
             # planner knows how that strategy compares with its model (and that it has run it)
             predicted = self.predicted(policy, None, refs, stored)
         if predicted is not None and clean:
-            self.calibration.observe(policy.name, predicted, seconds)
+            restores = self._unsettled.setdefault(policy.name, [])
+            restores.append((predicted, seconds))
+            if len(restores) > UNSETTLED:  # the oldest would weigh nothing after the later ones: counted
+                del restores[0]
+                counts = self._calibration.observations
+                counts[policy.name] = counts.get(policy.name, 0) + 1
         self.costs.observe_restore()
         self._unprobed += 1
         self._probing = False
@@ -365,12 +389,14 @@ class Planner:
         if self.engine.times_restores_alone:
             self.costs.observe_compute(n_tokens, start, seconds)
 
-    async def keep(self) -> None:
-        """Persist what was learned (a small JSON file; a failure to write it is logged, not raised)."""
+    async def keep(self, settle: bool = False) -> None:
+        """Persist what was learned (a small JSON file; a failure to write it is logged, not raised),
+        with the restores set against their predictions so far, or, `settle`, all of them."""
         if self.learned_at is None or self.profile is not None:
             return
-        self.costs.state.calibration = self.calibration.logs()
-        self.costs.state.calibrated = dict(self.calibration.observations)
+        calibration = self.calibration if settle else self._calibration
+        self.costs.state.calibration = calibration.logs()
+        self.costs.state.calibrated = dict(calibration.observations)
         try:
             await anyio.to_thread.run_sync(self.costs.save)
         except OSError as exc:

@@ -4,9 +4,8 @@ them, lives in `kvrestore.planning`."""
 from kvrestore.policies.base import ChunkStatus, Decision, Estimates, LaneTraits, Policy, Progress
 from kvrestore.policies.blend import Blend
 from kvrestore.policies.compute_only import ComputeOnly
-from kvrestore.policies.layer_two_pointer import LayerTwoPointer
 from kvrestore.policies.load_only import LoadOnly
-from kvrestore.policies.token_two_pointer import TokenTwoPointer
+from kvrestore.policies.meeting import LayerTwoPointer, TokenTwoPointer
 
 
 def available() -> list[Policy]:

@@ -1,7 +1,8 @@
-"""Where the two pointers meet: the decisions both two-pointer policies share, over units of either axis.
+"""The two-pointer policies, along tokens and along layers, and where their pointers meet.
 
 A unit is what one pointer step covers: a chunk of tokens (`TokenTwoPointer`) or a layer over the whole
-stored prefix (`LayerTwoPointer`); `Progress.chunk_tokens` holds each unit's tokens. The compute lane
+stored prefix (`LayerTwoPointer`); `Progress.chunk_tokens` holds each unit's tokens. Both decide alike
+(`Meeting`); only their units differ. The compute lane
 takes units from the front, the load lanes fetch stored units from the back, and the two meet in the
 middle. Where they meet is never planned: each side simply keeps going, so when the store slows down or
 the compute lane gets a smaller share, the meeting point moves by itself.
@@ -21,13 +22,69 @@ over); this module only decides.
 
 from __future__ import annotations
 
-from kvrestore.policies.base import ChunkStatus, Decision, Estimates, Progress
+from kvrestore.core.errors import check_int
+from kvrestore.policies.base import ChunkStatus, Decision, Estimates, Policy, Progress
 
 #: how far past its estimated landing (as a fraction of computing the chunk) a fetch is still awaited
 GRACE = 0.1
 #: how long a restore that knows nothing of its link waits for two fetches to land before computing, as
 #: a fraction of the floor of computing every chunk left (`Estimates.floor_s`)
 PROBE_SHARE = 0.05
+#: stored chunks per compute unit: 2 x 256-token chunks = 512 tokens, Cake's compute granularity
+DEFAULT_COMPUTE_CHUNKS = 2
+#: layers per compute unit (the first unit is one layer, to measure the lane; units shrink near the meeting)
+DEFAULT_COMPUTE_LAYERS = 2
+
+
+class TokenTwoPointer(Policy):
+    """Cake's bidirectional restore along tokens (Cake §4, Appendix A; CacheFlow §3.1): compute chunks
+    from the front, load chunks from the back, meet in the middle. Along tokens the first chunks are
+    cheaper to compute than the last (attention grows with position), which lets the meeting fall past
+    the middle of a long prompt when the link and the compute lane are equally fast.
+
+    `compute_chunks` stored chunks make one compute unit (the fetch granularity is the store's chunk
+    size, `Restorer(chunk_size=...)`); a unit is cut short where it would reach a chunk being fetched.
+    """
+
+    name = "two-pointer"
+
+    def __init__(self, compute_chunks: int = DEFAULT_COMPUTE_CHUNKS) -> None:
+        self.compute_chunks = check_int("compute_chunks", compute_chunks)
+        self._meeting = Meeting(self.compute_chunks)
+
+    def __repr__(self) -> str:
+        return f"TokenTwoPointer(compute_chunks={self.compute_chunks})"
+
+    def decide(self, progress: Progress, estimates: Estimates) -> Decision:
+        return self._meeting.decide(progress, estimates)
+
+
+class LayerTwoPointer(Policy):
+    """The two-pointer along layers (CacheFlow §3.1, "layer-wise parallelism"): compute layers from the
+    bottom, load layers from the top, meet at a cutover layer nobody planned. The compute lane runs
+    layer 0, 1, 2, ... over every token of the stored prefix at once; the load lanes fetch layer L-1,
+    L-2, ..., each one range read per stored chunk (`layers.LayerReader`). Computing layer l needs the
+    hidden states out of layer l-1, which only computing gives, so the computed layers are always a
+    bottom run and the loaded ones a top run.
+
+    Why a second axis: along tokens a prompt splits only at chunk boundaries, so a prompt of one or two
+    chunks cannot be split at all, while a model has dozens of layers. Along layers every unit costs
+    the same, though, whereas along tokens the first chunks are cheaper, which the token-wise pointer
+    exploits on long prompts. `planning.Auto` picks between the two at the profiled crossover length.
+    """
+
+    name = "layer-wise"
+    axis = "layers"
+
+    def __init__(self, compute_layers: int = DEFAULT_COMPUTE_LAYERS) -> None:
+        self.compute_layers = check_int("compute_layers", compute_layers)
+        self._meeting = Meeting(self.compute_layers)
+
+    def __repr__(self) -> str:
+        return f"LayerTwoPointer(compute_layers={self.compute_layers})"
+
+    def decide(self, progress: Progress, estimates: Estimates) -> Decision:
+        return self._meeting.decide(progress, estimates)
 
 
 class Meeting:

@@ -58,7 +58,7 @@ async def restore_tokens(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     delivered = None if meter() is None else tokens_delivered  # a store that cannot say is not asked
 
     try:
-        fast = FastPaths(fetch_sync if loader.reads_sync else None, compute_apart, load_aside)
+        fast = FastPaths(fetch_sync if parts.store.reads_sync else None, compute_apart, load_aside)
         fast_paths = fast if engine.takes_fast_paths else None
         request = parts.request(
             progress,

@@ -45,8 +45,8 @@ from kvrestore.policies.batch import BatchAware, BatchJob, BatchScheduler, Compu
 from kvrestore.policies.compute_only import ComputeOnly
 from kvrestore.runtime.driver import drive_batch
 from kvrestore.runtime.engine import Engine
+from kvrestore.runtime.lanes import timed_load
 from kvrestore.runtime.request import RunRequest
-from kvrestore.runtime.units import timed_load
 
 #: ranks chunks when no profile is given: tokens, each costing more the further along the prompt
 #: (SmolLM2 on CPU: a token after 512 others costs about twice one at the start)

@@ -37,20 +37,19 @@ import torch
 from anyio import CapacityLimiter
 from anyio.abc import TaskGroup
 
-from kvrestore.core.cancel import run_unit
+from kvrestore.core.cancel import Unit, run_unit
 from kvrestore.core.errors import LOAD_FAULTS, check_int
 from kvrestore.core.streams import load_stream
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.policies.base import Decision
 from kvrestore.runtime.bookkeeping import set_capabilities
 from kvrestore.runtime.driver import PolicyStalledError, drive  # noqa: F401 - re-exported
-from kvrestore.runtime.lanes import LaneThreads
+from kvrestore.runtime.lanes import LaneThreads, Stoppable, ThreadLoad, past_deadline, timed_load
 from kvrestore.runtime.request import (
     FastPaths,
     LoadFn,
     RunRequest,
 )
-from kvrestore.runtime.units import Stoppable, ThreadLoad, Unit, past_deadline, timed_load
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup

@@ -14,7 +14,7 @@ from kvrestore.core.errors import InvalidInputError
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.policies.batch import BatchAware, FifoLanes
 from kvrestore.policies.compute_only import ComputeOnly
-from kvrestore.policies.token_two_pointer import TokenTwoPointer
+from kvrestore.policies.meeting import TokenTwoPointer
 from kvrestore.sim.batch import BatchSimResult, sim_requests, simulate_batch, simulate_independent
 from kvrestore.sim.workload import Request
 

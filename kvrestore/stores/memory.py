@@ -15,7 +15,8 @@ from kvrestore.stores.eviction import EvictionPolicy, make_policy
 class MemoryStore(ChunkStore):
     """A dict of objects, evicted by `eviction` (default LRU) once `bytes_used` exceeds `capacity_bytes`.
 
-    `get` and `get_range` count as use; `contains` does not. An object larger than the whole capacity is
+    `get` and `get_range` count as use; `contains` does not. Without a capacity nothing is evicted, and
+    the policy is told nothing. An object larger than the whole capacity is
     not stored (and any older object under its key is dropped). Reads may also come from load-lane threads
     (`get_sync`), so the index and the eviction state change under a lock.
 
@@ -67,7 +68,8 @@ class MemoryStore(ChunkStore):
             if data is None:
                 self.misses += 1
                 return None
-            self.eviction.touch(key)
+            if self.capacity_bytes is not None:
+                self.eviction.touch(key)
             self.hits += 1
             return data
 
@@ -76,7 +78,8 @@ class MemoryStore(ChunkStore):
 
     def _drop(self, key: str) -> None:
         old = self._objects.pop(key, None)
-        self.eviction.remove(key)
+        if self.capacity_bytes is not None:
+            self.eviction.remove(key)
         if old is not None:
             self.bytes_used -= len(old)
 
@@ -104,9 +107,9 @@ class MemoryStore(ChunkStore):
             if self.capacity_bytes is not None and len(stored) > self.capacity_bytes:
                 return
             self._objects[key] = stored
-            self.eviction.add(key, len(stored))
             self.bytes_used += len(stored)
             if self.capacity_bytes is not None:
+                self.eviction.add(key, len(stored))
                 while self.bytes_used > self.capacity_bytes:
                     victim = self.eviction.victim()
                     if victim is None or victim not in self._objects:  # a policy out of step: fall back

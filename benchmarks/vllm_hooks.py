@@ -88,42 +88,20 @@ class Tally:
 def case(args: argparse.Namespace) -> dict[str, Any]:
     """One connector's process: serve the prompt, tally the hooks."""
     sys.path.insert(0, str(SERVE.parent))
-    from serve import prompt_ids
+    from serve import engine, prompt_ids
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    from kvrestore.integrations.vllm import KVRestoreConnector
+
     tally = Tally()
-    if args.connector == "kvrestore":
-        from kvrestore.integrations.vllm import KVRestoreConnector as cls
-
-        kv = KVTransferConfig(
-            kv_connector="KVRestoreConnector",
-            kv_connector_module_path="kvrestore.integrations.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config=json.loads(args.extra),
-        )
-    else:
-        from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector as cls
-
-        kv = KVTransferConfig(
-            kv_connector="ExampleConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=json.loads(args.extra),
-        )
+    cls = KVRestoreConnector if args.connector == "kvrestore" else ExampleConnector
     for name in HOOKS:
         tally.wrap(cls, name)
     tally.wrap(Scheduler, "schedule")  # one call per engine step
-    llm = LLM(
-        model=args.model,
-        max_model_len=4096,
-        enforce_eager=True,
-        dtype="float32",
-        enable_prefix_caching=False,
-        kv_transfer_config=kv,
-        disable_log_stats=True,
-    )
+    llm = engine(args.model, args.connector, json.loads(args.extra), disable_log_stats=True)
     tok = AutoTokenizer.from_pretrained(args.model)
     llm.generate(
         {"prompt_token_ids": prompt_ids(tok, 32, 20000)}, SamplingParams(max_tokens=1), use_tqdm=False

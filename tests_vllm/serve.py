@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import time
+from typing import Any
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -33,6 +34,33 @@ def prompt_ids(tokenizer, n_tokens: int, offset: int = 0) -> list[int]:
     from kvrestore.tools.text import reference_tokens
 
     return reference_tokens(tokenizer, offset + n_tokens)[offset:]
+
+
+def engine(model: str, connector: str, extra: dict, **options: Any) -> Any:
+    """vLLM's engine as every case here runs it (eager, fp32, no prefix cache), with `connector`'s KV
+    transfer ("kvrestore" or "example"; none for any other) and `options` (LLM's)."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    names = {
+        "kvrestore": {
+            "kv_connector": "KVRestoreConnector",
+            "kv_connector_module_path": "kvrestore.integrations.vllm",
+        },
+        "example": {"kv_connector": "ExampleConnector"},
+    }
+    kv = None
+    if connector in names:
+        kv = KVTransferConfig(**names[connector], kv_role="kv_both", kv_connector_extra_config=extra)
+    return LLM(
+        model=model,
+        max_model_len=4096,
+        enforce_eager=True,
+        dtype="float32",
+        enable_prefix_caching=False,
+        kv_transfer_config=kv,
+        **options,
+    )
 
 
 def main() -> None:
@@ -62,35 +90,12 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s", stream=sys.stderr)
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm import SamplingParams
 
-    kv = None
-    if args.connector == "kvrestore":
-        kv = KVTransferConfig(
-            kv_connector="KVRestoreConnector",
-            kv_connector_module_path="kvrestore.integrations.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config=json.loads(args.extra),
-        )
-    elif args.connector == "example":
-        kv = KVTransferConfig(
-            kv_connector="ExampleConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config=json.loads(args.extra),
-        )
     t0 = time.perf_counter()
     lora_options = {"enable_lora": True, "max_lora_rank": 16} if args.lora else {}
-    llm = LLM(
-        model=args.model,
-        max_model_len=4096,
-        enforce_eager=True,
-        dtype="float32",
-        enable_prefix_caching=False,
-        kv_transfer_config=kv,
-        disable_log_stats=not args.metrics,
-        **lora_options,
-    )
+    options = {"disable_log_stats": not args.metrics, **lora_options}
+    llm = engine(args.model, args.connector, json.loads(args.extra), **options)
     print(json.dumps({"event": "ready", "seconds": time.perf_counter() - t0}), flush=True)
     tok = AutoTokenizer.from_pretrained(args.model)
     if args.warmup:  # vLLM's first request in a process pays a few seconds of one-time set-up

@@ -24,9 +24,11 @@ I/O to a chosen few (line 7); vLLM does the same, computing the new tokens of al
 in one batched forward pass, not one request's after another's. Another request's compute therefore
 does not wait in front of this one's the way its bytes wait in front of this load's: it makes the
 shared steps longer for both lanes of both requests (their loads are pipelined against those steps
-too), which the compute costs learned from the server's own steps and `loading` already see, not a
-head start for the link. Counting it as compute owed ahead (an earlier version did) also moved both lanes alike when the
-requests look alike, and so rarely changed a split.
+too), which the compute costs learned from the server's own steps and `loading` see on average, not
+a head start for the link. Counting it as compute owed ahead (an earlier version did) moved both lanes
+alike when the requests look alike, and so rarely changed a split. The cost of this reading: where
+compute is a throughput the step's requests share (a CPU) and the link is fast, the last request
+planned behind queued bytes computes more than it should (`docs/benchmarks.md`, serving_batch at 2x).
 """
 
 from __future__ import annotations

@@ -116,14 +116,19 @@ def test_a_split_behind_queued_loads_loads_fewer_tokens_than_on_a_free_link():
     assert _split(BALANCE, mode="compute_all").queued("a") is None
 
 
-def test_compute_owed_ahead_moves_the_split_toward_loading():
+def test_only_the_link_is_a_queue_a_request_computes_its_own_tokens():
+    """Bytes ahead delay the load, never the compute: compute-all is predicted alike on a busy link
+    (the engine computes the step's requests together; no compute is owed ahead of a request's)."""
     free = _split(BALANCE)
-    busy = _split(BALANCE, compute_ahead_s=COMPUTE.seconds(2000))  # another prompt computed first, whole
-    assert busy.k > free.k
-    assert busy.compute_all_s == pytest.approx(2 * COMPUTE.seconds(2000))
-    for bad in ({"compute_ahead_s": -1.0}, {"bytes_ahead": float("nan")}):
+    busy = _split(BALANCE, bytes_ahead=free.nbytes)
+    assert busy.compute_all_s == free.compute_all_s
+    assert busy.load_all_s > free.load_all_s
+    assert busy.compute_s >= free.compute_s  # it computes more of its prompt, not someone else's
+    with pytest.raises(TypeError):
+        _split(BALANCE, compute_ahead_s=1.0)  # no such input: compute is not a queue
+    for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(InvalidInputError):
-            _split(BALANCE, **bad)
+            _split(BALANCE, bytes_ahead=bad)
 
 
 def test_the_modes_keep_their_k_on_a_busy_link():

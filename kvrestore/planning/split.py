@@ -11,13 +11,24 @@ minimises it. Its compute also shares the host with the load's reads, checks and
 (how much slower such steps computed than the model says: `costs.learned.loading_factor`) scales the
 compute of every split that loads.
 
-Many requests at once (CacheFlow's batch rule). A split is not planned as if the lanes were free: the
-bytes of the loads already queued on the link and not finished (`bytes_ahead`) are served before this
-load's, and the compute the lane already owes (`compute_ahead_s`) runs before this request's. A request
-arriving while others load therefore loads less and computes more than on a free link. Among loads that
-have not started, the link then serves the one that saves the most compute per byte first
-(`policies.batch.link_order`); a split never counts on jumping that queue (the loads before it were
-planned on the bytes ahead of them, and were promised their place).
+Many requests at once (CacheFlow's batch rule, §3.3). A split is not planned as if the link were free:
+the bytes of the loads already queued on the link and not finished (`bytes_ahead`) are served before
+this load's, so a request arriving while others load loads less and computes more than on a free link.
+Among loads that have not started, the link then serves the one that saves the most compute per byte
+first (`policies.batch.link_order`); a split never counts on jumping that queue (the loads before it
+were planned on the bytes ahead of them, and were promised their place).
+
+Only the link is a queue. A request's compute is its own: CacheFlow's Algorithm 1 advances every
+request's compute pointer in every step (line 11: "for each r in R: recompute"), and grants only the
+I/O to a chosen few (line 7); vLLM does the same, computing the new tokens of all the step's requests
+in one batched forward pass, not one request's after another's. Another request's compute therefore
+does not wait in front of this one's the way its bytes wait in front of this load's: it makes the
+shared steps longer for both lanes of both requests (their loads are pipelined against those steps
+too), which the compute costs learned from the server's own steps and `loading` see on average, not
+a head start for the link. Counting it as compute owed ahead (an earlier version did) moved both lanes
+alike when the requests look alike, and so rarely changed a split. The cost of this reading: where
+compute is a throughput the step's requests share (a CPU) and the link is fast, the last request
+planned behind queued bytes computes more than it should (`docs/benchmarks.md`, serving_batch at 2x).
 """
 
 from __future__ import annotations
@@ -111,17 +122,15 @@ def choose_split(
     loading: float | None = None,
     mode: str = "planned",
     bytes_ahead: float = 0.0,
-    compute_ahead_s: float = 0.0,
 ) -> SplitChoice:
     """The split for a prompt of `n_tokens` whose leading stored chunks end at `chunk_ends`. A split that
     loads computes its suffix `loading` times slower than alone (`loading_factor`; 1 if not known).
-    `bytes_ahead` (loads queued on the link, not finished) and `compute_ahead_s` (compute the lane owes
-    first) are what the lanes hold before this request (the module docstring); 0, the lanes are free."""
+    `bytes_ahead` is what the link serves before this request's load (loads queued on it, not finished:
+    the module docstring); 0, the link is free."""
     if mode not in SPLITS:
         raise InvalidInputError(f"split must be one of {SPLITS}, got {mode!r}")
-    for name, v in (("bytes_ahead", bytes_ahead), ("compute_ahead_s", compute_ahead_s)):
-        if not (math.isfinite(v) and v >= 0):
-            raise InvalidInputError(f"{name} must be a finite number >= 0, got {v!r}")
+    if not (math.isfinite(bytes_ahead) and bytes_ahead >= 0):
+        raise InvalidInputError(f"bytes_ahead must be a finite number >= 0, got {bytes_ahead!r}")
     stored = chunk_ends[-1] if chunk_ends else 0
     kmax = max_loadable(n_tokens, stored, block_size)
     step = math.lcm(chunk_size, block_size)
@@ -136,13 +145,12 @@ def choose_split(
         alone = compute.seconds(n_tokens, 0)
         c = compute.seconds(n_tokens - k, k)
         if k == 0:
-            return compute_ahead_s + c, 0.0, c, 0.0
+            return c, 0.0, c, 0.0
         saved = max(0.0, alone - c)
         c *= loading or 1.0
         # headers, then a round per layer, after the bytes the link serves first
         ld = (num_layers + 1) * link.latency_s + (bytes_ahead + nbytes(k)) / link.bytes_per_s
-        cc = compute_ahead_s + c
-        return max(ld + cc / num_layers, cc + ld / num_layers), ld, c, saved
+        return max(ld + c / num_layers, c + ld / num_layers), ld, c, saved
 
     known = link is not None and compute is not None
     if mode == "compute_all" or kmax == 0:

@@ -102,13 +102,16 @@ def test_s3_batch_calls(s3_bucket, s3_options):
             ranges = await s.get_ranges(K1, [(0, 10), (5000, 6000), (10_000, 20_000), (7, 7)])
             buf = bytearray(1000)
             size = await s.read_into(K1, memoryview(buf))
-            return present, many, data, ranges, size, buf
+            await s.put(keys[-1], b"")  # a ranged read of an empty object gets HTTP 416: size 0
+            empty = await s.read_into(keys[-1], memoryview(buf))
+            return present, many, data, ranges, size, buf, empty
 
-    present, many, data, ranges, size, buf = run(body)
+    present, many, data, ranges, size, buf, empty = run(body)
     assert present == [i % 2 == 0 for i in range(len(keys))]
     assert many == [k.encode() if i % 2 == 0 else None for i, k in enumerate(keys[:6])]
     assert ranges == [data[:10], data[5000:6000], data[10_000:], b""]
     assert size == len(buf) + 1 and bytes(buf) == data[:1000]  # one ranged read: "more than fits"
+    assert empty == 0
 
 
 def test_s3_scan_lists_objects_and_skips_foreign_names(s3_server, s3_bucket, s3_options):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from kvrestore import LoadOnly, Restorer, open_store
 from kvrestore.backends.hf import HFBackend
+from kvrestore.core.errors import StoreError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.stores import FsspecStore, LocalStore, MemoryStore, PrefetchStore, TieredStore
 from kvrestore.stores.files import TMP_PREFIX
@@ -209,6 +210,44 @@ def test_s3_server_stopped_mid_restore_finishes_by_recomputing(llama_backend):
     assert down.stats.computed_chunks == 8 and down.stats.errors[0].startswith("lookup: StoreError")
     for r in (res, down):
         torch.testing.assert_close(r.kv.data, ref, atol=ATOL, rtol=0)
+
+
+def closed_port_containing(digits: str) -> int:
+    """A loopback port, free when asked, whose number contains `digits`."""
+    import socket
+
+    for port in range(1024, 65536):
+        if digits not in str(port):
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port contains {digits}")
+
+
+def test_unreachable_s3_is_a_store_error_whatever_its_port_number():
+    """A connection error names the endpoint, port included; a port such as 41619 holds the digits of
+    HTTP 416 (the answer for a range of an empty object), which must not make the chunk look empty."""
+    port = closed_port_containing("416")
+    store = open_store(
+        "s3://bucket/kv",
+        key="k",
+        secret="s",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        config_kwargs={"s3": {"addressing_style": "path"}, "retries": {"max_attempts": 1}},
+    )
+
+    async def body():
+        try:
+            with pytest.raises(StoreError, match=str(port)):
+                await store.read_into(K1, memoryview(bytearray(64)))
+        finally:
+            await store.close()
+
+    run(body)
 
 
 def test_tiered_store_keeps_serving_its_upper_tiers_when_s3_is_gone(llama_backend, tmp_path):

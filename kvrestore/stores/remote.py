@@ -62,11 +62,28 @@ def _unreachable(exc: BaseException) -> bool:
 
 def _empty_range(exc: BaseException) -> bool:
     """Whether `exc` is an object store's answer that a range starting at byte 0 cannot be served
-    (HTTP 416, InvalidRange): what a ranged read of an empty object gets."""
-    text = f"{type(exc).__name__} {exc}".lower()
-    return any(
-        m in text for m in ("invalidrange", "416", "range not satisfiable", "range is not satisfiable")
-    )
+    (HTTP 416, InvalidRange): what a ranged read of an empty object gets.
+
+    Judged from the answer itself (a botocore error code, an HTTP status) along the exception's causes,
+    or from the phrase servers send with it; never from digits in the text, which can be a port number
+    in a connection error, and a failure to reach the server never counts."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if _unreachable(e):
+            return False
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            if response.get("Error", {}).get("Code") == "InvalidRange":
+                return True
+            if response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:
+                return True
+        if getattr(e, "status", None) == 416:  # aiohttp's ClientResponseError (http, gcsfs)
+            return True
+        e = e.__cause__ or e.__context__
+    text = str(exc).lower()
+    return "invalidrange" in text or "range not satisfiable" in text or "range is not satisfiable" in text
 
 
 class FsspecStore(ChunkStore):

@@ -2,14 +2,20 @@
 prompt a stored document, read through the connector's throttle (issue 48).
 
 What a user runs, with the pieces of `serving.py`: a warm-up server fills the store with `--docs`
-documents of `--doc-tokens` tokens (each asked once, one at a time), then, for each configuration, a new
-server (a restart) over the store as the warm-up left it is asked all the documents at once (`--docs`
-users, each with its own document). Configurations:
+documents of `--doc-tokens` tokens (each asked once, one at a time); every later server is a restart
+over the store as the warm-up left it, asked all the documents at once (`--docs` users, each with its
+own document).
 
-* **compute-all** (``"split": "compute_all"``: the connector never loads; the link plays no part, so it
-  runs once, first). It sets the **balance bandwidth**: the documents' KV over compute-all's worst TTFT,
-  the rate at which loading them all takes as long as computing them all at once (issue 48's; the
-  warm-up's one-at-a-time rate is recorded beside it: on a CPU shared with other work the two differ);
+Calibration: a new server with ``"split": "compute_all"`` (the connector never loads) is asked all the
+documents at once, `--calibrations` times. The fastest sets the **balance bandwidth**, the documents' KV
+over its worst TTFT: the rate at which loading them all takes as long as computing them all at once
+(issue 48's); a host shared with other work only ever slows a run, so the fastest is the least
+disturbed (`--balance-bytes-per-s` gives the rate instead). Its learned compute costs are where every
+later server starts. The warm-up's one-at-a-time rate is recorded beside it.
+
+Configurations:
+
+* **compute-all**, the link playing no part;
 * at each of `--factors` x the balance bandwidth, through the connector's throttle:
   **load-all** (``"split": "load_all"``), **per-request split** (the default split, ``"batch": false``:
   each split planned as if the request had the link to itself) and **batch rule** (the default split,
@@ -17,12 +23,11 @@ users, each with its own document). Configurations:
   the load that saves the most compute per byte first).
 
 Rounds (`--rounds`): each round restarts a server per configuration, each asked four fresh requests
-(the documents again, over the store as the warm-up left it). The first round runs compute-all first
-(it sets the balance bandwidth) and load-all first at each rate (it measures the link); later rounds
-rotate the order, so each configuration takes each slot in turn and the noise of a shared host hits
-them alike. Costs are learned in one directory: compute-all's leaves the compute costs, from which every
-load-all server starts; the first round's load-all at a rate leaves the link's, from which every split
-at that rate starts (so every round of a split starts from the same costs).
+(the documents again, over the store as the warm-up left it). The first round runs load-all first at
+each rate (it measures the link); later rounds rotate the order, so each configuration takes each slot
+in turn and the noise of a shared host hits them alike. Every load-all server starts from the
+calibration's costs; the first round's load-all at a rate leaves the link's, from which every split at
+that rate starts (so every round of a split starts from the same costs).
 
 Reported per configuration over all rounds: TTFT p50, p90, p99 (nearest rank: the worst below 100
 samples) and worst; and per rate the ratios of the targets (issue 48, at 1x): the batch rule's worst
@@ -31,7 +36,7 @@ split's, with the same ratio round by round. Prints a table and writes JSON (def
 `benchmarks/results/serving-batch.json`); every output is checked against compute-all's (greedy).
 
     .venv-vllm/bin/python benchmarks/serving_batch.py                  # 3 rates, one round: ~30 minutes
-    .venv-vllm/bin/python benchmarks/serving_batch.py --factors 1 --rounds 8   # ~35 minutes on 2 cores
+    .venv-vllm/bin/python benchmarks/serving_batch.py --factors 1 --rounds 4   # ~25 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -115,11 +120,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     one_at_a_time = ratio(1.0, per_byte[len(per_byte) // 2])
 
+    def kv_bytes_of(phase: Phase) -> int:
+        return sum(len(q.prompt) for q in phase.requests[docs.name]) * KV_BYTES_PER_TOKEN
+
+    def worst(phase: Phase) -> float:
+        return max(q.result.ttft_s for q in phase.requests[docs.name] if q.result)
+
+    # calibration: compute-all, `--calibrations` times; a shared host only ever slows a run, so the
+    # fastest sets the balance and leaves the compute costs every later server starts from
+    calibrations: list[tuple[float, int, Path]] = []  # (worst TTFT, KV bytes asked, costs left)
+    for c in range(args.calibrations):
+        log(f"== calibration {c + 1} of {args.calibrations}: compute-all")
+        snapshot(fill, store)
+        costs_from(None)
+        phase = serve(f"calibration {c + 1}", {"split": "compute_all"})
+        kept = args.work / f"costs-after-calibration-{c + 1}"
+        if costs.exists():
+            shutil.copytree(costs, kept)
+        calibrations.append((worst(phase), kv_bytes_of(phase), kept))
+        log(f"   worst TTFT {worst(phase):.2f} s: {kv_bytes_of(phase) / worst(phase) / 1e6:.1f} MB/s")
+    fastest_s, kv_bytes, fastest_costs = min(calibrations)
+    if fastest_costs.exists():
+        shutil.copytree(fastest_costs, computed)
+    balance = args.balance_bytes_per_s or ratio(kv_bytes, fastest_s)
+    log(
+        f"   balance bandwidth: {balance / 1e6:.1f} MB/s"
+        f"{' (given)' if args.balance_bytes_per_s else ''}; "
+        f"calibrations' worst TTFTs {', '.join(f'{c[0]:.2f}' for c in calibrations)} s; "
+        f"{one_at_a_time / 1e6:.1f} MB/s one at a time"
+    )
+
     items: list[tuple[str, float | None]] = [("compute-all", None)]
     items += [(name, f) for f in args.factors for name in CONFIGS]
     phases: dict[str, list[tuple[int, int, Phase]]] = {}  # label -> (round, slot, phase)
     points: dict[str, dict[str, Any]] = {}
-    balance = float("nan")
     for r in range(args.rounds):
         log(f"== round {r + 1} of {args.rounds}")
         for slot, (name, f) in enumerate(round_order(items, r)):
@@ -127,7 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             snapshot(fill, store)  # every server finds the chunks the warm-up saved, and only those
             learned = args.work / f"costs-after-load-all-{f or 0:g}x"
             if name == "compute-all":
-                costs_from(computed if r else None)
+                costs_from(computed)
                 extra: dict[str, Any] = {"split": "compute_all"}
             elif name == "load-all":
                 costs_from(computed)
@@ -138,15 +172,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             phase = serve(f"{label} r{r + 1}", extra)
             phases.setdefault(label, []).append((r, slot, phase))
             points[label] = {"config": name, "factor": f, "bytes_per_s": None if f is None else f * balance}
-            if name == "compute-all" and r == 0:
-                at_once = phase.requests[docs.name]
-                kv_bytes = sum(len(q.prompt) for q in at_once) * KV_BYTES_PER_TOKEN
-                balance = ratio(kv_bytes, max(q.result.ttft_s for q in at_once if q.result))
-                log(
-                    f"   balance bandwidth: {balance / 1e6:.1f} MB/s ({one_at_a_time / 1e6:.1f} MB/s one at a time)"
-                )
-                if costs.exists():
-                    shutil.copytree(costs, computed)
             if name == "load-all" and not learned.exists() and costs.exists():
                 shutil.copytree(costs, learned)
 
@@ -252,6 +277,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         **report_head("serving-batch", args, balance),
         "balance_one_at_a_time_bytes_per_s": one_at_a_time,
+        "calibration_worst_ttfts_s": [c[0] for c in calibrations],
         "results": results,
         "targets": targets,
         "warm_up": summarize(warm, None)[docs.name],
@@ -266,12 +292,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-blocks", type=int, default=80, help="vLLM's KV space, in blocks of 128 tokens")
     p.add_argument("--factors", type=float, nargs="*", default=[0.5, 1.0, 2.0], help="x balance bandwidth")
     p.add_argument("--rounds", type=int, default=1, help="restarted servers per configuration, interleaved")
+    p.add_argument(
+        "--calibrations",
+        type=int,
+        default=2,
+        help="compute-all servers before the rounds: the fastest sets the balance",
+    )
+    p.add_argument(
+        "--balance-bytes-per-s",
+        type=float,
+        default=None,
+        help="the balance bandwidth, given instead of measured",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", type=Path, default=None, help="stores and server logs (default: a temp dir)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
+    if args.calibrations < 1:
+        p.error("--calibrations must be at least 1 (the compute costs every server starts from)")
     args.work = args.work or Path(tempfile.mkdtemp(prefix="kvrestore-serving-batch-"))
     result = run(args)
     write_json(args.out, result)

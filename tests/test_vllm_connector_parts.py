@@ -159,6 +159,30 @@ def test_compute_cost_is_learned_from_steps():
     assert fit.seconds(300, 1700) == pytest.approx(true.seconds(300, 1700), rel=1e-3)
 
 
+def test_engine_fits_are_made_once_per_sample_that_changes_them(tmp_path):
+    """The scheduler asks `step_cost` and `loading_factor` for every request it schedules: the fits are
+    kept until a step, a loading step or a re-read file changes what they are fitted from."""
+    book = CostLearner(SPEC, path=tmp_path / "c.json")
+    book.observe_step(2000, 0, 6.0)
+    first = book.step_cost()
+    assert first is book.step_cost()  # the same fit, not refitted
+    book.observe_loading(1000, 1000, 2.0, 4.0, SPEC.num_layers)
+    factor = book.loading_factor()
+    assert factor is not None and book.step_cost() is first  # a loading step leaves the step fit alone
+    book.observe_loading(1000, 1000, 2.0, 8.0, SPEC.num_layers)
+    assert book.loading_factor() > factor
+    book.observe_step(2000, 0, 12.0)
+    assert book.step_cost() is not first and book.step_cost().seconds(2000) > first.seconds(2000)
+    book.flush()
+    other = CostLearner(SPEC, path=tmp_path / "c.json")  # the scheduler's process, fitted from the file
+    before = other.step_cost().seconds(2000)
+    book.observe_step(2000, 0, 30.0)  # the worker learns more and writes it
+    book.flush()
+    other._mtime = 0.0  # the file is re-read whatever its timestamp's resolution
+    assert other.refresh() and other.step_cost().seconds(2000) > before
+    assert other.step_cost().seconds(2000) == pytest.approx(book.step_cost().seconds(2000))
+
+
 def test_cost_book_persists_across_processes(tmp_path):
     book = CostLearner(SPEC, path=tmp_path / "c.json")
     book.observe_step(2000, 0, 6.0)

@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import msgspec
 import torch
@@ -59,6 +60,8 @@ log = logging.getLogger("kvrestore.costs.learned")
 LEARNED_VERSION = 1
 #: the device of an engine's book
 ENGINE = "engine"
+#: a cached fit that a new sample has made stale
+_STALE = object()
 #: the most recent samples of each kind kept (older ones age out, so the model follows the machine)
 MAX_SAMPLES = 256
 #: the range a learned `loading_factor` is kept in
@@ -143,6 +146,10 @@ class CostLearner:
         machine = machine_id(threads=kind != ENGINE)  # whatever its processes' threads (vLLM's differ)
         self.state = LearnedState(machine, spec.fingerprint, dtype_name(spec.dtype), kind, store)
         self._fitted: Profile | None = None  # cached fit, dropped when a sample arrives
+        # an engine's fits (`step_cost`, `loading_factor`), asked at every scheduling of a request:
+        # made once per sample that changes them, not once per question
+        self._step_fit: ChunkCost | None | object = _STALE
+        self._loading_fit: float | None | object = _STALE
         self._lock = threading.Lock()
         self._mtime = self._written_at = 0.0
         self._due = False  # an engine learned since the last write
@@ -198,6 +205,7 @@ class CostLearner:
                 steps.remove(same[0])
             first = not small and not any(s[0] >= MIN_PREFILL_TOKENS for s in steps)
             steps.append([float(n_tokens), float(past), float(seconds)])
+            self._step_fit = self._loading_fit = _STALE
         self._learned(first)
 
     def observe_load(self, link_key: str, nbytes: int, seconds: float) -> None:
@@ -218,6 +226,7 @@ class CostLearner:
             first = not rows
             rows.append([float(n_new), float(past), float(load_s), float(step_s), float(num_layers)])
             del rows[: -self.MAX_LOADING]
+            self._loading_fit = _STALE
         self._learned(first)
 
     # -- what was learned ---------------------------------------------------------------------------
@@ -286,7 +295,12 @@ class CostLearner:
     def step_cost(self) -> ChunkCost | None:
         """An engine's prefill cost, fitted from its steps (`fit_prefill_steps`)."""
         with self._lock:
-            return fit_prefill_steps(self.state.steps)
+            return self._step_cost()
+
+    def _step_cost(self) -> ChunkCost | None:
+        if self._step_fit is _STALE:
+            self._step_fit = fit_prefill_steps(self.state.steps)
+        return cast("ChunkCost | None", self._step_fit)
 
     def link_cost(self, link_key: str) -> LinkCost | None:
         """The link `link_key` as an engine's whole loads over it saw it (`links.link_from_loads`)."""
@@ -295,10 +309,11 @@ class CostLearner:
 
     def loading_factor(self) -> float | None:
         """How much slower the engine computes beside a load than `step_cost` says (`loading_factor`)."""
-        compute = self.step_cost()
         with self._lock:
-            samples = list(self.state.loading)
-        return None if compute is None else loading_factor(samples, compute)
+            if self._loading_fit is _STALE:
+                compute = self._step_cost()
+                self._loading_fit = None if compute is None else loading_factor(self.state.loading, compute)
+            return cast("float | None", self._loading_fit)
 
     # -- persisting ---------------------------------------------------------------------------------
 
@@ -329,6 +344,7 @@ class CostLearner:
         with self._lock:
             self.state = state
             self._fitted = None
+            self._step_fit = self._loading_fit = _STALE
         return True
 
     def save(self) -> None:

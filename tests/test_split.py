@@ -116,19 +116,46 @@ def test_a_split_behind_queued_loads_loads_fewer_tokens_than_on_a_free_link():
     assert _split(BALANCE, mode="compute_all").queued("a") is None
 
 
-def test_only_the_link_is_a_queue_a_request_computes_its_own_tokens():
-    """Bytes ahead delay the load, never the compute: compute-all is predicted alike on a busy link
-    (the engine computes the step's requests together; no compute is owed ahead of a request's)."""
+def test_compute_planned_ahead_in_the_step_moves_the_split_toward_loading():
+    """The requests of one scheduling pass share the engine's step: compute planned for those before
+    this one is served before the step ends, as bytes queued ahead are."""
     free = _split(BALANCE)
-    busy = _split(BALANCE, bytes_ahead=free.nbytes)
-    assert busy.compute_all_s == free.compute_all_s
-    assert busy.load_all_s > free.load_all_s
-    assert busy.compute_s >= free.compute_s  # it computes more of its prompt, not someone else's
-    with pytest.raises(TypeError):
-        _split(BALANCE, compute_ahead_s=1.0)  # no such input: compute is not a queue
-    for bad in (-1.0, float("nan"), float("inf")):
+    busy = _split(BALANCE, compute_ahead_s=COMPUTE.seconds(2000))  # another prompt computed whole first
+    assert busy.k > free.k and busy.compute_ahead_s == COMPUTE.seconds(2000)
+    assert busy.compute_all_s == pytest.approx(2 * COMPUTE.seconds(2000))
+    assert "of the step's compute ahead" in busy.explain()
+    for bad in ({"compute_ahead_s": -1.0}, {"bytes_ahead": float("nan")}, {"compute_ahead_s": float("inf")}):
         with pytest.raises(InvalidInputError):
-            _split(BALANCE, bytes_ahead=bad)
+            _split(BALANCE, **bad)
+
+
+def _step_s(choices) -> float:
+    """When a step of these splits ends: both lanes pipelined over the model's 30 layers."""
+    ld = sum(c.load_s for c in choices)
+    cc = sum(c.compute_s for c in choices)
+    return max(ld + cc / 30, cc + ld / 30)
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 2.0])
+def test_a_pass_of_alike_requests_ends_its_lanes_together(factor):
+    """Three alike prompts planned in one pass, each counting what the ones before it put on both lanes,
+    end their step no later than three planned as if alone (which all split alike, leaving a lane
+    idle), and no later than loading or computing them all."""
+    link = LinkCost(BALANCE.bytes_per_s * factor)
+    batch: list = []
+    for _ in range(3):
+        batch.append(
+            _split(
+                link,
+                bytes_ahead=sum(c.nbytes for c in batch),
+                compute_ahead_s=sum(c.compute_s for c in batch),
+            )
+        )
+    alone = [_split(link)] * 3
+    assert _step_s(batch) <= _step_s(alone) + 1e-9
+    for m in ("load_all", "compute_all"):
+        assert _step_s(batch) <= _step_s([_split(link, mode=m)] * 3) + 1e-9
+    assert len({c.k for c in batch}) > 1 or _step_s(batch) == pytest.approx(_step_s(alone))
 
 
 def test_the_modes_keep_their_k_on_a_busy_link():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from kvrestore import codec
@@ -141,8 +142,6 @@ def test_an_fp8_cache_is_saved_as_it_is_and_loads_back_byte_for_byte():
     same whatever the element): its pages are saved as fp8 chunks holding the values and each layer's
     scales, which a Restorer's fp8 reader decodes to value x scale; another fp8 cache loads them back as
     the same bytes, with no decode and re-rounding between."""
-    import pytest
-
     from kvrestore.codec.quant import key_space
     from kvrestore.core.errors import UnsupportedModelError
 
@@ -339,10 +338,11 @@ def _output(side: SchedulerSide, req_ids: list[str], k: dict[str, int]) -> objec
 
 
 def test_requests_loading_at_once_share_the_link_under_the_batch_rule():
-    """Four prompts asked in one scheduling pass: with the batch rule each split counts the bytes
-    queued on the link before it (no later one is planned on a free link; compute is not a queue), the
-    step's loads go in the link's order (most compute saved per byte first), and once the worker reports
-    them finished the link is free again. Without it, every split is planned as if alone."""
+    """Four prompts asked in one scheduling pass: with the batch rule each split counts what both lanes
+    hold before it (the bytes queued on the link, and the compute planned in this pass: the step they
+    share), the step's loads go in the link's order (most compute saved per byte first), and once the
+    worker reports them finished the link is free again. Without it, every split is planned as if
+    alone."""
     from types import SimpleNamespace
 
     from kvrestore.integrations.vllm_meta import KVRestoreWorkerMetadata
@@ -357,12 +357,13 @@ def test_requests_loading_at_once_share_the_link_under_the_batch_rule():
         ks_alone = [alone.get_num_new_matched_tokens(_Request(r, t), 0)[0] for r, t in prompts.items()]  # type: ignore[arg-type]
         assert len(set(ks_alone)) == 1 and 0 < ks_alone[0] < 392  # a split of each, as if alone
         ks = {r: batched.get_num_new_matched_tokens(_Request(r, t), 0)[0] for r, t in prompts.items()}  # type: ignore[arg-type]
-        assert ks["a"] == ks_alone[0]  # the first finds the link free
-        assert ks["b"] < ks["a"]  # the second finds the first's load ahead of its own: it loads less
-        assert ks["d"] <= ks["c"] <= ks["b"]  # each finds more bytes ahead; no compute is owed ahead
-        assert all(
-            batched._reqs[r].choice.predicted_s >= batched._reqs["a"].choice.predicted_s for r in "bcd"
-        )  # type: ignore[union-attr, operator]
+        assert ks["a"] == ks_alone[0]  # the first finds the engine free
+        choices = [batched._reqs[r].choice for r in "abcd"]
+        for i, c in enumerate(choices):  # each counts the ones before it, on both lanes
+            assert c.bytes_ahead == pytest.approx(sum(p.nbytes for p in choices[:i] if p.k > 0))  # type: ignore[union-attr]
+            assert c.compute_ahead_s == pytest.approx(sum(p.compute_s for p in choices[:i]))  # type: ignore[union-attr, misc]
+        predicted = [c.predicted_s for c in choices]  # type: ignore[union-attr]
+        assert predicted == sorted(predicted) and predicted[0] < predicted[-1]  # the step, as planned so far
         for r, t in prompts.items():
             batched.update_state_after_alloc(_Request(r, t), ks[r])  # type: ignore[arg-type]
         sent = [r for r in prompts if ks[r] > 0]

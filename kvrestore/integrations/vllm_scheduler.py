@@ -7,12 +7,11 @@ its own, in the scheduler's thread, through the library's `DeadlineStore`: at mo
 (vLLM's scheduler waits for it in any case: it needs the answer to schedule the request), and, once the
 store has failed one, none for `retry_after_s` (every prompt is then a miss).
 
-Many requests at once (``"batch": true``, the default): each split counts the bytes queued on the link
-before it (`LinkQueue`: the loads planned in this scheduling pass and those sent and not yet reported
-finished by the worker), and each step's loads are sent in the link's order, the load that saves the
-most compute per byte first (`policies.batch.link_order`). Only the link is a queue: the engine computes
-the step's requests together, so no request's compute waits behind another's
-(`planning.split`'s docstring).
+Many requests at once (``"batch": true``, the default): each split counts what both lanes hold before
+it (`LinkQueue`: the bytes of the loads planned in this scheduling pass and of those sent and not yet
+reported finished by the worker, and the compute planned in this pass: the pass's requests share the
+engine's steps, `planning.split`'s docstring), and each step's loads are sent in the link's order, the
+load that saves the most compute per byte first (`policies.batch.link_order`).
 """
 
 from __future__ import annotations
@@ -67,27 +66,30 @@ class LinkQueue:
     this scheduling pass (not sent yet: the link will serve them in its order), and those sent, until
     the worker reports them finished (`KVRestoreWorkerMetadata.loaded`, at the end of the step that ran
     them), or at most `timeout_s` after they were sent (a report that never came does not hold the link
-    forever)."""
+    forever). Also the compute planned in this pass (the step its requests share)."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._planned: dict[str, QueuedLoad | None] = {}
+        self._planned: dict[str, tuple[QueuedLoad | None, float]] = {}  # (load, compute seconds)
         self._sent: dict[str, tuple[QueuedLoad, float]] = {}  # and when it is taken as finished
 
-    def plan(self, req_id: str, load: QueuedLoad | None) -> None:
-        self._planned[req_id] = load
+    def plan(self, req_id: str, load: QueuedLoad | None, compute_s: float) -> None:
+        self._planned[req_id] = (load, compute_s)
 
     def planned(self, req_id: str) -> QueuedLoad | None:
-        return self._planned.get(req_id)
+        entry = self._planned.get(req_id)
+        return entry[0] if entry else None
 
-    def ahead(self, req_id: str) -> float:
-        """The bytes the link serves before `req_id`'s load: every other request's load not finished
-        (planned in this pass, or sent and not reported finished)."""
+    def ahead(self, req_id: str) -> tuple[float, float]:
+        """What the lanes hold before `req_id`'s split: the bytes of every other request's load not
+        finished (planned in this pass, or sent and not reported finished), and the compute planned
+        in this pass for the others."""
         now = time.monotonic()
         self._sent = {r: v for r, v in self._sent.items() if v[1] > now}
         loads = [q for r, (q, _) in self._sent.items() if r != req_id]
-        loads += [q for r, q in self._planned.items() if r != req_id and q is not None]
-        return sum(q.nbytes for q in loads)
+        others = [v for r, v in self._planned.items() if r != req_id]
+        loads += [q for q, _ in others if q is not None]
+        return sum(q.nbytes for q in loads), sum(c for _, c in others)
 
     def send(self, req_ids: Iterable[str]) -> None:
         """The pass is over: `req_ids`' loads were sent; plans not sent are dropped (asked again)."""
@@ -146,7 +148,7 @@ class SchedulerSide:
             ends.append(ref.end)
         costs = self.ctx.costs
         costs.refresh()
-        ahead = self.queue.ahead(request.request_id) if self.config.batch else 0.0
+        ahead, compute_ahead = self.queue.ahead(request.request_id) if self.config.batch else (0.0, 0.0)
         choice = choose_split(
             n_tokens=len(tokens),
             chunk_ends=ends,
@@ -159,11 +161,12 @@ class SchedulerSide:
             loading=costs.loading_factor(),
             mode=self.config.split,
             bytes_ahead=ahead,
+            compute_ahead_s=compute_ahead,
         )
         st.choice = choice
         loads = choice.k > num_computed_tokens  # vLLM's own prefix cache may hold the whole split
         load = choice.queued(request.request_id) if loads else None
-        self.queue.plan(request.request_id, load)
+        self.queue.plan(request.request_id, load, choice.compute_s or 0.0)
         if fresh:
             self.counters.add(hit_tokens=choice.loadable_tokens)
         if ends and fresh:

@@ -11,24 +11,19 @@ minimises it. Its compute also shares the host with the load's reads, checks and
 (how much slower such steps computed than the model says: `costs.learned.loading_factor`) scales the
 compute of every split that loads.
 
-Many requests at once (CacheFlow's batch rule, §3.3). A split is not planned as if the link were free:
-the bytes of the loads already queued on the link and not finished (`bytes_ahead`) are served before
-this load's, so a request arriving while others load loads less and computes more than on a free link.
-Among loads that have not started, the link then serves the one that saves the most compute per byte
-first (`policies.batch.link_order`); a split never counts on jumping that queue (the loads before it
-were planned on the bytes ahead of them, and were promised their place).
-
-Only the link is a queue. A request's compute is its own: CacheFlow's Algorithm 1 advances every
-request's compute pointer in every step (line 11: "for each r in R: recompute"), and grants only the
-I/O to a chosen few (line 7); vLLM does the same, computing the new tokens of all the step's requests
-in one batched forward pass, not one request's after another's. Another request's compute therefore
-does not wait in front of this one's the way its bytes wait in front of this load's: it makes the
-shared steps longer for both lanes of both requests (their loads are pipelined against those steps
-too), which the compute costs learned from the server's own steps and `loading` see on average, not
-a head start for the link. Counting it as compute owed ahead (an earlier version did) moved both lanes
-alike when the requests look alike, and so rarely changed a split. The cost of this reading: where
-compute is a throughput the step's requests share (a CPU) and the link is fast, the last request
-planned behind queued bytes computes more than it should (`docs/benchmarks.md`, serving_batch at 2x).
+Many requests at once (CacheFlow's batch rule, §3.3). A split is not planned as if it had the engine to
+itself. vLLM computes the new tokens of every request it schedules in one pass in the same forward
+steps, and the connector loads their stored prefixes against those steps, layer by layer: the
+requests of one pass share both lanes and get their first tokens when the step ends, once the link
+has served every load of the pass and the model has computed every suffix. So a split counts what
+both lanes hold before it: the bytes queued on the link and not finished (`bytes_ahead`: loads
+planned in this pass, and loads sent and not reported finished) and the compute planned in this pass
+for the requests before it (`compute_ahead_s`). Each request then adds its load and its compute where
+the step, as planned so far, finishes soonest: behind more loading than computing it computes more,
+behind more computing it loads more, and the pass's loads and compute end together. A split planned
+as if alone sees its own lanes only: requests that look alike all split alike, and a pass of them
+leaves one lane idle while the other works. Among loads that have not started, the link then serves the one that saves the most compute
+per byte first (`policies.batch.link_order`); a split never counts on jumping that queue.
 """
 
 from __future__ import annotations
@@ -63,6 +58,7 @@ class SplitChoice:
     nbytes: float = 0.0  # bytes the load reads (whole chunks)
     saved_s: float = 0.0  # compute the load saves (0 where the costs are not known)
     bytes_ahead: float = 0.0  # bytes the link serves before this load
+    compute_ahead_s: float = 0.0  # compute planned for the step's requests before this one
 
     def queued(self, key: str) -> QueuedLoad | None:
         """This split's load as it waits on the link (None: it loads nothing)."""
@@ -81,6 +77,7 @@ class SplitChoice:
             "load_all_s": self.load_all_s,
             "compute_all_s": self.compute_all_s,
             "bytes_ahead": self.bytes_ahead,
+            "compute_ahead_s": self.compute_ahead_s,
             "reason": self.reason,
         }
 
@@ -88,6 +85,7 @@ class SplitChoice:
         if self.predicted_s is None:
             return f"load {self.k} of {self.n_tokens} tokens ({self.reason})"
         ahead = f", {self.bytes_ahead / 1e6:.1f} MB queued ahead" if self.bytes_ahead else ""
+        ahead += f", {self.compute_ahead_s:.3f} s of the step's compute ahead" if self.compute_ahead_s else ""
         return (
             f"load {self.k} of {self.n_tokens} tokens, compute {self.n_tokens - self.k}: predicted "
             f"{self.predicted_s:.3f} s (load {self.load_s:.3f} s, compute {self.compute_s:.3f} s; "
@@ -122,15 +120,18 @@ def choose_split(
     loading: float | None = None,
     mode: str = "planned",
     bytes_ahead: float = 0.0,
+    compute_ahead_s: float = 0.0,
 ) -> SplitChoice:
     """The split for a prompt of `n_tokens` whose leading stored chunks end at `chunk_ends`. A split that
     loads computes its suffix `loading` times slower than alone (`loading_factor`; 1 if not known).
-    `bytes_ahead` is what the link serves before this request's load (loads queued on it, not finished:
-    the module docstring); 0, the link is free."""
+    `bytes_ahead` (loads queued on the link, not finished) and `compute_ahead_s` (compute planned for
+    the requests of the same step before this one) are what the lanes hold before it (the module
+    docstring); 0 and 0, it has the engine to itself."""
     if mode not in SPLITS:
         raise InvalidInputError(f"split must be one of {SPLITS}, got {mode!r}")
-    if not (math.isfinite(bytes_ahead) and bytes_ahead >= 0):
-        raise InvalidInputError(f"bytes_ahead must be a finite number >= 0, got {bytes_ahead!r}")
+    for name, v in (("bytes_ahead", bytes_ahead), ("compute_ahead_s", compute_ahead_s)):
+        if not (math.isfinite(v) and v >= 0):
+            raise InvalidInputError(f"{name} must be a finite number >= 0, got {v!r}")
     stored = chunk_ends[-1] if chunk_ends else 0
     kmax = max_loadable(n_tokens, stored, block_size)
     step = math.lcm(chunk_size, block_size)
@@ -140,17 +141,20 @@ def choose_split(
         return loaded_tokens_read(k, chunk_ends) * bytes_per_token
 
     def predict(k: int) -> tuple[float, float, float, float]:
-        """(finish, load seconds, compute seconds, compute saved) of loading k tokens."""
+        """(finish, load seconds, compute seconds, compute saved) of loading k tokens: when the step
+        ends, both lanes having served what is ahead and this request's part."""
         assert link is not None and compute is not None
         alone = compute.seconds(n_tokens, 0)
         c = compute.seconds(n_tokens - k, k)
-        if k == 0:
-            return c, 0.0, c, 0.0
-        saved = max(0.0, alone - c)
-        c *= loading or 1.0
+        saved = max(0.0, alone - c) if k > 0 else 0.0
+        if k > 0:
+            c *= loading or 1.0
         # headers, then a round per layer, after the bytes the link serves first
-        ld = (num_layers + 1) * link.latency_s + (bytes_ahead + nbytes(k)) / link.bytes_per_s
-        return max(ld + c / num_layers, c + ld / num_layers), ld, c, saved
+        ld = (num_layers + 1) * link.latency_s + nbytes(k) / link.bytes_per_s if k > 0 else 0.0
+        link_s, compute_s = bytes_ahead / link.bytes_per_s + ld, compute_ahead_s + c
+        if link_s == 0:
+            return compute_s, ld, c, saved
+        return max(link_s + compute_s / num_layers, compute_s + link_s / num_layers), ld, c, saved
 
     known = link is not None and compute is not None
     if mode == "compute_all" or kmax == 0:
@@ -168,7 +172,20 @@ def choose_split(
     total, ld, c, saved = predict(k)
     load_all, compute_all = predict(kmax)[0], predict(0)[0]
     return SplitChoice(
-        k, n_tokens, stored, kmax, total, ld, c, load_all, compute_all, reason, nbytes(k), saved, bytes_ahead
+        k,
+        n_tokens,
+        stored,
+        kmax,
+        total,
+        ld,
+        c,
+        load_all,
+        compute_all,
+        reason,
+        nbytes(k),
+        saved,
+        bytes_ahead,
+        compute_ahead_s,
     )
 
 

@@ -137,8 +137,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         kept = args.work / f"costs-after-calibration-{c + 1}"
         if costs.exists():
             shutil.copytree(costs, kept)
-        calibrations.append((worst(phase), kv_bytes_of(phase), kept))
-        log(f"   worst TTFT {worst(phase):.2f} s: {kv_bytes_of(phase) / worst(phase) / 1e6:.1f} MB/s")
+        worst_s, kv_bytes = worst(phase), kv_bytes_of(phase)
+        calibrations.append((worst_s, kv_bytes, kept))
+        log(f"   worst TTFT {worst_s:.2f} s: {kv_bytes / worst_s / 1e6:.1f} MB/s")
     fastest_s, kv_bytes, fastest_costs = min(calibrations)
     if fastest_costs.exists():
         shutil.copytree(fastest_costs, computed)

@@ -29,10 +29,21 @@ import pytest
 CREDENTIALS = {"key": "testing", "secret": "testing"}
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(containing: str | None = None) -> int:
+    """A loopback port free when asked; with `containing`, the first whose number holds those digits."""
+    if containing is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for port in range(1024, 65536):
+        if containing in str(port):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+    raise RuntimeError(f"no free loopback port holds the digits {containing}")
 
 
 def _moto_command() -> list[str]:

@@ -24,7 +24,7 @@ from kvrestore.stores import FsspecStore, LocalStore, MemoryStore, PrefetchStore
 from kvrestore.stores.files import TMP_PREFIX
 
 from .conftest import random_tokens, tiny_model
-from .s3_server import MotoServer
+from .s3_server import CREDENTIALS, MotoServer, free_port
 from .test_stores import BAD_KEYS, K1
 
 pytest.importorskip("s3fs")  # the kvrestore[s3] extra
@@ -212,30 +212,13 @@ def test_s3_server_stopped_mid_restore_finishes_by_recomputing(llama_backend):
         torch.testing.assert_close(r.kv.data, ref, atol=ATOL, rtol=0)
 
 
-def closed_port_containing(digits: str) -> int:
-    """A loopback port, free when asked, whose number contains `digits`."""
-    import socket
-
-    for port in range(1024, 65536):
-        if digits not in str(port):
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free loopback port contains {digits}")
-
-
 def test_unreachable_s3_is_a_store_error_whatever_its_port_number():
     """A connection error names the endpoint, port included; a port such as 41619 holds the digits of
     HTTP 416 (the answer for a range of an empty object), which must not make the chunk look empty."""
-    port = closed_port_containing("416")
+    port = free_port(containing="416")  # nothing listens there
     store = open_store(
         "s3://bucket/kv",
-        key="k",
-        secret="s",
+        **CREDENTIALS,
         endpoint_url=f"http://127.0.0.1:{port}",
         config_kwargs={"s3": {"addressing_style": "path"}, "retries": {"max_attempts": 1}},
     )

@@ -158,6 +158,80 @@ def test_a_pass_of_alike_requests_ends_its_lanes_together(factor):
     assert len({c.k for c in batch}) > 1 or _step_s(batch) == pytest.approx(_step_s(alone))
 
 
+STEP_TOKENS = 2048  # vLLM's token budget: what one step computes at most under chunked prefill
+
+
+def test_what_a_step_cannot_compute_is_computed_after_it():
+    """A step with room for fewer tokens than the suffix computes the rest in the steps after it, once
+    this one has ended: the first token comes after both, and a step with room for the whole suffix
+    plans as an unbounded one."""
+    free = _split(BALANCE)
+    assert _split(BALANCE, step_tokens=STEP_TOKENS) == free
+    assert free.later_s == 0 and free.step_new_tokens == 2000 - free.k
+    tight = _split(BALANCE, step_tokens=100)
+    assert tight.step_new_tokens == 100 and tight.later_s > 0
+    rest = 2000 - tight.k - 100
+    assert tight.later_s == pytest.approx(COMPUTE.seconds(rest, 2000 - rest))
+    assert tight.compute_s == pytest.approx(COMPUTE.seconds(100, tight.k))
+    step_end = max(tight.load_s + tight.compute_s / 30, tight.compute_s + tight.load_s / 30)
+    assert tight.predicted_s == pytest.approx(step_end + tight.later_s)
+    assert "computed in later steps" in tight.explain()
+    assert _split(BALANCE, step_tokens=0).step_new_tokens == 1  # vLLM asks only while a step has room
+    for bad in (-1, 2.5):
+        with pytest.raises(InvalidInputError):
+            _split(BALANCE, step_tokens=bad)
+
+
+def _pass(link: LinkCost, bounded: bool) -> list:
+    """Three alike prompts planned in one pass of a step that computes `STEP_TOKENS` at most, each
+    counting what the ones before it hold; `bounded`: each also knows the room the step has left."""
+    batch: list = []
+    used = 0
+    for _ in range(3):
+        room = max(0, STEP_TOKENS - used)
+        c = _split(
+            link,
+            bytes_ahead=sum(c.nbytes for c in batch),
+            compute_ahead_s=sum(c.compute_s for c in batch),
+            step_tokens=room if bounded else None,
+        )
+        batch.append(c)
+        used += min(2000 - c.k, max(1, room))
+    return batch
+
+
+def _first_tokens(batch: list) -> list[float]:
+    """When each request of a pass gets its first token, as vLLM runs it: the step computes
+    `STEP_TOKENS` at most, in the order planned, while the link serves every load of the pass; what did
+    not fit is computed after the step, request after request."""
+    room, loads, compute, rests = STEP_TOKENS, 0.0, 0.0, []
+    for c in batch:
+        now = min(2000 - c.k, max(1, room))
+        room -= now
+        loads += c.load_s
+        compute += COMPUTE.seconds(now, c.k)
+        rests.append((2000 - c.k - now, c.k + now))
+    t = end = max(loads + compute / 30, compute + loads / 30)
+    firsts = []
+    for rest, past in rests:
+        t += COMPUTE.seconds(rest, past) if rest else 0.0
+        firsts.append(t if rest else end)
+    return firsts
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 2.0])
+def test_a_pass_that_knows_the_step_s_room_ends_no_later(factor):
+    """Three alike prompts whose suffixes do not all fit one step: planned knowing the room each has
+    left, the last first token of the pass comes no later than planned as if the step had no bound
+    (which loads as much for a request whose compute spills past the step as for one whose compute
+    overlaps the link); at 0.5x the balance, strictly sooner."""
+    link = LinkCost(BALANCE.bytes_per_s * factor)
+    bounded, unbounded = max(_first_tokens(_pass(link, True))), max(_first_tokens(_pass(link, False)))
+    assert bounded <= unbounded + 1e-9
+    if factor == 0.5:
+        assert bounded < 0.9 * unbounded
+
+
 def test_the_modes_keep_their_k_on_a_busy_link():
     assert _split(BALANCE, mode="load_all", bytes_ahead=80e6).k == 1920
     assert _split(BALANCE, mode="compute_all", bytes_ahead=80e6).k == 0

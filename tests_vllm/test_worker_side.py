@@ -308,16 +308,17 @@ def test_a_failed_lookup_makes_every_prompt_a_miss_for_retry_after_s():
         side.shutdown()
 
 
-def _costed_side(store: MemoryStore, batch: bool) -> SchedulerSide:
+def _costed_side(store: MemoryStore, batch: bool, step_tokens: int | None = None) -> SchedulerSide:
     """A scheduler side whose costs are known: a 400-token prompt computes in about 4 s, and the link
-    loads it in as long (the balance)."""
+    loads it in as long (the balance); an engine step computes `step_tokens` at most."""
     extra = {"store_url": "memory://", "chunk_size": 16, "batch": batch}
     probe = ConnectorContext(ConnectorConfig.from_extra(extra), SPEC, BLOCK, CostLearner(SPEC))
     extra["link_bytes_per_s"] = 400 * probe.stored_bytes_per_token / 4.0
     book = CostLearner(SPEC)
     for n, past, s in [(400, 0, 4.0), (200, 200, 2.2), (100, 300, 1.2), (1, 400, 0.01)]:
         book.observe_step(n, past, s)
-    return SchedulerSide(ConnectorContext(ConnectorConfig.from_extra(extra), SPEC, BLOCK, book), store)
+    ctx = ConnectorContext(ConnectorConfig.from_extra(extra), SPEC, BLOCK, book, step_tokens)
+    return SchedulerSide(ctx, store)
 
 
 def _output(side: SchedulerSide, req_ids: list[str], k: dict[str, int]) -> object:
@@ -383,6 +384,49 @@ def test_requests_loading_at_once_share_the_link_under_the_batch_rule():
         batched.shutdown()
 
 
+def test_each_split_knows_the_room_the_step_has_left():
+    """vLLM computes at most its token budget in a step (here 450 tokens): each split of a pass plans
+    with what the requests before it left of it, and the next pass starts with what the requests it
+    scheduled carry into it (the rest of a prompt vLLM cut, one token for a request that decodes)."""
+    store = MemoryStore()
+    prompts = {r: [1000 * i + t for t in range(400)] for i, r in enumerate("abc")}
+    side = _costed_side(store, True, step_tokens=450)
+    try:
+        for ref in (ref for t in prompts.values() for ref in chunk_keys(t, side.ctx.key_space, 16)):
+            side.loop.call(store.put, ref.key, b"x")
+        ks = {r: side.get_num_new_matched_tokens(_Request(r, t), 0)[0] for r, t in prompts.items()}  # type: ignore[arg-type]
+        room = 450
+        for r in prompts:
+            c = side._reqs[r].choice
+            assert c is not None and c.step_new_tokens == min(400 - c.k, max(1, room))
+            room -= c.step_new_tokens
+        # the step ran: a computed its suffix, b and c what fit; the next pass starts with their rest
+        cost = side.ctx.costs.step_cost()
+        assert cost is not None
+        n_new = {r: side._reqs[r].choice.step_new_tokens for r in prompts}  # type: ignore[union-attr]
+        steps = [(r, n_new[r], ks[r]) for r in prompts]
+        meta = KVRestoreConnectorMetadata()
+        meta.steps.extend(steps)
+        carry_s, carry_tokens = side._running(meta)
+        rests = {r: 400 - ks[r] - n_new[r] for r in prompts}
+        assert carry_tokens == sum(n if n > 0 else 1 for n in rests.values())
+        expected = sum(
+            cost.seconds(n, 400 - n) if n > 0 else cost.seconds(1, 400) - cost.fixed_s for n in rests.values()
+        )
+        assert carry_s == pytest.approx(expected)
+        output = _output(side, list(prompts), ks)
+        output.num_scheduled_tokens = n_new  # type: ignore[attr-defined]
+        side.build_connector_meta(output)  # type: ignore[arg-type]
+        assert side.queue.ahead("d")[1:] == pytest.approx((carry_s, carry_tokens))
+        late = [5000 + t for t in range(400)]
+        side.get_num_new_matched_tokens(_Request("d", late), 0)  # type: ignore[arg-type]
+        c = side._reqs["d"].choice
+        assert c is not None and c.step_new_tokens == min(400 - c.k, max(1, 450 - carry_tokens))
+        assert c.compute_ahead_s == pytest.approx(carry_s)
+    finally:
+        side.shutdown()
+
+
 def test_loads_that_share_a_step_are_one_sample_of_the_link_and_reported_finished():
     """Two requests load in one step: they share the link, so the book learns one sample (their bytes
     over the longer load), not two slow ones; the worker reports both loads over (the scheduler's
@@ -406,3 +450,16 @@ def test_loads_that_share_a_step_are_one_sample_of_the_link_and_reported_finishe
         assert side.build_connector_worker_meta() is None  # reported once
     finally:
         side.io.close()
+
+
+def test_the_step_budget_is_vllm_s_where_it_chunks_prompts():
+    """The connector plans with the token budget of vLLM's own scheduler config where vLLM cuts long
+    prompts across steps, and with none where it does not (a prompt then waits for a step with room)."""
+    from vllm.config import SchedulerConfig
+
+    from kvrestore.integrations.vllm import step_tokens
+
+    config = SchedulerConfig.default_factory(max_num_batched_tokens=1536, enable_chunked_prefill=True)
+    assert step_tokens(config) == 1536
+    config.enable_chunked_prefill = False
+    assert step_tokens(config) is None

@@ -91,6 +91,15 @@ def flush_saves(timeout: float | None = 60.0) -> bool:
     return all(w.saver.flush(timeout) for w in list(_WORKERS))
 
 
+def step_tokens(scheduler_config: Any) -> int | None:
+    """The most tokens vLLM's scheduler computes in one step where it chunks long prompts across steps
+    (its token budget), None where it does not (a prompt then waits for a step with room)."""
+    if not getattr(scheduler_config, "enable_chunked_prefill", False):
+        return None
+    budget = getattr(scheduler_config, "max_num_scheduled_tokens", None)
+    return int(budget or scheduler_config.max_num_batched_tokens)
+
+
 class KVRestoreStats(KVConnectorStats):
     """The connector's counters (`vllm_stats.COUNTERS`) as vLLM's KV connector stats: sums, from the
     scheduler and every worker, over an interval."""
@@ -158,7 +167,9 @@ class KVRestoreConnector(KVConnectorBase_V1):
             )
         fp = config.fingerprint or checkpoint_fingerprint(mc.model, mc.dtype)
         spec = model_spec(mc.hf_config, mc.dtype, fp, name=str(mc.model))
-        self.ctx = ConnectorContext.make(config, spec, vllm_config.cache_config.block_size)
+        self.ctx = ConnectorContext.make(
+            config, spec, vllm_config.cache_config.block_size, step_tokens(vllm_config.scheduler_config)
+        )
         self.config, self.spec = config, spec
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None

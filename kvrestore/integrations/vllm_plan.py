@@ -112,16 +112,21 @@ class ConnectorConfig:
 @dataclass(frozen=True)
 class ConnectorContext:
     """What the connector's scheduler side and worker side share: the checked config, the model, vLLM's
-    block size and the costs learned so far. Each side opens its own store (`open_store`)."""
+    block size, the costs learned so far, and how many tokens one engine step computes at most where
+    vLLM chunks long prompts across steps (None where it does not). Each side opens its own store
+    (`open_store`)."""
 
     config: ConnectorConfig
     spec: ModelSpec
     block_size: int
     costs: CostLearner
+    step_tokens: int | None = None
 
     @classmethod
-    def make(cls, config: ConnectorConfig, spec: ModelSpec, block_size: int) -> ConnectorContext:
-        return cls(config, spec, block_size, CostLearner.shared(spec, config.cost_dir))
+    def make(
+        cls, config: ConnectorConfig, spec: ModelSpec, block_size: int, step_tokens: int | None = None
+    ) -> ConnectorContext:
+        return cls(config, spec, block_size, CostLearner.shared(spec, config.cost_dir), step_tokens)
 
     @property
     def encoding(self) -> Encoding:

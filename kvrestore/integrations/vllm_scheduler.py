@@ -54,6 +54,7 @@ class _Request:
 
     refs: list[ChunkRef]
     stored: list[bool]
+    n_tokens: int
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0  # chunks before this one are saved or not to be saved
     load_k: int = 0
@@ -62,43 +63,53 @@ class _Request:
 
 
 class LinkQueue:
-    """The connector's loads that have not finished, as the scheduler side knows them: those planned in
-    this scheduling pass (not sent yet: the link will serve them in its order), and those sent, until
-    the worker reports them finished (`KVRestoreWorkerMetadata.loaded`, at the end of the step that ran
-    them), or at most `timeout_s` after they were sent (a report that never came does not hold the link
-    forever). Also the compute planned in this pass (the step its requests share)."""
+    """What the engine's next step holds, as the scheduler side knows it: the connector's loads that
+    have not finished (those planned in this scheduling pass, not sent yet: the link will serve them in
+    its order; and those sent, until the worker reports them finished (`KVRestoreWorkerMetadata.loaded`,
+    at the end of the step that ran them), or at most `timeout_s` after they were sent: a report that
+    never came does not hold the link forever), and the compute of the step: what the requests already
+    running carry into it (vLLM schedules them first) and what this pass planned."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        self._planned: dict[str, tuple[QueuedLoad | None, float]] = {}  # (load, compute seconds)
+        # (load, compute seconds, tokens computed in the step)
+        self._planned: dict[str, tuple[QueuedLoad | None, float, int]] = {}
         self._sent: dict[str, tuple[QueuedLoad, float]] = {}  # and when it is taken as finished
+        self._running: tuple[float, int] = (0.0, 0)  # compute seconds, tokens
 
-    def plan(self, req_id: str, load: QueuedLoad | None, compute_s: float) -> None:
-        self._planned[req_id] = (load, compute_s)
+    def plan(self, req_id: str, load: QueuedLoad | None, compute_s: float, tokens: int = 0) -> None:
+        self._planned[req_id] = (load, compute_s, tokens)
 
     def planned(self, req_id: str) -> QueuedLoad | None:
         entry = self._planned.get(req_id)
         return entry[0] if entry else None
 
-    def ahead(self, req_id: str) -> tuple[float, float]:
-        """What the lanes hold before `req_id`'s split: the bytes of every other request's load not
-        finished (planned in this pass, or sent and not reported finished), and the compute planned
-        in this pass for the others."""
+    def ahead(self, req_id: str) -> tuple[float, float, int]:
+        """What the step holds before `req_id`'s split: the bytes of every other request's load not
+        finished (planned in this pass, or sent and not reported finished), and the compute seconds
+        and tokens of the running requests and of the others planned in this pass."""
         now = time.monotonic()
         self._sent = {r: v for r, v in self._sent.items() if v[1] > now}
         loads = [q for r, (q, _) in self._sent.items() if r != req_id]
         others = [v for r, v in self._planned.items() if r != req_id]
-        loads += [q for q, _ in others if q is not None]
-        return sum(q.nbytes for q in loads), sum(c for _, c in others)
+        loads += [q for q, _, _ in others if q is not None]
+        compute_s, tokens = self._running
+        return (
+            sum(q.nbytes for q in loads),
+            compute_s + sum(c for _, c, _ in others),
+            tokens + sum(t for _, _, t in others),
+        )
 
-    def send(self, req_ids: Iterable[str]) -> None:
-        """The pass is over: `req_ids`' loads were sent; plans not sent are dropped (asked again)."""
+    def send(self, req_ids: Iterable[str], running: tuple[float, int] = (0.0, 0)) -> None:
+        """The pass is over: `req_ids`' loads were sent; plans not sent are dropped (asked again).
+        `running`: the compute seconds and tokens the scheduled requests carry into the next step."""
         until = time.monotonic() + self.timeout_s
         for r in req_ids:
             q = self.planned(r)
             if q is not None:
                 self._sent[r] = (q, until)
         self._planned.clear()
+        self._running = running
 
     def finished(self, req_ids: Iterable[str]) -> None:
         for r in req_ids:
@@ -138,7 +149,9 @@ class SchedulerSide:
                 self._unkeyed.add(request.request_id)
                 self.counters.add(unkeyed_requests=1)
                 return 0, False
-            st = self._reqs[request.request_id] = _Request(refs, self._lookup([r.key for r in refs]))
+            st = self._reqs[request.request_id] = _Request(
+                refs, self._lookup([r.key for r in refs]), len(tokens)
+            )
         if not self.config.load:
             return 0, False
         ends = []
@@ -148,7 +161,10 @@ class SchedulerSide:
             ends.append(ref.end)
         costs = self.ctx.costs
         costs.refresh()
-        ahead, compute_ahead = self.queue.ahead(request.request_id) if self.config.batch else (0.0, 0.0)
+        ahead, compute_ahead, tokens_ahead = (
+            self.queue.ahead(request.request_id) if self.config.batch else (0, 0, 0)
+        )
+        budget = self.ctx.step_tokens
         choice = choose_split(
             n_tokens=len(tokens),
             chunk_ends=ends,
@@ -162,11 +178,12 @@ class SchedulerSide:
             mode=self.config.split,
             bytes_ahead=ahead,
             compute_ahead_s=compute_ahead,
+            step_tokens=None if budget is None else max(0, budget - tokens_ahead),
         )
         st.choice = choice
         loads = choice.k > num_computed_tokens  # vLLM's own prefix cache may hold the whole split
         load = choice.queued(request.request_id) if loads else None
-        self.queue.plan(request.request_id, load, choice.compute_s or 0.0)
+        self.queue.plan(request.request_id, load, choice.compute_s or 0.0, choice.step_new_tokens)
         if fresh:
             self.counters.add(hit_tokens=choice.loadable_tokens)
         if ends and fresh:
@@ -240,8 +257,28 @@ class SchedulerSide:
         if self.config.batch:  # the link serves the load that saves the most compute per byte first
             rank = {q.key: i for i, q in enumerate(link_order(self._planned_loads(meta)))}
             meta.loads.sort(key=lambda spec: rank.get(spec.req_id, len(rank)))
-        self.queue.send(spec.req_id for spec in meta.loads)
+        self.queue.send((spec.req_id for spec in meta.loads), self._running(meta))
         return meta
+
+    def _running(self, meta: KVRestoreConnectorMetadata) -> tuple[float, int]:
+        """The compute seconds and tokens the requests of this step carry into the next one, where vLLM
+        schedules them before any new request: the rest of a prompt (a step's worth at most), or one
+        token a request that decodes."""
+        cost, budget = self.ctx.costs.step_cost(), self.ctx.step_tokens
+        seconds, tokens = 0.0, 0
+        for req_id, n_new, computed in meta.steps:
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            done = computed + n_new
+            n = st.n_tokens - done if budget is None else min(st.n_tokens - done, budget)
+            if n > 0:
+                seconds += cost.seconds(n, done) if cost is not None else 0.0
+            else:  # one token to decode, in a forward pass the step runs anyway
+                n = 1
+                seconds += cost.seconds(1, done) - cost.fixed_s if cost is not None else 0.0
+            tokens += n
+        return seconds, tokens
 
     def _planned_loads(self, meta: KVRestoreConnectorMetadata) -> list[QueuedLoad]:
         loads = (self.queue.planned(spec.req_id) for spec in meta.loads)

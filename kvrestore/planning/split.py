@@ -24,6 +24,13 @@ behind more computing it loads more, and the pass's loads and compute end togeth
 as if alone sees its own lanes only: requests that look alike all split alike, and a pass of them
 leaves one lane idle while the other works. Among loads that have not started, the link then serves the one that saves the most compute
 per byte first (`policies.batch.link_order`); a split never counts on jumping that queue.
+
+A step computes a bounded number of tokens (vLLM's token budget under chunked prefill:
+`step_tokens`, what the requests before this one left of it). What a request cannot compute in this
+step it computes in the next ones, and those start only when this step ends: once the link has served
+every load of the step. So a request whose suffix does not fit gets its first token after the step
+and the rest of its compute, and its split weighs both: a load that lengthens the step delays the rest
+as much as it saves.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ class SplitChoice:
     loadable_tokens: int  # the most that could be loaded (whole blocks, leaving a token to compute)
     predicted_s: float | None  # None: no measured costs to predict with
     load_s: float | None
-    compute_s: float | None
+    compute_s: float | None  # the compute in this step (`step_tokens` of it at most)
     load_all_s: float | None  # the prediction for the largest k
     compute_all_s: float | None  # and for k = 0
     reason: str
@@ -59,6 +66,8 @@ class SplitChoice:
     saved_s: float = 0.0  # compute the load saves (0 where the costs are not known)
     bytes_ahead: float = 0.0  # bytes the link serves before this load
     compute_ahead_s: float = 0.0  # compute planned for the step's requests before this one
+    later_s: float = 0.0  # compute left for the steps after this one (what `step_tokens` did not fit)
+    step_new_tokens: int = 0  # tokens computed in this step
 
     def queued(self, key: str) -> QueuedLoad | None:
         """This split's load as it waits on the link (None: it loads nothing)."""
@@ -78,6 +87,7 @@ class SplitChoice:
             "compute_all_s": self.compute_all_s,
             "bytes_ahead": self.bytes_ahead,
             "compute_ahead_s": self.compute_ahead_s,
+            "later_s": self.later_s,
             "reason": self.reason,
         }
 
@@ -86,6 +96,7 @@ class SplitChoice:
             return f"load {self.k} of {self.n_tokens} tokens ({self.reason})"
         ahead = f", {self.bytes_ahead / 1e6:.1f} MB queued ahead" if self.bytes_ahead else ""
         ahead += f", {self.compute_ahead_s:.3f} s of the step's compute ahead" if self.compute_ahead_s else ""
+        ahead += f", {self.later_s:.3f} s computed in later steps" if self.later_s else ""
         return (
             f"load {self.k} of {self.n_tokens} tokens, compute {self.n_tokens - self.k}: predicted "
             f"{self.predicted_s:.3f} s (load {self.load_s:.3f} s, compute {self.compute_s:.3f} s; "
@@ -121,17 +132,21 @@ def choose_split(
     mode: str = "planned",
     bytes_ahead: float = 0.0,
     compute_ahead_s: float = 0.0,
+    step_tokens: int | None = None,
 ) -> SplitChoice:
     """The split for a prompt of `n_tokens` whose leading stored chunks end at `chunk_ends`. A split that
     loads computes its suffix `loading` times slower than alone (`loading_factor`; 1 if not known).
     `bytes_ahead` (loads queued on the link, not finished) and `compute_ahead_s` (compute planned for
-    the requests of the same step before this one) are what the lanes hold before it (the module
-    docstring); 0 and 0, it has the engine to itself."""
+    the requests of the same step before this one) are what the lanes hold before it, and `step_tokens`
+    how many tokens the step can still compute for it (None: no bound) (the module docstring); 0, 0
+    and None, it has the engine to itself."""
     if mode not in SPLITS:
         raise InvalidInputError(f"split must be one of {SPLITS}, got {mode!r}")
     for name, v in (("bytes_ahead", bytes_ahead), ("compute_ahead_s", compute_ahead_s)):
         if not (math.isfinite(v) and v >= 0):
             raise InvalidInputError(f"{name} must be a finite number >= 0, got {v!r}")
+    if step_tokens is not None and not (isinstance(step_tokens, int) and step_tokens >= 0):
+        raise InvalidInputError(f"step_tokens must be an int >= 0 or None, got {step_tokens!r}")
     stored = chunk_ends[-1] if chunk_ends else 0
     kmax = max_loadable(n_tokens, stored, block_size)
     step = math.lcm(chunk_size, block_size)
@@ -140,21 +155,29 @@ def choose_split(
     def nbytes(k: int) -> float:
         return loaded_tokens_read(k, chunk_ends) * bytes_per_token
 
-    def predict(k: int) -> tuple[float, float, float, float]:
-        """(finish, load seconds, compute seconds, compute saved) of loading k tokens: when the step
-        ends, both lanes having served what is ahead and this request's part."""
+    def now(k: int) -> int:
+        """Tokens computed in this step: the suffix, or what the step has left (at least one: vLLM
+        asks only while the step has room)."""
+        return n_tokens - k if step_tokens is None else min(n_tokens - k, max(1, step_tokens))
+
+    def predict(k: int) -> tuple[float, float, float, float, float]:
+        """(first token, load seconds, compute seconds in this step, compute saved, compute later) of
+        loading k tokens: when the step ends, both lanes having served what is ahead and this
+        request's part, and then the steps that compute what did not fit in this one."""
         assert link is not None and compute is not None
-        alone = compute.seconds(n_tokens, 0)
-        c = compute.seconds(n_tokens - k, k)
-        saved = max(0.0, alone - c) if k > 0 else 0.0
-        if k > 0:
-            c *= loading or 1.0
+        saved = max(0.0, compute.seconds(n_tokens, 0) - compute.seconds(n_tokens - k, k)) if k > 0 else 0.0
+        c = compute.seconds(now(k), k) * ((loading or 1.0) if k > 0 else 1.0)
+        rest = n_tokens - k - now(k)
+        later = compute.seconds(rest, n_tokens - rest) if rest > 0 else 0.0
         # headers, then a round per layer, after the bytes the link serves first
         ld = (num_layers + 1) * link.latency_s + nbytes(k) / link.bytes_per_s if k > 0 else 0.0
         link_s, compute_s = bytes_ahead / link.bytes_per_s + ld, compute_ahead_s + c
-        if link_s == 0:
-            return compute_s, ld, c, saved
-        return max(link_s + compute_s / num_layers, compute_s + link_s / num_layers), ld, c, saved
+        ends = (
+            compute_s
+            if link_s == 0
+            else max(link_s + compute_s / num_layers, compute_s + link_s / num_layers)
+        )
+        return ends + later, ld, c, saved, later
 
     known = link is not None and compute is not None
     if mode == "compute_all" or kmax == 0:
@@ -168,8 +191,10 @@ def choose_split(
         k = min(candidates, key=lambda c: (predict(c)[0], -c))
         reason = "planned: the load and the compute finish together"
     if not known:
-        return SplitChoice(k, n_tokens, stored, kmax, None, None, None, None, None, reason, nbytes(k))
-    total, ld, c, saved = predict(k)
+        return SplitChoice(
+            k, n_tokens, stored, kmax, None, None, None, None, None, reason, nbytes(k), step_new_tokens=now(k)
+        )
+    total, ld, c, saved, later = predict(k)
     load_all, compute_all = predict(kmax)[0], predict(0)[0]
     return SplitChoice(
         k,
@@ -186,6 +211,8 @@ def choose_split(
         saved,
         bytes_ahead,
         compute_ahead_s,
+        later,
+        now(k),
     )
 
 

@@ -9,9 +9,11 @@ store has failed one, none for `retry_after_s` (every prompt is then a miss).
 
 Many requests at once (``"batch": true``, the default): each split counts what both lanes hold before
 it (`LinkQueue`: the bytes of the loads planned in this scheduling pass and of those sent and not yet
-reported finished by the worker, and the compute planned in this pass: the pass's requests share the
-engine's steps, `planning.split`'s docstring), and each step's loads are sent in the link's order, the
-load that saves the most compute per byte first (`policies.batch.link_order`).
+reported finished by the worker, and the compute of the step: what the requests already running carry
+into it and what this pass planned; the pass's requests share the engine's steps, `planning.split`'s
+docstring) and the room the step has left (vLLM's token budget, `ConnectorContext.step_tokens`, less
+the tokens ahead), and each step's loads are sent in the link's order, the load that saves the most
+compute per byte first (`policies.batch.link_order`).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ imports vLLM.
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import threading
 
@@ -157,6 +158,36 @@ def test_compute_cost_is_learned_from_steps():
     ]
     fit = fit_prefill_steps(samples)
     assert fit.seconds(300, 1700) == pytest.approx(true.seconds(300, 1700), rel=1e-3)
+
+
+def test_compute_cost_is_learned_from_passes_of_several_requests(tmp_path):
+    """A busy engine rarely computes one request alone: a step of several is one forward pass, a sample
+    of their tokens and attention pairs together, and fits the same cost a request alone would. A
+    pass of decode steps alone is not kept; a pass of one request is a step."""
+    true = ChunkCost.per_pair(0.05, 2e-3, 1e-6)
+
+    def pass_s(requests):  # one fixed cost per pass, the tokens and pairs of every request
+        return true.fixed_s + sum(true.seconds(n, p) - true.fixed_s for n, p in requests)
+
+    book = CostLearner(SPEC, path=tmp_path / "c.json")
+    for requests in ([(1024, 0), (1024, 0)], [(1800, 0), (248, 1800)], [(600, 1200), (1, 900), (1, 40)]):
+        book.observe_pass(requests, pass_s(requests))
+    assert book.state.steps == [] and len(book.state.passes) == 3
+    n, pairs, _ = book.state.passes[1]
+    assert n == 2048 and pairs == 1800 * 900 + 248 * (1800 + 124)
+    book.observe_pass([(1, 2000), (1, 100)], 0.06)  # decodes alone
+    assert len(book.state.passes) == 3
+    fit = book.step_cost()
+    assert fit is not None and fit.seconds(300, 1700) == pytest.approx(true.seconds(300, 1700), rel=1e-3)
+    book.observe_pass([(500, 0)], 1.0)
+    assert book.state.steps == [[500.0, 0.0, 1.0]] and book.step_cost() is not fit
+    book.flush()
+    again = CostLearner(SPEC, path=tmp_path / "c.json")
+    assert again.state.passes == book.state.passes
+    state = json.loads((tmp_path / "c.json").read_text())
+    state["passes"][0][1] = -5.0  # out of bounds: the file is a hint not taken
+    (tmp_path / "c.json").write_text(json.dumps(state))
+    assert CostLearner(SPEC, path=tmp_path / "c.json").state.passes == []
 
 
 def test_engine_fits_are_made_once_per_sample_that_changes_them(tmp_path):

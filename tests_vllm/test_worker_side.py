@@ -463,3 +463,29 @@ def test_the_step_budget_is_vllm_s_where_it_chunks_prompts():
     assert step_tokens(config) == 1536
     config.enable_chunked_prefill = False
     assert step_tokens(config) is None
+
+
+def test_a_step_of_several_requests_is_learned_as_one_pass():
+    """The worker times every forward pass: a step that computed several requests and loaded nothing is
+    one sample of their tokens and attention pairs (`CostLearner.observe_pass`); one that loaded beside
+    them is not (its compute shared the host with the reads)."""
+    store = MemoryStore()
+    side = worker(store)
+    try:
+        meta = KVRestoreConnectorMetadata()
+        meta.steps.extend([("a", 24, 0), ("b", 8, 40), ("c", 0, 8)])  # c scheduled, nothing to compute
+        step(side, meta)
+        assert side.costs.state.steps == []
+        ((n, pairs, seconds),) = side.costs.state.passes
+        assert n == 32 and pairs == 24 * 12 + 8 * 44 and seconds > 0
+        (ref,) = chunk_keys(list(range(16)), SPEC.fingerprint, CHUNK)
+        side.io.call(
+            store.put, ref.key, codec.encode_chunk(KVChunk(0, torch.randn(L, 2, H, 16, D)), SPEC, ref.key)
+        )
+        loading = KVRestoreConnectorMetadata()
+        loading.loads.append(LoadSpec("d", [LoadChunk(ref.key, 0, 16)], 16, [0, 1]))
+        loading.steps.extend([("d", 16, 16), ("e", 24, 0)])
+        step(side, loading)
+        assert len(side.costs.state.passes) == 1 and side.costs.state.steps == []
+    finally:
+        side.io.close()

@@ -23,6 +23,8 @@ LINK_LATENCY_S = (0.0, 10.0)
 TOKENS = (0.0, 1e7)
 #: bytes of one load
 BYTES = (0.0, 1e15)
+#: attention pairs a step computes (tokens times the tokens each attends to)
+PAIRS = (0.0, 1e15)
 #: seconds of one compute unit (or one layer of one)
 UNIT_SECONDS = (0.0, 1e5)
 #: seconds per unit (token, token^2, ...) of a fitted cost term

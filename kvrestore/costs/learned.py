@@ -42,6 +42,7 @@ from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec, dtype_name
 from kvrestore.costs.bounds import (
     BYTES,
+    PAIRS,
     TOKENS,
     UNIT_SECONDS,
     calibration_problem,
@@ -88,8 +89,10 @@ class LearnedState(msgspec.Struct):
     #: the calibration's log(measured / predicted) per strategy, and its observation counts
     calibration: dict[str, float] = msgspec.field(default_factory=dict)
     calibrated: dict[str, int] = msgspec.field(default_factory=dict)
-    #: an engine's steps, decode steps included: [n new tokens, past, seconds]
+    #: an engine's steps of one request, decode steps included: [n new tokens, past, seconds]
     steps: list[list[float]] = msgspec.field(default_factory=list)
+    #: an engine's steps of several requests (`observe_pass`): [n new tokens, attention pairs, seconds]
+    passes: list[list[float]] = msgspec.field(default_factory=list)
     #: an engine's whole loads per store link: [bytes, seconds] (a step's loads share the link: one
     #: sample, their bytes over the longest)
     links: dict[str, list[list[float]]] = msgspec.field(default_factory=dict)
@@ -208,6 +211,24 @@ class CostLearner:
             self._step_fit = self._loading_fit = _STALE
         self._learned(first)
 
+    def observe_pass(self, requests: Sequence[tuple[int, int]], seconds: float) -> None:
+        """An engine's step that computed several requests, each (n new tokens, past), in `seconds`: one
+        forward pass, so one sample of their tokens and their attention pairs (each request's new tokens
+        attend to its own past and, causally, to each other). A step of one request is `observe_step`'s.
+        The latest `MAX_PREFILLS` passes that computed a prefill's worth of tokens are kept."""
+        if len(requests) == 1:
+            self.observe_step(*requests[0], seconds)
+            return
+        n = sum(t for t, _ in requests)
+        if not (seconds > 0 and math.isfinite(seconds)) or n < MIN_PREFILL_TOKENS:
+            return
+        with self._lock:
+            first = not self.state.passes and not any(s[0] >= MIN_PREFILL_TOKENS for s in self.state.steps)
+            self.state.passes.append([float(n), float(sum(pairs(t, p) for t, p in requests)), float(seconds)])
+            del self.state.passes[: -self.MAX_PREFILLS]
+            self._step_fit = self._loading_fit = _STALE
+        self._learned(first)
+
     def observe_load(self, link_key: str, nbytes: int, seconds: float) -> None:
         """An engine's whole load of `nbytes` over the link `link_key`, in `seconds`."""
         if not (nbytes > 0 and seconds > 0 and math.isfinite(seconds)):
@@ -293,13 +314,13 @@ class CostLearner:
         )
 
     def step_cost(self) -> ChunkCost | None:
-        """An engine's prefill cost, fitted from its steps (`fit_prefill_steps`)."""
+        """An engine's prefill cost, fitted from its steps and passes (`fit_prefill_steps`)."""
         with self._lock:
             return self._step_cost()
 
     def _step_cost(self) -> ChunkCost | None:
         if self._step_fit is _STALE:
-            self._step_fit = fit_prefill_steps(self.state.steps)
+            self._step_fit = fit_prefill_steps(self.state.steps, self.state.passes)
         return cast("ChunkCost | None", self._step_fit)
 
     def link_cost(self, link_key: str) -> LinkCost | None:
@@ -390,11 +411,12 @@ class CostLearner:
 
 def state_problem(state: LearnedState) -> str | None:
     """What is out of bounds in learned costs read from a file (`costs.bounds`), or None."""
-    rows = [state.chunk, state.layer, state.steps, state.loading, *state.links.values()]
+    rows = [state.chunk, state.layer, state.steps, state.passes, state.loading, *state.links.values()]
     return first_problem(
         samples_problem("token-wise", state.chunk, (TOKENS, TOKENS, UNIT_SECONDS)),
         samples_problem("layer-wise", state.layer, (TOKENS, UNIT_SECONDS)),
         samples_problem("step", state.steps, (TOKENS, TOKENS, UNIT_SECONDS)),
+        samples_problem("pass", state.passes, (TOKENS, PAIRS, UNIT_SECONDS)),
         samples_problem("loading step", state.loading, (TOKENS, TOKENS, UNIT_SECONDS, UNIT_SECONDS, TOKENS)),
         *(samples_problem(f"load over {k}", v, (BYTES, UNIT_SECONDS)) for k, v in state.links.items()),
         None if all(len(r) <= MAX_SAMPLES for r in rows) else "too many samples",
@@ -428,12 +450,23 @@ def _fit_terms(rows: Sequence[Sequence[float]], targets: Sequence[float], shapes
     return full
 
 
+def pairs(n: float, past: float) -> float:
+    """Attention pairs of `n` new tokens after `past`: each attends to the past and, causally, to the
+    new tokens before it (n^2 / 2)."""
+    return n * (past + n / 2)
+
+
 def fit_prefill_cost(samples: Sequence[Sequence[float]]) -> ChunkCost:
     """``fixed + n per_token + n (p + n/2) per_pair``: attention over the past and over the unit's own
     tokens (causal: n^2 / 2 pairs) cost alike per pair, so one term covers both and a few samples pin
     it."""
-    rows = [[1.0, n, n * (p + n / 2)] for n, p, _ in samples]
-    shapes = _distinct([(n, p) for n, p, _ in samples])
+    return _fit_pairs([(n, pairs(n, p), s) for n, p, s in samples])
+
+
+def _fit_pairs(samples: Sequence[Sequence[float]]) -> ChunkCost:
+    """`fit_prefill_cost` over [n, attention pairs, seconds]."""
+    rows = [[1.0, n, a] for n, a, _ in samples]
+    shapes = _distinct([(n, a) for n, a, _ in samples])
     fixed, per_token, per_pair = _fit_terms(rows, [s for _, _, s in samples], shapes)
     return ChunkCost.per_pair(fixed, per_token, per_pair)
 
@@ -442,20 +475,23 @@ def fit_prefill_cost(samples: Sequence[Sequence[float]]) -> ChunkCost:
 MIN_PREFILL_TOKENS = 16
 
 
-def fit_prefill_steps(samples: Sequence[Sequence[float]]) -> ChunkCost | None:
-    """A serving engine's prefill cost from its steps, [n new tokens, past, seconds]; None without a
-    prefill (n >= `MIN_PREFILL_TOKENS`) to learn from. With fewer than three distinct prefills the
-    attention term is not separable: a per-token cost (plus the decode steps' fixed cost) only."""
-    prefills = [s for s in samples if s[0] >= MIN_PREFILL_TOKENS]
+def fit_prefill_steps(
+    samples: Sequence[Sequence[float]], passes: Sequence[Sequence[float]] = ()
+) -> ChunkCost | None:
+    """A serving engine's prefill cost from its steps of one request, [n new tokens, past, seconds],
+    and of several, [n new tokens, attention pairs, seconds]; None without a prefill (n >=
+    `MIN_PREFILL_TOKENS`) to learn from. With fewer than three distinct prefills the attention term is
+    not separable: a per-token cost (plus the decode steps' fixed cost) only."""
+    rows = [(n, pairs(n, p), s) for n, p, s in samples if s > 0] + [(n, a, s) for n, a, s in passes if s > 0]
+    prefills = [r for r in rows if r[0] >= MIN_PREFILL_TOKENS]
     if not prefills:
         return None
-    rows = [list(s) for s in samples if s[2] > 0]
-    if len({(int(n), int(p)) for n, p, _ in prefills}) < 3:
+    if _distinct([(n, a) for n, a, _ in prefills]) < 3:
         small = any(n < MIN_PREFILL_TOKENS for n, _, _ in rows)
         fixed = min((s for _, _, s in rows), default=0.0) if small else 0.0
         per = max(0.0, sum(s - fixed for _, _, s in prefills) / sum(n for n, _, _ in prefills))
         return ChunkCost.per_pair(fixed, per, 0.0)
-    return fit_prefill_cost(rows)
+    return _fit_pairs(rows)
 
 
 def loading_factor(samples: Sequence[Sequence[float]], compute: ChunkCost) -> float | None:
@@ -508,6 +544,7 @@ __all__ = [
     "LearnedState",
     "check_learn",
     "fit_prefill_cost",
+    "pairs",
     "fit_prefill_steps",
     "learned_dir",
     "learned_path",

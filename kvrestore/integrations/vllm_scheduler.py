@@ -239,7 +239,8 @@ class SchedulerSide:
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
-            if st is None:
+            if st is None:  # not keyed: its tokens still share the step (the worker times steps)
+                meta.steps.append((new.req_id, sched.get(new.req_id, 0), new.num_computed_tokens))
                 continue
             st.block_ids = list(new.block_ids[0])
             self._step(meta, new.req_id, st, new.num_computed_tokens, sched.get(new.req_id, 0))
@@ -247,6 +248,7 @@ class SchedulerSide:
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
             if st is None:
+                meta.steps.append((req_id, sched.get(req_id, 0), cached.num_computed_tokens[i]))
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids and new_blocks is not None:

@@ -112,8 +112,11 @@ class WorkerSide:
         self._layer_placed: dict[int, torch.cuda.Event] = {}
         self._fp8_scales: torch.Tensor | None = None  # [L, 2] bf16: an fp8 cache's K and V scales
         self._step_start: torch.cuda.Event | HostEvent = HostEvent()  # where the step began, on vLLM's stream
-        #: steps whose device time is not read yet: (n new, past, start, end, waited, load seconds or None)
-        self._timed_steps: deque[tuple[int, int, Any, Any, float, float | None]] = deque(maxlen=16)
+        #: steps whose device time is not read yet: ((n new, past) of each request, start, end, waited,
+        #: load seconds or None)
+        self._timed_steps: deque[tuple[list[tuple[int, int]], Any, Any, float, float | None]] = deque(
+            maxlen=16
+        )
 
     def register_kv_caches(
         self,
@@ -346,17 +349,18 @@ class WorkerSide:
         elapsed = time.perf_counter() - self._bound_at if self._bound_at is not None else None
         loads = list(self._loads)
         failed = self._finish_loads()
-        if elapsed is not None and len(meta.steps) == 1 and meta.steps[0][1] > 0 and not failed:
+        computed = [(n_new, past) for _, n_new, past in meta.steps if n_new > 0]
+        if elapsed is not None and len(computed) == 1 and not failed:
             # one request computed: a sample of what computing costs, alone or beside a load
-            _, n_new, past = meta.steps[0]
             load_s = loads[0][1].seconds if len(loads) == 1 else None
             if not loads or load_s is not None:
                 # a load read on this thread (`HostPageLoad`) ran before each layer, not beside it: the
                 # step is a sample of computing (less its waits, the reads), not of computing beside one
                 beside = load_s if loads and not isinstance(loads[0][1], HostPageLoad) else None
-                self._timed_steps.append(
-                    (n_new, past, self._step_start, self._mark(), self._waited_s, beside)
-                )
+                self._timed_steps.append((computed, self._step_start, self._mark(), self._waited_s, beside))
+        elif elapsed is not None and len(computed) > 1 and not loads:
+            # several requests in one forward pass, nothing loaded beside it: a sample of the pass
+            self._timed_steps.append((computed, self._step_start, self._mark(), self._waited_s, None))
         self._add_timed_steps()
         for spec in meta.saves:
             if spec.req_id in failed:  # computed this step over KV that did not load: wrong, not saved
@@ -376,11 +380,12 @@ class WorkerSide:
         is a sample of compute (its time less its waits for layers): a step that loaded is the only one
         that computes after a long past, which is what a split's suffix costs. A step that loaded is
         also a sample of computing beside a load (its whole time: `loading_factor`)."""
-        while self._timed_steps and self._timed_steps[0][3].query():
-            n_new, past, start, end, waited, load_s = self._timed_steps.popleft()
+        while self._timed_steps and self._timed_steps[0][2].query():
+            requests, start, end, waited, load_s = self._timed_steps.popleft()
             seconds = start.elapsed_time(end) / 1e3
-            self.costs.observe_step(n_new, past, max(0.0, seconds - waited))
+            self.costs.observe_pass(requests, max(0.0, seconds - waited))
             if load_s is not None:
+                ((n_new, past),) = requests
                 self.costs.observe_loading(n_new, past, load_s, seconds, self.spec.num_layers)
 
     def _finish_loads(self) -> set[str]:

@@ -261,7 +261,8 @@ class SchedulerSide:
         if self.config.batch:  # the link serves the load that saves the most compute per byte first
             rank = {q.key: i for i, q in enumerate(link_order(self._planned_loads(meta)))}
             meta.loads.sort(key=lambda spec: rank.get(spec.req_id, len(rank)))
-        self.queue.send((spec.req_id for spec in meta.loads), self._running(meta))
+        running = self._running(meta) if self.config.batch else (0.0, 0)  # alone: nothing ahead
+        self.queue.send((spec.req_id for spec in meta.loads), running)
         return meta
 
     def _running(self, meta: KVRestoreConnectorMetadata) -> tuple[float, int]:

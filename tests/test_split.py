@@ -248,3 +248,68 @@ def test_the_link_serves_the_most_compute_saved_per_byte_first():
     far = _split(BALANCE, mode="load_all").queued("far")
     near = _split(BALANCE, mode="load_all", ends=ENDS[:2]).queued("near")
     assert [q.key for q in link_order([near, far])] == ["far", "near"]  # type: ignore[list-item]
+
+
+def _pass_that_may_wait(link: LinkCost) -> list[float]:
+    """The same three prompts, each of which may wait for the next step instead of joining this one
+    (`may_wait`): the first tokens as vLLM runs it, the step without the ones that waited, then a next
+    step in which they are planned anew (after whatever the first pass left to compute)."""
+    batch: list = []
+    waiting = 0
+    used = 0
+    for _ in range(3):
+        room = max(0, STEP_TOKENS - used)
+        c = _split(
+            link,
+            bytes_ahead=sum(c.nbytes for c in batch),
+            compute_ahead_s=sum(c.compute_s for c in batch),
+            step_tokens=room,
+            may_wait=True,
+            next_step_tokens=STEP_TOKENS,
+        )
+        if c.waits:
+            assert c.wait_s is not None and c.wait_s < c.predicted_s
+            waiting += 1
+            continue
+        batch.append(c)
+        used += min(2000 - c.k, max(1, room))
+    firsts = _first_tokens(batch)
+    if not waiting:
+        return firsts
+    later: list = []
+    used = 0
+    for _ in range(waiting):
+        room = max(0, STEP_TOKENS - used)
+        c = _split(
+            link,
+            bytes_ahead=sum(c.nbytes for c in later),
+            compute_ahead_s=sum(c.compute_s for c in later),
+            step_tokens=room,
+        )
+        later.append(c)
+        used += min(2000 - c.k, max(1, room))
+    return firsts + [max(firsts) + t for t in _first_tokens(later)]
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 2.0])
+def test_a_request_that_would_join_a_full_step_waits_for_the_next(factor):
+    """At the balance, the third prompt finds 48 tokens of room: joining, it would load most of its
+    prompt and make the whole step wait for the link. Waiting a step, it splits alone in the next one,
+    and the pass's last first token comes sooner, as do the others'; at 0.5x and 2x the balance, never
+    later than joining."""
+    link = LinkCost(BALANCE.bytes_per_s * factor)
+    joined, waited = _first_tokens(_pass(link, True)), _pass_that_may_wait(link)
+    assert len(waited) == 3
+    assert max(waited) <= max(joined) + 1e-9
+    if factor == 1.0:
+        assert max(waited) < 0.9 * max(joined) and sorted(waited)[1] < sorted(joined)[1]
+
+
+def test_only_a_planned_split_behind_others_weighs_waiting():
+    assert _split(BALANCE, may_wait=True, next_step_tokens=STEP_TOKENS).wait_s is None  # nothing ahead
+    behind = dict(bytes_ahead=40e6, compute_ahead_s=3.0, step_tokens=10, may_wait=True)
+    assert _split(BALANCE, **behind, next_step_tokens=STEP_TOKENS).waits
+    assert _split(BALANCE, mode="load_all", **behind).wait_s is None
+    assert "waits for the next step" in _split(BALANCE, **behind).explain()
+    with pytest.raises(InvalidInputError):
+        _split(BALANCE, **behind, next_step_tokens=-1)

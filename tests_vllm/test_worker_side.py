@@ -386,8 +386,10 @@ def test_requests_loading_at_once_share_the_link_under_the_batch_rule():
 
 def test_each_split_knows_the_room_the_step_has_left():
     """vLLM computes at most its token budget in a step (here 450 tokens): each split of a pass plans
-    with what the requests before it left of it, and the next pass starts with what the requests it
-    scheduled carry into it (the rest of a prompt vLLM cut, one token for a request that decodes)."""
+    with what the requests before it left of it; one that would find the step full (its suffix
+    computed only after every load of the step) waits for the next pass, where it is planned with what
+    the requests scheduled carry into it (the rest of a prompt vLLM cut, one token for a request that
+    decodes), and never waits twice."""
     store = MemoryStore()
     prompts = {r: [1000 * i + t for t in range(400)] for i, r in enumerate("abc")}
     side = _costed_side(store, True, step_tokens=450)
@@ -395,34 +397,39 @@ def test_each_split_knows_the_room_the_step_has_left():
         for ref in (ref for t in prompts.values() for ref in chunk_keys(t, side.ctx.key_space, 16)):
             side.loop.call(store.put, ref.key, b"x")
         ks = {r: side.get_num_new_matched_tokens(_Request(r, t), 0)[0] for r, t in prompts.items()}  # type: ignore[arg-type]
+        assert ks["c"] is None and side._reqs["c"].choice is None  # 66 tokens of room left: it waits
+        assert side.counters.take()["waited_requests"] == 1
+        planned = {r: k for r, k in ks.items() if k is not None}
         room = 450
-        for r in prompts:
+        for r in planned:
             c = side._reqs[r].choice
             assert c is not None and c.step_new_tokens == min(400 - c.k, max(1, room))
             room -= c.step_new_tokens
-        # the step ran: a computed its suffix, b and c what fit; the next pass starts with their rest
+        # the step ran: a and b computed what fit; the next pass starts with their rest
         cost = side.ctx.costs.step_cost()
         assert cost is not None
-        n_new = {r: side._reqs[r].choice.step_new_tokens for r in prompts}  # type: ignore[union-attr]
-        steps = [(r, n_new[r], ks[r]) for r in prompts]
+        n_new = {r: side._reqs[r].choice.step_new_tokens for r in planned}  # type: ignore[union-attr]
+        steps = [(r, n_new[r], planned[r]) for r in planned]
         meta = KVRestoreConnectorMetadata()
         meta.steps.extend(steps)
         carry_s, carry_tokens = side._running(meta)
-        rests = {r: 400 - ks[r] - n_new[r] for r in prompts}
+        rests = {r: 400 - planned[r] - n_new[r] for r in planned}
         assert carry_tokens == sum(n if n > 0 else 1 for n in rests.values())
         expected = sum(
             cost.seconds(n, 400 - n) if n > 0 else cost.seconds(1, 400) - cost.fixed_s for n in rests.values()
         )
         assert carry_s == pytest.approx(expected)
-        output = _output(side, list(prompts), ks)
+        output = _output(side, list(planned), planned)  # type: ignore[arg-type]
         output.num_scheduled_tokens = n_new  # type: ignore[attr-defined]
         side.build_connector_meta(output)  # type: ignore[arg-type]
-        assert side.queue.ahead("d")[1:] == pytest.approx((carry_s, carry_tokens))
-        late = [5000 + t for t in range(400)]
-        side.get_num_new_matched_tokens(_Request("d", late), 0)  # type: ignore[arg-type]
-        c = side._reqs["d"].choice
-        assert c is not None and c.step_new_tokens == min(400 - c.k, max(1, 450 - carry_tokens))
+        assert side.queue.ahead("c")[1:] == pytest.approx((carry_s, carry_tokens))
+        side.queue.finished(planned)  # the worker reported the step's loads finished
+        k = side.get_num_new_matched_tokens(_Request("c", prompts["c"]), 0)[0]  # type: ignore[arg-type]
+        c = side._reqs["c"].choice
+        assert k is not None and c is not None and c.k == k and c.wait_s is None  # it waits once at most
+        assert c.step_new_tokens == min(400 - c.k, max(1, 450 - carry_tokens))
         assert c.compute_ahead_s == pytest.approx(carry_s)
+        assert side.counters.take()["hit_tokens"] == 392  # counted once, when planned
     finally:
         side.shutdown()
 

@@ -13,7 +13,10 @@ reported finished by the worker, and the compute of the step: what the requests 
 into it and what this pass planned; the pass's requests share the engine's steps, `planning.split`'s
 docstring) and the room the step has left (vLLM's token budget, `ConnectorContext.step_tokens`, less
 the tokens ahead), and each step's loads are sent in the link's order, the load that saves the most
-compute per byte first (`policies.batch.link_order`).
+compute per byte first (`policies.batch.link_order`). A request that would join a full step (its
+suffix spilling past the step, after every load of it) may wait one step instead, where that is
+predicted clearly sooner (`planning.split`'s "waiting for the next step"): its lookup answers None, and
+vLLM asks again at its next scheduling pass. A request waits once at most.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class _Request:
     load_k: int = 0
     need_load: bool = False
     choice: SplitChoice | None = None
+    waited: bool = False  # it has waited a step once (`SplitChoice.waits`); it never waits again
 
 
 class LinkQueue:
@@ -139,10 +143,11 @@ class SchedulerSide:
         self._reqs: dict[str, _Request] = {}
         self._unkeyed: set[str] = set()  # requests neither loaded nor saved (`vllm_keys.Unkeyable`)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         tokens = list(request.prompt_token_ids or [])
         st = self._reqs.get(request.request_id)
-        fresh = st is None
         if st is None:
             if request.request_id in self._unkeyed:
                 return 0, False
@@ -167,6 +172,7 @@ class SchedulerSide:
             self.queue.ahead(request.request_id) if self.config.batch else (0, 0, 0)
         )
         budget = self.ctx.step_tokens
+        may_wait = self.config.batch and not st.waited and st.choice is None
         choice = choose_split(
             n_tokens=len(tokens),
             chunk_ends=ends,
@@ -181,7 +187,22 @@ class SchedulerSide:
             bytes_ahead=ahead,
             compute_ahead_s=compute_ahead,
             step_tokens=None if budget is None else max(0, budget - tokens_ahead),
+            may_wait=may_wait,
+            next_step_tokens=budget,
         )
+        if choice.waits:  # vLLM skips it in this pass and asks again in the next
+            st.waited = True
+            self.counters.add(waited_requests=1)
+            emit(
+                logging.INFO,
+                "wait",
+                "request %(request)s: %(explain)s",
+                request=request.request_id,
+                explain=choice.explain(),
+                **choice.fields(),
+            )
+            return None, False
+        fresh = st.choice is None
         st.choice = choice
         loads = choice.k > num_computed_tokens  # vLLM's own prefix cache may hold the whole split
         load = choice.queued(request.request_id) if loads else None

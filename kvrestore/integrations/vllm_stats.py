@@ -24,6 +24,7 @@ COUNTERS: dict[str, str] = {
     "hit_tokens": "prompt tokens found stored that a load can take (whole blocks, less the last token)",
     "planned_tokens": "prompt tokens the split chose to load",
     "partial_splits": "requests where the split loads part of what is stored and computes the rest",
+    "waited_requests": "requests that waited a step: joining a full one was predicted later",
     "loads": "requests whose stored tokens were loaded",
     "loaded_tokens": "tokens loaded into vLLM's pages",
     "loaded_bytes": "bytes read from the store by loads",

@@ -31,6 +31,13 @@ step it computes in the next ones, and those start only when this step ends: onc
 every load of the step. So a request whose suffix does not fit gets its first token after the step
 and the rest of its compute, and its split weighs both: a load that lengthens the step delays the rest
 as much as it saves.
+
+Waiting for the next step (`may_wait`). A request that joins a full step shares its end with every
+request of the step, and what does not fit is computed only after the step's loads. The same request
+may instead wait for the next step, which starts when this one ends (`ahead_end_s`: both lanes served
+what is ahead), and split alone there, with the next step's room (`next_step_tokens`). It waits where
+that first token is predicted sooner by more than `WAIT_MARGIN`: the prediction does not count that
+the requests of this step end sooner too, nor what the next step carries, so only a clear win is taken.
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ from kvrestore.costs.links import LinkCost
 from kvrestore.policies.batch import QueuedLoad
 
 SPLITS = ("planned", "load_all", "compute_all")
+#: how much sooner waiting for the next step must be predicted to be than joining this one
+WAIT_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,16 @@ class SplitChoice:
     compute_ahead_s: float = 0.0  # compute planned for the step's requests before this one
     later_s: float = 0.0  # compute left for the steps after this one (what `step_tokens` did not fit)
     step_new_tokens: int = 0  # tokens computed in this step
+    wait_s: float | None = None  # the first token if it waits for the next step (None: not weighed)
+
+    @property
+    def waits(self) -> bool:
+        """Waiting for the next step is predicted clearly sooner than joining this one."""
+        return (
+            self.wait_s is not None
+            and self.predicted_s is not None
+            and self.wait_s < (1 - WAIT_MARGIN) * self.predicted_s
+        )
 
     def queued(self, key: str) -> QueuedLoad | None:
         """This split's load as it waits on the link (None: it loads nothing)."""
@@ -88,6 +107,7 @@ class SplitChoice:
             "bytes_ahead": self.bytes_ahead,
             "compute_ahead_s": self.compute_ahead_s,
             "later_s": self.later_s,
+            "wait_s": self.wait_s,
             "reason": self.reason,
         }
 
@@ -97,6 +117,11 @@ class SplitChoice:
         ahead = f", {self.bytes_ahead / 1e6:.1f} MB queued ahead" if self.bytes_ahead else ""
         ahead += f", {self.compute_ahead_s:.3f} s of the step's compute ahead" if self.compute_ahead_s else ""
         ahead += f", {self.later_s:.3f} s computed in later steps" if self.later_s else ""
+        if self.waits:
+            return (
+                f"waits for the next step: predicted {self.wait_s:.3f} s, against {self.predicted_s:.3f} s "
+                f"loading {self.k} of {self.n_tokens} tokens in this one{ahead}"
+            )
         return (
             f"load {self.k} of {self.n_tokens} tokens, compute {self.n_tokens - self.k}: predicted "
             f"{self.predicted_s:.3f} s (load {self.load_s:.3f} s, compute {self.compute_s:.3f} s; "
@@ -118,6 +143,14 @@ def loaded_tokens_read(k: int, chunk_ends: Sequence[int]) -> int:
     return chunk_ends[-1] if chunk_ends and k > 0 else 0
 
 
+def pipelined_s(load_s: float, compute_s: float, num_layers: int) -> float:
+    """When a load and a compute that run layer by layer side by side both end: the slower of the two
+    plus one layer of the other."""
+    if load_s == 0:
+        return compute_s
+    return max(load_s + compute_s / num_layers, compute_s + load_s / num_layers)
+
+
 def choose_split(
     *,
     n_tokens: int,
@@ -133,20 +166,24 @@ def choose_split(
     bytes_ahead: float = 0.0,
     compute_ahead_s: float = 0.0,
     step_tokens: int | None = None,
+    may_wait: bool = False,
+    next_step_tokens: int | None = None,
 ) -> SplitChoice:
     """The split for a prompt of `n_tokens` whose leading stored chunks end at `chunk_ends`. A split that
     loads computes its suffix `loading` times slower than alone (`loading_factor`; 1 if not known).
     `bytes_ahead` (loads queued on the link, not finished) and `compute_ahead_s` (compute planned for
     the requests of the same step before this one) are what the lanes hold before it, and `step_tokens`
     how many tokens the step can still compute for it (None: no bound) (the module docstring); 0, 0
-    and None, it has the engine to itself."""
+    and None, it has the engine to itself. `may_wait`: also weigh waiting for the next step, which
+    computes `next_step_tokens` at most (`SplitChoice.wait_s`; planned splits only)."""
     if mode not in SPLITS:
         raise InvalidInputError(f"split must be one of {SPLITS}, got {mode!r}")
     for name, v in (("bytes_ahead", bytes_ahead), ("compute_ahead_s", compute_ahead_s)):
         if not (math.isfinite(v) and v >= 0):
             raise InvalidInputError(f"{name} must be a finite number >= 0, got {v!r}")
-    if step_tokens is not None and not (isinstance(step_tokens, int) and step_tokens >= 0):
-        raise InvalidInputError(f"step_tokens must be an int >= 0 or None, got {step_tokens!r}")
+    for name, t in (("step_tokens", step_tokens), ("next_step_tokens", next_step_tokens)):
+        if t is not None and not (isinstance(t, int) and t >= 0):
+            raise InvalidInputError(f"{name} must be an int >= 0 or None, got {t!r}")
     stored = chunk_ends[-1] if chunk_ends else 0
     kmax = max_loadable(n_tokens, stored, block_size)
     step = math.lcm(chunk_size, block_size)
@@ -155,28 +192,25 @@ def choose_split(
     def nbytes(k: int) -> float:
         return loaded_tokens_read(k, chunk_ends) * bytes_per_token
 
-    def now(k: int) -> int:
+    def now(k: int, room: int | None = step_tokens) -> int:
         """Tokens computed in this step: the suffix, or what the step has left (at least one: vLLM
         asks only while the step has room)."""
-        return n_tokens - k if step_tokens is None else min(n_tokens - k, max(1, step_tokens))
+        return n_tokens - k if room is None else min(n_tokens - k, max(1, room))
 
-    def predict(k: int) -> tuple[float, float, float, float, float]:
+    def predict(
+        k: int, b_ahead: float = bytes_ahead, c_ahead: float = compute_ahead_s, room: int | None = step_tokens
+    ) -> tuple[float, float, float, float, float]:
         """(first token, load seconds, compute seconds in this step, compute saved, compute later) of
         loading k tokens: when the step ends, both lanes having served what is ahead and this
         request's part, and then the steps that compute what did not fit in this one."""
         assert link is not None and compute is not None
         saved = max(0.0, compute.seconds(n_tokens, 0) - compute.seconds(n_tokens - k, k)) if k > 0 else 0.0
-        c = compute.seconds(now(k), k) * ((loading or 1.0) if k > 0 else 1.0)
-        rest = n_tokens - k - now(k)
+        c = compute.seconds(now(k, room), k) * ((loading or 1.0) if k > 0 else 1.0)
+        rest = n_tokens - k - now(k, room)
         later = compute.seconds(rest, n_tokens - rest) if rest > 0 else 0.0
         # headers, then a round per layer, after the bytes the link serves first
         ld = (num_layers + 1) * link.latency_s + nbytes(k) / link.bytes_per_s if k > 0 else 0.0
-        link_s, compute_s = bytes_ahead / link.bytes_per_s + ld, compute_ahead_s + c
-        ends = (
-            compute_s
-            if link_s == 0
-            else max(link_s + compute_s / num_layers, compute_s + link_s / num_layers)
-        )
+        ends = pipelined_s(b_ahead / link.bytes_per_s + ld, c_ahead + c, num_layers)
         return ends + later, ld, c, saved, later
 
     known = link is not None and compute is not None
@@ -196,6 +230,11 @@ def choose_split(
         )
     total, ld, c, saved, later = predict(k)
     load_all, compute_all = predict(kmax)[0], predict(0)[0]
+    wait_s = None
+    if may_wait and mode == "planned" and (bytes_ahead > 0 or compute_ahead_s > 0):
+        assert link is not None
+        ahead_end_s = pipelined_s(bytes_ahead / link.bytes_per_s, compute_ahead_s, num_layers)
+        wait_s = ahead_end_s + min(predict(c, 0.0, 0.0, next_step_tokens)[0] for c in candidates)
     return SplitChoice(
         k,
         n_tokens,
@@ -213,7 +252,16 @@ def choose_split(
         compute_ahead_s,
         later,
         now(k),
+        wait_s,
     )
 
 
-__all__ = ["SPLITS", "SplitChoice", "choose_split", "loaded_tokens_read", "max_loadable"]
+__all__ = [
+    "SPLITS",
+    "WAIT_MARGIN",
+    "SplitChoice",
+    "choose_split",
+    "loaded_tokens_read",
+    "max_loadable",
+    "pipelined_s",
+]

@@ -82,6 +82,12 @@ def main() -> None:
     ap.add_argument(
         "--metrics", action="store_true", help="turn vLLM's stats on; print its kvrestore counters"
     )
+    ap.add_argument(
+        "--together", action="store_true", help="ask every prompt at once (one generate), not one by one"
+    )
+    ap.add_argument(
+        "--step-tokens", type=int, default=None, help="vLLM's token budget per step, prompts cut across steps"
+    )
     ap.add_argument("--lora", default=None, help="a LoRA adapter directory: vLLM serves with LoRA on")
     ap.add_argument(
         "--requests", default=None, help='JSON list of {"offset", "salt", "lora"}: the prompts to serve'
@@ -95,6 +101,8 @@ def main() -> None:
     t0 = time.perf_counter()
     lora_options = {"enable_lora": True, "max_lora_rank": 16} if args.lora else {}
     options = {"disable_log_stats": not args.metrics, **lora_options}
+    if args.step_tokens is not None:
+        options |= {"max_num_batched_tokens": args.step_tokens, "enable_chunked_prefill": True}
     llm = engine(args.model, args.connector, json.loads(args.extra), **options)
     print(json.dumps({"event": "ready", "seconds": time.perf_counter() - t0}), flush=True)
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -115,22 +123,35 @@ def main() -> None:
         from vllm.lora.request import LoRARequest
 
         adapter = LoRARequest("adapter", 1, args.lora)
-    for n, offset, salt, lora in asked:
+    params = SamplingParams(temperature=0.0, max_tokens=1 if args.ttft else args.max_tokens, logprobs=1)
+    prompts = []
+    for n, offset, salt, _ in asked:
         prompt = {"prompt_token_ids": prompt_ids(tok, n, offset)}
         if salt is not None:
             prompt["cache_salt"] = salt
+        prompts.append(prompt)
+    # one generate per prompt, or one for all (--together: vLLM schedules them in the same steps)
+    groups = [list(range(len(asked)))] if args.together else [[i] for i in range(len(asked))]
+    for group in groups:
         for _ in range(args.repeat):
-            params = SamplingParams(
-                temperature=0.0, max_tokens=1 if args.ttft else args.max_tokens, logprobs=1
-            )
+            loras = [adapter if asked[i][3] else None for i in group]
             t = time.perf_counter()
-            done = llm.generate(prompt, params, use_tqdm=False, lora_request=adapter if lora else None)[0]
+            outputs = llm.generate(
+                [prompts[i] for i in group],
+                params,
+                use_tqdm=False,
+                lora_request=(loras if any(loras) else None) if args.together else loras[0],
+            )
             seconds = time.perf_counter() - t
-            out = done.outputs[0]
-            logprobs = [lp[t_id].logprob for t_id, lp in zip(out.token_ids, out.logprobs or [], strict=False)]
-            row = {"tokens": n, "offset": offset, "seconds": seconds, "ids": list(out.token_ids)}
-            row |= {"logprobs": logprobs, "request_id": done.request_id, "salt": salt, "lora": lora}
-            print(json.dumps(row), flush=True)
+            for i, done in zip(group, outputs, strict=True):
+                n, offset, salt, lora = asked[i]
+                out = done.outputs[0]
+                logprobs = [
+                    lp[t_id].logprob for t_id, lp in zip(out.token_ids, out.logprobs or [], strict=False)
+                ]
+                row = {"tokens": n, "offset": offset, "seconds": seconds, "ids": list(out.token_ids)}
+                row |= {"logprobs": logprobs, "request_id": done.request_id, "salt": salt, "lora": lora}
+                print(json.dumps(row), flush=True)
     # let background writes finish before the process exits (--exit: as a script that just ends does)
     shutdown = getattr(llm.llm_engine, "shutdown", None)
     if shutdown is not None and not args.exit:

@@ -234,3 +234,50 @@ def test_int8_chunks_saved_by_one_engine_serve_a_new_one(model_dir, reference, t
     got, want = run.results[0], reference.results[0]
     assert got["ids"] == want["ids"][:1]
     assert abs(got["logprobs"][0] - want["logprobs"][0]) <= INT8_LOGPROB_TOLERANCE
+
+
+# -- several prompts at once ------------------------------------------------------------------------
+
+WAIT_FP = "waiting-a-step-" * 2  # a fingerprint of the test's own: its cost file is the one seeded here
+STEP_TOKENS = 1024  # vLLM's token budget per step: a 2,000-token prompt takes two
+
+
+def _seed_costs(cost_dir: Path) -> float:
+    """Replace what the engines learned with known costs (the link at the balance: loading a prompt
+    takes as long as computing it), so the split is decided by them, not by this machine's speed.
+    Returns the link's bytes per second."""
+    from kvrestore.core.spec import ModelSpec
+    from kvrestore.costs.compute import ChunkCost
+    from kvrestore.costs.learned import CostLearner
+
+    shutil.rmtree(cost_dir, ignore_errors=True)
+    spec = ModelSpec("smollm2", 30, 3, 64, 49152, torch.float32, WAIT_FP)  # what the connector makes
+    compute = ChunkCost.per_pair(0.0, 2.5e-3, 1.0e-6)  # 2,000 tokens in about 5 s
+    book = CostLearner(spec, path=CostLearner.shared(spec, cost_dir).path)
+    for n, past in [(2000, 0), (1000, 1000), (500, 1500), (1024, 0), (976, 1024), (1, 2000)]:
+        book.observe_step(n, past, compute.seconds(n, past))
+    book.save()
+    return N_TOKENS * 46_080 / compute.seconds(N_TOKENS)
+
+
+def test_a_prompt_that_would_join_a_full_step_waits_for_the_next(model_dir, reference, tmp_path):
+    """Two stored prompts asked at once, in steps of 1,024 tokens: the first splits and fills most of
+    the step; the second, joining, would compute 48 tokens in it and the rest only after the step's
+    loads. It waits a step (the connector answers vLLM's lookup with None) and splits in the next one;
+    both answers are vLLM's without a connector."""
+    extra = {"store_url": str(tmp_path / "kv"), "cost_dir": str(tmp_path / "costs"), "fingerprint": WAIT_FP}
+    saving = serve(model_dir, extra=extra, offsets=OFFSETS)  # one at a time: computes and saves both
+    assert saving.events("wait") == []
+    assert len(list((tmp_path / "kv").rglob("*.kvc"))) == 2 * N_CHUNKS
+    balance = _seed_costs(tmp_path / "costs")
+    args = ["--together", "--step-tokens", str(STEP_TOKENS)]
+    run = serve(model_dir, extra={**extra, "link_bytes_per_s": balance}, offsets=OFFSETS, args=args)
+    waits, splits = run.events("wait"), run.events("split")
+    assert len(waits) == 1 and len(splits) == 2, run.log[-3000:]
+    assert waits[0]["request"] == splits[1]["request"] != splits[0]["request"]
+    assert waits[0]["wait_s"] < waits[0]["predicted_s"]
+    assert splits[0]["k"] > 0 and splits[1]["k"] > 0 and run.events("load_failed") == []
+    assert [r["tokens"] for r in run.events("loaded")] == [s["k"] for s in splits]
+    for offset in OFFSETS:
+        assert_same_generation(run.results[offset], reference.results[offset])
+    assert run.metrics["waited_requests"] == 1

@@ -182,19 +182,25 @@ def test_what_a_step_cannot_compute_is_computed_after_it():
             _split(BALANCE, step_tokens=bad)
 
 
-def _pass(link: LinkCost, bounded: bool) -> list:
-    """Three alike prompts planned in one pass of a step that computes `STEP_TOKENS` at most, each
-    counting what the ones before it hold; `bounded`: each also knows the room the step has left."""
+def _pass(link: LinkCost, bounded: bool, count: int = 3, may_wait: bool = False) -> list:
+    """`count` alike prompts planned in one pass of a step that computes `STEP_TOKENS` at most, each
+    counting what the ones before it hold; `bounded`: each also knows the room the step has left;
+    `may_wait`: each may wait for the next step instead (left out of the pass: `SplitChoice.waits`)."""
     batch: list = []
     used = 0
-    for _ in range(3):
+    for _ in range(count):
         room = max(0, STEP_TOKENS - used)
         c = _split(
             link,
             bytes_ahead=sum(c.nbytes for c in batch),
             compute_ahead_s=sum(c.compute_s for c in batch),
             step_tokens=room if bounded else None,
+            may_wait=may_wait,
+            next_step_tokens=STEP_TOKENS,
         )
+        if c.waits:
+            assert c.wait_s is not None and c.wait_s < c.predicted_s
+            continue
         batch.append(c)
         used += min(2000 - c.k, max(1, room))
     return batch
@@ -251,44 +257,15 @@ def test_the_link_serves_the_most_compute_saved_per_byte_first():
 
 
 def _pass_that_may_wait(link: LinkCost) -> list[float]:
-    """The same three prompts, each of which may wait for the next step instead of joining this one
-    (`may_wait`): the first tokens as vLLM runs it, the step without the ones that waited, then a next
-    step in which they are planned anew (after whatever the first pass left to compute)."""
-    batch: list = []
-    waiting = 0
-    used = 0
-    for _ in range(3):
-        room = max(0, STEP_TOKENS - used)
-        c = _split(
-            link,
-            bytes_ahead=sum(c.nbytes for c in batch),
-            compute_ahead_s=sum(c.compute_s for c in batch),
-            step_tokens=room,
-            may_wait=True,
-            next_step_tokens=STEP_TOKENS,
-        )
-        if c.waits:
-            assert c.wait_s is not None and c.wait_s < c.predicted_s
-            waiting += 1
-            continue
-        batch.append(c)
-        used += min(2000 - c.k, max(1, room))
+    """The same three prompts, each of which may wait for the next step instead of joining this one:
+    the first tokens as vLLM runs it, the step without the ones that waited, then a next step in which
+    they are planned anew (after whatever the first pass left to compute)."""
+    batch = _pass(link, True, may_wait=True)
     firsts = _first_tokens(batch)
+    waiting = 3 - len(batch)
     if not waiting:
         return firsts
-    later: list = []
-    used = 0
-    for _ in range(waiting):
-        room = max(0, STEP_TOKENS - used)
-        c = _split(
-            link,
-            bytes_ahead=sum(c.nbytes for c in later),
-            compute_ahead_s=sum(c.compute_s for c in later),
-            step_tokens=room,
-        )
-        later.append(c)
-        used += min(2000 - c.k, max(1, room))
-    return firsts + [max(firsts) + t for t in _first_tokens(later)]
+    return firsts + [max(firsts) + t for t in _first_tokens(_pass(link, True, count=waiting))]
 
 
 @pytest.mark.parametrize("factor", [0.5, 1.0, 2.0])

@@ -123,6 +123,18 @@ class LinkQueue:
             self._planned.pop(r, None)
 
 
+def _emit_choice(event: str, req_id: str, choice: SplitChoice) -> None:
+    """Log a split (or a wait for the next step) with its prediction, and keep it as a record."""
+    emit(
+        logging.INFO,
+        event,
+        "request %(request)s: %(explain)s",
+        request=req_id,
+        explain=choice.explain(),
+        **choice.fields(),
+    )
+
+
 class SchedulerSide:
     """The connector's scheduler-role calls, over `ctx` and a store of its own."""
 
@@ -193,14 +205,7 @@ class SchedulerSide:
         if choice.waits:  # vLLM skips it in this pass and asks again in the next
             st.waited = True
             self.counters.add(waited_requests=1)
-            emit(
-                logging.INFO,
-                "wait",
-                "request %(request)s: %(explain)s",
-                request=request.request_id,
-                explain=choice.explain(),
-                **choice.fields(),
-            )
+            _emit_choice("wait", request.request_id, choice)
             return None, False
         fresh = st.choice is None
         st.choice = choice
@@ -210,14 +215,7 @@ class SchedulerSide:
         if fresh:
             self.counters.add(hit_tokens=choice.loadable_tokens)
         if ends and fresh:
-            emit(
-                logging.INFO,
-                "split",
-                "request %(request)s: %(explain)s",
-                request=request.request_id,
-                explain=choice.explain(),
-                **choice.fields(),
-            )
+            _emit_choice("split", request.request_id, choice)
             self.counters.add(
                 planned_tokens=choice.k, partial_splits=int(0 < choice.k < choice.loadable_tokens)
             )

@@ -153,27 +153,13 @@ class HFBlend:
         return emb.cos().to(k.dtype), emb.sin().to(k.dtype)
 
     @torch.inference_mode()
-    def project_kv(
-        self,
-        layer: int,
-        hidden: torch.Tensor,
-        positions: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K (after RoPE) and V [H, T, D] that `layer` makes of `hidden` [1, T, hidden]: no attention.
-
-        CacheBlend uses it to measure the KV deviation of candidate tokens before choosing which ones
-        to recompute.
-        """
-        cos, sin = rope if rope is not None else self.backend.rotary(hidden, positions)
-        return self.project_candidates(layer, hidden, (cos, sin))[1:]
-
-    @torch.inference_mode()
     def project_candidates(
         self, layer: int, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`project_kv` that also returns the normed inputs [1, T, hidden]: `run_layer_selective` takes
-        the selected tokens' rows of all three (`projected=`) instead of projecting them again."""
+        """The normed inputs [1, T, hidden], and K (after RoPE) and V [H, T, D], that `layer` makes of
+        `hidden` [1, T, hidden], with no attention: CacheBlend measures candidate tokens' KV deviation
+        with them, and `run_layer_selective` takes the selected tokens' rows of all three
+        (`projected=`) instead of projecting them again."""
         mod = self._layers[layer]
         x = mod.input_layernorm(hidden)
         _, k, v = self.backend._project_normed(mod, x, *rope, with_q=False)

@@ -131,14 +131,6 @@ class Link:
         self._landed = 0
 
 
-def suffix_times(load_s: Sequence[float]) -> list[float]:
-    """`out[k]` = seconds to load chunks k.. one after another, from per-chunk load times."""
-    out = [0.0] * (len(load_s) + 1)
-    for k in range(len(load_s) - 1, -1, -1):
-        out[k] = out[k + 1] + load_s[k]
-    return out
-
-
 def trace_suffix_times(
     chunk_bytes: Sequence[int], trace: BandwidthTrace, latency_s: float = 0.0
 ) -> list[float]:

@@ -290,3 +290,17 @@ def test_only_a_planned_split_behind_others_weighs_waiting():
     assert "waits for the next step" in _split(BALANCE, **behind).explain()
     with pytest.raises(InvalidInputError):
         _split(BALANCE, **behind, next_step_tokens=-1)
+
+
+def test_a_next_step_that_starts_with_what_this_one_spills_is_not_free():
+    """Waiting is weighed against a next step that first computes what the requests of this one spill
+    into it, with the room they leave: behind a whole prompt's spill, waiting no longer pays."""
+    behind = dict(bytes_ahead=40e6, compute_ahead_s=3.0, step_tokens=10, may_wait=True)
+    free = _split(BALANCE, **behind, next_step_tokens=STEP_TOKENS)
+    spill = COMPUTE.seconds(2000)
+    full = _split(BALANCE, **behind, next_step_tokens=STEP_TOKENS - 2000, next_compute_ahead_s=spill)
+    assert free.waits and not full.waits
+    assert full.wait_s is not None and free.wait_s is not None and full.wait_s > free.wait_s + 1.0
+    assert full.later_tokens == 2000 - full.k - full.step_new_tokens
+    with pytest.raises(InvalidInputError):
+        _split(BALANCE, **behind, next_compute_ahead_s=-1.0)

@@ -405,6 +405,11 @@ def test_each_split_knows_the_room_the_step_has_left():
             c = side._reqs[r].choice
             assert c is not None and c.step_new_tokens == min(400 - c.k, max(1, room))
             room -= c.step_new_tokens
+        # c weighed waiting behind what a and b spill into the next step
+        spill = [side._reqs[r].choice for r in planned]
+        assert side.queue.later("c") == pytest.approx(
+            (sum(c.later_s for c in spill), sum(c.later_tokens for c in spill))  # type: ignore[union-attr]
+        )
         # the step ran: a and b computed what fit; the next pass starts with their rest
         cost = side.ctx.costs.step_cost()
         assert cost is not None

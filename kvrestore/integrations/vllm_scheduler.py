@@ -78,13 +78,22 @@ class LinkQueue:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        # (load, compute seconds, tokens computed in the step)
-        self._planned: dict[str, tuple[QueuedLoad | None, float, int]] = {}
+        # (load, compute seconds, tokens computed in the step, and in the steps after it: seconds, tokens)
+        self._planned: dict[str, tuple[QueuedLoad | None, float, int, float, int]] = {}
         self._sent: dict[str, tuple[QueuedLoad, float]] = {}  # and when it is taken as finished
         self._running: tuple[float, int] = (0.0, 0)  # compute seconds, tokens
 
-    def plan(self, req_id: str, load: QueuedLoad | None, compute_s: float, tokens: int = 0) -> None:
-        self._planned[req_id] = (load, compute_s, tokens)
+    def plan(
+        self,
+        req_id: str,
+        load: QueuedLoad | None,
+        compute_s: float,
+        tokens: int = 0,
+        later: tuple[float, int] = (0.0, 0),
+    ) -> None:
+        """`req_id`'s split in this pass: its load, its compute in the step, and `later`: what it
+        spills into the steps after (compute seconds, tokens)."""
+        self._planned[req_id] = (load, compute_s, tokens, *later)
 
     def planned(self, req_id: str) -> QueuedLoad | None:
         entry = self._planned.get(req_id)
@@ -98,13 +107,19 @@ class LinkQueue:
         self._sent = {r: v for r, v in self._sent.items() if v[1] > now}
         loads = [q for r, (q, _) in self._sent.items() if r != req_id]
         others = [v for r, v in self._planned.items() if r != req_id]
-        loads += [q for q, _, _ in others if q is not None]
+        loads += [q for q, *_ in others if q is not None]
         compute_s, tokens = self._running
         return (
             sum(q.nbytes for q in loads),
-            compute_s + sum(c for _, c, _ in others),
-            tokens + sum(t for _, _, t in others),
+            compute_s + sum(v[1] for v in others),
+            tokens + sum(v[2] for v in others),
         )
+
+    def later(self, req_id: str) -> tuple[float, int]:
+        """What the other requests planned in this pass spill into the next step: compute seconds and
+        tokens (it starts with them)."""
+        others = [v for r, v in self._planned.items() if r != req_id]
+        return sum(v[3] for v in others), sum(v[4] for v in others)
 
     def send(self, req_ids: Iterable[str], running: tuple[float, int] = (0.0, 0)) -> None:
         """The pass is over: `req_ids`' loads were sent; plans not sent are dropped (asked again).
@@ -185,6 +200,7 @@ class SchedulerSide:
         )
         budget = self.ctx.step_tokens
         may_wait = self.config.batch and not st.waited and st.choice is None
+        spill_s, spill_tokens = self.queue.later(request.request_id) if may_wait else (0.0, 0)
         choice = choose_split(
             n_tokens=len(tokens),
             chunk_ends=ends,
@@ -200,7 +216,8 @@ class SchedulerSide:
             compute_ahead_s=compute_ahead,
             step_tokens=None if budget is None else max(0, budget - tokens_ahead),
             may_wait=may_wait,
-            next_step_tokens=budget,
+            next_step_tokens=None if budget is None else max(0, budget - spill_tokens),
+            next_compute_ahead_s=spill_s,
         )
         if choice.waits:  # vLLM skips it in this pass and asks again in the next
             st.waited = True
@@ -211,7 +228,8 @@ class SchedulerSide:
         st.choice = choice
         loads = choice.k > num_computed_tokens  # vLLM's own prefix cache may hold the whole split
         load = choice.queued(request.request_id) if loads else None
-        self.queue.plan(request.request_id, load, choice.compute_s or 0.0, choice.step_new_tokens)
+        later = (choice.later_s, choice.later_tokens)
+        self.queue.plan(request.request_id, load, choice.compute_s or 0.0, choice.step_new_tokens, later)
         if fresh:
             self.counters.add(hit_tokens=choice.loadable_tokens)
         if ends and fresh:

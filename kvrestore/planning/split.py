@@ -34,10 +34,11 @@ as much as it saves.
 
 Waiting for the next step (`may_wait`). A request that joins a full step shares its end with every
 request of the step, and what does not fit is computed only after the step's loads. The same request
-may instead wait for the next step, which starts when this one ends (`ahead_end_s`: both lanes served
-what is ahead), and split alone there, with the next step's room (`next_step_tokens`). It waits where
-that first token is predicted sooner by more than `WAIT_MARGIN`: the prediction does not count that
-the requests of this step end sooner too, nor what the next step carries, so only a clear win is taken.
+may instead wait for the next step, which starts when this one ends (both lanes served what is
+ahead), and split there behind what the requests of this step spill into it (`next_compute_ahead_s`),
+with the room that leaves (`next_step_tokens`). It waits where that first token is predicted sooner
+by more than `WAIT_MARGIN`: the prediction does not count that the requests of this step end sooner
+too, so only a clear win is taken.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ class SplitChoice:
             and self.predicted_s is not None
             and self.wait_s < (1 - WAIT_MARGIN) * self.predicted_s
         )
+
+    @property
+    def later_tokens(self) -> int:
+        """Tokens left for the steps after this one (what `step_tokens` did not fit)."""
+        return self.n_tokens - self.k - self.step_new_tokens
 
     def queued(self, key: str) -> QueuedLoad | None:
         """This split's load as it waits on the link (None: it loads nothing)."""
@@ -168,6 +174,7 @@ def choose_split(
     step_tokens: int | None = None,
     may_wait: bool = False,
     next_step_tokens: int | None = None,
+    next_compute_ahead_s: float = 0.0,
 ) -> SplitChoice:
     """The split for a prompt of `n_tokens` whose leading stored chunks end at `chunk_ends`. A split that
     loads computes its suffix `loading` times slower than alone (`loading_factor`; 1 if not known).
@@ -175,10 +182,15 @@ def choose_split(
     the requests of the same step before this one) are what the lanes hold before it, and `step_tokens`
     how many tokens the step can still compute for it (None: no bound) (the module docstring); 0, 0
     and None, it has the engine to itself. `may_wait`: also weigh waiting for the next step, which
-    computes `next_step_tokens` at most (`SplitChoice.wait_s`; planned splits only)."""
+    holds `next_compute_ahead_s` of compute before it and has room for `next_step_tokens`
+    (`SplitChoice.wait_s`; planned splits only)."""
     if mode not in SPLITS:
         raise InvalidInputError(f"split must be one of {SPLITS}, got {mode!r}")
-    for name, v in (("bytes_ahead", bytes_ahead), ("compute_ahead_s", compute_ahead_s)):
+    for name, v in (
+        ("bytes_ahead", bytes_ahead),
+        ("compute_ahead_s", compute_ahead_s),
+        ("next_compute_ahead_s", next_compute_ahead_s),
+    ):
         if not (math.isfinite(v) and v >= 0):
             raise InvalidInputError(f"{name} must be a finite number >= 0, got {v!r}")
     for name, t in (("step_tokens", step_tokens), ("next_step_tokens", next_step_tokens)):
@@ -234,7 +246,8 @@ def choose_split(
     if may_wait and mode == "planned" and (bytes_ahead > 0 or compute_ahead_s > 0):
         assert link is not None
         ahead_end_s = pipelined_s(bytes_ahead / link.bytes_per_s, compute_ahead_s, num_layers)
-        wait_s = ahead_end_s + min(predict(c, 0.0, 0.0, next_step_tokens)[0] for c in candidates)
+        nxt = [predict(c, 0.0, next_compute_ahead_s, next_step_tokens)[0] for c in candidates]
+        wait_s = ahead_end_s + min(nxt)
     return SplitChoice(
         k,
         n_tokens,

@@ -36,6 +36,7 @@ from kvrestore.core.kv import KVChunk
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens
+from .test_kv_encoding import ComputeFirstLayer
 
 FP = "0123456789abcdef" * 2
 SECRET = b"s" * 32
@@ -247,10 +248,14 @@ def test_forged_chunks_in_the_store_are_misses_and_stay(llama_backend, tmp_path,
 
 
 @pytest.mark.parametrize("compression", ["none", "zstd"])
-@pytest.mark.parametrize("policy", [LoadOnly(), LayerTwoPointer()], ids=repr)
-def test_signed_chunks_load_under_the_secret_and_without_one(llama_backend, compression, policy):
+@pytest.mark.parametrize("axis", ["tokens", "layers"])
+def test_signed_chunks_load_under_the_secret_and_without_one(llama_backend, compression, axis):
+    """Along tokens every chunk loads; along layers (a `LayerReader`'s reads) every layer but the
+    first, whatever the timings (`ComputeFirstLayer`: the tiny model computes a layer before a fetch
+    lands, so the two-pointer would race for each). Under another secret nothing loads."""
     tokens = random_tokens(100, llama_backend.spec.vocab_size)
     ref = full_prefill(llama_backend, tokens)
+    policy = LoadOnly() if axis == "tokens" else ComputeFirstLayer()
 
     async def main():
         store = MemoryStore()
@@ -258,11 +263,15 @@ def test_signed_chunks_load_under_the_secret_and_without_one(llama_backend, comp
         await signer.save(tokens)
         for reader in (signer, Restorer(llama_backend, store, chunk_size=32)):
             got = await reader.restore(tokens, policy)
-            assert got.stats.loaded_chunks == got.stats.n_chunks
+            if axis == "tokens":
+                assert got.stats.loaded_chunks == got.stats.n_chunks
+            else:
+                assert got.stats.loaded_layers == llama_backend.spec.num_layers - 1
+            assert got.stats.failed_loads == 0 and not got.stats.errors
             torch.testing.assert_close(got.kv.data, ref, atol=ATOL, rtol=0)
         other = Restorer(llama_backend, store, chunk_size=32, secret=b"a different secret, 32 bytes...")
-        got = await other.restore(tokens, policy)
-        assert got.stats.loaded_chunks == 0
+        got = await other.restore(tokens, LoadOnly() if axis == "tokens" else LayerTwoPointer())
+        assert got.stats.loaded_chunks == 0 and got.stats.loaded_layers == 0
         torch.testing.assert_close(got.kv.data, ref, atol=ATOL, rtol=0)
         assert len(store) == 4  # neither side empties the store for the other
 

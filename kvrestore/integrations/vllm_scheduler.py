@@ -78,22 +78,14 @@ class LinkQueue:
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
-        # (load, compute seconds, tokens computed in the step, and in the steps after it: seconds, tokens)
-        self._planned: dict[str, tuple[QueuedLoad | None, float, int, float, int]] = {}
+        self._planned: dict[str, tuple[QueuedLoad | None, SplitChoice]] = {}  # (its load, its split)
         self._sent: dict[str, tuple[QueuedLoad, float]] = {}  # and when it is taken as finished
         self._running: tuple[float, int] = (0.0, 0)  # compute seconds, tokens
 
-    def plan(
-        self,
-        req_id: str,
-        load: QueuedLoad | None,
-        compute_s: float,
-        tokens: int = 0,
-        later: tuple[float, int] = (0.0, 0),
-    ) -> None:
-        """`req_id`'s split in this pass: its load, its compute in the step, and `later`: what it
-        spills into the steps after (compute seconds, tokens)."""
-        self._planned[req_id] = (load, compute_s, tokens, *later)
+    def plan(self, req_id: str, load: QueuedLoad | None, choice: SplitChoice) -> None:
+        """`req_id`'s split in this pass: its load (None: nothing to load) and the split, whose compute
+        in the step and spill into the steps after it the step holds."""
+        self._planned[req_id] = (load, choice)
 
     def planned(self, req_id: str) -> QueuedLoad | None:
         entry = self._planned.get(req_id)
@@ -107,19 +99,19 @@ class LinkQueue:
         self._sent = {r: v for r, v in self._sent.items() if v[1] > now}
         loads = [q for r, (q, _) in self._sent.items() if r != req_id]
         others = [v for r, v in self._planned.items() if r != req_id]
-        loads += [q for q, *_ in others if q is not None]
+        loads += [q for q, _ in others if q is not None]
         compute_s, tokens = self._running
         return (
             sum(q.nbytes for q in loads),
-            compute_s + sum(v[1] for v in others),
-            tokens + sum(v[2] for v in others),
+            compute_s + sum(c.compute_s or 0.0 for _, c in others),
+            tokens + sum(c.step_new_tokens for _, c in others),
         )
 
     def later(self, req_id: str) -> tuple[float, int]:
         """What the other requests planned in this pass spill into the next step: compute seconds and
         tokens (it starts with them)."""
-        others = [v for r, v in self._planned.items() if r != req_id]
-        return sum(v[3] for v in others), sum(v[4] for v in others)
+        others = [c for r, (_, c) in self._planned.items() if r != req_id]
+        return sum(c.later_s for c in others), sum(c.later_tokens for c in others)
 
     def send(self, req_ids: Iterable[str], running: tuple[float, int] = (0.0, 0)) -> None:
         """The pass is over: `req_ids`' loads were sent; plans not sent are dropped (asked again).
@@ -228,8 +220,7 @@ class SchedulerSide:
         st.choice = choice
         loads = choice.k > num_computed_tokens  # vLLM's own prefix cache may hold the whole split
         load = choice.queued(request.request_id) if loads else None
-        later = (choice.later_s, choice.later_tokens)
-        self.queue.plan(request.request_id, load, choice.compute_s or 0.0, choice.step_new_tokens, later)
+        self.queue.plan(request.request_id, load, choice)
         if fresh:
             self.counters.add(hit_tokens=choice.loadable_tokens)
         if ends and fresh:

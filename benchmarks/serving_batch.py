@@ -51,6 +51,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,7 @@ from serving import (
     summarize,
 )
 
-from kvrestore.costs.learned import LearnedState, fit_prefill_steps
+from kvrestore.costs.learned import LearnedState, fit_prefill_steps, loading_factor
 from kvrestore.costs.links import link_from_loads
 from kvrestore.planning.split import max_loadable
 from kvrestore.tools.vllm_server import kv_transfer
@@ -97,14 +98,18 @@ def _book(cost_dir: Path) -> LearnedState | None:
     return msgspec.json.decode(files[0].read_bytes(), type=LearnedState) if files else None
 
 
-def lane_floor(prompt_tokens: list[int], compute_dir: Path, link_dir: Path) -> dict[str, Any] | None:
+def lane_floor(
+    prompt_tokens: list[int], compute_dir: Path, link_dir: Path, loading_dirs: Sequence[Path] = ()
+) -> dict[str, Any] | None:
     """The least time in which the link and the compute lane, both busy from the start and never
     waiting on each other, could serve these prompts: over every choice of stored tokens to load per
     prompt (whole chunks and pages, as a split loads), the least of max(link seconds, compute seconds).
     Compute from the costs `compute_dir` learned (`fit_prefill_steps`: steps and passes of several
     requests), the link from the whole loads `link_dir`'s book saw. No schedule's last first token
     comes sooner: a server adds its steps' boundaries, the first request's step alone and the host
-    the two lanes share. None without both costs."""
+    the two lanes share. With `loading_dirs` (the books of servers that split), also the floor where
+    a prompt that loads computes as much slower as those servers' steps did beside their loads (the
+    median of their `loading_factor`s). None without both costs."""
     comp, lnk = _book(compute_dir), _book(link_dir)
     compute = fit_prefill_steps(comp.steps, comp.passes) if comp is not None else None
     link = link_from_loads([s for v in lnk.links.values() for s in v]) if lnk is not None else None
@@ -116,14 +121,41 @@ def lane_floor(prompt_tokens: list[int], compute_dir: Path, link_dir: Path) -> d
         kmax = max_loadable(n, n // CHUNK_TOKENS * CHUNK_TOKENS, BLOCK_TOKENS)
         return sorted({0, kmax, *range(step, kmax, step)})
 
-    best: tuple[float, tuple[int, ...]] | None = None
-    for choice in itertools.product(*(ks(n) for n in prompt_tokens)):
-        load = sum(k * KV_BYTES_PER_TOKEN for k in choice) / link.bytes_per_s
-        comp_s = sum(compute.seconds(n - k, k) for n, k in zip(prompt_tokens, choice, strict=True))
-        if best is None or max(load, comp_s) < best[0]:
-            best = (max(load, comp_s), choice)
-    assert best is not None
-    return {"floor_s": best[0], "loaded_tokens": list(best[1]), "link_bytes_per_s": link.bytes_per_s}
+    def least(slower: float) -> tuple[float, tuple[int, ...]]:
+        best: tuple[float, tuple[int, ...]] | None = None
+        for choice in itertools.product(*(ks(n) for n in prompt_tokens)):
+            load = sum(k * KV_BYTES_PER_TOKEN for k in choice) / link.bytes_per_s
+            comp_s = sum(
+                compute.seconds(n - k, k) * (slower if k else 1.0)
+                for n, k in zip(prompt_tokens, choice, strict=True)
+            )
+            if best is None or max(load, comp_s) < best[0]:
+                best = (max(load, comp_s), choice)
+        assert best is not None
+        return best
+
+    floor_s, choice = least(1.0)
+    out: dict[str, Any] = {
+        "floor_s": floor_s,
+        "loaded_tokens": list(choice),
+        "link_bytes_per_s": link.bytes_per_s,
+    }
+    factors = []
+    for d in loading_dirs:
+        book = _book(d)
+        fit = fit_prefill_steps(book.steps, book.passes) if book is not None else None
+        factor = loading_factor(book.loading, fit) if book is not None and fit is not None else None
+        if factor is not None:
+            factors.append(factor)
+    if factors:
+        slower = statistics.median(factors)
+        with_loading_s, choice = least(slower)
+        out |= {
+            "loading_factors": factors,
+            "floor_with_loading_s": with_loading_s,
+            "loaded_tokens_with_loading": list(choice),
+        }
+    return out
 
 
 def ttft_stats(ttfts: list[float]) -> dict[str, float]:
@@ -219,6 +251,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             points[label] = {"config": name, "factor": f, "bytes_per_s": None if f is None else f * balance}
             if name == "load-all" and not learned.exists() and costs.exists():
                 shutil.copytree(costs, learned)
+            if name == "batch rule" and costs.exists():  # what its steps beside loads took (`lane_floor`)
+                shutil.copytree(
+                    costs, args.work / f"costs-after-batch-rule-{f:g}x-r{r + 1}", dirs_exist_ok=True
+                )
 
     reference = phases["compute-all"][0][2]
     results: dict[str, Any] = {}
@@ -282,7 +318,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "target_worst": 0.80,
             "target_p99": 0.85,
         }
-        floor = lane_floor(prompts, computed, args.work / f"costs-after-load-all-{f:g}x")
+        floor = lane_floor(
+            prompts,
+            computed,
+            args.work / f"costs-after-load-all-{f:g}x",
+            [args.work / f"costs-after-batch-rule-{f:g}x-r{r + 1}" for r in range(args.rounds)],
+        )
         if floor is not None:
             targets[f"{f:g}x balance"] |= {
                 "lane_floor": floor,
@@ -290,6 +331,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "per_request_p99_vs_floor": alone["ttft_p99_s"] / floor["floor_s"],
                 "target_p99_vs_floor": 0.85 * alone["ttft_p99_s"] / floor["floor_s"],
             }
+            if "floor_with_loading_s" in floor:
+                targets[f"{f:g}x balance"] |= {
+                    "batch_rule_worst_vs_floor_with_loading": batch["ttft_worst_s"]
+                    / floor["floor_with_loading_s"],
+                    "target_p99_vs_floor_with_loading": 0.85
+                    * alone["ttft_p99_s"]
+                    / floor["floor_with_loading_s"],
+                }
     rows = [
         [
             label,
@@ -334,6 +383,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{v['lane_floor']['loaded_tokens']} tokens); batch rule worst {v['batch_rule_worst_vs_floor']:.2f}x "
                 f"it, per-request p99 {v['per_request_p99_vs_floor']:.2f}x, the p99 target "
                 f"{v['target_p99_vs_floor']:.2f}x"
+            )
+        if "target_p99_vs_floor_with_loading" in v:
+            fl = v["lane_floor"]
+            log(
+                f"  {k}: computing beside a load {statistics.median(fl['loading_factors']):.2f}x slower, the floor "
+                f"is {fl['floor_with_loading_s']:.2f} s (loading {fl['loaded_tokens_with_loading']} tokens); "
+                f"batch rule worst {v['batch_rule_worst_vs_floor_with_loading']:.2f}x it, the p99 target "
+                f"{v['target_p99_vs_floor_with_loading']:.2f}x"
             )
     return {
         **report_head("serving-batch", args, balance),

@@ -83,6 +83,11 @@ def test_how_much_slower_steps_that_load_compute_is_learned_and_slows_a_split(tm
     # nor does one after a quick load: its step is mostly a step's fixed costs
     assert loading_factor([[32, 3968, 0.1, 0.9, L]], compute) is None
     assert loading_factor([[80, 1920, 0.1, 0.2, L]], ChunkCost.per_pair(0.0, 1e-3, 0.0)) is None
+    # a balanced split's step (lanes planned to end together): its compute ended it, 0.38 s after the
+    # load: it computed 1.35 s where alone it takes 1 s (a served run's did so: 1.3x)
+    assert loading_factor([[1000, 1000, 1.0, 1.35 + 1.0 / L, L]], compute) == pytest.approx(1.35)
+    # the same step ending a layer's compute and its fixed costs after its load: the load ended it
+    assert loading_factor([[1000, 1000, 1.0, 1.0 + 1.0 / L + 0.05, L]], compute) is None
     book = CostLearner(SPEC, path=tmp_path / "c.json")
     assert book.loading_factor() is None  # no compute cost yet
     book.observe_step(2000, 0, 2.0)

@@ -69,6 +69,10 @@ MAX_SAMPLES = 256
 LOADING_FACTOR_RANGE = (0.5, 20.0)
 #: the fewest new tokens a step that loaded must compute to be a sample of `loading_factor`
 LOADING_MIN_TOKENS = 256
+#: how long past its load (as a share of its predicted compute) a step must end for its compute to
+#: have ended it: a step whose load ends last ends a layer's compute and the step's fixed costs after
+#: the load, a few hundredths of its compute
+LOADING_LAST_BY = 0.2
 
 
 class LearnedState(msgspec.Struct):
@@ -499,9 +503,11 @@ def loading_factor(samples: Sequence[Sequence[float]], compute: ChunkCost) -> fl
     copies share the host with vLLM's kernels), from steps that loaded: [n new, past, load seconds, step
     seconds, layers]. A step computes after its loaded layers arrive, so it ends about ``load / layers``
     after its compute would, or a layer's compute after the load. Where the compute ended last (the step
-    outlasted its load by more than half its predicted compute) and was a sizeable part of the step (at
-    least a quarter of the load and of the whole step), ``(step - load / layers) / compute`` is what the
-    compute took against what it takes alone. The median of those; None without one.
+    outlasted its load by more than `LOADING_LAST_BY` of its predicted compute: the steps of a balanced
+    split, whose lanes were planned to end together, are such steps when computing beside the load is
+    slower) and was a sizeable part of the step (at least a quarter of the load and of the whole step),
+    ``(step - load / layers) / compute`` is what the compute took against what it takes alone. The
+    median of those; None without one.
 
     A few tokens computed after a load (fewer than `LOADING_MIN_TOKENS`: a load-all step) tell nothing
     of it: their step is mostly a step's fixed costs, which no per-token model predicts well, and taken
@@ -513,7 +519,7 @@ def loading_factor(samples: Sequence[Sequence[float]], compute: ChunkCost) -> fl
             n_new < LOADING_MIN_TOKENS
             or c <= 0
             or c < 0.25 * max(load_s, step_s)
-            or step_s - load_s < 0.5 * c
+            or step_s - load_s < LOADING_LAST_BY * c
         ):
             continue
         ratios.append((step_s - load_s / max(layers, 1.0)) / c)

@@ -13,7 +13,7 @@ from kvrestore.core.spec import ModelSpec
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.costs.learned import CostLearner, loading_factor
 from kvrestore.costs.links import LinkCost
-from kvrestore.planning.split import choose_split, max_loadable
+from kvrestore.planning.split import Follower, choose_split, choose_split_ahead, max_loadable, pass_end_s
 from kvrestore.policies.batch import QueuedLoad, link_order
 
 KV_PER_TOKEN = 46_080  # SmolLM2-135M, fp32
@@ -22,15 +22,16 @@ COMPUTE = ChunkCost.per_pair(0.0, 2.5e-3, 1.0e-6)  # ~5 s for 2,000 tokens from 
 SPEC = ModelSpec("m", 30, 3, 64, 100, torch.float32, "s" * 32)
 
 
-def _split(
+def _args(
     link: LinkCost | None,
     compute: ChunkCost | None = COMPUTE,
     mode: str = "planned",
     ends=ENDS,
     loading: float | None = None,
-    **queued: float,
-):
-    return choose_split(
+    **more,
+) -> dict:
+    """`choose_split`'s arguments for a stored 2,000-token prompt."""
+    return dict(
         n_tokens=2000,
         chunk_ends=ends,
         chunk_size=256,
@@ -41,8 +42,12 @@ def _split(
         compute=compute,
         loading=loading,
         mode=mode,
-        **queued,
+        **more,
     )
+
+
+def _split(link: LinkCost | None, compute: ChunkCost | None = COMPUTE, **more):
+    return choose_split(**_args(link, compute, **more))
 
 
 def test_the_split_is_block_aligned_leaves_a_token_to_compute_and_stays_in_the_stored_prefix():
@@ -309,3 +314,43 @@ def test_a_next_step_that_starts_with_what_this_one_spills_is_not_free():
     assert full.later_tokens == 2000 - full.k - full.step_new_tokens
     with pytest.raises(InvalidInputError):
         _split(BALANCE, **behind, next_compute_ahead_s=-1.0)
+
+
+def _ahead_args(link: LinkCost) -> dict:
+    return _args(link, step_tokens=STEP_TOKENS, next_step_tokens=STEP_TOKENS, may_wait=True)
+
+
+def test_a_split_that_knows_the_requests_after_it_in_the_pass_plans_the_pass():
+    """Two alike prompts at the balance, the second asked after the first in the same pass. Each
+    planned alone-best loads about half of its prompt, so the step serves two halves on the link and two
+    suffixes on the model; the first planned knowing the second (`choose_split_ahead`) loads most of
+    its prompt, the second then computes most of its own, and the step ends sooner (7.5 s against
+    8.1 s)."""
+    balance = LinkCost(2000 * KV_PER_TOKEN / COMPUTE.seconds(2000))
+    args = _ahead_args(balance)
+    follower = [Follower(2000, ENDS)]
+    greedy, ahead = choose_split(**args), choose_split_ahead(follower, **args)
+    assert 0 < greedy.k < greedy.loadable_tokens
+    assert ahead.k >= greedy.k + 512 and "1 request after it" in ahead.reason
+    assert pass_end_s(ahead, follower, **args) < 0.95 * pass_end_s(greedy, follower, **args)
+    # the second, planned behind the first's choice, computes most of its prompt and ends the pass
+    # when the first was planned to
+    second = choose_split(
+        **{
+            **args,
+            "bytes_ahead": ahead.nbytes,
+            "compute_ahead_s": ahead.compute_s,
+            "step_tokens": STEP_TOKENS - ahead.step_new_tokens,
+        }
+    )
+    assert second.k <= greedy.k - 512 and not second.waits
+    assert second.predicted_s == pytest.approx(pass_end_s(ahead, follower, **args))
+    # nothing after it, or a split that is not planned: the split alone
+    assert choose_split_ahead([], **args) == greedy
+    for mode in ("load_all", "compute_all"):
+        assert choose_split_ahead(follower, **{**args, "mode": mode}) == choose_split(
+            **{**args, "mode": mode}
+        )
+    assert choose_split_ahead(follower, **{**args, "link": None}).k == greedy.loadable_tokens  # no costs yet
+    with pytest.raises(InvalidInputError):
+        choose_split(**args, k=100)  # not an aligned split

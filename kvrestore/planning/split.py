@@ -39,10 +39,19 @@ ahead), and split there behind what the requests of this step spill into it (`ne
 with the room that leaves (`next_step_tokens`). It waits where that first token is predicted sooner
 by more than `WAIT_MARGIN`: the prediction does not count that the requests of this step end sooner
 too, so only a clear win is taken.
+
+Planning a pass (`choose_split_ahead`). An engine asks about its requests one at a time and schedules
+each on its answer, so the first split of a pass is planned before the others are known, and the split
+best for it alone is not the best for the pass: two alike prompts at the balance each load about half
+of themselves, where one loading most of its prompt beside one computing most of its own ends the
+step sooner. Where the requests after it are known (`Follower`s: the vLLM connector gathers a pass's
+requests on an idle engine), a split is chosen for when the pass's last first token comes
+(`pass_end_s`), each follower taking its own best split behind it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -175,6 +184,7 @@ def choose_split(
     may_wait: bool = False,
     next_step_tokens: int | None = None,
     next_compute_ahead_s: float = 0.0,
+    k: int | None = None,
 ) -> SplitChoice:
     """The split for a prompt of `n_tokens` whose leading stored chunks end at `chunk_ends`. A split that
     loads computes its suffix `loading` times slower than alone (`loading_factor`; 1 if not known).
@@ -183,7 +193,8 @@ def choose_split(
     how many tokens the step can still compute for it (None: no bound) (the module docstring); 0, 0
     and None, it has the engine to itself. `may_wait`: also weigh waiting for the next step, which
     holds `next_compute_ahead_s` of compute before it and has room for `next_step_tokens`
-    (`SplitChoice.wait_s`; planned splits only)."""
+    (`SplitChoice.wait_s`; planned splits only). `k`: the split to predict, instead of the best one (a
+    planned split; one of the aligned candidates)."""
     if mode not in SPLITS:
         raise InvalidInputError(f"split must be one of {SPLITS}, got {mode!r}")
     for name, v in (
@@ -233,6 +244,10 @@ def choose_split(
     elif not known:
         missing = " and ".join(w for w, v in (("the link", link), ("compute", compute)) if v is None)
         k, reason = kmax, f"no measured cost of {missing} yet: loading every stored token"
+    elif k is not None:
+        if k not in candidates:
+            raise InvalidInputError(f"k must be one of the aligned splits {candidates}, got {k!r}")
+        reason = "planned: this split, by request"
     else:
         k = min(candidates, key=lambda c: (predict(c)[0], -c))
         reason = "planned: the load and the compute finish together"
@@ -269,12 +284,89 @@ def choose_split(
     )
 
 
+@dataclass(frozen=True)
+class Follower:
+    """A request the engine will ask about after this one in the same pass: its prompt's length and
+    where its leading stored chunks end (`choose_split`'s `n_tokens` and `chunk_ends`)."""
+
+    n_tokens: int
+    chunk_ends: Sequence[int]
+
+
+def pass_end_s(choice: SplitChoice, followers: Sequence[Follower], **split: Any) -> float:
+    """When the last of a pass's first tokens comes if this request takes `choice` and each of
+    `followers` then takes its own best split behind it (`choose_split` with what the step holds by
+    then, waiting for the next step where that is clearly sooner). `split`: the arguments `choice` was
+    planned with."""
+    t = choice.wait_s if choice.waits else choice.predicted_s
+    assert t is not None
+    end = t
+    lanes = dict(split)
+    for key in ("k", "n_tokens", "chunk_ends"):
+        lanes.pop(key, None)
+    ahead = [] if choice.waits else [choice]
+    for f in followers:
+        step, nxt = lanes.get("step_tokens"), lanes.get("next_step_tokens")
+        room = None if step is None else step - sum(a.step_new_tokens for a in ahead)
+        c = choose_split(
+            **{
+                **lanes,
+                "bytes_ahead": lanes.get("bytes_ahead", 0.0) + sum(a.nbytes for a in ahead),
+                "compute_ahead_s": lanes.get("compute_ahead_s", 0.0) + sum(a.compute_s or 0.0 for a in ahead),
+                "step_tokens": None if room is None else max(0, room),
+                "may_wait": True,
+                "next_step_tokens": None if nxt is None else max(0, nxt - sum(a.later_tokens for a in ahead)),
+                "next_compute_ahead_s": lanes.get("next_compute_ahead_s", 0.0)
+                + sum(a.later_s for a in ahead),
+            },
+            n_tokens=f.n_tokens,
+            chunk_ends=f.chunk_ends,
+        )
+        # a step with no room left is not joined: vLLM schedules the request in the next one
+        waits = c.waits or (room is not None and room <= 0 and c.wait_s is not None)
+        t = c.wait_s if waits else c.predicted_s
+        if t is None:
+            return math.inf
+        end = max(end, t)
+        if not waits:
+            ahead.append(c)
+    return end
+
+
+def choose_split_ahead(followers: Sequence[Follower] = (), **split: Any) -> SplitChoice:
+    """`choose_split`, for a request the engine asks about before `followers` in the same pass: the
+    split after which the pass's last first token comes soonest, each follower then taking its own best
+    split behind it (`pass_end_s`); among equals, the one best for this request alone. Two alike
+    prompts at the balance, for instance: the best split of each alone loads about half of each, and the
+    step serves both halves on the link and both suffixes on the model; one prompt computed whole while
+    the other loads whole ends the step sooner. Without followers, or where the split is not planned
+    from known costs, `choose_split` itself."""
+    alone = choose_split(**split)
+    if not followers or alone.predicted_s is None or split.get("mode", "planned") != "planned":
+        return alone
+    step = math.lcm(split["chunk_size"], split["block_size"])
+    kmax = alone.loadable_tokens
+    best: tuple[tuple[float, float, int], SplitChoice] | None = None
+    for k in sorted({0, kmax, *range(step, kmax, step)}):
+        c = alone if k == alone.k else choose_split(**split, k=k)
+        assert c.predicted_s is not None
+        key = (pass_end_s(c, followers, **split), c.predicted_s, -k)
+        if best is None or key < best[0]:
+            best = (key, c)
+    assert best is not None
+    after = f"{len(followers)} request{'s' if len(followers) > 1 else ''}"
+    return dataclasses.replace(best[1], reason=f"planned with the {after} after it in the pass")
+
+
 __all__ = [
     "SPLITS",
     "WAIT_MARGIN",
+    "Follower",
     "SplitChoice",
     "choose_split",
+    "choose_split_ahead",
     "loaded_tokens_read",
     "max_loadable",
+    "pass_end_s",
     "pipelined_s",
 ]

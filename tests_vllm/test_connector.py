@@ -281,3 +281,25 @@ def test_a_prompt_that_would_join_a_full_step_waits_for_the_next(model_dir, refe
     for offset in OFFSETS:
         assert_same_generation(run.results[offset], reference.results[offset])
     assert run.metrics["waited_requests"] == 1
+
+
+def test_prompts_asked_together_are_planned_as_one_pass(model_dir, reference, tmp_path):
+    """Two stored prompts asked at once, in steps room enough for both: the connector answers both
+    "ask again" once (gathering them), then plans the first knowing the second comes after it in the
+    pass. Alone-best, each would load 1,024 tokens; planned together, the first loads 1,792 and the
+    second 256, which the seeded costs predict ends the step in 7.5 s against 8.1 s. Both answers are
+    vLLM's without a connector."""
+    extra = {"store_url": str(tmp_path / "kv"), "cost_dir": str(tmp_path / "costs"), "fingerprint": WAIT_FP}
+    serve(model_dir, extra=extra, offsets=OFFSETS)  # one at a time: computes and saves both
+    balance = _seed_costs(tmp_path / "costs")
+    args = ["--together", "--step-tokens", str(2 * STEP_TOKENS)]
+    run = serve(model_dir, extra={**extra, "link_bytes_per_s": balance}, offsets=OFFSETS, args=args)
+    splits = run.events("split")
+    assert [s["k"] for s in splits] == [1792, 256], run.log[-3000:]
+    assert "1 request after it" in splits[0]["reason"] and run.events("wait") == []
+    assert run.metrics["gathered_requests"] == 2
+    assert (
+        sorted(r["tokens"] for r in run.events("loaded")) == [256, 1792] and run.events("load_failed") == []
+    )
+    for offset in OFFSETS:
+        assert_same_generation(run.results[offset], reference.results[offset])

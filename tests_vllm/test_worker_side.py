@@ -308,10 +308,13 @@ def test_a_failed_lookup_makes_every_prompt_a_miss_for_retry_after_s():
         side.shutdown()
 
 
-def _costed_side(store: MemoryStore, batch: bool, step_tokens: int | None = None) -> SchedulerSide:
+def _costed_side(
+    store: MemoryStore, batch: bool, step_tokens: int | None = None, gather_s: float = 0.0
+) -> SchedulerSide:
     """A scheduler side whose costs are known: a 400-token prompt computes in about 4 s, and the link
-    loads it in as long (the balance); an engine step computes `step_tokens` at most."""
-    extra = {"store_url": "memory://", "chunk_size": 16, "batch": batch}
+    loads it in as long (the balance); an engine step computes `step_tokens` at most; each request is
+    planned when first asked, unless `gather_s`."""
+    extra = {"store_url": "memory://", "chunk_size": 16, "batch": batch, "gather_s": gather_s}
     probe = ConnectorContext(ConnectorConfig.from_extra(extra), SPEC, BLOCK, CostLearner(SPEC))
     extra["link_bytes_per_s"] = 400 * probe.stored_bytes_per_token / 4.0
     book = CostLearner(SPEC)
@@ -437,6 +440,78 @@ def test_each_split_knows_the_room_the_step_has_left():
         assert side.counters.take()["hit_tokens"] == 392  # counted once, when planned
     finally:
         side.shutdown()
+
+
+def test_requests_arriving_together_are_gathered_and_planned_as_one_pass(monkeypatch):
+    """On an idle engine, new requests are answered "ask again" (None) for `gather_s`, so the ones
+    arriving together are all known when the first is planned: it plans with the others after it
+    (`choose_split_ahead`), and the pass ends sooner than with each split planned best alone. Gathering
+    stops at `gather_s` after the first request of the gathering; it is counted once per request, and a
+    request is never gathered behind a load, nor under `"batch": false`."""
+    from kvrestore.integrations import vllm_scheduler
+    from kvrestore.planning.split import Follower, pass_end_s
+
+    clock = [100.0]
+    monkeypatch.setattr(vllm_scheduler.time, "monotonic", lambda: clock[0])
+    store = MemoryStore()
+    prompts = {r: [1000 * i + t for t in range(400)] for i, r in enumerate("ab")}
+    side = _costed_side(store, True, step_tokens=450, gather_s=0.05)
+    try:
+        for ref in (ref for t in prompts.values() for ref in chunk_keys(t, side.ctx.key_space, 16)):
+            side.loop.call(store.put, ref.key, b"x")
+
+        def ask(r: str) -> int | None:
+            return side.get_num_new_matched_tokens(_Request(r, prompts[r]), 0)[0]  # type: ignore[arg-type]
+
+        def end_pass() -> None:
+            side.build_connector_meta(_output(side, [], {}))  # type: ignore[arg-type]
+
+        assert ask("a") is None and ask("b") is None  # gathered, in the pass they arrived in
+        end_pass()
+        clock[0] += 0.04
+        assert ask("a") is None and ask("b") is None  # still within 0.05 s of the first
+        end_pass()
+        clock[0] += 0.02
+        assert side.counters.take()["gathered_requests"] == 2
+        ka = ask("a")
+        a = side._reqs["a"].choice
+        assert ka is not None and a is not None and "1 request after it" in a.reason
+        kb = ask("b")
+        b = side._reqs["b"].choice
+        assert kb is not None and b is not None and "planned:" in b.reason  # none after it
+        # planned together, the pass ends sooner than with a split best alone first
+        args = dict(
+            n_tokens=400,
+            chunk_ends=side._reqs["a"].ends(),
+            chunk_size=16,
+            block_size=BLOCK,
+            bytes_per_token=side.ctx.stored_bytes_per_token,
+            num_layers=L,
+            link=side.ctx.prior_link(),
+            compute=side.ctx.costs.step_cost(),
+            step_tokens=450,
+            next_step_tokens=450,
+            may_wait=True,
+        )
+        follower = [Follower(400, side._reqs["b"].ends())]
+        alone = vllm_scheduler.choose_split_ahead([], **args)
+        assert pass_end_s(a, follower, **args) < pass_end_s(alone, follower, **args)
+        assert b.predicted_s == pytest.approx(pass_end_s(a, follower, **args))
+        # a third arriving while a and b load is planned at once: asking again would cost a step
+        prompts["c"] = [3000 + t for t in range(400)]
+        for ref in chunk_keys(prompts["c"], side.ctx.key_space, 16):
+            side.loop.call(store.put, ref.key, b"x")
+        assert ask("c") is not None or side._reqs["c"].waited
+        assert side.counters.take().get("gathered_requests", 0) == 0
+    finally:
+        side.shutdown()
+    alone_side = _costed_side(MemoryStore(), False, step_tokens=450, gather_s=0.05)
+    try:
+        for ref in chunk_keys(prompts["a"], alone_side.ctx.key_space, 16):
+            alone_side.loop.call(alone_side.store.put, ref.key, b"x")
+        assert alone_side.get_num_new_matched_tokens(_Request("a", prompts["a"]), 0)[0] is not None  # type: ignore[arg-type]
+    finally:
+        alone_side.shutdown()
 
 
 def test_loads_that_share_a_step_are_one_sample_of_the_link_and_reported_finished():

@@ -48,6 +48,10 @@ class ConnectorConfig:
     #: CacheFlow's batch rule: a split counts the loads queued on the link ahead of it, and the link
     #: serves first the load that saves the most compute per byte (False: each split as if alone)
     batch: bool = True
+    #: under the batch rule, on an engine with nothing loading and little computing, a new request is
+    #: answered "ask again" for up to this long, so the requests arriving with it are known when the
+    #: first is planned and the pass is planned together (`planning.split.choose_split_ahead`); 0: not
+    gather_s: float = 0.05
     store_options: Mapping[str, Any] = field(default_factory=dict)  # passed to open_store
     save: bool = True
     load: bool = True
@@ -90,6 +94,9 @@ class ConnectorConfig:
             raise InvalidInputError(f"compression must be 'none' or 'zstd', got {cfg.compression!r}")
         if cfg.split not in SPLITS:
             raise InvalidInputError(f"split must be one of {SPLITS}, got {cfg.split!r}")
+        g = cfg.gather_s
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g <= 10:  # NaN fails too
+            raise InvalidInputError(f"gather_s must be a number of seconds from 0 to 10, got {g!r}")
         if not isinstance(cfg.batch, bool):
             raise InvalidInputError(f"batch must be true or false, got {cfg.batch!r}")
         if cfg.on_load_error not in ("recompute", "fail"):

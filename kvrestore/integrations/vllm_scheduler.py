@@ -41,7 +41,7 @@ from kvrestore.integrations.vllm_meta import (
 )
 from kvrestore.integrations.vllm_plan import ConnectorContext
 from kvrestore.integrations.vllm_stats import Counters, emit
-from kvrestore.planning.split import SplitChoice, choose_split
+from kvrestore.planning.split import Follower, SplitChoice, choose_split_ahead
 from kvrestore.policies.batch import QueuedLoad, link_order
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.deadline import Deadlines, DeadlineStore
@@ -66,6 +66,22 @@ class _Request:
     need_load: bool = False
     choice: SplitChoice | None = None
     waited: bool = False  # it has waited a step once (`SplitChoice.waits`); it never waits again
+    gathered_at: float | None = None  # when it was first answered "ask again" to gather a pass
+    asked: int = 0  # the scheduling pass that last asked about it (`SchedulerSide.passes`)
+
+    def ends(self) -> list[int]:
+        """Where its leading stored chunks end."""
+        out = []
+        for ref, ok in zip(self.refs, self.stored, strict=True):
+            if not ok:
+                break
+            out.append(ref.end)
+        return out
+
+    @property
+    def unplanned(self) -> bool:
+        """Gathered, and neither planned nor gone to wait for the next step."""
+        return self.gathered_at is not None and self.choice is None and not self.waited
 
 
 class LinkQueue:
@@ -161,6 +177,7 @@ class SchedulerSide:
         self.queue = LinkQueue(c.load_timeout_s)
         self._reqs: dict[str, _Request] = {}
         self._unkeyed: set[str] = set()  # requests neither loaded nor saved (`vllm_keys.Unkeyable`)
+        self.passes = 0  # scheduling passes (`build_connector_meta` ends one)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -178,13 +195,10 @@ class SchedulerSide:
             st = self._reqs[request.request_id] = _Request(
                 refs, self._lookup([r.key for r in refs]), len(tokens)
             )
+        st.asked = self.passes
         if not self.config.load:
             return 0, False
-        ends = []
-        for ref, ok in zip(st.refs, st.stored, strict=True):
-            if not ok:
-                break
-            ends.append(ref.end)
+        ends = st.ends()
         costs = self.ctx.costs
         costs.refresh()
         ahead, compute_ahead, tokens_ahead = (
@@ -193,15 +207,21 @@ class SchedulerSide:
         budget = self.ctx.step_tokens
         may_wait = self.config.batch and not st.waited and st.choice is None
         spill_s, spill_tokens = self.queue.later(request.request_id) if may_wait else (0.0, 0)
-        choice = choose_split(
+        link, compute = costs.link_cost(self.ctx.link_key) or self.ctx.prior_link(), costs.step_cost()
+        known = bool(ends) and link is not None and compute is not None
+        if known and self._gathers(st, ahead, compute_ahead):
+            return None, False
+        followers = [Follower(o.n_tokens, o.ends()) for o in self._gathering() if o is not st]
+        choice = choose_split_ahead(
+            followers,
             n_tokens=len(tokens),
             chunk_ends=ends,
             chunk_size=self.config.chunk_size,
             block_size=self.ctx.block_size,
             bytes_per_token=self.ctx.stored_bytes_per_token,
             num_layers=self.ctx.spec.num_layers,
-            link=costs.link_cost(self.ctx.link_key) or self.ctx.prior_link(),
-            compute=costs.step_cost(),
+            link=link,
+            compute=compute,
             loading=costs.loading_factor(),
             mode=self.config.split,
             bytes_ahead=ahead,
@@ -233,6 +253,29 @@ class SchedulerSide:
         st.load_k = choice.k
         return choice.k - num_computed_tokens, False
 
+    def _gathers(self, st: _Request, bytes_ahead: float, compute_ahead_s: float) -> bool:
+        """Whether to answer `st` "ask again" to gather the requests arriving with it (`gather_s`): a new
+        request, under the batch rule, on an engine that loads nothing and computes less than
+        `gather_s` before it (so asking again costs little), until `gather_s` after the first
+        request of the gathering. vLLM asks the rest of its queue in the same pass, and each is known
+        when the first is planned (`choose_split_ahead`)."""
+        g = self.config.gather_s
+        if not (self.config.batch and g > 0 and self.config.split == "planned"):
+            return False
+        now = time.monotonic()
+        if st.gathered_at is None:
+            if st.choice is not None or st.waited or bytes_ahead > 0 or compute_ahead_s > g:
+                return False
+            st.gathered_at = now
+            self.counters.add(gathered_requests=1)
+            return True
+        return st.unplanned and now - min(o.gathered_at or now for o in self._gathering()) < g
+
+    def _gathering(self) -> list[_Request]:
+        """The gathered requests not planned yet that vLLM still asks about (in this pass or the last:
+        one it stopped asking about, finished or not, is not waited for)."""
+        return [o for o in self._reqs.values() if o.unplanned and o.asked >= self.passes - 1]
+
     def _lookup(self, keys: list[str]) -> list[bool]:
         """Which chunks are stored; all False (recorded, with a warning) if the store does not answer in
         time, and for `retry_after_s` after that."""
@@ -263,6 +306,7 @@ class SchedulerSide:
             st.need_load = True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVRestoreConnectorMetadata:
+        self.passes += 1
         meta = KVRestoreConnectorMetadata()
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:

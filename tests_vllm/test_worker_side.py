@@ -466,12 +466,15 @@ def test_requests_arriving_together_are_gathered_and_planned_as_one_pass(monkeyp
         def end_pass() -> None:
             side.build_connector_meta(_output(side, [], {}))  # type: ignore[arg-type]
 
-        assert ask("a") is None and ask("b") is None  # gathered, in the pass they arrived in
+        assert ask("a") is None  # gathered
         end_pass()
-        clock[0] += 0.04
+        clock[0] += 0.03
+        assert ask("a") is None and ask("b") is None  # b arrived 0.03 s later: it joins a's gathering
+        end_pass()
+        clock[0] += 0.01
         assert ask("a") is None and ask("b") is None  # still within 0.05 s of the first
         end_pass()
-        clock[0] += 0.02
+        clock[0] += 0.02  # 0.06 s after a, 0.03 s after b: the gathering is planned, b with a
         assert side.counters.take()["gathered_requests"] == 2
         ka = ask("a")
         a = side._reqs["a"].choice

@@ -66,7 +66,8 @@ class _Request:
     need_load: bool = False
     choice: SplitChoice | None = None
     waited: bool = False  # it has waited a step once (`SplitChoice.waits`); it never waits again
-    gathered_at: float | None = None  # when it was first answered "ask again" to gather a pass
+    #: when the gathering it joined began (it was first answered "ask again" to gather a pass)
+    gathered_at: float | None = None
     asked: int = 0  # the scheduling pass that last asked about it (`SchedulerSide.passes`)
 
     def ends(self) -> list[int]:
@@ -257,8 +258,9 @@ class SchedulerSide:
         """Whether to answer `st` "ask again" to gather the requests arriving with it (`gather_s`): a new
         request, under the batch rule, on an engine that loads nothing and computes less than
         `gather_s` before it (so asking again costs little), until `gather_s` after the first
-        request of the gathering. vLLM asks the rest of its queue in the same pass, and each is known
-        when the first is planned (`choose_split_ahead`)."""
+        request of the gathering, so every request of it is planned in the same pass. vLLM asks the
+        rest of its queue in the same pass, and each is known when the first is planned
+        (`choose_split_ahead`)."""
         g = self.config.gather_s
         if not (self.config.batch and g > 0 and self.config.split == "planned"):
             return False
@@ -266,10 +268,13 @@ class SchedulerSide:
         if st.gathered_at is None:
             if st.choice is not None or st.waited or bytes_ahead > 0 or compute_ahead_s > g:
                 return False
-            st.gathered_at = now
+            # it joins the gathering under way, if any: all of it is planned in the same pass
+            st.gathered_at = min((o.gathered_at or now for o in self._gathering()), default=now)
+            if now - st.gathered_at >= g:
+                return False
             self.counters.add(gathered_requests=1)
             return True
-        return st.unplanned and now - min(o.gathered_at or now for o in self._gathering()) < g
+        return st.unplanned and now - st.gathered_at < g
 
     def _gathering(self) -> list[_Request]:
         """The gathered requests not planned yet that vLLM still asks about (in this pass or the last:

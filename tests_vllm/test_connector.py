@@ -284,8 +284,8 @@ def test_a_prompt_that_would_join_a_full_step_waits_for_the_next(model_dir, refe
 
 
 def test_prompts_asked_together_are_planned_as_one_pass(model_dir, reference, tmp_path):
-    """Two stored prompts asked at once, in steps room enough for both: the connector answers both
-    "ask again" once (gathering them), then plans the first knowing the second comes after it in the
+    """Two stored prompts asked at once, in steps room enough for both, with `gather_s` set: the
+    connector answers both "ask again" (gathering them), then plans the first knowing the second comes after it in the
     pass. Alone-best, each would load 1,024 tokens; planned together, the first loads 1,792 and the
     second 256, which the seeded costs predict ends the step in 7.5 s against 8.1 s. Both answers are
     vLLM's without a connector."""
@@ -293,7 +293,8 @@ def test_prompts_asked_together_are_planned_as_one_pass(model_dir, reference, tm
     serve(model_dir, extra=extra, offsets=OFFSETS)  # one at a time: computes and saves both
     balance = _seed_costs(tmp_path / "costs")
     args = ["--together", "--step-tokens", str(2 * STEP_TOKENS)]
-    run = serve(model_dir, extra={**extra, "link_bytes_per_s": balance}, offsets=OFFSETS, args=args)
+    gather = {**extra, "link_bytes_per_s": balance, "gather_s": 0.05}
+    run = serve(model_dir, extra=gather, offsets=OFFSETS, args=args)
     splits = run.events("split")
     assert [s["k"] for s in splits] == [1792, 256], run.log[-3000:]
     assert "1 request after it" in splits[0]["reason"] and run.events("wait") == []

@@ -50,8 +50,9 @@ class ConnectorConfig:
     batch: bool = True
     #: under the batch rule, on an engine with nothing loading and little computing, a new request is
     #: answered "ask again" for up to this long, so the requests arriving with it are known when the
-    #: first is planned and the pass is planned together (`planning.split.choose_split_ahead`); 0: not
-    gather_s: float = 0.05
+    #: first is planned and the pass is planned together (`planning.split.choose_split_ahead`); 0: not.
+    #: Off by default: on a 2-core CPU it measured no better (docs/benchmarks.md)
+    gather_s: float = 0.0
     store_options: Mapping[str, Any] = field(default_factory=dict)  # passed to open_store
     save: bool = True
     load: bool = True

@@ -69,6 +69,7 @@ class _Request:
     #: when the gathering it joined began (it was first answered "ask again" to gather a pass)
     gathered_at: float | None = None
     asked: int = 0  # the scheduling pass that last asked about it (`SchedulerSide.passes`)
+    gathered: bool = False  # it was answered "ask again" to gather (counted once it is planned)
 
     def ends(self) -> list[int]:
         """Where its leading stored chunks end."""
@@ -242,8 +243,8 @@ class SchedulerSide:
         loads = choice.k > num_computed_tokens  # vLLM's own prefix cache may hold the whole split
         load = choice.queued(request.request_id) if loads else None
         self.queue.plan(request.request_id, load, choice)
-        if fresh:
-            self.counters.add(hit_tokens=choice.loadable_tokens)
+        if fresh:  # counted in the pass that schedules it (vLLM may drop the counts of an empty one)
+            self.counters.add(hit_tokens=choice.loadable_tokens, gathered_requests=int(st.gathered))
         if ends and fresh:
             _emit_choice("split", request.request_id, choice)
             self.counters.add(
@@ -270,10 +271,8 @@ class SchedulerSide:
                 return False
             # it joins the gathering under way, if any: all of it is planned in the same pass
             st.gathered_at = min((o.gathered_at or now for o in self._gathering()), default=now)
-            if now - st.gathered_at >= g:
-                return False
-            self.counters.add(gathered_requests=1)
-            return True
+            st.gathered = now - st.gathered_at < g
+            return st.gathered
         return st.unplanned and now - st.gathered_at < g
 
     def _gathering(self) -> list[_Request]:

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import shutil
 import statistics
 import sys
@@ -74,7 +73,7 @@ from serving import (
 
 from kvrestore.costs.learned import LOADING_MIN_TOKENS, LearnedState, fit_prefill_steps
 from kvrestore.costs.links import link_from_loads
-from kvrestore.planning.split import max_loadable, pipelined_s
+from kvrestore.planning.split import max_loadable, pipelined_s, split_candidates
 from kvrestore.tools.vllm_server import kv_transfer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,11 +113,10 @@ def lane_floor(prompt_tokens: list[int], compute_dir: Path, link_dir: Path) -> d
     link = link_from_loads([s for v in lnk.links.values() for s in v]) if lnk is not None else None
     if compute is None or link is None:
         return None
-    step = math.lcm(CHUNK_TOKENS, BLOCK_TOKENS)
 
     def ks(n: int) -> list[int]:
-        kmax = max_loadable(n, n // CHUNK_TOKENS * CHUNK_TOKENS, BLOCK_TOKENS)
-        return sorted({0, kmax, *range(step, kmax, step)})
+        stored = n // CHUNK_TOKENS * CHUNK_TOKENS
+        return split_candidates(max_loadable(n, stored, BLOCK_TOKENS), CHUNK_TOKENS, BLOCK_TOKENS)
 
     best: tuple[float, tuple[int, ...]] | None = None
     for choice in itertools.product(*(ks(n) for n in prompt_tokens)):

@@ -277,7 +277,9 @@ class SchedulerSide:
 
     def _gathering(self) -> list[_Request]:
         """The gathered requests not planned yet that vLLM still asks about (in this pass or the last:
-        one it stopped asking about, finished or not, is not waited for)."""
+        one it stopped asking about, finished or not, is not waited for); none where nothing gathers."""
+        if not self.config.gather_s:
+            return []
         return [o for o in self._reqs.values() if o.unplanned and o.asked >= self.passes - 1]
 
     def _lookup(self, keys: list[str]) -> list[bool]:

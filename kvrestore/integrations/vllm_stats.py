@@ -25,7 +25,7 @@ COUNTERS: dict[str, str] = {
     "planned_tokens": "prompt tokens the split chose to load",
     "partial_splits": "requests where the split loads part of what is stored and computes the rest",
     "waited_requests": "requests that waited a step: joining a full one was predicted later",
-    "gathered_requests": "requests answered \"ask again\" to be planned with those arriving beside them",
+    "gathered_requests": 'requests answered "ask again" to be planned with those arriving beside them',
     "loads": "requests whose stored tokens were loaded",
     "loaded_tokens": "tokens loaded into vLLM's pages",
     "loaded_bytes": "bytes read from the store by loads",

@@ -150,6 +150,13 @@ def max_loadable(n_tokens: int, stored_tokens: int, block_size: int) -> int:
     return max(0, min(stored_tokens, n_tokens - 1)) // block_size * block_size
 
 
+def split_candidates(kmax: int, chunk_size: int, block_size: int) -> list[int]:
+    """The splits a planner weighs, up to `kmax` (`max_loadable`): whole chunks and whole blocks, and
+    `kmax` itself."""
+    step = math.lcm(chunk_size, block_size)
+    return sorted({0, kmax, *range(step, kmax, step)})
+
+
 def loaded_tokens_read(k: int, chunk_ends: Sequence[int]) -> int:
     """Tokens whose bytes are read to load [0, k): every chunk that overlaps [0, k), whole."""
     for end in chunk_ends:
@@ -209,8 +216,7 @@ def choose_split(
             raise InvalidInputError(f"{name} must be an int >= 0 or None, got {t!r}")
     stored = chunk_ends[-1] if chunk_ends else 0
     kmax = max_loadable(n_tokens, stored, block_size)
-    step = math.lcm(chunk_size, block_size)
-    candidates = sorted({0, kmax, *range(step, kmax, step)})
+    candidates = split_candidates(kmax, chunk_size, block_size)
 
     def nbytes(k: int) -> float:
         return loaded_tokens_read(k, chunk_ends) * bytes_per_token
@@ -344,10 +350,8 @@ def choose_split_ahead(followers: Sequence[Follower] = (), **split: Any) -> Spli
     alone = choose_split(**split)
     if not followers or alone.predicted_s is None or split.get("mode", "planned") != "planned":
         return alone
-    step = math.lcm(split["chunk_size"], split["block_size"])
-    kmax = alone.loadable_tokens
     best: tuple[tuple[float, float, int], SplitChoice] | None = None
-    for k in sorted({0, kmax, *range(step, kmax, step)}):
+    for k in split_candidates(alone.loadable_tokens, split["chunk_size"], split["block_size"]):
         c = alone if k == alone.k else choose_split(**split, k=k)
         assert c.predicted_s is not None
         key = (pass_end_s(c, followers, **split), c.predicted_s, -k)
@@ -369,4 +373,5 @@ __all__ = [
     "max_loadable",
     "pass_end_s",
     "pipelined_s",
+    "split_candidates",
 ]

@@ -1,7 +1,5 @@
-"""What the vLLM connector decides, without vLLM: its configuration and context (what the scheduler
-side and the worker side share) and the model's fingerprint. The split itself (how many stored tokens
-to load) is the library's (`kvrestore.planning.split`); what the connector learns about costs is
-the one cost book's (`kvrestore.costs.learned`).
+"""The vLLM connector's configuration, its context (what the scheduler and worker sides share) and the
+model's fingerprint, without vLLM. The split is `planning.split`'s; the learned costs `costs.learned`'s.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from typing import Any
 import torch
 
 from kvrestore.codec.header import spec_encoding
-from kvrestore.codec.quant import ENCODINGS, Encoding, key_space
+from kvrestore.codec.quant import ENCODINGS, key_space
 from kvrestore.codec.seal import Seal, seal_of, secret_from_env
 from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
 from kvrestore.core.paths import cache_root
@@ -48,10 +46,9 @@ class ConnectorConfig:
     #: CacheFlow's batch rule: a split counts the loads queued on the link ahead of it, and the link
     #: serves first the load that saves the most compute per byte (False: each split as if alone)
     batch: bool = True
-    #: under the batch rule, on an engine with nothing loading and little computing, a new request is
-    #: answered "ask again" for up to this long, so the requests arriving with it are known when the
-    #: first is planned and the pass is planned together (`planning.split.choose_split_ahead`); 0: not.
-    #: Off by default: on a 2-core CPU it measured no better (docs/benchmarks.md)
+    #: under the batch rule, on an idle engine, a new request is answered "ask again" for up to this long,
+    #: so the requests arriving with it are planned together (`planning.split.choose_split_ahead`); 0:
+    #: not. Off by default: on a 2-core CPU it measured no better (docs/benchmarks.md)
     gather_s: float = 0.0
     store_options: Mapping[str, Any] = field(default_factory=dict)  # passed to open_store
     save: bool = True
@@ -91,38 +88,37 @@ class ConnectorConfig:
         check_int("save_queue_bytes", cfg.save_queue_bytes)
         for name in ("lookup_timeout_s", "load_timeout_s", "retry_after_s"):
             check_seconds(name, getattr(cfg, name))
-        if cfg.compression not in ("none", "zstd"):
-            raise InvalidInputError(f"compression must be 'none' or 'zstd', got {cfg.compression!r}")
-        if cfg.split not in SPLITS:
-            raise InvalidInputError(f"split must be one of {SPLITS}, got {cfg.split!r}")
+        for name in ("throttle_bytes_per_s", "link_bytes_per_s"):
+            if getattr(cfg, name) is not None:
+                check_seconds(name, getattr(cfg, name))  # a positive number
+        choices = {
+            "compression": ("none", "zstd"),
+            "split": SPLITS,
+            "on_load_error": ("recompute", "fail"),
+            "kv_encoding": ENCODINGS,
+            "layout": (None, *LAYOUTS),
+        }
+        for name, allowed in choices.items():
+            if getattr(cfg, name) not in allowed:
+                raise InvalidInputError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
         g = cfg.gather_s
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g <= 10:  # NaN fails too
             raise InvalidInputError(f"gather_s must be a number of seconds from 0 to 10, got {g!r}")
         if not isinstance(cfg.batch, bool):
             raise InvalidInputError(f"batch must be true or false, got {cfg.batch!r}")
-        if cfg.on_load_error not in ("recompute", "fail"):
-            raise InvalidInputError(f"on_load_error must be 'recompute' or 'fail', got {cfg.on_load_error!r}")
-        if cfg.kv_encoding not in ENCODINGS:
-            raise InvalidInputError(f"kv_encoding must be one of {ENCODINGS}, got {cfg.kv_encoding!r}")
-        if cfg.layout is not None and cfg.layout not in LAYOUTS:
-            raise InvalidInputError(f"layout must be one of {LAYOUTS}, got {cfg.layout!r}")
         if not isinstance(cfg.store_options, Mapping):
             raise InvalidInputError(f"store_options must be a dict, got {type(cfg.store_options).__name__}")
         if cfg.secret is not None and not isinstance(cfg.secret, str):
             raise InvalidInputError(f"secret must be a string, got {type(cfg.secret).__name__}")
         seal_of(cfg.secret if cfg.secret is not None else secret_from_env())  # a weak secret: refused now
-        for name in ("throttle_bytes_per_s", "link_bytes_per_s"):
-            if getattr(cfg, name) is not None:
-                check_seconds(name, getattr(cfg, name))  # a positive number
         return cfg
 
 
 @dataclass(frozen=True)
 class ConnectorContext:
-    """What the connector's scheduler side and worker side share: the checked config, the model, vLLM's
-    block size, the costs learned so far, and how many tokens one engine step computes at most where
-    vLLM chunks long prompts across steps (None where it does not). Each side opens its own store
-    (`open_store`)."""
+    """What the scheduler and worker sides share: the checked config, the model, vLLM's block size, the
+    learned costs, and the most tokens one engine step computes where vLLM chunks long prompts across
+    steps (None where it does not). Each side opens its own store (`open_store`)."""
 
     config: ConnectorConfig
     spec: ModelSpec
@@ -137,15 +133,9 @@ class ConnectorContext:
         return cls(config, spec, block_size, CostLearner.shared(spec, config.cost_dir), step_tokens)
 
     @property
-    def encoding(self) -> Encoding:
-        """The encoding chunks are saved in and the only one loaded (a Restorer's reader policy)."""
-        return spec_encoding(self.spec, self.config.kv_encoding)
-
-    @property
     def key_space(self) -> str:
-        """What chunk keys are hashed under before a request's own namespace (`vllm_keys`): the
-        fingerprint, and the encoding where it is not native, exactly as a `Restorer` with the same
-        `kv_encoding` keys them (`quant.key_space`)."""
+        """What chunk keys are hashed under before a request's namespace (`vllm_keys`): as a `Restorer`
+        with the same `kv_encoding` keys them (`quant.key_space`)."""
         return key_space(self.spec.fingerprint, self.config.kv_encoding)
 
     @functools.cached_property
@@ -157,8 +147,10 @@ class ConnectorContext:
 
     @property
     def stored_bytes_per_token(self) -> float:
-        """Bytes a load reads per token of a whole chunk, as stored (scales and padding included)."""
-        return self.encoding.bytes_per_token(self.config.chunk_size, self.spec.num_layers)
+        """Bytes a load reads per token of a whole chunk, as stored (scales and padding included), in the
+        encoding chunks are saved in and the only one loaded."""
+        encoding = spec_encoding(self.spec, self.config.kv_encoding)
+        return encoding.bytes_per_token(self.config.chunk_size, self.spec.num_layers)
 
     @property
     def link_key(self) -> str:
@@ -168,11 +160,10 @@ class ConnectorContext:
         return c.store_url + (f"@{t:.0f}B/s+{c.throttle_latency_s}s" if t else "")
 
     def open_store(self) -> ChunkStore:
-        """The store (read through a `ThrottledStore` if `throttle_bytes_per_s` is set), opened read-only
-        with ``"save": false`` (it is then never written, not even probed). A ``memory://`` store is one
-        per process and options: the scheduler side finds what the worker side saved in the same process
-        (`check_shared_memory`); its options are `MemoryStore`'s (``pinned=True``: page-locked, for
-        uploads to a GPU)."""
+        """The store (through a `ThrottledStore` if `throttle_bytes_per_s` is set); read-only, never even
+        probed, with ``"save": false``. A ``memory://`` store is one per process and options, which are
+        `MemoryStore`'s (``pinned=True``: page-locked, for uploads to a GPU): the scheduler side finds
+        what the worker side saved in the same process (`check_shared_memory`)."""
         c = self.config
         store: ChunkStore
         if c.store_url == "memory://":
@@ -208,10 +199,9 @@ def _memory_store(options: Mapping[str, Any]) -> MemoryStore:
 
 
 def check_shared_memory(config: ConnectorConfig, executor_backend: str | None, world_size: int = 1) -> None:
-    """Refuse a ``memory://`` store where vLLM's scheduler and its worker run in two processes (each
-    would have a store of its own: the scheduler would never find what the worker saved). They share one
-    process where vLLM runs its model in the engine's own process (``distributed_executor_backend`` "uni",
-    one worker): on a GPU by default, on a CPU with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``."""
+    """Refuse a ``memory://`` store where vLLM's scheduler and worker run in two processes (the scheduler
+    would never find what the worker saved). They share one with ``distributed_executor_backend`` "uni"
+    and one worker: on a GPU by default, on a CPU with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``."""
     if config.store_url != "memory://":
         return
     if executor_backend not in ("uni", None) or world_size > 1:
@@ -225,10 +215,9 @@ def check_shared_memory(config: ConnectorConfig, executor_backend: str | None, w
 
 
 def preflight(config: ConnectorConfig) -> None:
-    """What can be checked of the store before vLLM has loaded and warmed the model: a local directory
-    is opened as the connector will open it (created and probed for writing, or read-only with
-    ``"save": false``), so a directory that cannot be used stops the server at once. Other stores are
-    opened when the connector starts (an S3 bucket is first asked at the first lookup)."""
+    """Open a local directory store as the connector will (created and probed for writing, or read-only
+    with ``"save": false``), so one that cannot be used stops the server before vLLM loads the model.
+    Other stores are opened when the connector starts (an S3 bucket is first asked at the first lookup)."""
     url = config.store_url
     if "://" not in url or url.startswith("file://"):
         open_store(url, **{"read_only": not config.save, **dict(config.store_options)})

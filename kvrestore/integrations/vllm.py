@@ -11,33 +11,29 @@ Use it with::
 
 What it does:
 
-* Saving. Once a prompt's chunk has been computed, its KV is copied out of vLLM's pages and written in
-  the background, in kvrestore's wire format under the key a `Restorer` computes for the same tokens and
-  model (`chunk_keys`, with the fingerprint of the same checkpoint and dtype): vLLM and a `Restorer`
-  share one store, both ways. At most `save_queue_bytes` of KV wait to be written; past that a chunk is
-  dropped and counted, so saving never stalls a step.
+* Saving. Each computed chunk of a prompt is copied out of vLLM's pages and written in the background,
+  in kvrestore's wire format, under the key a `Restorer` computes for the same tokens and model
+  (`chunk_keys`, with the fingerprint of the same checkpoint and dtype): vLLM and a `Restorer` share one
+  store, both ways. Past `save_queue_bytes` waiting, a chunk is dropped and counted: saving never stalls
+  a step.
 * Loading. The scheduler side looks the prompt up (a bounded wait: a store that is down means zero
   tokens, with a warning) and picks the split k (`planning.split.choose_split`: load [0, k), compute
-  [k, n), both finishing together, from the link and compute costs the connector has measured, counting
-  the loads already queued on the link: CacheFlow's batch rule), logged at INFO with its prediction. The
-  worker side loads [0, k) layer by layer in the background (`vllm_load`) while vLLM computes;
-  `wait_for_layer_load` waits only for the layer about to run.
-* Faults. A chunk missing, corrupt or of another model when loaded: its blocks go to
+  [k, n), both finishing together, from the measured link and compute costs and the loads already
+  queued on the link: CacheFlow's batch rule), logged at INFO with its prediction. The worker side
+  loads [0, k) layer by layer in the background while vLLM computes; `wait_for_layer_load` waits only
+  for the layer about to run.
+* Faults. A chunk missing, corrupt or of another model: its blocks go to
   `get_block_ids_with_load_errors` and vLLM recomputes them (the connector sets vLLM's
   `kv_load_failure_policy` to "recompute" unless `on_load_error` is "fail").
+* Visibility. Hits, bytes, load errors, saves and splits are counted in vLLM's KV connector stats
+  (`KVRestoreStats`: logged with vLLM's metrics, exported to Prometheus as ``vllm:kvrestore_*``) and
+  logged on the ``kvrestore.vllm`` logger, each event with a structured record (`vllm_stats.records`).
 
-* Visibility. Hits, bytes, load errors, saves and split decisions are counted in vLLM's KV connector
-  stats (`KVRestoreStats`: logged with vLLM's own metrics, and exported to Prometheus as
-  ``vllm:kvrestore_*`` counters when vLLM logs stats) and logged on the ``kvrestore.vllm`` logger, each
-  event with a structured record (`vllm_stats.records`).
-
-The connector is split by role, as vLLM's own OffloadingConnector is: vLLM makes one per process and
-role, and `KVRestoreConnector` holds a `SchedulerSide` (`vllm_scheduler`: lookups, the split, what each
-step loads and saves; no I/O thread, no saver) or a `WorkerSide` (`vllm_worker`: the loads, the page
-writes, the saver), never both; `vllm_meta` is what they tell each other. The vLLM-free parts are in
-`vllm_layout` (paged layouts), `vllm_plan` (config, fingerprint), `vllm_io` (background I/O),
-`vllm_load` (the loads) and `vllm_stats` (counters and records); the split and the learned costs are the
-library's (`planning.split`, `costs.learned`). This module is the glue to vLLM's interface.
+As vLLM's OffloadingConnector, it is split by role: vLLM makes one per process and role, holding a
+`SchedulerSide` (`vllm_scheduler`: lookups, the split, what each step loads and saves) or a `WorkerSide`
+(`vllm_worker`: the loads, the page writes, the saver); `vllm_meta` is what they tell each other. The
+vLLM-free parts: `vllm_layout` (paged layouts), `vllm_plan` (config, fingerprint), `vllm_io` (background
+I/O), `vllm_load` (the loads), `vllm_stats` (counters and records). This module is the glue to vLLM.
 """
 
 from __future__ import annotations
@@ -83,21 +79,31 @@ _FLUSH_AT_EXIT_S = 60.0
 
 
 def flush_saves(timeout: float | None = 60.0) -> bool:
-    """Wait until every chunk the connectors of this process queued is written (saves run in the
-    background); False if some were still being written after `timeout` seconds. For a script that
-    reads the store right after vLLM served a prompt (a `Restorer`, a test), or before it exits. Where
-    vLLM runs its engine core in another process (on a GPU, by default), that process's connectors
-    flush as it shuts down."""
+    """Wait until every chunk this process's connectors queued is written; False if some were still
+    being written after `timeout` seconds. For a script that reads the store right after vLLM served a
+    prompt, or before it exits. An engine core in another process (on a GPU, by default) flushes its
+    connectors as it shuts down."""
     return all(w.saver.flush(timeout) for w in list(_WORKERS))
 
 
 def step_tokens(scheduler_config: Any) -> int | None:
-    """The most tokens vLLM's scheduler computes in one step where it chunks long prompts across steps
-    (its token budget), None where it does not (a prompt then waits for a step with room)."""
+    """vLLM's token budget for one step where it chunks long prompts across steps; None where it does not
+    (a prompt then waits for a step with room)."""
     if not getattr(scheduler_config, "enable_chunked_prefill", False):
         return None
     budget = getattr(scheduler_config, "max_num_scheduled_tokens", None)
     return int(budget or scheduler_config.max_num_batched_tokens)
+
+
+def _checked_config(vllm_config: VllmConfig) -> ConnectorConfig:
+    """The connector's checked config (`check_shared_memory` included); the ``kvrestore`` logger's lines
+    go to vLLM's log (`log_through`)."""
+    log_through(logging.getLogger("vllm"))
+    tc = vllm_config.kv_transfer_config
+    config = ConnectorConfig.from_extra(tc.kv_connector_extra_config if tc is not None else None)
+    pc = vllm_config.parallel_config
+    check_shared_memory(config, pc.distributed_executor_backend, pc.world_size)
+    return config
 
 
 class KVRestoreStats(KVConnectorStats):
@@ -139,20 +145,14 @@ class KVRestorePromMetrics(KVConnectorPromMetrics):
 
 
 class KVRestoreConnector(KVConnectorBase_V1):
-    """A vLLM KV connector that saves and loads prompts' KV through a kvrestore store (module docs).
-
-    It holds the side of its role (`scheduler` or `worker`, the other is None) and forwards vLLM's calls
-    to it; a call of the other role is a bug of the caller's."""
+    """A vLLM KV connector that saves and loads prompts' KV through a kvrestore store (module docs). It
+    forwards vLLM's calls to the side of its role (`scheduler` or `worker`, the other is None)."""
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        log_through(logging.getLogger("vllm"))
-        tc = self._kv_transfer_config
-        config = ConnectorConfig.from_extra(tc.kv_connector_extra_config)
-        pc = vllm_config.parallel_config
-        check_shared_memory(config, pc.distributed_executor_backend, pc.world_size)
+        config = _checked_config(vllm_config)
         mc = vllm_config.model_config
         cache_dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto")
         if cache_dtype in ("fp8", "fp8_e4m3"):  # its pages are stored as fp8 chunks, as they are
@@ -175,7 +175,8 @@ class KVRestoreConnector(KVConnectorBase_V1):
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(self.ctx)
-            tc.kv_load_failure_policy = config.on_load_error  # read by the scheduler after this
+            # read by vLLM's scheduler after this
+            self._kv_transfer_config.kv_load_failure_policy = config.on_load_error
         else:
             self.worker = WorkerSide(self.ctx)
             if not _WORKERS:  # a script that exits right after generating still writes what it queued
@@ -197,11 +198,10 @@ class KVRestoreConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Yes where it loads: its loads are waited for layer by layer (`wait_for_layer_load`), which the
-        replay of a full CUDA graph skips; piecewise graphs run the waits between the pieces.
-
-        vLLM asks this while it checks its configuration, before any process starts (only where it
-        would capture full CUDA graphs): the configuration and a local store are checked here too."""
+        """Yes where it loads: the replay of a full CUDA graph skips the per-layer waits
+        (`wait_for_layer_load`); piecewise graphs run them between the pieces. vLLM asks this (where it
+        would capture full CUDA graphs) before any process starts: the config and a local store are
+        checked here too."""
         config = ConnectorConfig.from_extra(extra_config)
         preflight(config)
         return config.load
@@ -210,16 +210,11 @@ class KVRestoreConnector(KVConnectorBase_V1):
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """None: the connector takes vLLM's layout as it is (`vllm_layout`).
 
-        vLLM's engine asks this once the model's weights are loaded, before it profiles memory,
-        compiles and warms the model up (most of a start-up on a CPU), and before it makes any
-        connector: a configuration error (an unknown key, a directory that cannot be used, a
-        ``memory://`` store two processes cannot share) stops the server here."""
-        tc = vllm_config.kv_transfer_config
-        log_through(logging.getLogger("vllm"))
-        config = ConnectorConfig.from_extra(tc.kv_connector_extra_config if tc is not None else None)
-        pc = vllm_config.parallel_config
-        check_shared_memory(config, pc.distributed_executor_backend, pc.world_size)
-        preflight(config)
+        vLLM asks this once the weights are loaded, before it profiles memory, compiles and warms the
+        model up (most of a start-up on a CPU) and makes any connector: a configuration error (an
+        unknown key, an unusable directory, a ``memory://`` store two processes cannot share) stops the
+        server here."""
+        preflight(_checked_config(vllm_config))
         return None
 
     def _scheduler(self) -> SchedulerSide:

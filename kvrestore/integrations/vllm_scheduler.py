@@ -1,27 +1,23 @@
 """The scheduler side of the vLLM connector (`kvrestore.integrations.vllm.KVRestoreConnector`).
 
 It looks each new prompt up in the store, picks the split (how many stored tokens to load), and tells
-the worker side, step by step, which chunks to load and which to save (`vllm_worker`'s metadata). It
-moves no KV: the scheduler process starts no I/O thread and no saver. A lookup runs on an event loop of
-its own, in the scheduler's thread, through the library's `DeadlineStore`: at most `lookup_timeout_s`
-(vLLM's scheduler waits for it in any case: it needs the answer to schedule the request), and, once the
-store has failed one, none for `retry_after_s` (every prompt is then a miss).
+the worker side, step by step, which chunks to load and save (`vllm_meta`). It moves no KV: no I/O
+thread, no saver. A lookup runs on an event loop of its own, in the scheduler's thread (vLLM waits for
+the answer in any case), through `DeadlineStore`: at most `lookup_timeout_s`, and none for
+`retry_after_s` once the store has failed one (every prompt is then a miss).
 
-Many requests at once (``"batch": true``, the default): each split counts what both lanes hold before
-it (`LinkQueue`: the bytes of the loads planned in this scheduling pass and of those sent and not yet
-reported finished by the worker, and the compute of the step: what the requests already running carry
-into it and what this pass planned; the pass's requests share the engine's steps, `planning.split`'s
-docstring) and the room the step has left (vLLM's token budget, `ConnectorContext.step_tokens`, less
-the tokens ahead), and each step's loads are sent in the link's order, the load that saves the most
-compute per byte first (`policies.batch.link_order`). A request that would join a full step (its
-suffix spilling past the step, after every load of it) may wait one step instead, where that is
-predicted clearly sooner (`planning.split`'s "waiting for the next step"): its lookup answers None, and
-vLLM asks again at its next scheduling pass. A request waits once at most.
+Many requests at once (``"batch": true``, the default): each split counts what the link and the step
+hold before it (`LinkQueue`) and the room left in vLLM's token budget (`ConnectorContext.step_tokens`);
+each step's loads go in the link's order, the one that saves the most compute per byte first
+(`policies.batch.link_order`). A request whose suffix would spill past a full step may wait one step
+instead, where that is predicted clearly sooner (`planning.split`): its lookup answers None and vLLM
+asks again at its next pass. A request waits once at most.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Iterable
@@ -55,8 +51,6 @@ T = TypeVar("T")
 
 @dataclass
 class _Request:
-    """Scheduler-side state of one request."""
-
     refs: list[ChunkRef]
     stored: list[bool]
     n_tokens: int
@@ -73,12 +67,8 @@ class _Request:
 
     def ends(self) -> list[int]:
         """Where its leading stored chunks end."""
-        out = []
-        for ref, ok in zip(self.refs, self.stored, strict=True):
-            if not ok:
-                break
-            out.append(ref.end)
-        return out
+        leading = itertools.takewhile(lambda pair: pair[1], zip(self.refs, self.stored, strict=True))
+        return [ref.end for ref, _ in leading]
 
     @property
     def unplanned(self) -> bool:
@@ -87,12 +77,10 @@ class _Request:
 
 
 class LinkQueue:
-    """What the engine's next step holds, as the scheduler side knows it: the connector's loads that
-    have not finished (those planned in this scheduling pass, not sent yet: the link will serve them in
-    its order; and those sent, until the worker reports them finished (`KVRestoreWorkerMetadata.loaded`,
-    at the end of the step that ran them), or at most `timeout_s` after they were sent: a report that
-    never came does not hold the link forever), and the compute of the step: what the requests already
-    running carry into it (vLLM schedules them first) and what this pass planned."""
+    """What the engine's next step holds, as the scheduler side knows it: the loads not finished (planned
+    in this pass, or sent until the worker reports them finished, `KVRestoreWorkerMetadata.loaded`, or
+    at most `timeout_s`: a lost report does not hold the link forever), and the step's compute: what
+    the running requests carry into it (vLLM schedules them first) and what this pass planned."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -101,8 +89,7 @@ class LinkQueue:
         self._running: tuple[float, int] = (0.0, 0)  # compute seconds, tokens
 
     def plan(self, req_id: str, load: QueuedLoad | None, choice: SplitChoice) -> None:
-        """`req_id`'s split in this pass: its load (None: nothing to load) and the split, whose compute
-        in the step and spill into the steps after it the step holds."""
+        """`req_id`'s split in this pass and its load (None: nothing to load)."""
         self._planned[req_id] = (load, choice)
 
     def planned(self, req_id: str) -> QueuedLoad | None:
@@ -110,9 +97,8 @@ class LinkQueue:
         return entry[0] if entry else None
 
     def ahead(self, req_id: str) -> tuple[float, float, int]:
-        """What the step holds before `req_id`'s split: the bytes of every other request's load not
-        finished (planned in this pass, or sent and not reported finished), and the compute seconds
-        and tokens of the running requests and of the others planned in this pass."""
+        """What the step holds before `req_id`'s split: the bytes of every other load not finished, and
+        the compute seconds and tokens of the running requests and the others planned in this pass."""
         now = time.monotonic()
         self._sent = {r: v for r, v in self._sent.items() if v[1] > now}
         loads = [q for r, (q, _) in self._sent.items() if r != req_id]
@@ -126,14 +112,13 @@ class LinkQueue:
         )
 
     def later(self, req_id: str) -> tuple[float, int]:
-        """What the other requests planned in this pass spill into the next step: compute seconds and
-        tokens (it starts with them)."""
+        """The compute seconds and tokens the others planned in this pass spill into the next step."""
         others = [c for r, (_, c) in self._planned.items() if r != req_id]
         return sum(c.later_s for c in others), sum(c.later_tokens for c in others)
 
     def send(self, req_ids: Iterable[str], running: tuple[float, int] = (0.0, 0)) -> None:
-        """The pass is over: `req_ids`' loads were sent; plans not sent are dropped (asked again).
-        `running`: the compute seconds and tokens the scheduled requests carry into the next step."""
+        """The pass is over: `req_ids`' loads were sent, other plans dropped (asked again). `running`: the
+        compute seconds and tokens the scheduled requests carry into the next step."""
         until = time.monotonic() + self.timeout_s
         for r in req_ids:
             q = self.planned(r)
@@ -257,11 +242,9 @@ class SchedulerSide:
 
     def _gathers(self, st: _Request, bytes_ahead: float, compute_ahead_s: float) -> bool:
         """Whether to answer `st` "ask again" to gather the requests arriving with it (`gather_s`): a new
-        request, under the batch rule, on an engine that loads nothing and computes less than
-        `gather_s` before it (so asking again costs little), until `gather_s` after the first
-        request of the gathering, so every request of it is planned in the same pass. vLLM asks the
-        rest of its queue in the same pass, and each is known when the first is planned
-        (`choose_split_ahead`)."""
+        request, under the batch rule, on an engine that loads nothing and computes less than `gather_s`
+        ahead (asking again costs little), until `gather_s` after the gathering's first request. vLLM
+        asks the rest of its queue in the same pass, so each is known when the first is planned."""
         g = self.config.gather_s
         if not (self.config.batch and g > 0 and self.config.split == "planned"):
             return False
@@ -316,28 +299,24 @@ class SchedulerSide:
         meta = KVRestoreConnectorMetadata()
         sched = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            st = self._reqs.get(new.req_id)
-            if st is None:  # not keyed: its tokens still share the step (the worker times steps)
-                meta.steps.append((new.req_id, sched.get(new.req_id, 0), new.num_computed_tokens))
-                continue
-            st.block_ids = list(new.block_ids[0])
-            self._step(meta, new.req_id, st, new.num_computed_tokens, sched.get(new.req_id, 0))
+            n_new = sched.get(new.req_id, 0)
+            self._step(meta, new.req_id, new.num_computed_tokens, n_new, new.block_ids[0], replace=True)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            st = self._reqs.get(req_id)
-            if st is None:
-                meta.steps.append((req_id, sched.get(req_id, 0), cached.num_computed_tokens[i]))
-                continue
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids and new_blocks is not None:
-                st.block_ids = list(new_blocks[0])
-            elif new_blocks is not None:
-                st.block_ids.extend(new_blocks[0])
-            self._step(meta, req_id, st, cached.num_computed_tokens[i], sched.get(req_id, 0))
+            blocks = cached.new_block_ids[i]
+            self._step(
+                meta,
+                req_id,
+                cached.num_computed_tokens[i],
+                sched.get(req_id, 0),
+                None if blocks is None else blocks[0],
+                replace=req_id in cached.resumed_req_ids,
+            )
         for req_id in scheduler_output.finished_req_ids:
             self._forget(req_id)
         if self.config.batch:  # the link serves the load that saves the most compute per byte first
-            rank = {q.key: i for i, q in enumerate(link_order(self._planned_loads(meta)))}
+            planned = [q for spec in meta.loads if (q := self.queue.planned(spec.req_id)) is not None]
+            rank = {q.key: i for i, q in enumerate(link_order(planned))}
             meta.loads.sort(key=lambda spec: rank.get(spec.req_id, len(rank)))
         running = self._running(meta) if self.config.batch else (0.0, 0)  # alone: nothing ahead
         self.queue.send((spec.req_id for spec in meta.loads), running)
@@ -363,19 +342,29 @@ class SchedulerSide:
             tokens += n
         return seconds, tokens
 
-    def _planned_loads(self, meta: KVRestoreConnectorMetadata) -> list[QueuedLoad]:
-        loads = (self.queue.planned(spec.req_id) for spec in meta.loads)
-        return [q for q in loads if q is not None]
-
     def _forget(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
         self._unkeyed.discard(req_id)
         self.queue.finished([req_id])
 
     def _step(
-        self, meta: KVRestoreConnectorMetadata, req_id: str, st: _Request, computed: int, n_new: int
+        self,
+        meta: KVRestoreConnectorMetadata,
+        req_id: str,
+        computed: int,
+        n_new: int,
+        blocks: list[int] | None,
+        replace: bool,
     ) -> None:
+        """`req_id` in the step: its new `blocks` (replacing its blocks, or added to them), its load and
+        the chunks it completes to save. A request not keyed still shares the step (the worker times
+        steps)."""
         meta.steps.append((req_id, n_new, computed))
+        st = self._reqs.get(req_id)
+        if st is None:
+            return
+        if blocks is not None:
+            st.block_ids = list(blocks) if replace else st.block_ids + list(blocks)
         if st.need_load:
             st.need_load = False
             covering = [r for r in st.refs if r.start < st.load_k]

@@ -1,9 +1,7 @@
-"""The worker side of the vLLM connector (`kvrestore.integrations.vllm.KVRestoreConnector`).
-
-The worker registers vLLM's paged KV caches (and works out their layout), starts each step's loads layer by
-layer (`vllm_device.DeviceLayerLoad` into CUDA pages and `vllm_load.LayerLoad` otherwise, in the background;
-`vllm_pages.HostPageLoad` on the step thread, straight into host pages), waits only for the layer about to run, copies computed chunks out of the pages for the
-saver, and reports blocks that did not load so vLLM recomputes them.
+"""The worker side of the vLLM connector (`kvrestore.integrations.vllm.KVRestoreConnector`): it takes
+vLLM's paged KV caches, loads each step's stored tokens layer by layer, waits only for the layer about to
+run, copies computed chunks out of the pages for the saver, and reports the blocks that did not load so
+vLLM recomputes them.
 """
 
 from __future__ import annotations
@@ -57,14 +55,12 @@ class WorkerSide:
     """The connector's worker-role calls, over `ctx`: its own store, I/O thread and saver.
 
     Loaded layers reach vLLM's pages three ways. On CUDA the I/O thread sends a few layers of every
-    chunk up at a time, checks them on the GPU and writes them into the pages on a stream of the
-    connector's own (`DeviceLayerLoad`; an fp8 cache's through the host, `LayerLoad`), and vLLM's
-    stream waits on the device for each layer. On the CPU,
-    from a store that reads without the event loop (a local directory, memory) and chunks saved
-    uncompressed and native, the step's own thread reads each layer when vLLM asks for it
-    (`wait_for_layer_load`) straight into the pages (`HostPageLoad`): one copy, and no thread of ours
-    beside vLLM's compute threads. From any other store the I/O thread reads in the background and the
-    step's thread writes each layer when vLLM asks for it, straight from the bytes read.
+    chunk up at a time, checks them on the GPU and writes them into the pages on a stream of its own
+    (`DeviceLayerLoad`; an fp8 cache's through the host, `LayerLoad`); vLLM's stream waits on the device
+    for each layer. On the CPU, from a store that reads without the event loop and chunks saved
+    uncompressed and native, the step's thread reads each layer as vLLM asks for it straight into the
+    pages (`HostPageLoad`): one copy, no thread of ours beside vLLM's compute threads. Otherwise the I/O
+    thread reads in the background and the step's thread writes each layer as vLLM asks for it.
     """
 
     def __init__(
@@ -104,7 +100,6 @@ class WorkerSide:
         self._failed_chunks: dict[str, set[int]] = {}
         self._loaded: set[str] = set()  # requests whose loads ended since the last report
         self._errors_lock = threading.Lock()
-        self._bound_at: float | None = None
         self._waited_s = 0.0  # this step's time in wait_for_layer_load: the step minus it is compute
         self._load_stream: torch.cuda.Stream | None = None  # set with the caches, on CUDA
         self._lane: TransferLane | None = None  # `DeviceLayerLoad`'s staging pool and stream, on CUDA
@@ -124,9 +119,9 @@ class WorkerSide:
         scales: Mapping[str, tuple[float, float]] | None = None,
     ) -> None:
         """Take vLLM's paged caches (layer name -> tensor) and work out their layout. An fp8 cache (one
-        byte an element under a wider model dtype) needs each layer's K and V scale (`scales`, vLLM's
-        ``_k_scale_float`` and ``_v_scale_float``; 1.0 where not given) and `kv_encoding="fp8"`: its
-        pages are then saved as the fp8 chunks' values, as they are (`fp8_sections`)."""
+        byte an element under a wider model dtype) needs `kv_encoding="fp8"` and each layer's K and V
+        scale (`scales`, vLLM's ``_k_scale_float`` and ``_v_scale_float``; 1.0 where not given): its pages
+        are saved as the fp8 chunks' values, as they are (`fp8_sections`)."""
         names = list(kv_caches)
 
         def index(name: str) -> int:
@@ -195,7 +190,6 @@ class WorkerSide:
         """The step's metadata (vLLM binds it before the forward pass)."""
         assert isinstance(meta, KVRestoreConnectorMetadata)
         self._meta = meta
-        self._bound_at = time.perf_counter()
         self._waited_s = 0.0
         self._step_start = self._mark()
 
@@ -214,55 +208,33 @@ class WorkerSide:
         """Start the step's loads in the background. vLLM's forward context is not needed (its Model
         Runner V2 passes None)."""
         meta = self._meta
-        if meta is None:
+        if meta is None or not meta.loads:
             return
-        if meta.loads and self._load_stream is not None:  # the pages are written after what vLLM queued
+        if self._load_stream is not None:  # the pages are written after what vLLM queued
             self._load_stream.wait_stream(torch.cuda.current_stream(self._caches[0].device))
         direct = self._fp8_scales is None and applies(
             self.store, self._layout, self.config.kv_encoding, self.config.compression
         )
+        if direct and self._host_layers is None:
+            H, D = self.spec.num_kv_heads, self.spec.head_dim
+            self._host_layers = [HostLayer(c, H, D) for c in self._caches]
+        encoding, seal = self.config.kv_encoding, self.ctx.seal
         for spec in meta.loads:
+            what = (self.spec, self.store, spec.chunks, spec.k)
             load: LayerLoad | DeviceLayerLoad | HostPageLoad
             if direct:  # read on this thread as vLLM asks for each layer, straight into the pages
-                if self._host_layers is None:
-                    H, D = self.spec.num_kv_heads, self.spec.head_dim
-                    self._host_layers = [HostLayer(c, H, D) for c in self._caches]
-                load = HostPageLoad(
-                    self.spec,
-                    self.store,
-                    spec.chunks,
-                    spec.k,
-                    self._host_layers,
-                    spec.block_ids,
-                    seal=self.ctx.seal,
-                )
+                load = HostPageLoad(*what, self._host_layers or [], spec.block_ids, seal=seal)
             elif self._lane is not None and self._fp8_scales is None:  # CUDA pages: checked on the GPU
-                load = DeviceLayerLoad(
-                    self.spec,
-                    self.store,
-                    spec.chunks,
-                    spec.k,
-                    self._device_placer(spec.block_ids),
-                    self._lane,
-                    self._caches[0].device,
-                    encoding=self.config.kv_encoding,
-                    seal=self.ctx.seal,
-                )
+                place = self._device_placer(spec.block_ids)
+                device = self._caches[0].device
+                load = DeviceLayerLoad(*what, place, self._lane, device, encoding=encoding, seal=seal)
             else:
-                load = LayerLoad(
-                    self.spec,
-                    self.store,
-                    spec.chunks,
-                    spec.k,
-                    self._placer(spec.block_ids),
-                    encoding=self.config.kv_encoding,
-                    seal=self.ctx.seal,
-                )
+                load = LayerLoad(*what, self._placer(spec.block_ids), encoding=encoding, seal=seal)
             load.start(self.io, self.config.load_timeout_s)
             self._loads.append((spec, load))
 
     def _placer(self, block_ids: list[int]) -> Callable[[int, Pieces], None]:
-        if self._load_stream is None:  # CPU: the step's thread writes the pages (`_write_pending`)
+        if self._load_stream is None:  # CPU: the step's thread writes the pages (`wait_for_layer_load`)
 
             def keep(layer: int, pieces: Pieces) -> None:
                 with self._pending_lock:
@@ -299,9 +271,8 @@ class WorkerSide:
             self._layer_placed[layer] = placed
 
     def _write(self, layer: int, block_ids: list[int], pieces: Pieces) -> None:
-        """Write one layer's pieces into its pages: on the CPU each straight from the bytes read (a CUDA
-        cache loads through `DeviceLayerLoad`, but an fp8 one, whose pieces are quantized with the
-        layer's scales on the device). Encoded pieces are decoded where the pages are."""
+        """Write one layer's pieces into its pages, each straight from the bytes read, decoded where the
+        pages are if encoded (on CUDA only an fp8 cache's: quantized with the layer's scales there)."""
         H, D = self.spec.num_kv_heads, self.spec.head_dim
         cache = self._caches[layer]
         for p in pieces:
@@ -328,29 +299,25 @@ class WorkerSide:
                     timeout_s=self.config.load_timeout_s,
                     tokens=spec.k,
                 )
-        self._write_pending(layer)
+        # what the loads kept for the layer (CPU); a load cancelled since (late) failed every chunk, so
+        # vLLM recomputes those blocks whatever is written
+        with self._pending_lock:
+            todo = self._pending.pop(layer, [])
+        for block_ids, pieces in todo:
+            self._write(layer, block_ids, pieces)
         placed = self._layer_placed.get(layer)
         if placed is not None:  # vLLM's stream runs the layer once its pages are written
             torch.cuda.current_stream(self._caches[layer].device).wait_event(placed)
         self._waited_s += time.perf_counter() - t
 
-    def _write_pending(self, layer: int) -> None:
-        """Write what the loads kept for `layer` (the CPU path). A load cancelled since it kept them
-        (late) failed every chunk, so vLLM recomputes those blocks whatever is written."""
-        with self._pending_lock:
-            todo = self._pending.pop(layer, [])
-        for block_ids, pieces in todo:
-            self._write(layer, block_ids, pieces)
-
     def wait_for_save(self) -> None:
         meta = self._meta
         if meta is None:
             return
-        elapsed = time.perf_counter() - self._bound_at if self._bound_at is not None else None
         loads = list(self._loads)
         failed = self._finish_loads()
         computed = [(n_new, past) for _, n_new, past in meta.steps if n_new > 0]
-        if elapsed is not None and len(computed) == 1 and not failed:
+        if len(computed) == 1 and not failed:
             # one request computed: a sample of what computing costs, alone or beside a load
             load_s = loads[0][1].seconds if len(loads) == 1 else None
             if not loads or load_s is not None:
@@ -358,7 +325,7 @@ class WorkerSide:
                 # step is a sample of computing (less its waits, the reads), not of computing beside one
                 beside = load_s if loads and not isinstance(loads[0][1], HostPageLoad) else None
                 self._timed_steps.append((computed, self._step_start, self._mark(), self._waited_s, beside))
-        elif elapsed is not None and len(computed) > 1 and not loads:
+        elif len(computed) > 1 and not loads:
             # several requests in one forward pass, nothing loaded beside it: a sample of the pass
             self._timed_steps.append((computed, self._step_start, self._mark(), self._waited_s, None))
         self._add_timed_steps()
@@ -513,4 +480,3 @@ class WorkerSide:
         self.io.close()
         if self._lane is not None:
             self._lane.pool.close()
-        self.costs.flush()

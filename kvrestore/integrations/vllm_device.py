@@ -1,15 +1,14 @@
-"""Loading stored chunks into vLLM's pages on a GPU, checked on the GPU, without a host copy where the
-store holds the bytes in page-locked memory.
+"""Loading stored chunks into vLLM's CUDA pages, checked on the GPU, without a host copy where the store
+holds the bytes in page-locked memory.
 
-`DeviceLayerLoad` is the vLLM connector's load into CUDA pages (any store, any encoding but an fp8
-cache's). It reads a few layers of every chunk at a time through `LayerReader`'s device path
-(`chunkio.uploads`): a pinned `MemoryStore`'s objects go up as they lie, any other bytes through one
-shared pinned staging buffer, one copy per read; one `segment_checksums` call checks every section
-there, against the checksums the chunk's header carries, and the sums come back to the I/O thread
-before anything is placed. The good chunks land in a device buffer of the read's layers (runs of chunks
-of one length in one copy), and each layer goes into the request's pages with one indexed copy for K
-and one for V (`scatter_tokens`), on the connector's load stream; vLLM's stream waits on the device for
-the layer (an event per layer), so the host never waits for a layer it does not compute yet.
+`DeviceLayerLoad` (any store, any encoding but an fp8 cache's) reads a few layers of every chunk at a
+time through `LayerReader`'s device path (`chunkio.uploads`): a pinned `MemoryStore`'s objects go up as
+they lie, other bytes through one shared pinned staging buffer, one copy per read. One
+`segment_checksums` call checks every section there against the chunk header's checksums, and the sums
+come back to the I/O thread before anything is placed. The good chunks land in a device buffer of the
+read's layers (runs of chunks of one length in one copy), and each layer goes into the request's pages
+with one indexed copy for K and one for V (`scatter_tokens`) on the connector's load stream; vLLM's
+stream waits on the device for the layer (an event per layer), so the host never waits for a layer.
 
 The host does a few calls per read whatever the number of chunks: no per-layer pinned allocation, no
 host checksum, no copy out of a pinned store. A chunk that fails its checks is failed as in every load:
@@ -34,13 +33,12 @@ from kvrestore.stores.base import ChunkStore
 
 
 class DeviceLayerLoad(BackgroundLoad):
-    """Loads tokens [0, k) of one request into a device's pages (see the module doc): each read of
-    `layers_per_read` layers lands checked in a device buffer of those layers (`CacheRows` of one
-    read), and `place(layer, rows)` writes each layer's ``[2, H, T, D]`` rows (T = k, or the start of
-    the first failed chunk) into the pages, on the I/O thread, under the load's lock (after `cancel`
-    returns nothing more is placed). `lane` is where the bytes go up: its pinned staging pool (shared
-    by the worker's loads) and its stream, the one `place` writes the pages on, so a read's buffer is
-    reused only once the layers placed from it are written."""
+    """Loads tokens [0, k) of one request into a device's pages (module doc): each read of
+    `layers_per_read` layers lands checked in a device buffer of those layers, and `place(layer, rows)`
+    writes each layer's ``[2, H, T, D]`` rows (T = k, or the start of the first failed chunk) into the
+    pages, on the I/O thread, under the load's lock (nothing is placed once `cancel` returns). `lane`
+    holds the pinned staging pool (shared by the worker's loads) and the stream `place` writes the pages
+    on, so a read's buffer is reused only once the layers placed from it are written."""
 
     def __init__(
         self,
@@ -56,9 +54,6 @@ class DeviceLayerLoad(BackgroundLoad):
         device_path: bool = False,
         seal: Seal | None = None,
     ) -> None:
-        self.place = place
-        self.lane = lane
-        self.device = device
         n = max(1, layers_per_read)
         shape = (n, 2, spec.num_kv_heads, chunks[-1].end if chunks else 0, spec.head_dim)
         with on_stream(lane.stream, device):  # freed once the stream's copies out of it are done
@@ -71,7 +66,7 @@ class DeviceLayerLoad(BackgroundLoad):
             seal,
             dest=CacheRows(per_read=True),
             rows=rows,
-            place_layer=lambda i, layer, upto: self.place(layer, rows.data[i, :, :, :upto]),
+            place_layer=lambda i, layer, upto: place(layer, rows.data[i, :, :, :upto]),
             layers_per_read=n,
             lane=lane,
             defer_checks=False,

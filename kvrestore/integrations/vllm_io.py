@@ -1,9 +1,6 @@
-"""The vLLM connector's background I/O, without vLLM: an event loop in its own thread, a bounded saver,
-and the stored chunks a load reads (`LoadChunk`; the loads themselves: `vllm_load`).
-
-vLLM calls a connector from its step loop, synchronously; every store operation here runs on one anyio
-event loop in a daemon thread (`IOThread`), and the step loop only waits where it must: for the layer it
-is about to compute (`vllm_load.BackgroundLoad.wait`), with a bound.
+"""The vLLM connector's background I/O, without vLLM: an event loop in a daemon thread (`IOThread`), on
+which every store operation runs while vLLM's step loop waits only, with a bound, for the layer it is
+about to compute (`vllm_load`); a bounded saver; and the stored chunks a load reads (`LoadChunk`).
 """
 
 from __future__ import annotations
@@ -12,7 +9,6 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -22,7 +18,7 @@ import torch
 
 from kvrestore import codec
 from kvrestore.codec.seal import Seal
-from kvrestore.core.errors import STORE_FAULTS, InvalidInputError
+from kvrestore.core.errors import STORE_FAULTS
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import LoopThread as IOThread
@@ -36,12 +32,10 @@ class ChunkSaver:
     """Encodes (in `encoding`: `quant.ENCODINGS`) and writes chunks in the background; never blocks its
     caller.
 
-    At most `max_bytes` of KV wait to be written (across every request); a chunk that does not fit is
-    dropped and counted (`dropped`), with a warning: a dropped save is only a future cache miss. A write
-    fault counts in `failed`, with one warning, and the store is then left alone for `retry_after_s`,
-    as the scheduler side leaves a store alone that did not answer a lookup: chunks offered meanwhile are
-    not copied out nor written, and count in `failed` (a read-only store or a missing bucket warns once
-    per `retry_after_s`, not once per chunk).
+    At most `max_bytes` of KV wait to be written; a chunk that does not fit is dropped (only a future
+    cache miss), counted in `dropped` with a warning. A write fault counts in `failed`, with one warning,
+    and the store is then left alone for `retry_after_s`: chunks offered meanwhile are neither copied out
+    nor written, and count in `failed` (a read-only store warns once per `retry_after_s`, not per chunk).
     """
 
     def __init__(
@@ -88,10 +82,9 @@ class ChunkSaver:
         return True
 
     def reserve(self, key: str, nbytes: int) -> bool:
-        """Room in the queue for a chunk of `nbytes` to be written under `key`, taken before the chunk is
-        copied out (a chunk that would be dropped is not copied at all); False, counted and warned, if
-        there is none, or while the store is left alone after a write fault (counted in `failed`,
-        silently). Then `submit_reserved` the chunk, or `unreserve` the room."""
+        """Take room for a chunk of `nbytes` before it is copied out (one that would be dropped is not
+        copied at all); then `submit_reserved` it or `unreserve` the room. False if there is none
+        (counted, warned), or while the store is left alone after a write fault (counted in `failed`)."""
         with self._lock:
             if time.monotonic() < self._down_until:
                 self.failed += 1
@@ -124,10 +117,10 @@ class ChunkSaver:
         ready: torch.cuda.Event | None = None,
         fp8_scales: torch.Tensor | None = None,
     ) -> None:
-        """Queue `chunk`, whose room was reserved; with `ready`, its bytes (pinned host memory a copy from
-        the GPU is still filling) are read once that event has completed, in the writer's thread. With
-        `fp8_scales` ([L, 2]: each layer's K and V scale), `chunk.data` holds an fp8 cache's values (one
-        byte each), stored as they are in fp8 chunks (`vllm_layout.fp8_sections`)."""
+        """Queue `chunk`, whose room was reserved. With `ready`, its bytes (pinned memory a copy from the
+        GPU is still filling) are read once that event completed, in the writer's thread. With
+        `fp8_scales` ([L, 2]: each layer's K and V scale), `chunk.data` holds an fp8 cache's values,
+        stored as they are in fp8 chunks (`vllm_layout.fp8_sections`)."""
         fut = self.io.submit(self._write, key, chunk, chunk.nbytes, ready, fp8_scales)
         with self._lock:
             self._futures.add(fut)
@@ -216,15 +209,3 @@ class LoadChunk:
     key: str
     start: int
     end: int
-
-
-def covering(chunks: Sequence[LoadChunk], k: int) -> list[LoadChunk]:
-    """`chunks`, checked to cover tokens [0, k) (a load's chunks)."""
-    if not chunks or chunks[0].start != 0 or chunks[-1].end < k:
-        raise InvalidInputError(f"chunks must cover tokens [0, {k})")
-    return list(chunks)
-
-
-def failed_token_ranges(chunks: Sequence[LoadChunk], failed: set[int], k: int) -> list[tuple[int, int]]:
-    """Token ranges, within [0, k), of the `failed` chunks (indices into `chunks`)."""
-    return [(chunks[j].start, min(chunks[j].end, k)) for j in sorted(failed) if chunks[j].start < k]

@@ -1,8 +1,7 @@
-"""The vLLM connector's loads, without vLLM: what every load of one request's chunks keeps (`ChunkLoad`),
-the load that runs on the I/O thread through one `LayerReader` (`BackgroundLoad`), and the one that hands
-each layer's verified KV over as `Pieces` for the step's thread to write (`LayerLoad`). The other two:
-`vllm_device.DeviceLayerLoad` (a `BackgroundLoad` into CUDA pages) and `vllm_pages.HostPageLoad` (a
-`ChunkLoad` read on the step's thread straight into host pages).
+"""The vLLM connector's loads, without vLLM: what every load of a request's chunks keeps (`ChunkLoad`),
+one run on the I/O thread through a `LayerReader` (`BackgroundLoad`), and one that hands each layer's
+verified KV over as `Pieces` (`LayerLoad`). The others: `vllm_device.DeviceLayerLoad` (into CUDA pages)
+and `vllm_pages.HostPageLoad` (on the step's thread, straight into host pages).
 """
 
 from __future__ import annotations
@@ -24,21 +23,19 @@ from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
 from kvrestore.codec.checksums import host_checksum
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import Seal
-from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, CorruptChunkError
+from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, CorruptChunkError, InvalidInputError
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
-from kvrestore.integrations.vllm_io import IOThread, LoadChunk, covering, failed_token_ranges
+from kvrestore.integrations.vllm_io import IOThread, LoadChunk
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")
 
 
 class Piece(NamedTuple):
-    """One chunk's part of one layer that a load places: tokens [start, start + n_tokens).
-
-    `data` is what was read and verified, not copied: in the native encoding a ``[2, H, T, D]`` view of
-    the KV (T, the chunk's tokens, >= n_tokens), in another the section's bytes as stored (uint8), which
-    `kv` decodes where the pages are."""
+    """Tokens [start, start + n_tokens) of one chunk's section of one layer. `data` is what was read and
+    verified, not copied: native, a ``[2, H, T, D]`` view of the KV (T, the chunk's tokens, >=
+    n_tokens); encoded, the section's bytes as stored (uint8), which `kv` decodes where the pages are."""
 
     start: int
     n_tokens: int
@@ -47,9 +44,9 @@ class Piece(NamedTuple):
     stored_tokens: int
 
     def kv(self, device: torch.device | None = None) -> torch.Tensor:
-        """The piece's KV ``[2, H, n_tokens, D]`` in the model's dtype. Native: a view of the bytes read
-        (the caller moves it). Encoded: decoded on `device` (default: the host), an encoded section
-        going up as the small bytes it is and decoded on the current stream."""
+        """The piece's KV ``[2, H, n_tokens, D]`` in the model's dtype: native, a view of the bytes read
+        (the caller moves it); encoded, decoded on `device` (default: the host; on a device, on the
+        current stream, after the small encoded bytes go up)."""
         if self.encoding.native:
             return self.data[:, :, : self.n_tokens]
         sections = self.data.view(1, -1)
@@ -69,10 +66,9 @@ Pieces = list[Piece]
 
 class KeptSections(CacheRows):
     """A `LayerReader` destination (`chunkio.dest`) that keeps each verified section instead of copying
-    it into a cache: an uncompressed section, checked against its checksum, is viewed as a tensor over
-    the bytes read (no copy: vLLM's pages take the bytes from there, decoded on the way where the
-    encoding is not native); a compressed one, or one whose keys another writer stored in tiles
-    (`codec.layout`), is decoded into a tensor of its own. Each read's sections replace the last's."""
+    it into a cache: an uncompressed one, checked against its checksum, as a tensor over the bytes read
+    (vLLM's pages take them from there); a compressed one, or one whose keys are stored in tiles
+    (`codec.layout`), decoded into a tensor of its own. Each read's sections replace the last's."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,9 +106,9 @@ class KeptSections(CacheRows):
 
 
 class ChunkLoad:
-    """What every load of tokens [0, k) of one request from its stored chunks keeps: the chunks that did
-    not load (`failed`, indices into `chunks`) and why (`errors`), the bytes read, the seconds the reads
-    took (once every layer is read)."""
+    """What every load of tokens [0, k) of a request's stored chunks keeps: the chunks that did not load
+    (`failed`, indices into `chunks`) and why (`errors`), the bytes read, the seconds the reads took
+    (once every layer is read). `chunks` must cover [0, k)."""
 
     def __init__(
         self, spec: ModelSpec, store: ChunkStore, chunks: Sequence[LoadChunk], k: int, seal: Seal | None
@@ -120,7 +116,9 @@ class ChunkLoad:
         self.spec = spec
         self.store = store
         self.seal = seal  # where set, a chunk without its valid MAC is a miss (`codec.seal`)
-        self.chunks = covering(chunks, k)
+        if not chunks or chunks[0].start != 0 or chunks[-1].end < k:
+            raise InvalidInputError(f"chunks must cover tokens [0, {k})")
+        self.chunks = list(chunks)
         self.k = k
         self.failed: set[int] = set()
         self.errors: list[str] = []
@@ -140,17 +138,17 @@ class ChunkLoad:
 
     def failed_ranges(self) -> list[tuple[int, int]]:
         """Token ranges, within [0, k), whose KV did not load."""
-        return failed_token_ranges(self.chunks, self.failed, self.k)
+        failed = [self.chunks[j] for j in sorted(self.failed)]
+        return [(c.start, min(c.end, self.k)) for c in failed if c.start < self.k]
 
 
 class BackgroundLoad(ChunkLoad):
-    """A `ChunkLoad` run on the I/O thread through one `LayerReader` (`run`): the headers first, then the
-    first layer alone (compute starts sooner) and `layers_per_read` layers at a time after it, each read
-    placed into `rows` through the reader's `dest`, and each of its layers handed to
-    `place_layer(i, layer, upto)` (`i`: the layer's place in the read, `upto`: the tokens to place).
-    Chunks that are missing, damaged or of another model end in `failed`; a store fault or a timeout
-    fails every chunk. `wait(layer)` blocks until the layer is placed (or given up); `cancel` stops
-    placing layers: once it returns, nothing more is placed (placing runs under the lock it takes)."""
+    """A `ChunkLoad` run on the I/O thread through one `LayerReader` (`run`): the headers, then the first
+    layer alone (compute starts sooner) and `layers_per_read` layers at a time, each read placed into
+    `rows` through the reader's `dest` and each of its layers handed to `place_layer(i, layer, upto)`
+    (`i`: its place in the read, `upto`: the tokens to place). Chunks missing, damaged or of another
+    model end in `failed`; a store fault or a timeout fails every chunk. `wait(layer)` blocks until the
+    layer is placed or given up; once `cancel` returns nothing more is placed (it takes the lock)."""
 
     def __init__(
         self,
@@ -184,9 +182,9 @@ class BackgroundLoad(ChunkLoad):
         self.future = io.submit(self._guarded)
 
     async def run(self) -> None:
-        """Open the reader's chunks (failing those that do not check out), then read and place every
-        layer, failing the chunks a read names; after each read, `place_layer` for its layers under the
-        lock and unless cancelled, and wake each layer's waiter."""
+        """Open the reader's chunks (failing those that do not check out), then read every layer, failing
+        the chunks a read names; after each read, `place_layer` for its layers (under the lock, unless
+        cancelled) and wake each layer's waiter."""
         reader = self.reader
         ok = await reader.open()
         self._fail([j for j, good in enumerate(ok) if not good], reader.errors)
@@ -204,7 +202,10 @@ class BackgroundLoad(ChunkLoad):
                     upto = self._upto()
                     if not self.cancelled and upto > 0:
                         self.place_layer(i, layer, upto)
-                self._placed(layer, reader.bytes_read)
+                if layer == L - 1:  # set before the wake-up: the step loop reads them once all is placed
+                    self.bytes_read = reader.bytes_read
+                    self.seconds = time.perf_counter() - self._t0
+                self._events[layer].set()
 
     async def _guarded(self) -> None:
         """`run`, with every fault failing the load (vLLM then recomputes) and every layer's event set at
@@ -222,14 +223,6 @@ class BackgroundLoad(ChunkLoad):
         finally:
             for ev in self._events:
                 ev.set()
-
-    def _placed(self, layer: int, bytes_read: int) -> None:
-        """Layer `layer` is placed: wake whoever waits for it. Before the last layer's wake-up, the
-        load's `bytes_read` and `seconds` are set: the step loop reads them once every layer is placed."""
-        if layer == self.spec.num_layers - 1:
-            self.bytes_read = bytes_read
-            self.seconds = time.perf_counter() - self._t0
-        self._events[layer].set()
 
     def wait(self, layer: int) -> bool:
         """Block until `layer` is placed or given up; False (and the load cancelled, every chunk failed)
@@ -254,12 +247,10 @@ class BackgroundLoad(ChunkLoad):
 
 
 class LayerLoad(BackgroundLoad):
-    """A `BackgroundLoad` that hands each layer's verified KV to `place(layer, pieces)` as `Pieces`
-    covering tokens [0, T) (T = k, or the start of the first failed chunk), each over the bytes read
-    where the chunk is stored uncompressed (`KeptSections`; decoded by `Piece.kv` where its `encoding`
-    is not native); `place` writes it where the engine wants it, on the I/O thread. The load for a host
-    cache and for caches `DeviceLayerLoad` does not take (`vllm_device`). Only chunks in `encoding` are
-    read: another is foreign (`codec.check_header`)."""
+    """A `BackgroundLoad` that hands each layer's verified KV, on the I/O thread, to `place(layer,
+    pieces)` as `Pieces` covering tokens [0, T) (T = k, or the start of the first failed chunk), over
+    the bytes read where stored uncompressed (`KeptSections`). The load for a host cache and for caches
+    `DeviceLayerLoad` does not take. Only chunks in `encoding` are read: another is foreign."""
 
     def __init__(
         self,
@@ -274,8 +265,6 @@ class LayerLoad(BackgroundLoad):
     ) -> None:
         self.place = place
         self.kept = KeptSections()
-        # the sections stay in `kept`, not in a cache
-        rows = KVCache.empty(spec, 0)
         super().__init__(
             spec,
             store,
@@ -283,7 +272,7 @@ class LayerLoad(BackgroundLoad):
             k,
             seal,
             dest=self.kept,
-            rows=rows,
+            rows=KVCache.empty(spec, 0),  # the sections stay in `kept`, not in a cache
             place_layer=self._pieces,
             layers_per_read=layers_per_read,
             encoding=encoding,

@@ -1,32 +1,31 @@
 """Loading stored chunks straight into vLLM's host pages (its CPU backend), without vLLM.
 
-`HostPageLoad` is the vLLM connector's load on the CPU from a store that reads without the event loop
-(`ChunkStore.reads_sync`: a local directory, memory of this process) when the chunks are stored
-uncompressed in the native encoding. Each layer is read when vLLM asks for it (`wait`), on vLLM's own
-step thread, so no thread of ours competes with vLLM's compute threads (pinned to the host's cores,
-they stall at every barrier while another thread holds one of them):
+`HostPageLoad` is the connector's load on the CPU from a store that reads without the event loop
+(`ChunkStore.reads_sync`: a local directory, this process's memory) of chunks stored uncompressed and
+native. Each layer is read as vLLM asks for it (`wait`), on vLLM's step thread: no thread of ours
+competes with vLLM's compute threads (pinned to the host's cores, they stall at every barrier while
+another thread holds one of them).
 
-* a chunk's values go from the file into the pages with one `preadv` (`ChunkStore.scatter_into_sync`):
-  the "cpu" layout keeps a page's values row-major, as a stored section does, so the pages take the
-  bytes directly;
-* its keys, which the pages keep column-major, go there in the same `preadv` where the connector saved
-  them so (format 5: tiles of one page, `codec.layout`) and the chunk covers whole pages; otherwise
-  (a chunk of another writer, page size, or a last partial page) into a small staging buffer, then
-  transposed into the pages once verified;
+* values go from the file into the pages with one `preadv` (`ChunkStore.scatter_into_sync`): the "cpu"
+  layout keeps a page's values row-major, as a stored section does;
+* keys, which the pages keep column-major, go in the same `preadv` where the connector saved them so
+  (tiles of one page, `codec.layout`) and the chunk covers whole pages; otherwise (another writer or
+  page size, a last partial page) into a small staging buffer, transposed into the pages once verified;
 * every section is checked against its xxh3-64 where its bytes landed (`host_checksum_parts`).
 
-A chunk whose header or section does not check out is failed: vLLM recomputes its blocks (and, with the
-connector's recompute policy, everything after them), so damaged bytes written into its pages are never
-used. `LayerLoad` (`vllm_load`) is the load for every other store, encoding and device.
+A chunk whose header or section does not check out is failed: vLLM recomputes its blocks (with the
+recompute policy, all after them too), so damaged bytes written into its pages are never used.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
+import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -46,13 +45,11 @@ from kvrestore.core.errors import (
 )
 from kvrestore.core.spec import ModelSpec
 from kvrestore.integrations.vllm_io import IOThread, LoadChunk
-from kvrestore.integrations.vllm_layout import _pages
+from kvrestore.integrations.vllm_layout import _INT_OF_SIZE, _pages
 from kvrestore.integrations.vllm_load import ChunkLoad
 from kvrestore.stores.base import ChunkStore
 
 log = logging.getLogger("kvrestore.vllm")
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 class CompressedChunkError(ChunkDecodeError):
@@ -83,11 +80,6 @@ class HostLayer:
         words = cache.view(_INT_OF_SIZE[cache.element_size()]).view(nb, num_kv_heads, 2, head_dim, bs)
         self.keys = words[:, :, 0].transpose(2, 3).numpy()
 
-    def values(self, block: int, head: int, a: int, b: int) -> memoryview:
-        """The bytes of tokens [a, b) of `head`'s values in page `block`."""
-        at = ((block * self.heads + head) * 2 + 1) * self.half + a * self.row
-        return self.bytes[at : at + (b - a) * self.row]
-
 
 class _ChunkPlan:
     """Where one chunk's tokens [start, start + n) go in a request's pages, the same for every layer:
@@ -107,11 +99,8 @@ class _ChunkPlan:
         self.values = self._ranges(pages, host, 1, tail, 0)
         self.keys = self._ranges(pages, host, 0, tail, host.heads * tail) if tile == bs and whole else None
         blocks = [block for block, _, _, _ in pages]
-        self.run = (
-            blocks[0]
-            if pages and whole and blocks == list(range(blocks[0], blocks[0] + len(blocks)))
-            else None
-        )
+        consecutive = all(b == a + 1 for a, b in itertools.pairwise(blocks))
+        self.run = blocks[0] if pages and whole and consecutive else None
 
     @staticmethod
     def _ranges(
@@ -192,19 +181,11 @@ class HostPageLoad(ChunkLoad):
         damaged objects in the background; reads are local, so `timeout` does not apply."""
         self._io = io
         t = time.perf_counter()
-        for j, c in enumerate(self.chunks):
-            if c.start >= self.k:
-                continue
-            try:
-                self._headers[j] = self._header(c)
-            except STORE_FAULTS as exc:
-                self._fault(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
-                break
-            except LOAD_FAULTS as exc:
-                self._fault([j], f"chunk {c.key[:12]}: {type(exc).__name__}: {exc}", exc, c.key)
+        self._each(self._header)
         self._spent += time.perf_counter() - t
 
-    def _header(self, c: LoadChunk) -> codec.ChunkHeader:
+    def _header(self, j: int) -> None:
+        c = self.chunks[j]
         probe = bytearray(PROBE_BYTES)
         got = self.store.scatter_into_sync(c.key, 0, [memoryview(probe)])
         if got is None:
@@ -215,7 +196,7 @@ class HostPageLoad(ChunkLoad):
         header = codec.probe_header(head, self.spec, c.key, c.start, c.end - c.start, "native", self.seal)
         if header.compression != "none":
             raise CompressedChunkError(f"stored {header.compression}-compressed, read here uncompressed only")
-        return header
+        self._headers[j] = header
 
     def wait(self, layer: int) -> bool:
         """Read every layer up to `layer`'s group that is not read yet; True (a read cannot outlast a
@@ -223,30 +204,28 @@ class HostPageLoad(ChunkLoad):
         L = self.spec.num_layers
         while self._read_upto <= layer < L and not self.cancelled:
             a = self._read_upto
-            b = (
-                1 if a == 0 else min(a + self.layers_per_read, L)
-            )  # the first layer alone: compute starts sooner
+            b = 1 if a == 0 else min(a + self.layers_per_read, L)  # the first alone: compute starts sooner
             t = time.perf_counter()
-            todo = [j for j, c in enumerate(self.chunks) if j not in self.failed and c.start < self.k]
-            self._read_each(todo, range(a, b))
+            self._each(functools.partial(self._read, layers=range(a, b)), bugs=(Exception,))
             self._spent += time.perf_counter() - t
             self._read_upto = b
             if b == L:
                 self.seconds = self._spent
         return True
 
-    def _read_each(self, todo: list[int], layers: range) -> None:
-        for j in todo:
-            c = self.chunks[j]
-            if j in self.failed:  # a store fault on an earlier chunk failed them all
+    def _each(self, read: Callable[[int], None], bugs: tuple[type[Exception], ...] = ()) -> None:
+        """`read(j)` for each chunk j holding tokens below k and not failed: a store fault fails every
+        chunk, a load fault chunk j, and an exception of `bugs` (logged) the whole load."""
+        for j, c in enumerate(self.chunks):
+            if j in self.failed or c.start >= self.k:  # a store fault on an earlier chunk failed them all
                 continue
             try:
-                self._read(j, layers)
+                read(j)
             except STORE_FAULTS as exc:
                 self._fault(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
             except LOAD_FAULTS as exc:
                 self._fault([j], f"chunk {c.key[:12]}: {type(exc).__name__}: {exc}", exc, c.key)
-            except Exception as exc:  # a bug: fail the load (vLLM recomputes), never vLLM's step
+            except bugs as exc:  # a bug: fail the load (vLLM recomputes), never vLLM's step
                 log.exception("kvrestore: loading into host pages failed")
                 self._fault(range(len(self.chunks)), f"{type(exc).__name__}: {exc}")
 

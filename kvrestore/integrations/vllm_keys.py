@@ -1,21 +1,19 @@
 """The keys of a vLLM request's chunks: everything its KV depends on, or no keys at all.
 
-A request's KV depends on more than its token ids, and vLLM's own prefix cache keys each of these
-(`vllm.v1.core.kv_cache_utils.generate_block_hash_extra_keys`); so does the connector:
+As vLLM's own prefix cache (`kv_cache_utils.generate_block_hash_extra_keys`), the connector keys more
+than the token ids:
 
 * **the tenant's `cache_salt`**: the request's namespace (`core.keys.namespaced`), so a `Restorer` of
   `namespace=` the same string shares its chunks, and no other salt (nor none) does;
-* **a LoRA adapter**: its identity is a digest of the adapter's files (`adapter_identity`: weights and
-  config, the same on every machine and after a restart; never vLLM's per-process integer id), hashed
-  into the key space after the salt (`namespaced(..., kind="adapter")`);
+* **a LoRA adapter**: a digest of its files, weights and config (`AdapterIdentities`: the same on every
+  machine and after a restart; never vLLM's per-process id), hashed into the key space after the salt;
 * **multimodal items**: each item's hash (`identifier`, as vLLM's prefix cache uses it) and placeholder
   range are folded into the chunk where the item starts (`chunk_keys`' extras), so that chunk and every
   later one differ per image.
 
-What the connector cannot key is neither saved nor loaded (`Unkeyable`): prompt embeddings (no token ids
-to hash, or ids that do not say what was embedded), a multimodal item without a hash, an adapter whose
-files are not readable here. Each such request is counted (`unkeyed_requests`), and each reason logged
-once per process.
+What it cannot key is neither saved nor loaded (`Unkeyable`): prompt embeddings, a multimodal item
+without a hash, an adapter whose files are not readable here. Each such request is counted
+(`unkeyed_requests`), and each reason logged once per process.
 """
 
 from __future__ import annotations
@@ -72,16 +70,13 @@ class AdapterIdentities:
         try:
             files = adapter_files(path) if path.exists() else []
             stamp = tuple((str(f.relative_to(path)) if f != path else f.name, *_stat(f)) for f in files)
-        except OSError as exc:
-            raise Unkeyable(f"the LoRA adapter at {lora_path!r} cannot be read here ({exc})") from exc
-        if not files:
-            raise Unkeyable(f"the LoRA adapter at {lora_path!r} is no local file or directory")
-        with self._lock:
-            known = self._known.get((lora_path, stamp))
-        if known is not None:
-            return known
-        h = hashlib.blake2b(digest_size=20, person=b"kvr-lora")
-        try:
+            if not files:
+                raise Unkeyable(f"the LoRA adapter at {lora_path!r} is no local file or directory")
+            with self._lock:
+                known = self._known.get((lora_path, stamp))
+            if known is not None:
+                return known
+            h = hashlib.blake2b(digest_size=20, person=b"kvr-lora")
             for f, (name, _, _) in zip(files, stamp, strict=True):
                 h.update(name.encode() + b"\0")
                 with open(f, "rb") as fh:

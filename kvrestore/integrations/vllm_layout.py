@@ -1,8 +1,5 @@
-"""vLLM's paged KV caches <-> kvrestore's chunk layout: pure tensor functions, no vLLM needed.
-
-kvrestore keeps one layer of a chunk as ``[2, H, T, D]`` (K then V, tokens contiguous per head). vLLM keeps
-a layer as pages of `block_size` tokens; a request's token t lives in block ``block_ids[t // block_size]``
-at offset ``t % block_size``. The layouts handled:
+"""vLLM's paged KV caches <-> kvrestore's chunk layout (``[2, H, T, D]`` a layer): tensor functions, no
+vLLM needed. A request's token t lives in page ``block_ids[t // block_size]`` at ``t % block_size``:
 
 * ``"cpu"``: vLLM's CPU backend with its portable "vec" kernels (the ones it picks for fp32, and for
   bf16 without AMX; `cpu_attn.py`'s `_get_attn_isa`). The per-layer tensor is shaped
@@ -18,9 +15,8 @@ at offset ``t % block_size``. The layouts handled:
 * ``"flashinfer_nhd"``: older FlashInfer, ``[num_blocks, 2, block_size, H, D]``.
 * ``"flashinfer_hnd"``: older FlashInfer with the HND layout, ``[num_blocks, 2, H, block_size, D]``.
 
-Every layout is first viewed (never copied) as a K and a V tensor, each ``[num_blocks, H, block_size, D]``
-(`kv_views`); `gather_chunk` gathers a chunk's pages through those views, `scatter_tokens` writes
-whole pages at once through them (a page at a time where the range does not fall on page boundaries).
+Every layout is viewed (never copied) as K and V, each ``[num_blocks, H, block_size, D]`` (`kv_views`),
+through which `gather_chunk` and `scatter_tokens` move whole pages.
 """
 
 from __future__ import annotations
@@ -109,8 +105,7 @@ def gather_tokens(
     num_kv_heads: int,
     head_dim: int,
 ) -> torch.Tensor:
-    """Tokens [start, end) of one layer of a paged cache as a new ``[2, H, T, D]`` tensor (kvrestore's
-    section layout), on the cache's device (`gather_chunk` of one layer)."""
+    """Tokens [start, end) of one layer of a paged cache as a new ``[2, H, T, D]`` tensor on its device."""
     return gather_chunk([cache], layout, block_ids, start, end, num_kv_heads, head_dim)[0]
 
 
@@ -158,9 +153,8 @@ def scatter_tokens(
     with the GIL released. torch's copies split each page over its intra-op threads, whose barriers
     stall whenever another process holds one of the cores vLLM pinned them to: on a shared 2-core host
     the same 180 MB took 0.4-3.6 s that way and 0.04-0.12 s this way. On a device, the whole pages go
-    in one indexed copy for K and one for V, and a partial first or last page with a copy of its own;
-    host data goes up through pinned memory (from pageable memory the
-    host would wait for the stream)."""
+    in one indexed copy for K and one for V, a partial first or last page in a copy of its own; host
+    data goes up through pinned memory (from pageable memory the host would wait for the stream)."""
     k, v = kv_views(cache, layout, num_kv_heads, head_dim)
     if data.dim() != 4 or data.shape[0] != 2 or data.shape[1] != num_kv_heads or data.shape[3] != head_dim:
         raise InvalidInputError(f"data must be [2, {num_kv_heads}, T, {head_dim}], got {_shape(data)}")
@@ -176,8 +170,7 @@ def scatter_tokens(
 def _scatter_device(
     k: torch.Tensor, v: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, start: int, data: torch.Tensor
 ) -> None:
-    """`scatter_tokens` into K and V views `k`, `v` (``[num_blocks, H, block_size, D]``) from `data` on
-    their device, with torch's copies: the whole pages at once, a partial one alone."""
+    """`scatter_tokens` into K and V views `k`, `v` from `data` on their device."""
     _, num_kv_heads, _, head_dim = data.shape
     n, bs = int(data.shape[2]), int(k.shape[2])
     pages = list(_pages(block_ids, start, start + n, bs))
@@ -207,7 +200,7 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 def _scatter_host(
     k: torch.Tensor, v: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, start: int, data: torch.Tensor
 ) -> None:
-    """`scatter_tokens` into host views `k`, `v` (``[num_blocks, H, block_size, D]``) from host `data`."""
+    """`scatter_tokens` into host views `k`, `v` from host `data`."""
     kn, vn, dn = _numpy(k), _numpy(v), _numpy(data)
     for block, a, b, at in _pages(block_ids, start, start + int(data.shape[2]), int(k.shape[2])):
         np.copyto(kn[block, :, a:b], dn[0, :, at : at + b - a])

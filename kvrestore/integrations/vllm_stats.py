@@ -1,11 +1,10 @@
 """What the vLLM connector did, for an operator and for tests, without vLLM: counters and records.
 
-Counters (`Counters`) are what the connector reports through vLLM's KV connector stats (`vllm.py`'s
-`KVRestoreStats`: vLLM sums them across workers and intervals, logs them with its own metrics and
-exports them to Prometheus as ``vllm:kvrestore_*`` counters). Records (`emit`) are one dict per event
-(a lookup that failed, a split decided, a load done or failed, a chunk not saved); each is logged on the
-``kvrestore.vllm`` logger with the record attached (``extra={"kvrestore": record}``) and kept, the last
-`MAX_RECORDS` of them, for `records()`: a script or a test reads what happened as data, not log text.
+`Counters` are reported through vLLM's KV connector stats (`vllm.KVRestoreStats`: summed across workers
+and intervals, logged with vLLM's metrics, exported to Prometheus as ``vllm:kvrestore_*``). A record
+(`emit`) is one dict per event (a failed lookup, a split, a load done or failed, a chunk not saved),
+logged on the ``kvrestore.vllm`` logger (``extra={"kvrestore": record}``) and kept, the last
+`MAX_RECORDS`, for `records()`: a script or a test reads what happened as data, not log text.
 """
 
 from __future__ import annotations
@@ -80,11 +79,10 @@ def emit(level: int, event: str, message: str, **fields: Any) -> dict[str, Any]:
 def log_through(
     vllm: logging.Logger, *, logger: logging.Logger | None = None, root: logging.Logger | None = None
 ) -> bool:
-    """Send the ``kvrestore`` logger's records (`logger`) to the handlers of vLLM's logger (`vllm`), at
-    INFO unless a level was set, where the application configured no logging of its own (no handler on
-    `logger` or on the root logger). vLLM configures only its own logger, so under ``vllm serve`` the
-    connector's lines would otherwise reach no handler (Python's last resort prints warnings only, bare);
-    this way they are in vLLM's log, in vLLM's format. True if it attached them."""
+    """Send the ``kvrestore`` logger's records (`logger`) to vLLM's logger's handlers (`vllm`), at INFO
+    unless a level was set, where the application configured no logging (no handler on `logger` or the
+    root logger): under ``vllm serve`` they would otherwise reach no handler, vLLM configuring only its
+    own logger. True if it attached them."""
     logger = logger if logger is not None else logging.getLogger("kvrestore")
     root = root if root is not None else logging.getLogger()
     if logger.handlers or root.handlers or not vllm.handlers:
@@ -97,9 +95,8 @@ def log_through(
 
 
 def records(event: str | None = None) -> list[dict[str, Any]]:
-    """The records kept in this process, oldest first (those of one `event` if given). The worker's
-    records are kept where the worker runs: on a GPU, vLLM runs its engine core in a process of its own
-    unless `VLLM_ENABLE_V1_MULTIPROCESSING=0`, and there they reach the serving process only as the
-    `kvrestore` logger's lines and vLLM's KV connector stats."""
+    """The records kept in this process, oldest first (those of one `event` if given). The worker's are
+    kept where it runs: on a GPU, in vLLM's engine core process unless `VLLM_ENABLE_V1_MULTIPROCESSING=0`
+    (the serving process sees them only as log lines and vLLM's KV connector stats)."""
     with _records_lock:
         return [dict(r) for r in _records if event is None or r["event"] == event]

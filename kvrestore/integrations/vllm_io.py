@@ -6,7 +6,6 @@ about to compute (`vllm_load`); a bounded saver; and the stored chunks a load re
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -23,9 +22,8 @@ from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import LoopThread as IOThread
 from kvrestore.integrations.vllm_layout import fp8_sections
+from kvrestore.integrations.vllm_stats import log
 from kvrestore.stores.base import ChunkStore
-
-log = logging.getLogger("kvrestore.vllm")
 
 
 class ChunkSaver:

@@ -30,8 +30,6 @@ from typing import Any
 from kvrestore.core.keys import ChunkRef, Extra, chunk_keys, namespaced
 from kvrestore.integrations.vllm_stats import emit
 
-log = logging.getLogger("kvrestore.vllm")
-
 
 class Unkeyable(Exception):
     """The request's KV depends on something the connector cannot name in a key (the message says what)."""

@@ -7,7 +7,6 @@ and `vllm_pages.HostPageLoad` (on the step's thread, straight into host pages).
 from __future__ import annotations
 
 import concurrent.futures
-import logging
 import threading
 import time
 import warnings
@@ -27,9 +26,8 @@ from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, CorruptChunkError, 
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
 from kvrestore.integrations.vllm_io import IOThread, LoadChunk
+from kvrestore.integrations.vllm_stats import log
 from kvrestore.stores.base import ChunkStore
-
-log = logging.getLogger("kvrestore.vllm")
 
 
 class Piece(NamedTuple):

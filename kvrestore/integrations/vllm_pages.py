@@ -23,7 +23,6 @@ import concurrent.futures
 import ctypes
 import functools
 import itertools
-import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -47,9 +46,8 @@ from kvrestore.core.spec import ModelSpec
 from kvrestore.integrations.vllm_io import IOThread, LoadChunk
 from kvrestore.integrations.vllm_layout import _INT_OF_SIZE, _pages
 from kvrestore.integrations.vllm_load import ChunkLoad
+from kvrestore.integrations.vllm_stats import log
 from kvrestore.stores.base import ChunkStore
-
-log = logging.getLogger("kvrestore.vllm")
 
 
 class CompressedChunkError(ChunkDecodeError):

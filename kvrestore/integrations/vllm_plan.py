@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import logging
 import os
 import threading
 from collections.abc import Mapping
@@ -29,8 +28,6 @@ from kvrestore.integrations.vllm_layout import LAYOUTS
 from kvrestore.planning.split import SPLITS
 from kvrestore.stores import MemoryStore, ThrottledStore, open_store
 from kvrestore.stores.base import ChunkStore
-
-log = logging.getLogger("kvrestore.vllm")
 
 # -- configuration ----------------------------------------------------------------------------------
 

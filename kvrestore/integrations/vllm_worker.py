@@ -42,11 +42,8 @@ from kvrestore.integrations.vllm_meta import (
 )
 from kvrestore.integrations.vllm_pages import HostLayer, HostPageLoad, applies
 from kvrestore.integrations.vllm_plan import ConnectorContext
-from kvrestore.integrations.vllm_stats import Counters, emit
+from kvrestore.integrations.vllm_stats import Counters, emit, log
 from kvrestore.stores.base import ChunkStore
-
-log = logging.getLogger("kvrestore.vllm")
-
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 

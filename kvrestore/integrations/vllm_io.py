@@ -9,6 +9,7 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import anyio.from_thread
@@ -87,22 +88,19 @@ class ChunkSaver:
             if time.monotonic() < self._down_until:
                 self.failed += 1
                 return False
-            if self.pending_bytes + nbytes > self.max_bytes:
-                self.dropped += 1
-                dropped, pending = self.dropped, self.pending_bytes
-            else:
+            if self.pending_bytes + nbytes <= self.max_bytes:
                 self.pending_bytes += nbytes
-                dropped = None
-        if dropped is not None:
-            log.warning(
-                "kvrestore: save queue full (%d of %d bytes waiting): dropped chunk %s (%d dropped so far)",
-                pending,
-                self.max_bytes,
-                key[:12],
-                dropped,
-            )
-            return False
-        return True
+                return True
+            self.dropped += 1
+            dropped, pending = self.dropped, self.pending_bytes
+        log.warning(
+            "kvrestore: save queue full (%d of %d bytes waiting): dropped chunk %s (%d dropped so far)",
+            pending,
+            self.max_bytes,
+            key[:12],
+            dropped,
+        )
+        return False
 
     def unreserve(self, nbytes: int) -> None:
         with self._lock:
@@ -142,30 +140,15 @@ class ChunkSaver:
         def encode() -> bytes:
             if ready is not None:
                 ready.synchronize()
+            how: dict[str, Any] = dict(encoding=self.encoding, compression=self.compression, seal=self.seal)
             if fp8_scales is not None:
                 enc = codec.spec_encoding(self.spec, self.encoding)
-                return codec.encode_sections(
-                    fp8_sections(chunk.data.cpu(), fp8_scales, enc),
-                    chunk.start,
-                    chunk.n_tokens,
-                    self.spec,
-                    key,
-                    encoding=self.encoding,
-                    compression=self.compression,
-                    seal=self.seal,
-                )
+                sections = fp8_sections(chunk.data.cpu(), fp8_scales, enc)
+                return codec.encode_sections(sections, chunk.start, chunk.n_tokens, self.spec, key, **how)
             tile = self.key_tile if self.encoding == "native" else 0
             if tile and chunk.n_tokens % tile:  # a chunk of part of a tile: keys row-major
                 tile = 0
-            return codec.encode_chunk(
-                chunk,
-                self.spec,
-                key,
-                compression=self.compression,
-                encoding=self.encoding,
-                seal=self.seal,
-                key_tile=tile,
-            )
+            return codec.encode_chunk(chunk, self.spec, key, key_tile=tile, **how)
 
         try:
             async with self._limiter:

@@ -45,7 +45,6 @@ class ChunkSaver:
         *,
         compression: str = "none",
         max_bytes: int = 1 << 30,
-        lanes: int = 2,
         encoding: str = "native",
         seal: Seal | None = None,
         retry_after_s: float = 10.0,
@@ -70,7 +69,6 @@ class ChunkSaver:
         self.failed = 0
         self._lock = threading.Lock()
         self._futures: set[concurrent.futures.Future[None]] = set()
-        self._lanes = lanes
         self._limiter: anyio.CapacityLimiter | None = None  # made on the loop
 
     def submit(self, key: str, chunk: KVChunk) -> bool:
@@ -135,7 +133,7 @@ class ChunkSaver:
         fp8_scales: torch.Tensor | None = None,
     ) -> None:
         if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(self._lanes)
+            self._limiter = anyio.CapacityLimiter(2)  # writes at a time
 
         def encode() -> bytes:
             if ready is not None:

@@ -51,8 +51,7 @@ from kvrestore.stores.base import ChunkStore
 
 
 class CompressedChunkError(ChunkDecodeError):
-    """A chunk stored compressed, which a load straight into the pages cannot read (it is not damaged:
-    it stays in the store)."""
+    """A chunk stored compressed, which a load straight into the pages cannot read (not damaged: kept)."""
 
 
 def applies(store: ChunkStore, layout: str, encoding: str, compression: str) -> bool:
@@ -147,8 +146,7 @@ class _ChunkPlan:
 
 class HostPageLoad(ChunkLoad):
     """Loads tokens [0, k) of one request straight into vLLM's host pages, layer by layer as vLLM asks
-    for them (`wait`, on the step thread). A `ChunkLoad`, as `vllm_load.LayerLoad` is: `failed` (indices
-    into `chunks`), `errors`, `bytes_read`, `seconds` (the time spent reading: what the link took)."""
+    for them (`wait`, on the step thread); its `seconds` are the time spent reading (what the link took)."""
 
     def __init__(
         self,

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.sync import CallerLoop
@@ -45,8 +45,6 @@ from kvrestore.stores.deadline import Deadlines, DeadlineStore
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -367,15 +365,8 @@ class SchedulerSide:
             st.block_ids = list(blocks) if replace else st.block_ids + list(blocks)
         if st.need_load:
             st.need_load = False
-            covering = [r for r in st.refs if r.start < st.load_k]
-            meta.loads.append(
-                LoadSpec(
-                    req_id,
-                    [LoadChunk(r.key, r.start, r.end) for r in covering],
-                    st.load_k,
-                    list(st.block_ids),
-                )
-            )
+            chunks = [LoadChunk(r.key, r.start, r.end) for r in st.refs if r.start < st.load_k]
+            meta.loads.append(LoadSpec(req_id, chunks, st.load_k, list(st.block_ids)))
         if not self.config.save or self.lookups.down_for > 0:
             return  # while the store is down, chunks are not even copied out
         done = computed + n_new

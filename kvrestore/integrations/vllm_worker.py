@@ -194,8 +194,8 @@ class WorkerSide:
         self._meta = None
 
     def _mark(self) -> torch.cuda.Event | HostEvent:
-        """Now, on vLLM's current stream: on CUDA the host only launches a step's kernels, so its compute
-        is timed by the device (the host's clock off CUDA, or before the caches are known)."""
+        """Now, on vLLM's current stream: on CUDA the host only launches a step's kernels, so the device
+        times its compute (the host's clock off CUDA, or before the caches are known)."""
         device = self._caches[0].device if self._caches else torch.device("cpu")
         event = timing_event(device)
         event.record(torch.cuda.current_stream(device) if device.type == "cuda" else None)
@@ -340,10 +340,9 @@ class WorkerSide:
             self._save(spec)
 
     def _add_timed_steps(self) -> None:
-        """Learn from the timed steps that have completed on the device (never waits for one). Every step
-        is a sample of compute (its time less its waits for layers): a step that loaded is the only one
-        that computes after a long past, which is what a split's suffix costs. A step that loaded is
-        also a sample of computing beside a load (its whole time: `loading_factor`)."""
+        """Learn from the timed steps the device has completed (never waits for one). Each is a sample of
+        compute (its time less its waits for layers; only a step that loaded computes after a long past,
+        as a split's suffix does), and one that loaded of computing beside a load (`loading_factor`)."""
         while self._timed_steps and self._timed_steps[0][2].query():
             requests, start, end, waited, load_s = self._timed_steps.popleft()
             seconds = start.elapsed_time(end) / 1e3
@@ -353,8 +352,8 @@ class WorkerSide:
                 self.costs.observe_loading(n_new, past, load_s, seconds, self.spec.num_layers)
 
     def _finish_loads(self) -> set[str]:
-        """Settle the step's loads (a load still running is cancelled): note the blocks and chunks that
-        did not load, learn the link's cost from those that did. Returns the requests whose load failed."""
+        """Settle the step's loads (cancelling any still running): note the blocks and chunks that did not
+        load, learn the link's cost from those that did. Returns the requests whose load failed."""
         failed: set[str] = set()
         moved, longest = 0, 0.0  # the step's loads share the link: one sample, their bytes over the longest
         for spec, load in self._loads:
@@ -407,9 +406,9 @@ class WorkerSide:
         return failed
 
     def _save(self, spec: SaveSpec) -> None:
-        """Copy each chunk out of the pages, behind the step's kernels on vLLM's stream (so before vLLM
-        can reuse the pages), and hand it to the saver. On CUDA the copy goes to pinned memory and the
-        host does not wait for it: the saver's thread does, before it encodes."""
+        """Copy each chunk out of the pages behind the step's kernels on vLLM's stream (before vLLM can
+        reuse the pages) and hand it to the saver. On CUDA the copy goes to pinned memory; the saver's
+        thread, not the host, waits for it before it encodes."""
         H, D = self.spec.num_kv_heads, self.spec.head_dim
         for c in spec.chunks:
             nbytes = self.spec.kv_bytes_per_token * (c.end - c.start)

@@ -9,31 +9,20 @@ Use it with::
         kv_connector="KVRestoreConnector", kv_connector_module_path="kvrestore.integrations.vllm",
         kv_role="kv_both", kv_connector_extra_config={"store_url": "/var/cache/kv"}))
 
-What it does:
+Each computed chunk of a prompt is saved in the background, under the key a `Restorer` computes for the
+same tokens and checkpoint (one store, shared both ways); past `save_queue_bytes` waiting, a chunk is
+dropped and counted, so saving never stalls a step. A new prompt is looked up (a bounded wait: a store
+that is down means zero tokens, with a warning) and split (`planning.split`: load [0, k) layer by layer
+while vLLM computes [k, n), from the measured costs and the loads queued on the link). A chunk missing,
+corrupt or of another model goes to `get_block_ids_with_load_errors`: vLLM recomputes it (the connector
+sets `kv_load_failure_policy` to "recompute" unless `on_load_error` is "fail"). Hits, bytes, faults,
+saves and splits are counted in vLLM's KV connector stats (`KVRestoreStats`, ``vllm:kvrestore_*`` in
+Prometheus) and logged with structured records (`vllm_stats.records`). docs/tutorial-vllm.md has it all.
 
-* Saving. Each computed chunk of a prompt is copied out of vLLM's pages and written in the background,
-  in kvrestore's wire format, under the key a `Restorer` computes for the same tokens and model
-  (`chunk_keys`, with the fingerprint of the same checkpoint and dtype): vLLM and a `Restorer` share one
-  store, both ways. Past `save_queue_bytes` waiting, a chunk is dropped and counted: saving never stalls
-  a step.
-* Loading. The scheduler side looks the prompt up (a bounded wait: a store that is down means zero
-  tokens, with a warning) and picks the split k (`planning.split.choose_split`: load [0, k), compute
-  [k, n), both finishing together, from the measured link and compute costs and the loads already
-  queued on the link: CacheFlow's batch rule), logged at INFO with its prediction. The worker side
-  loads [0, k) layer by layer in the background while vLLM computes; `wait_for_layer_load` waits only
-  for the layer about to run.
-* Faults. A chunk missing, corrupt or of another model: its blocks go to
-  `get_block_ids_with_load_errors` and vLLM recomputes them (the connector sets vLLM's
-  `kv_load_failure_policy` to "recompute" unless `on_load_error` is "fail").
-* Visibility. Hits, bytes, load errors, saves and splits are counted in vLLM's KV connector stats
-  (`KVRestoreStats`: logged with vLLM's metrics, exported to Prometheus as ``vllm:kvrestore_*``) and
-  logged on the ``kvrestore.vllm`` logger, each event with a structured record (`vllm_stats.records`).
-
-As vLLM's OffloadingConnector, it is split by role: vLLM makes one per process and role, holding a
-`SchedulerSide` (`vllm_scheduler`: lookups, the split, what each step loads and saves) or a `WorkerSide`
-(`vllm_worker`: the loads, the page writes, the saver); `vllm_meta` is what they tell each other. The
-vLLM-free parts: `vllm_layout` (paged layouts), `vllm_plan` (config, fingerprint), `vllm_io` (background
-I/O), `vllm_load` (the loads), `vllm_stats` (counters and records). This module is the glue to vLLM.
+As vLLM's OffloadingConnector, it is split by role, one per process and role: a `SchedulerSide`
+(`vllm_scheduler`: lookups, splits, what each step loads and saves) or a `WorkerSide` (`vllm_worker`:
+loads, page writes, the saver), telling each other `vllm_meta`'s metadata. The vLLM-free parts:
+`vllm_layout`, `vllm_plan`, `vllm_io`, `vllm_load`, `vllm_stats`. This module is the glue to vLLM.
 """
 
 from __future__ import annotations

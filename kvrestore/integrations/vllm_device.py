@@ -1,18 +1,15 @@
-"""Loading stored chunks into vLLM's CUDA pages, checked on the GPU, without a host copy where the store
-holds the bytes in page-locked memory.
+"""Loading stored chunks into vLLM's CUDA pages, checked on the GPU (`DeviceLayerLoad`: any store, any
+encoding but an fp8 cache's).
 
-`DeviceLayerLoad` (any store, any encoding but an fp8 cache's) reads a few layers of every chunk at a
-time through `LayerReader`'s device path (`chunkio.uploads`): a pinned `MemoryStore`'s objects go up as
-they lie, other bytes through one shared pinned staging buffer, one copy per read. One
-`segment_checksums` call checks every section there against the chunk header's checksums, and the sums
-come back to the I/O thread before anything is placed. The good chunks land in a device buffer of the
-read's layers (runs of chunks of one length in one copy), and each layer goes into the request's pages
-with one indexed copy for K and one for V (`scatter_tokens`) on the connector's load stream; vLLM's
-stream waits on the device for the layer (an event per layer), so the host never waits for a layer.
-
-The host does a few calls per read whatever the number of chunks: no per-layer pinned allocation, no
-host checksum, no copy out of a pinned store. A chunk that fails its checks is failed as in every load:
-vLLM recomputes from its first token on, and the object is deleted.
+A few layers of every chunk are read at a time through `LayerReader`'s device path (`chunkio.uploads`):
+a pinned `MemoryStore`'s objects go up as they lie, other bytes through one shared pinned staging buffer,
+one copy per read. One `segment_checksums` call checks every section there against the chunk header's
+checksums before anything is placed. The good chunks land in a device buffer of the read's layers (runs
+of chunks of one length in one copy); each layer goes into the request's pages with one indexed copy for
+K and one for V (`scatter_tokens`) on the connector's load stream, which vLLM's stream waits on (an
+event per layer): the host never waits for a layer. A few host calls per read whatever the number of
+chunks: no per-layer pinned allocation, no host checksum, no copy out of a pinned store. A chunk that
+fails its checks is failed as in every load: vLLM recomputes from its first token, the object is deleted.
 """
 
 from __future__ import annotations

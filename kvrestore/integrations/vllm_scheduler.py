@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class _Request:
+    """Scheduler-side state of one request."""
+
     refs: list[ChunkRef]
     stored: list[bool]
     n_tokens: int

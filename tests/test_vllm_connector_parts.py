@@ -523,8 +523,13 @@ def test_the_save_queue_is_bounded_and_counts_drops(io):
     assert saver.dropped == 3 and saver.pending_bytes == one
     saver.unreserve(one)
     assert saver.pending_bytes == 0 and saver.reserve(refs[2].key, one)
-    saver.submit_reserved(refs[2].key, KVChunk(refs[2].start, torch.zeros(3, 2, H, 16, D)))
+    saver.submit_reserved(refs[2].key, KVChunk(refs[2].start, torch.zeros(3, 2, H, 16, D)), one)
     assert saver.flush(timeout=10) and saver.written == 2 and saver.pending_bytes == 0
+    # the room given back is the room reserved, also for a chunk smaller than it (an fp8 cache's
+    # chunk is reserved at the model dtype's size)
+    assert saver.reserve(refs[1].key, one)
+    saver.submit_reserved(refs[1].key, KVChunk(refs[1].start, torch.zeros(3, 2, H, 8, D)), one)
+    assert saver.flush(timeout=10) and saver.pending_bytes == 0
 
 
 def test_chunks_saved_the_connector_way_are_a_restorers_and_back(io):

@@ -33,7 +33,7 @@ class Saver:
         return True
 
     def submit_reserved(
-        self, key: str, chunk: KVChunk, ready: object = None, fp8_scales: object = None
+        self, key: str, chunk: KVChunk, nbytes: int, ready: object = None, fp8_scales: object = None
     ) -> None:
         self.submitted.append(chunk.start)
 

@@ -75,7 +75,7 @@ class ChunkSaver:
         """Queue `chunk` (its own memory: the caller must not reuse it) for writing under `key`."""
         if not self.reserve(key, chunk.nbytes):
             return False
-        self.submit_reserved(key, chunk)
+        self.submit_reserved(key, chunk, chunk.nbytes)
         return True
 
     def reserve(self, key: str, nbytes: int) -> bool:
@@ -108,14 +108,16 @@ class ChunkSaver:
         self,
         key: str,
         chunk: KVChunk,
+        nbytes: int,
         ready: torch.cuda.Event | None = None,
         fp8_scales: torch.Tensor | None = None,
     ) -> None:
-        """Queue `chunk`, whose room was reserved. With `ready`, its bytes (pinned memory a copy from the
+        """Queue `chunk`, for which `nbytes` of room were reserved (given back once it is written or
+        has failed: an fp8 cache's chunk is smaller than the room reserved for it). With `ready`, its bytes (pinned memory a copy from the
         GPU is still filling) are read once that event completed, in the writer's thread. With
         `fp8_scales` ([L, 2]: each layer's K and V scale), `chunk.data` holds an fp8 cache's values,
         stored as they are in fp8 chunks (`vllm_layout.fp8_sections`)."""
-        fut = self.io.submit(self._write, key, chunk, chunk.nbytes, ready, fp8_scales)
+        fut = self.io.submit(self._write, key, chunk, nbytes, ready, fp8_scales)
         with self._lock:
             self._futures.add(fut)
         fut.add_done_callback(self._done)

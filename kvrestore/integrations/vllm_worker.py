@@ -430,7 +430,9 @@ class WorkerSide:
                 raise
             # an fp8 cache's values are stored as they are, with its scales (the saver's thread lays out
             # the sections)
-            self.saver.submit_reserved(c.key, KVChunk(c.start, data), ready, fp8_scales=self._fp8_scales)
+            self.saver.submit_reserved(
+                c.key, KVChunk(c.start, data), nbytes, ready, fp8_scales=self._fp8_scales
+            )
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._failed_chunks and not self._loaded:

@@ -274,9 +274,7 @@ class HFBackend:
         are built once for all layers. Returns the last token's logits ([vocab], float32) if asked.
         """
         hidden = self.run_layers(self.embed(tokens), start, n_past, place, range(len(self._layers)))
-        if not logits:
-            return None
-        return self._lm_head(self._norm(hidden[:, -1:]))[0, -1].float()
+        return self.final_logits(hidden) if logits else None
 
     @torch.inference_mode()
     def run_layers(

@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from kvrestore.backends.attention import (
     _SDPA_GQA,
     _rotate_half,
-    apply_rope,
     attention_lse,
     merge_attention,
     row_groups,
@@ -98,7 +97,7 @@ class HFBlend:
         self._layers = backend._layers
         self._rotary = backend._rotary
         self._head_dim, self._n_heads, self._n_kv = backend._head_dim, backend._n_heads, backend._n_kv
-        self._qk_norm, self._scaling = backend._qk_norm, backend._scaling
+        self._scaling = backend._scaling
         self.device = backend.device
 
     def rope_inv_freq(self) -> torch.Tensor:
@@ -220,14 +219,10 @@ class HFBlend:
         index = index.to(self.device)
         cos, sin = self.backend.rotary(hidden, index)
         mod = self._layers[layer]
-        attn = mod.self_attn
-        s = hidden.shape[1]
-        q = attn.q_proj(mod.input_layernorm(hidden)).view(1, s, -1, self._head_dim)
-        if self._qk_norm:
-            q = attn.q_norm(q)
-        q = apply_rope(q.transpose(1, 2), cos, sin)[0]
+        q, _, _ = self.backend._project_normed(mod, mod.input_layernorm(hidden), cos, sin, with_kv=False)
+        assert q is not None
         keys = k.repeat_interleave(self._n_heads // self._n_kv, dim=0)
-        scores = (q.float() @ keys.float().transpose(1, 2)) * self._scaling
+        scores = (q[0].float() @ keys.float().transpose(1, 2)) * self._scaling
         mask = torch.arange(k.shape[1], device=self.device)[None, :] <= index[:, None]
         return scores.masked_fill(~mask, float("-inf")).softmax(-1)
 

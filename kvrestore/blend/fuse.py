@@ -225,9 +225,7 @@ class _Fusion:
             await anyio.lowlevel.checkpoint()
             raise RuntimeError("the blend's loader stopped with no failure and no cancellation")
         logits, ratio, schedule = outcome
-        for i in range(
-            1, self.n_layers
-        ):  # the loader's time (fetch, queue) plus the device's, where it queued
+        for i in range(1, self.n_layers):  # the loader's time (fetch, queue) plus the device's, where queued
             self.load_s[i] += self.source.placed_seconds(i) or 0.0
         layout = self.layout
         stats = BlendStats(

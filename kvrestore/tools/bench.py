@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kvrestore.core.bandwidth import BandwidthTrace, oracle_split, trace_suffix_times
+from kvrestore.core.kv import KVCache
 from kvrestore.core.trace import Trace
 from kvrestore.policies import ComputeOnly, LoadOnly, Policy, TokenTwoPointer
 from kvrestore.restorer import Restorer
@@ -112,8 +113,9 @@ class Bench:
             self.log(f"saving {cfg.n_tokens} tokens ({len(refs)} chunks of {cfg.chunk_size}) to {tmp}")
             saved = await plain.save(self.prefix)
             self.chunk_bytes = [len(await self.inner.get(r.key)) for r in refs]  # type: ignore[arg-type]
-            self.out = self.backend_kv_buffer(plain)
-            self.reference = await self._reference_token(plain)
+            self.out = KVCache.empty(plain.spec, len(self.prefix), device=self.backend.device)
+            full = torch.tensor(self.prefix + self.suffix.tolist())
+            self.reference = int((await next_token_logits(plain, self.backend, full, None, 0)).argmax())
             result = await self._measure_grid()
             result["saved_bytes"] = saved.bytes_written
             if cfg.fluctuation:
@@ -124,15 +126,6 @@ class Bench:
             write_json(cfg.json_path, result)
             self.log(f"wrote {cfg.json_path}")
         return result
-
-    def backend_kv_buffer(self, restorer: Restorer) -> Any:
-        from kvrestore.core.kv import KVCache
-
-        return KVCache.empty(restorer.spec, len(self.prefix), device=self.backend.device)
-
-    async def _reference_token(self, restorer: Restorer) -> int:
-        full = torch.tensor(self.prefix + self.suffix.tolist())
-        return int((await next_token_logits(restorer, self.backend, full, None, 0)).argmax())
 
     async def _ttft(self, restorer: Restorer, policy: Policy) -> Run:
         store = restorer.store
@@ -157,10 +150,6 @@ class Bench:
             result.trace,
         )
 
-    def _throttled(self, bytes_per_s: float | None = None, trace: BandwidthTrace | None = None) -> Restorer:
-        store = ThrottledStore(self.inner, bytes_per_s, trace=trace)
-        return Restorer(self.backend, store, self.config.chunk_size, load_lanes=self.config.load_lanes)
-
     async def _measure_grid(self) -> dict[str, Any]:
         cfg = self.config
         local = Restorer(self.backend, self.inner, cfg.chunk_size, load_lanes=cfg.load_lanes)
@@ -175,7 +164,15 @@ class Bench:
             f"compute-only restore {compute_s:.2f} s for {total / 1e6:.1f} MB: balance {balance / 1e6:.2f} MB/s"
         )
         self._balance, self._compute_s = balance, compute_s
-        stores = {m: self._throttled(balance * m) for m in cfg.multipliers}
+        stores = {
+            m: Restorer(
+                self.backend,
+                ThrottledStore(self.inner, balance * m),
+                cfg.chunk_size,
+                load_lanes=cfg.load_lanes,
+            )
+            for m in cfg.multipliers
+        }
         runs: dict[str, list[Run]] = {}
         oracle: dict[float, list[float]] = {m: [] for m in cfg.multipliers}
         suffix_s: list[float] = []
@@ -293,8 +290,7 @@ class Bench:
         }
         self.log(f"fluctuation run (bandwidth and compute share changing every {cfg.fluctuation_step_s} s)")
         for policy in (ComputeOnly(unit_chunks=1), LoadOnly(), TokenTwoPointer(cfg.compute_chunks)):
-            backend = self.backend
-            shared = SharedCompute(backend, shares)
+            shared = SharedCompute(self.backend, shares)
             store = ThrottledStore(self.inner, trace=bandwidth)
             restorer = Restorer(shared, store, cfg.chunk_size, load_lanes=cfg.load_lanes)
             shared.t0 = time.perf_counter()

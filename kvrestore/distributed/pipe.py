@@ -35,6 +35,11 @@ def world() -> dist.ProcessGroup:
     return group
 
 
+def global_rank(group: dist.ProcessGroup, rank: int) -> int:
+    """Rank `rank` of `group` as a rank of the default group (what point-to-point calls and `src=` take)."""
+    return dist.get_global_rank(group, rank) if group is not dist.group.WORLD else rank
+
+
 def started(work: dist.Work | None) -> dist.Work:
     """A point-to-point operation's handle (torch gives None to a rank outside the group)."""
     if work is None:
@@ -63,9 +68,6 @@ class Pipe:
         self.base = (epoch % _EPOCHS) * _SPAN
         self.went = False
 
-    def _peer(self, stage: int) -> int:
-        return dist.get_global_rank(self.group, stage) if self.group is not dist.GroupMember.WORLD else stage
-
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
             work.wait(self.timeout)
@@ -73,7 +75,7 @@ class Pipe:
             raise StageFailedError(f"stage {self.stage}: {what}: {exc}", {self.stage: str(exc)}) from exc
 
     def _isend(self, tensors: list[torch.Tensor], tag: int) -> None:
-        dst = self._peer(self.stage + 1)
+        dst = global_rank(self.group, self.stage + 1)
         for i, t in enumerate(tensors):
             self._sends.append((started(dist.isend(t, dst, group=self.group, tag=tag + i)), [t]))
 
@@ -93,7 +95,7 @@ class Pipe:
 
     def recv(self, chunk: int, n_tokens: int, device: torch.device | str) -> torch.Tensor:
         """Chunk `chunk`'s input [1, T, hidden] from the previous stage (blocking, up to the timeout)."""
-        src = self._peer(self.stage - 1)
+        src = global_rank(self.group, self.stage - 1)
         header = torch.zeros(3, dtype=torch.int64)
         self._wait(
             started(dist.irecv(header, src, group=self.group, tag=self.base + 2 * chunk)),
@@ -126,8 +128,9 @@ class Pipe:
         if self.stage == 0:
             return
         flag = torch.zeros(1, dtype=torch.int64)
+        src = global_rank(self.group, self.stage - 1)
         self._wait(
-            started(dist.irecv(flag, self._peer(self.stage - 1), group=self.group, tag=self.base + _GO)),
+            started(dist.irecv(flag, src, group=self.group, tag=self.base + _GO)),
             "waiting for its turn",
         )
         if not int(flag):

@@ -34,7 +34,7 @@ from kvrestore.core.spec import ModelSpec
 from kvrestore.core.trace import Trace
 from kvrestore.distributed.boundaries import BoundaryReader
 from kvrestore.distributed.layout import StageLayout
-from kvrestore.distributed.pipe import Pipe, started, world
+from kvrestore.distributed.pipe import Pipe, global_rank, started, world
 from kvrestore.distributed.plan import StagePlan
 from kvrestore.distributed.stage_backend import StageBackend
 from kvrestore.policies import LoadOnly, Policy, Progress, TokenTwoPointer
@@ -224,11 +224,7 @@ class StageRestorer:
     def _collective(self, fn, obj, what: str) -> None:  # noqa: ANN001
         try:
             if fn is dist.broadcast_object_list:
-                fn(
-                    obj,
-                    src=dist.get_global_rank(self.group, 0) if self.group is not dist.group.WORLD else 0,
-                    group=self.group,
-                )
+                fn(obj, src=global_rank(self.group, 0), group=self.group)
             else:
                 fn(*obj, group=self.group)
         except RuntimeError as exc:  # a rank gone, or the group's timeout
@@ -356,11 +352,12 @@ def gather_kv(
 
     group = group if group is not None else world()
     layout, wait = result.plan.layout, timedelta(seconds=timeout_s)
-    peer = (lambda r: dist.get_global_rank(group, r)) if group is not dist.group.WORLD else (lambda r: r)
     try:
         if result.stage != dst:
             started(
-                dist.isend(result.shard.detach().to("cpu").contiguous(), peer(dst), group=group, tag=7)
+                dist.isend(
+                    result.shard.detach().to("cpu").contiguous(), global_rank(group, dst), group=group, tag=7
+                )
             ).wait(wait)
             return None
         n = result.shard.shape[3]
@@ -369,7 +366,7 @@ def gather_kv(
             if s == dst:
                 kv.data[a:b].copy_(result.shard)
             else:
-                started(dist.irecv(kv.data[a:b], peer(s), group=group, tag=7)).wait(wait)
+                started(dist.irecv(kv.data[a:b], global_rank(group, s), group=group, tag=7)).wait(wait)
         return kv
     except RuntimeError as exc:
         raise StageFailedError(

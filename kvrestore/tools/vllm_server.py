@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrestore.core.errors import KVRestoreError
+from kvrestore.distributed.group import free_port
 
 #: what every server here gets unless told otherwise: vLLM's CPU backend needs a KV cache size, and the
 #: engine runs in processes of its own, as `vllm serve` runs it (whatever this process was set to)
@@ -43,13 +43,6 @@ CONNECTOR_MODULE = "kvrestore.integrations.vllm"
 
 class ServerError(KVRestoreError):
     """The server did not start (it exited, or was not healthy in time); the message ends with its log."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kv_transfer(connector: str, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:

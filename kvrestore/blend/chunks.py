@@ -159,11 +159,6 @@ class StoreChunkSource(LayerReader):
         super().__init__(
             backend.spec, store, chunks, lane=lane, defer_checks=defer_checks, dest=dest, **options
         )
-        self.backend = backend
-
-    @property
-    def bytes_loaded(self) -> int:
-        return self.bytes_read
 
     async def load_layer(self, layer: int, kv: KVCache) -> int:
         """Place layer `layer` of every open chunk into `kv` (keys re-rotated); returns bytes read."""

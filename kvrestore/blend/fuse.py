@@ -164,7 +164,7 @@ async def restore_blend(
     st = result.stats
     st.missing_chunks = sorted(missing)
     st.loaded_chunks = len(layout.chunks) - len(missing)
-    st.bytes_loaded = source.bytes_loaded
+    st.bytes_loaded = source.bytes_read
     st.restarts = restarts
     st.errors = list(source.errors)
     st.seconds = time.perf_counter() - t0

@@ -181,12 +181,7 @@ def _simulate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if not 0 <= args.restore_share <= 1:
         parser.error("--restore-share must be between 0 and 1")
-    if (
-        args.bandwidth <= 0
-        or args.rate <= 0
-        or args.duration <= 0
-        or (args.batch is not None and args.batch <= 0)
-    ):
+    if min(args.bandwidth, args.rate, args.duration) <= 0 or (args.batch is not None and args.batch <= 0):
         parser.error("--bandwidth, --rate, --duration and --batch must be positive")
     try:
         prof = Profile.load(args.profile)

@@ -46,7 +46,9 @@ class Progress:
         self._open = False
 
     def __call__(self, message: str) -> None:
-        self._end_tick()
+        if self._open:  # end the line `tick` left open
+            print(file=self.stream)
+            self._open = False
         print(f"[{time.perf_counter() - self.t0:6.1f}s] {message}", file=self.stream, flush=True)
 
     def tick(self, message: str) -> None:
@@ -56,11 +58,6 @@ class Progress:
             f"\r[{time.perf_counter() - self.t0:6.1f}s] {message}\x1b[K", end="", file=self.stream, flush=True
         )
         self._open = True
-
-    def _end_tick(self) -> None:
-        if self._open:
-            print(file=self.stream)
-            self._open = False
 
 
 @dataclass
@@ -74,10 +71,6 @@ class PolicyRun:
     store: str = "local disk"
     unit: str = "chunks"  # what `computed` and `loaded` count: "chunks", or "layers" for layer-wise
     failed_loads: int = 0  # stored chunks found unusable (and recomputed, then saved again), all rounds
-
-
-def default_store_url() -> str:
-    return (cache_root() / "demo-store").as_uri()
 
 
 async def run_demo(
@@ -97,7 +90,7 @@ async def run_demo(
     backend = HFBackend.from_smollm2(dtype=torch.float32)
     tok = backend.tokenizer
     assert tok is not None  # from_smollm2 loads the model's own tokenizer
-    store_url = store_url or default_store_url()
+    store_url = store_url or (cache_root() / "demo-store").as_uri()
     if fresh and store_url.startswith("file://"):
         import shutil
 

@@ -54,10 +54,7 @@ def recompute_seconds_per_layer(ratio: float, prefill_seconds_per_layer: float) 
 
 
 def choose_ratio(
-    load_s_per_layer: float,
-    prefill_s_per_layer: float,
-    floor: float = 0.15,
-    ceiling: float = 1.0,
+    load_s_per_layer: float, prefill_s_per_layer: float, floor: float = 0.15, ceiling: float = 1.0
 ) -> float:
     """The recompute ratio whose per-layer recompute time equals the per-layer load time, clamped to
     [floor, ceiling]: as much quality as loading hides for free, and never less than the floor."""

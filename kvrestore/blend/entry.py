@@ -71,12 +71,5 @@ async def blend_prompt(
     total = len(head) + sum(len(t) for t in parts) + len(tail)
     check_length(backend, total, "the blend (prefix, chunks and suffix)")
     return await restore_blend(
-        blend_backend(backend),
-        store,
-        parts,
-        tail,
-        policy,
-        prefix=head,
-        lane=lane,
-        keys=keys,
+        blend_backend(backend), store, parts, tail, policy, prefix=head, lane=lane, keys=keys
     )

@@ -284,9 +284,7 @@ class CostLearner:
                 )
             if layer is None:  # only token-wise units: one layer is a prefill's share
                 layer = LayerCost(
-                    chunk.fixed_s / n_layers,
-                    chunk.per_token_s / n_layers,
-                    chunk.per_token2_s / n_layers,
+                    chunk.fixed_s / n_layers, chunk.per_token_s / n_layers, chunk.per_token2_s / n_layers
                 )
             self._fitted = Profile(
                 s.machine,

@@ -182,13 +182,7 @@ class BoundaryReader:
             self.bytes_read += len(data)
             self._got[c] = await anyio.to_thread.run_sync(
                 lambda: codec.decode_boundary(
-                    data,
-                    self.spec,
-                    ref.key,
-                    ref.start,
-                    ref.n_tokens,
-                    self.layer,
-                    self.hidden_size,
+                    data, self.spec, ref.key, ref.start, ref.n_tokens, self.layer, self.hidden_size
                 )
             )
         except LOAD_FAULTS as exc:

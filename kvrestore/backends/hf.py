@@ -328,15 +328,12 @@ class HFBackend:
     def prefill_into(
         self, tokens: torch.Tensor, cache: torch.Tensor, start: int, *, logits: bool = False
     ) -> torch.Tensor | None:
-        """Compute `tokens` at positions [start, end) straight into `cache` [L, 2, H, N, D] (N >= end).
-
-        The cache's tokens [0, start) must hold valid KV; each layer's new K (after RoPE) and V are
-        written to `cache[layer, :, :, start:end]` and the new queries attend over the cache view
-        `[:end]`, so the past is never copied. With a past on CUDA the attention runs as SDPA with a
-        lower-right causal bias (flash / memory-efficient kernels, no mask tensor); see
-        `attention_plan`. Tokens after `end` are neither read nor written. Returns the last token's
-        logits ([vocab], float32) when `logits` is set, else None. Nothing here waits for the device.
-        """
+        """`PrefillsInto.prefill_into`: `tokens` at positions [start, end) computed straight into `cache`
+        [L, 2, H, N, D] (N >= end), over its view `[:end]` (the past is never copied; tokens after `end`
+        are neither read nor written). With a past on CUDA the attention runs as SDPA with a lower-right
+        causal bias (flash / memory-efficient kernels, no mask tensor; `attention_plan`). Returns the
+        last token's logits ([vocab], float32) when `logits` is set, else None. Nothing here waits for
+        the device."""
         tokens = tokens.reshape(-1)
         n = tokens.numel()
         self.check_cache(cache, start, n)

@@ -26,13 +26,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
 
 
-def _causal_mask(n_new: int, n_past: int, device: torch.device) -> torch.Tensor:
-    """Boolean [n_new, n_past + n_new]: query i sees keys up to position n_past + i."""
-    q = torch.arange(n_new, device=device).unsqueeze(1) + n_past
-    k = torch.arange(n_past + n_new, device=device).unsqueeze(0)
-    return k <= q
-
-
 # what flash attention runs on (it takes grouped K/V heads as they are; the memory-efficient kernel does not)
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
@@ -78,8 +71,9 @@ def attend_fn(
         kwargs["is_causal"] = True
     elif mode == "lower_right":
         kwargs["attn_mask"] = causal_lower_right(n_new, n_past + n_new)
-    else:
-        kwargs["attn_mask"] = _causal_mask(n_new, n_past, device)
+    else:  # boolean [n_new, n_past + n_new]: query i sees keys up to position n_past + i
+        q = torch.arange(n_new, device=device).unsqueeze(1) + n_past
+        kwargs["attn_mask"] = torch.arange(n_past + n_new, device=device).unsqueeze(0) <= q
     if rep > 1 and not expand:
         kwargs["enable_gqa"] = True
     sdpa = F.scaled_dot_product_attention

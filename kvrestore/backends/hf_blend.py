@@ -337,18 +337,13 @@ class HFBlend:
         CUDA the caller holds `without_cudnn_attention`, so it runs on the memory-efficient kernel (flash
         takes no mask), over K/V heads already expanded to the query heads (that kernel has no grouped-
         query support): cuDNN's attention would build a new execution plan (tens of milliseconds) for
-        every new number of selected rows, and the selection shrinks layer by layer."""
-        if q.device.type != "cuda":
-            return self._sdpa(q, k, v, attn_mask=mask)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self._scaling)
-
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        """Scaled dot-product attention with the model's scale, grouped-query heads expanded if needed."""
-        if self._n_heads != self._n_kv:
+        every new number of selected rows, and the selection shrinks layer by layer. On a CPU grouped-query
+        heads are taken as they are where torch can (`enable_gqa`), else expanded here."""
+        kwargs: dict[str, Any] = {}
+        if q.device.type != "cuda" and self._n_heads != self._n_kv:
             if _SDPA_GQA:
                 kwargs["enable_gqa"] = True
             else:
                 rep = self._n_heads // self._n_kv
-                k = k.repeat_interleave(rep, dim=1)
-                v = v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, scale=self._scaling, **kwargs)
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self._scaling, **kwargs)

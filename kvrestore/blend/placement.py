@@ -75,19 +75,17 @@ class StorePlacement:
             load = self.load_s_per_layer(o)
             mark = "<- chosen" if o.name == self.candidate.name else ""
             fits = "hides" if load <= self.recompute_s_per_layer else "adds delay"
+            # a store whose reads take no measurable time per byte (memory) fits to an absurd bandwidth
+            bandwidth = o.bandwidth_bytes_per_s
+            rate = "> 1 TB/s" if bandwidth >= 1e12 else f"{bandwidth / 1e6:.1f} MB/s"
             lines.append(
-                f"  {o.name}: {_rate(o.bandwidth_bytes_per_s)}, round trip {o.latency_s * 1e3:.2f} ms, "
+                f"  {o.name}: {rate}, round trip {o.latency_s * 1e3:.2f} ms, "
                 f"load {load * 1e3:.2f} ms per layer ({fits}), cost {o.cost_per_gb:g} {mark}".rstrip()
             )
         lines += [
             f"  {name}: left out, could not be measured ({err})" for name, err in self.unreachable.items()
         ]
         return "\n".join(lines)
-
-
-def _rate(bytes_per_s: float) -> str:
-    # a store whose reads take no measurable time per byte (memory) fits to an absurd bandwidth
-    return "> 1 TB/s" if bytes_per_s >= 1e12 else f"{bytes_per_s / 1e6:.1f} MB/s"
 
 
 async def measure_store(

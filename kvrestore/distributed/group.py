@@ -32,18 +32,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def default_backend() -> str:
-    """NCCL where there is a GPU, gloo on the CPU."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
-
-
 def init_stages(timeout_s: float = 60.0, backend: str | None = None) -> dist.ProcessGroup:
     """Join the process group torchrun (or the environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) set
-    up, if not joined yet, and return a gloo group over every rank with `timeout_s` for kvrestore's own
-    messages (plans, outcomes, hidden states: small, and gloo works beside NCCL)."""
+    up, if not joined yet (with `backend`, by default NCCL where there is a GPU, gloo on the CPU), and
+    return a gloo group over every rank with `timeout_s` for kvrestore's own messages (plans, outcomes,
+    hidden states: small, and gloo works beside NCCL)."""
     timeout = timedelta(seconds=check_seconds("timeout_s", timeout_s) or 60.0)
     if not dist.is_initialized():
-        dist.init_process_group(backend or default_backend(), timeout=timeout)
+        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"), timeout=timeout)
     if dist.get_backend() == "gloo":
         return world()
     return dist.new_group(backend="gloo", timeout=timeout)

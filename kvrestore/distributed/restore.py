@@ -360,8 +360,7 @@ def gather_kv(
                 )
             ).wait(wait)
             return None
-        n = result.shard.shape[3]
-        kv = KVCache.empty(spec, n)
+        kv = KVCache.empty(spec, result.shard.shape[3])
         for s, (a, b) in enumerate(layout.stages):
             if s == dst:
                 kv.data[a:b].copy_(result.shard)

@@ -216,10 +216,7 @@ def fmt(x: Any, digits: int = 3) -> str:
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None) -> str:
     """A plain aligned text table; numbers right-aligned."""
     cells = [[fmt(c) for c in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in cells:
-        for i, c in enumerate(row):
-            widths[i] = max(widths[i], len(c))
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
     numeric = [
         all(isinstance(r[i], (int, float)) and not isinstance(r[i], bool) for r in rows if r[i] is not None)
         for i in range(len(headers))

@@ -164,14 +164,9 @@ class Bench:
             f"compute-only restore {compute_s:.2f} s for {total / 1e6:.1f} MB: balance {balance / 1e6:.2f} MB/s"
         )
         self._balance, self._compute_s = balance, compute_s
+        links = {m: ThrottledStore(self.inner, balance * m) for m in cfg.multipliers}
         stores = {
-            m: Restorer(
-                self.backend,
-                ThrottledStore(self.inner, balance * m),
-                cfg.chunk_size,
-                load_lanes=cfg.load_lanes,
-            )
-            for m in cfg.multipliers
+            m: Restorer(self.backend, s, cfg.chunk_size, load_lanes=cfg.load_lanes) for m, s in links.items()
         }
         runs: dict[str, list[Run]] = {}
         oracle: dict[float, list[float]] = {m: [] for m in cfg.multipliers}

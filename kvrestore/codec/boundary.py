@@ -27,6 +27,8 @@ from kvrestore.codec.header import (
     Buffer,
     _require_little_endian,
     body_start_after,
+    expect_fields,
+    frame,
 )
 from kvrestore.core.errors import CorruptChunkError, ForeignChunkError, InvalidInputError, TruncatedChunkError
 from kvrestore.core.spec import ModelSpec, dtype_name
@@ -87,12 +89,7 @@ def encode_boundary(hidden: torch.Tensor, spec: ModelSpec, chunk_key: str, start
             )
         )
 
-    offset = PREFIX_SIZE
-    while body_start_after(PREFIX_SIZE + len(header_for(offset))) != offset:  # the chunk format's fixed point
-        offset = body_start_after(PREFIX_SIZE + len(header_for(offset)))
-    hdr = header_for(offset)
-    pad = bytes(offset - PREFIX_SIZE - len(hdr))
-    return b"".join([_PREFIX.pack(BOUNDARY_MAGIC, len(hdr), zlib.crc32(hdr)), hdr, pad, payload])
+    return frame(BOUNDARY_MAGIC, header_for, [payload])
 
 
 def decode_boundary(
@@ -130,9 +127,7 @@ def decode_boundary(
         "hidden_size": hidden_size,
         "dtype": dtype_name(spec.dtype),
     }
-    for name, value in want.items():
-        if getattr(header, name) != value:
-            raise ForeignChunkError(f"boundary {name} is {getattr(header, name)!r}, expected {value!r}")
+    expect_fields("boundary", header, want)
     size = n_tokens * hidden_size * spec.dtype.itemsize
     if header.length != size or header.offset != body_start_after(PREFIX_SIZE + hlen):
         raise CorruptChunkError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 import sys
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
 import msgspec
@@ -169,6 +169,26 @@ def body_start_after(header_end: int) -> int:
     return -(-header_end // BODY_ALIGN) * BODY_ALIGN
 
 
+def frame(magic: bytes, header_for: Callable[[int], bytes], payloads: Sequence[Buffer]) -> bytes:
+    """The object: prefix, the header `header_for(body_start)` encodes, zero padding, then `payloads`.
+
+    Offsets are absolute, so the header's size depends on the offsets it holds. msgpack ints only grow
+    with their value, so growing body_start until it stops changing reaches the exact fixed point."""
+    body_start, hdr = PREFIX_SIZE, header_for(PREFIX_SIZE)
+    while (after := body_start_after(PREFIX_SIZE + len(hdr))) != body_start:
+        body_start, hdr = after, header_for(after)
+    prefix = _PREFIX.pack(magic, len(hdr), zlib.crc32(hdr))
+    return b"".join([prefix, hdr, bytes(body_start - PREFIX_SIZE - len(hdr)), *payloads])
+
+
+def expect_fields(what: str, header: object, want: Mapping[str, object]) -> None:
+    """ForeignChunkError naming the first field of `header` that is not what `want` says."""
+    for field, value in want.items():
+        got = getattr(header, field)
+        if got != value:
+            raise ForeignChunkError(f"{what} {field} is {got!r}, expected {value!r}")
+
+
 def _check_sections(header: ChunkHeader, header_end: int) -> None:
     """Sections must follow the header's padding back to back in layer order: no gaps, overlaps or odd
     sizes."""
@@ -194,10 +214,7 @@ def _check_spec(header: ChunkHeader, spec: ModelSpec) -> quant.Encoding:
         "num_kv_heads": spec.num_kv_heads,
         "head_dim": spec.head_dim,
     }
-    for field, want in expect.items():
-        got = getattr(header, field)
-        if got != want:
-            raise ForeignChunkError(f"chunk {field} is {got!r}, expected {want!r}")
+    expect_fields("chunk", header, expect)
     enc = header_encoding(header, spec)
     if key_tile(header) and not enc.native:
         raise ForeignChunkError(f"key tiles in a chunk of the {enc.name} encoding")
@@ -222,10 +239,7 @@ def check_header(
     with a `seal`, UnauthenticatedChunkError first unless the header carries its valid MAC."""
     if seal is not None:
         seal.check(header, _ENCODER)
-    for field, want in (("key", key), ("start", start), ("n_tokens", n_tokens)):
-        got = getattr(header, field)
-        if got != want:
-            raise ForeignChunkError(f"chunk {field} is {got!r}, expected {want!r}")
+    expect_fields("chunk", header, {"key": key, "start": start, "n_tokens": n_tokens})
     enc = _check_spec(header, spec)
     if enc.name != encoding:
         raise ForeignChunkError(f"chunk encoding is {enc.name!r}, this reader reads {encoding!r}")

@@ -53,7 +53,7 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except OSError:  # exists, owned by someone else
-        return True
+        pass
     return True
 
 
@@ -150,16 +150,14 @@ def _on_file(path: str, read: Callable[[int], T]) -> T | None:
     """`read(fd)` on the open file at `path`; None when it is absent; OS errors as StoreError."""
     try:
         fd = os.open(path, os.O_RDONLY)
+        try:
+            return read(fd)
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         return None
     except OSError as e:
         raise StoreError(f"cannot read {path}: {type(e).__name__}: {e}") from e
-    try:
-        return read(fd)
-    except OSError as e:
-        raise StoreError(f"cannot read {path}: {type(e).__name__}: {e}") from e
-    finally:
-        os.close(fd)
 
 
 def _read_file_into(path: str, buffer: memoryview) -> int | None:
@@ -181,10 +179,6 @@ def _delete_file(path: str) -> None:
         pass
     except OSError as e:
         raise StoreError(f"cannot delete {path}: {type(e).__name__}: {e}") from e
-
-
-async def _thread(fn: Callable[[], T]) -> T:
-    return await anyio.to_thread.run_sync(fn)
 
 
 async def _abandonable(fn: Callable[[], T]) -> T:
@@ -313,7 +307,7 @@ class LocalStore(ChunkStore):
 
     async def read_into(self, key: str, buffer: memoryview) -> int | None:
         if self._preads:
-            return await _thread(partial(_read_file_into, self.path(key), buffer))
+            return await anyio.to_thread.run_sync(_read_file_into, self.path(key), buffer)
         return await super().read_into(key, buffer)
 
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
@@ -330,7 +324,7 @@ class LocalStore(ChunkStore):
 
     async def put(self, key: str, data: bytes) -> None:
         self._check_writable("write", key)
-        await _thread(partial(self._write, self.path(key), data))
+        await anyio.to_thread.run_sync(self._write, self.path(key), data)
 
     def _check_writable(self, what: str, key: str) -> None:
         if self.read_only:
@@ -347,7 +341,7 @@ class LocalStore(ChunkStore):
 
     async def scan(self) -> list[StoredObject]:
         """Every object under the root (temp files and foreign names skipped)."""
-        return await _thread(self._scan)
+        return await anyio.to_thread.run_sync(self._scan)
 
     def _scan(self) -> list[StoredObject]:
         """One listing per shard directory, except shards whose directory has not changed since a
@@ -389,7 +383,7 @@ class LocalStore(ChunkStore):
 
     async def delete(self, key: str) -> None:
         self._check_writable("delete", key)
-        await _thread(partial(_delete_file, self.path(key)))
+        await anyio.to_thread.run_sync(_delete_file, self.path(key))
 
     def __repr__(self) -> str:
         return f"LocalStore({self.name!r})"

@@ -29,7 +29,6 @@ import torch
 from kvrestore.core.errors import InvalidInputError
 
 DEFAULT_CHUNK_SIZE = 256
-KEY_HEX_LEN = 40  # blake2b digest_size=20
 
 
 @dataclass(frozen=True)

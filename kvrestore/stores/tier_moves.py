@@ -55,21 +55,9 @@ class DirtyEntry:
 
 
 class TierMoves:
-    """Promotion and write-back between `tiers` (top first), in the background.
-
-    Parameters
-    ----------
-    tiers: sequence of ChunkStore
-        The tiers, fastest first.
-    promote: bool
-        Whether a lower tier's hit is copied into the tiers above it.
-    max_promote_bytes: int
-        Bytes of promotions in flight at most; a promotion past it is skipped.
-    flush_concurrency: int
-        Write-back copies in flight at most.
-    flush_retries: int
-        Failed write-back rounds in a row before the flusher waits for the next put or flush.
-    """
+    """Promotion and write-back between `tiers` (top first), in the background; the parameters are
+    `TieredStore`'s. After `flush_retries` failed write-back rounds in a row the flusher waits for the
+    next put or flush."""
 
     def __init__(
         self,

@@ -26,14 +26,9 @@ _DTYPES: dict[str, torch.dtype] = {
 # checkpoints that differ in training (fine-tunes change almost every weight).
 _SAMPLE_ELEMENTS = 1 << 16
 
-
 # Config entries that say where or with what a model was loaded, not what it computes: a model copied
 # to another directory, or loaded by another transformers release, still shares its cache.
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "quantization_config"}
-
-
-def _identity_config(config: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -58,8 +53,7 @@ class ModelSpec:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V over all layers for one token."""
-        itemsize = self.dtype.itemsize
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @staticmethod
     def compute_fingerprint(
@@ -68,7 +62,10 @@ class ModelSpec:
         """blake2b over the canonical config JSON, a strided sample of every weight tensor, and dtype."""
         h = hashlib.blake2b(digest_size=16)
         h.update(b"kvrestore-spec-v1\0")
-        h.update(json.dumps(_identity_config(config), sort_keys=True, default=str).encode())
+        identity = {
+            k: v for k, v in config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS
+        }
+        h.update(json.dumps(identity, sort_keys=True, default=str).encode())
         h.update(dtype_name(dtype).encode())
         h.update(extra.encode())
         for name, tensor in named_tensors:

@@ -70,20 +70,12 @@ from kvrestore.codec.header import (
     span_sections,
     spec_encoding,
 )
-from kvrestore.codec.layout import place_host_rows, place_rows, tile_keys
+from kvrestore.codec.layout import _INT_OF_SIZE, place_host_rows, place_rows, tile_keys
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import CorruptChunkError, InvalidInputError, TruncatedChunkError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec, dtype_name
-
-#: same-sized integer types, to copy any KV dtype (bfloat16 included) through numpy
-_INT_OF_SIZE = {
-    1: (torch.uint8, np.uint8),
-    2: (torch.int16, np.int16),
-    4: (torch.int32, np.int32),
-    8: (torch.int64, np.int64),
-}
 
 # -- encode --------------------------------------------------------------------------------------
 
@@ -280,9 +272,8 @@ def copy_bytes(dst: torch.Tensor, data: Buffer, key_tile: int = 0) -> None:
     on the CPU through numpy views of both sides; elsewhere through a host tensor over the bytes.
     """
     if dst.device.type == "cpu":
-        as_torch, as_numpy = _INT_OF_SIZE[dst.element_size()]
-        src = np.frombuffer(data, as_numpy).reshape(dst.shape)
-        place_host_rows(dst.view(as_torch).numpy(), src, key_tile)
+        host = dst.view(_INT_OF_SIZE[dst.element_size()]).numpy()  # any KV dtype, bfloat16 included
+        place_host_rows(host, np.frombuffer(data, host.dtype).reshape(dst.shape), key_tile)
         return
     place_rows(dst, byte_tensor(data).view(dst.dtype).view(dst.shape), key_tile)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+#: same-sized integer types, to copy any KV dtype (bfloat16 included) through numpy
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

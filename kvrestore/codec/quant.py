@@ -54,10 +54,7 @@ def _round_up(n: int, to: int = _ALIGN) -> int:
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    n = dtype.itemsize
-    for s in shape:
-        n *= s
-    return n
+    return dtype.itemsize * math.prod(shape)
 
 
 @dataclass(frozen=True)
@@ -151,10 +148,6 @@ class _PerToken(Encoding):
         torch.mul(q, parts["scale"].to(work).unsqueeze(-1), out=out)
 
 
-class _Int8(_PerToken):
-    pass
-
-
 class _Fp8(_PerToken):
     stored = torch.float8_e4m3fn
     limit = 448.0
@@ -222,7 +215,7 @@ class _Int4(Encoding):
 
 _KINDS: dict[str, tuple[type[Encoding], str, int]] = {
     "native": (Encoding, "", 0),
-    "int8": (_Int8, "bfloat16", 0),
+    "int8": (_PerToken, "bfloat16", 0),
     "fp8": (_Fp8, "bfloat16", 0),
     "int4": (_Int4, "float16", GROUP),
 }

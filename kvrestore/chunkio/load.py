@@ -235,42 +235,33 @@ class ChunkLoader:
                 codec.verify_sections(header, data)
             # read into pinned staging, else a pinned store's object as it is or one GIL-free copy
             host = staging.tensor if staging is not None else transfer.pinned(data)
-            self._upload_verify(header, host, dest, transfer)
+            # the body to the device on the load stream, then every layer's device checksum compared
+            expected = [s.device_sum for s in header.layers] if self._device_checkable(dest) else None
+            body = host[header.layers[0].offset : header.end]
+            upload_checked(body, dest, expected, transfer, self.encoding, codec.key_tile(header))
 
     def _device_checkable(self, dest: torch.Tensor) -> bool:
         """Whether sections are checked on the device: encoded ones always (whole words), native ones
         where a row is whole words."""
         return not self.encoding.native or device_checkable(self.spec.head_dim * dest.element_size())
 
-    def _upload_verify(
-        self, header: codec.ChunkHeader, host: torch.Tensor, dest: torch.Tensor, transfer: Transfer
-    ) -> None:
-        """Copy the body (in pinned `host`: staged by `transfer`, or a pinned store's object) to the
-        device on the load stream, then compare every layer's device checksum (and decode an encoded
-        body into `dest` there)."""
-        expected = [section.device_sum for section in header.layers] if self._device_checkable(dest) else None
-        body = host[header.layers[0].offset : header.end]
-        upload_checked(body, dest, expected, transfer, self.encoding, codec.key_tile(header))
-
     def _place_decoded(
         self, header: codec.ChunkHeader, data: memoryview, dest: torch.Tensor, transfer: Transfer
     ) -> None:
         """A compressed chunk: verified and decompressed on the host, into `dest` or into a buffer
         `transfer` stages, then uploaded."""
+        out = dest
+        if dest.device.type == "cuda":
+            nbytes = dest.numel() * dest.element_size()
+            out = transfer.stage(nbytes).tensor[:nbytes].view(dest.dtype).view(dest.shape)
         n_tokens = int(dest.shape[3])
-        if dest.device.type != "cuda":
-            codec.decode_chunk(
-                data, self.spec, header.key, header.start, n_tokens, out=dest, encoding=self.encoding.name
-            )
-            return
-        staging = transfer.stage(dest.numel() * dest.element_size())
-        host = staging.tensor[: dest.numel() * dest.element_size()].view(dest.dtype).view(dest.shape)
         codec.decode_chunk(
-            data, self.spec, header.key, header.start, n_tokens, out=host, encoding=self.encoding.name
+            data, self.spec, header.key, header.start, n_tokens, out=out, encoding=self.encoding.name
         )
-        with transfer.running():
-            dest.copy_(host, non_blocking=True)
-        transfer.wait()
+        if out is not dest:
+            with transfer.running():
+                dest.copy_(out, non_blocking=True)
+            transfer.wait()
 
 
 def upload_checked(

@@ -14,6 +14,7 @@ import anyio
 import anyio.to_thread
 
 from kvrestore import codec
+from kvrestore.chunkio.stored import first_error
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import WRITE_FAULTS, SaveError
 from kvrestore.core.keys import ChunkRef
@@ -84,11 +85,3 @@ async def write_chunks(
             failed,
         ) from first
     return nbytes
-
-
-def first_error(group: BaseExceptionGroup) -> BaseException:
-    """The first error inside (nested) exception groups."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc

@@ -32,10 +32,15 @@ async def each(fn: Callable[[int], Coroutine[Any, Any, None]], indices: Sequence
             for j in indices:
                 tg.start_soon(fn, j)
     except BaseExceptionGroup as group:
-        exc: BaseException = group
-        while isinstance(exc, BaseExceptionGroup):
-            exc = exc.exceptions[0]
-        raise exc from None
+        raise first_error(group) from None
+
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The first error inside (nested) exception groups."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
 
 
 @dataclass(frozen=True)

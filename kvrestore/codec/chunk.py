@@ -22,11 +22,8 @@ format 4, byte for byte, and read by both. Format 4 added the encodings (the hea
 checksum. A chunk of an older format is foreign to this reader: a clean miss, recomputed and written
 again in the current format.
 
-The framing (prefix, header, reading and checking it) is `codec.header`; boundary activations
-(`codec.boundary`) use the same framing under their own magic.
-
-Readers fetch `HEADER_PROBE` bytes first; `read_header` raises `TruncatedChunkError` when the header is
-longer than what was fetched, and `header_length` says how much to fetch instead.
+The framing (prefix, header, reading and checking it: `probe_header`) is `codec.header`; boundary
+activations (`codec.boundary`) use the same framing under their own magic.
 """
 
 from __future__ import annotations

@@ -43,11 +43,8 @@ from kvrestore.stores.wrapper import WrapperStore
 
 
 class BoundedStore(WrapperStore):
-    """`inner` capped at `capacity_bytes`, evicting by `eviction` ("lru", "fifo" or a policy object).
-
-    See the module docstring: room is reserved before a write, shared by the processes of a local
-    directory, per process elsewhere; an object larger than the capacity raises StoreError.
-    """
+    """`inner` capped at `capacity_bytes`, evicting by `eviction` ("lru", "fifo" or a policy object);
+    see the module docstring."""
 
     #: seconds a write waits for room held by other writes in flight before it fails (StoreError)
     room_timeout_s: float = 30.0

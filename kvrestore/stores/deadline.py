@@ -117,7 +117,7 @@ class DeadlineStore(WrapperStore):
             self._back_off()
 
     def _back_off(self) -> None:
-        """A call ran past its deadline: the store counts as down for the next back-off (doubling)."""
+        """Count the store as down for the next back-off (doubling)."""
         self.timeouts += 1
         d = self.deadlines
         self._backoff = min(d.max_backoff_s, self._backoff * 2 if self._backoff else d.backoff_s)

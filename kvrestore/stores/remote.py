@@ -241,8 +241,6 @@ class FsspecStore(ChunkStore):
     async def _cat(self, key: str, start: int | None = None, end: int | None = None) -> bytes | None:
         path = self.path(key)
         try:
-            if start is None:
-                return bytes(await self._call("cat_file", path))
             return bytes(await self._call("cat_file", path, start=start, end=end))
         except FileNotFoundError:
             return None

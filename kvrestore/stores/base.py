@@ -9,16 +9,21 @@ never name a path outside the store.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 import numpy as np
 
 from kvrestore.core.errors import InvalidInputError, StoreError
+
+T = TypeVar("T")
 
 _KEY_RE = re.compile(r"^[0-9a-f]{16,128}$")
 
@@ -43,6 +48,21 @@ async def copy_object(buffer: memoryview, data: bytes | bytearray | memoryview) 
     else:
         await anyio.to_thread.run_sync(copy_into, buffer, data)
     return len(data)
+
+
+async def in_order(calls: Sequence[Callable[[], Awaitable[T]]], limit: int | None = None) -> list[T]:
+    """Run `calls` concurrently, at most `limit` at a time where given; their results in order."""
+    out: list[Any] = [None] * len(calls)
+    limiter = anyio.CapacityLimiter(limit) if limit else contextlib.nullcontext()
+
+    async def one(i: int) -> None:
+        async with limiter:
+            out[i] = await calls[i]()
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(calls)):
+            tg.start_soon(one, i)
+    return out
 
 
 def mirrors_reads_of(
@@ -124,15 +144,7 @@ class ChunkStore(ABC):
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """Fetch several objects concurrently."""
-        out: list[bytes | None] = [None] * len(keys)
-
-        async def one(i: int, k: str) -> None:
-            out[i] = await self.get(k)
-
-        async with anyio.create_task_group() as tg:
-            for i, k in enumerate(keys):
-                tg.start_soon(one, i, k)
-        return out
+        return await in_order([partial(self.get, k) for k in keys])
 
     async def read_into(self, key: str, buffer: memoryview) -> int | None:
         """Read the object into `buffer` from its first byte, with as few bulk copies as the store allows.
@@ -181,15 +193,7 @@ class ChunkStore(ABC):
 
     async def get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes | None]:
         """Several byte ranges of one object, fetched concurrently."""
-        out: list[bytes | None] = [None] * len(ranges)
-
-        async def one(i: int, a: int, b: int) -> None:
-            out[i] = await self.get_range(key, a, b)
-
-        async with anyio.create_task_group() as tg:
-            for i, (a, b) in enumerate(ranges):
-                tg.start_soon(one, i, a, b)
-        return out
+        return await in_order([partial(self.get_range, key, a, b) for a, b in ranges])
 
     async def scan(self) -> list[StoredObject]:
         """Every object the store holds (to rebuild a capacity index after a restart).

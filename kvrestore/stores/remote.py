@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from functools import partial
 from typing import Any, TypeVar
@@ -29,7 +29,7 @@ import anyio.to_thread
 import fsspec
 
 from kvrestore.core.errors import InvalidInputError, StoreError
-from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object
+from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object, in_order
 from kvrestore.stores.files import SUFFIX, check_range, filesystem_class, is_local, stored_key
 from kvrestore.stores.local import LocalStore
 
@@ -260,22 +260,12 @@ class FsspecStore(ChunkStore):
         return True
 
     @staticmethod
-    async def _batch(calls: Sequence[Callable[[], Any]], convert: Callable[[Any], T]) -> list[T]:
-        """Run coroutine factories concurrently, at most REMOTE_CONCURRENCY at a time, results in order."""
-        out: list[Any] = [None] * len(calls)
-        limiter = anyio.CapacityLimiter(REMOTE_CONCURRENCY)
-
-        async def one(i: int) -> None:
-            async with limiter:
-                out[i] = convert(await calls[i]())
-
+    async def _batch(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
+        """`in_order(calls)`, at most REMOTE_CONCURRENCY at a time; a failure raised by itself."""
         try:
-            async with anyio.create_task_group() as tg:
-                for i in range(len(calls)):
-                    tg.start_soon(one, i)
+            return await in_order(calls, REMOTE_CONCURRENCY)
         except BaseExceptionGroup as group:  # the first failure, by itself, says what went wrong
             raise group.exceptions[0] from None
-        return out
 
     # -- ChunkStore --------------------------------------------------------------------------------
 
@@ -329,12 +319,12 @@ class FsspecStore(ChunkStore):
                 return await anyio.to_thread.run_sync(lambda: [bool(self.fs.exists(p)) for p in paths])
             # Object stores have no multi-key HEAD: all requests go out at once (one round trip of
             # latency for up to REMOTE_CONCURRENCY keys), never one after another.
-            return await self._batch([partial(self._exists, p) for p in paths], bool)
+            return await self._batch([partial(self._exists, p) for p in paths])
         except Exception as e:
             raise StoreError(f"cannot list {self.name}: {type(e).__name__}: {e}") from e
 
     async def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return await self._batch([partial(self._cat, k) for k in keys], lambda x: x)
+        return await self._batch([partial(self._cat, k) for k in keys])
 
     async def scan(self) -> list[StoredObject]:
         """Every object under the root (temp files and foreign names skipped): one listing."""

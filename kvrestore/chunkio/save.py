@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 import anyio.to_thread
@@ -20,7 +21,7 @@ from kvrestore.core.errors import WRITE_FAULTS, SaveError
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
-from kvrestore.stores.base import ChunkStore
+from kvrestore.stores.base import ChunkStore, in_order
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -71,9 +72,7 @@ async def write_chunks(
             nbytes += len(blob)
 
     try:
-        async with anyio.create_task_group() as tg:
-            for ref in refs:
-                tg.start_soon(write, ref)
+        await in_order([partial(write, ref) for ref in refs])
     except BaseExceptionGroup as group:  # a bug, not a store fault: raise it as itself
         raise first_error(group) from None
     if failed:

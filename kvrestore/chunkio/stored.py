@@ -6,11 +6,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
-import anyio
-
 from kvrestore.core.errors import ChunkDecodeError
+from kvrestore.stores.base import in_order
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
@@ -28,9 +28,7 @@ class ChunkLoadFailed(ChunkDecodeError):
 async def each(fn: Callable[[int], Coroutine[Any, Any, None]], indices: Sequence[int]) -> None:
     """fn(j) for every j concurrently; an unexpected error is raised as itself, not as a group."""
     try:
-        async with anyio.create_task_group() as tg:
-            for j in indices:
-                tg.start_soon(fn, j)
+        await in_order([partial(fn, j) for j in indices])
     except BaseExceptionGroup as group:
         raise first_error(group) from None
 

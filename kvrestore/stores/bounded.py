@@ -36,7 +36,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from kvrestore.core.errors import StoreError, check_int
-from kvrestore.stores.base import ChunkStore, check_key
+from kvrestore.stores.base import ChunkStore, check_key, in_order
 from kvrestore.stores.eviction import EvictionPolicy, make_policy
 from kvrestore.stores.shared_dir import SharedDir
 from kvrestore.stores.wrapper import WrapperStore
@@ -178,9 +178,7 @@ class BoundedStore(WrapperStore):
                     stuck += nbytes
 
             with anyio.CancelScope(shield=True):  # an eviction half done would leave the index wrong
-                async with anyio.create_task_group() as tg:
-                    for key, nbytes in victims:
-                        tg.start_soon(drop, key, nbytes)
+                await in_order([partial(drop, key, nbytes) for key, nbytes in victims])
         return max(0, self.bytes_used + held + stuck + size - self.capacity_bytes), held
 
     async def _reserve(self, key: str, size: int) -> Callable[[], None]:

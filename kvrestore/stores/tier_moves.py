@@ -13,12 +13,13 @@ import asyncio
 import copy
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import anyio
 
 from kvrestore.core.errors import STORE_FAULTS
 from kvrestore.stores.background import Background
-from kvrestore.stores.base import ChunkStore
+from kvrestore.stores.base import ChunkStore, in_order
 
 
 @dataclass
@@ -142,9 +143,7 @@ class TierMoves:
             except STORE_FAULTS as exc:
                 failures[i] = self.failed(i, exc)
 
-        async with anyio.create_task_group() as tg:
-            for i in tiers:
-                tg.start_soon(one, i)
+        await in_order([partial(one, i) for i in tiers])
         return failures
 
     # -- promotion -------------------------------------------------------------------------------------

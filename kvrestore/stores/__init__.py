@@ -1,12 +1,9 @@
 """Chunk stores and `open_store(url)`.
 
-Like fsspec's protocol registry: a URL's scheme picks a factory `factory(url, **options) -> ChunkStore`.
-Built in: `memory://` (MemoryStore, option `capacity_bytes`), `file://` and plain paths (LocalStore, a
-local directory), `s3://` (FsspecStore over s3fs, the `kvrestore[s3]` extra). `register_store` adds more.
-Every built-in scheme takes `capacity_bytes` (and `eviction`, default LRU): a store that really evicts.
-Wrappers compose: `TieredStore([memory, disk, s3])`, `PrefetchStore(s3)`, `BoundedStore(any, n)`; every
-call a wrapper does not change reaches the store inside it (`WrapperStore`). A URL with no path
-("file://") and options a store would silently ignore raise InvalidInputError.
+Like fsspec's protocol registry: a URL's scheme picks a factory `factory(url, **options) -> ChunkStore`
+(the built-in ones: `open_store`; `register_store` adds more). Wrappers compose: `TieredStore([memory,
+disk, s3])`, `PrefetchStore(s3)`, `BoundedStore(any, n)`; every call a wrapper does not change reaches
+the store inside it (`WrapperStore`).
 """
 
 from __future__ import annotations
@@ -63,9 +60,9 @@ def open_store(url: str, **options: Any) -> ChunkStore:
     **options
         `read_only=True` for every scheme: the store is read and never written (a put or a delete is a
         `StoreError`; a local directory must exist and is not probed for writing). Then the store's
-        own: `capacity_bytes` and `eviction` for every built-in store (a local directory
-        with a capacity is wrapped in a `BoundedStore`), s3fs's options
-        (`endpoint_url`, `key`, `secret`, `config_kwargs`, ...) for S3.
+        own: `capacity_bytes` and `eviction` (default LRU) for every built-in store, a store that
+        really evicts (a local directory or S3 with a capacity is wrapped in a `BoundedStore`), s3fs's
+        options (`endpoint_url`, `key`, `secret`, `config_kwargs`, ...) for S3.
 
     Returns
     -------
@@ -74,7 +71,7 @@ def open_store(url: str, **options: Any) -> ChunkStore:
     Raises
     ------
     InvalidInputError
-        An empty URL or a bad option.
+        An empty URL, one with no path ("file://"), or an option the store would silently ignore.
     UnsupportedURLError
         A scheme no store is registered for.
     StoreError

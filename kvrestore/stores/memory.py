@@ -10,6 +10,7 @@ import torch
 from kvrestore.core.errors import InvalidInputError, check_int
 from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object, mirrors_reads_of
 from kvrestore.stores.eviction import EvictionPolicy, make_policy
+from kvrestore.stores.files import check_range
 
 
 class MemoryStore(ChunkStore):
@@ -87,8 +88,7 @@ class MemoryStore(ChunkStore):
         return self._lookup(key)  # type: ignore[return-value]  # a memoryview when pinned: bytes-like
 
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
-        if start < 0 or end < start:
-            raise InvalidInputError(f"invalid byte range [{start}, {end})")
+        check_range(start, end)
         data = self._lookup(key)
         return None if data is None else bytes(data[start:end])
 

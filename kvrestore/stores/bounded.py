@@ -12,10 +12,8 @@ they are read.
 Several processes sharing one store:
 
 * a local directory (`inner.local_dir`, seen through any wrappers, on a POSIX system): one capacity for
-  all of them. Room is made under an exclusive lock on a file in the directory, with the directory as the
-  account: the reservations of every process's writes in flight plus the objects listed then
-  (`shared_dir`). The price is a listing per write; on a local `FsspecStore` it re-reads only the
-  shard directories changed since the last one.
+  all of them, room made under a lock with the directory as the account (`shared_dir`). The price is a
+  listing per write; a `LocalStore` re-reads only the shard directories changed since the last one.
 * any other store (S3, memory, a tiered store): a per-process limit. Each process enforces the capacity
   from its own view (its scan plus what it wrote and read since), so N processes sharing a prefix can
   hold up to N times the capacity; none ever loses an object it was not asked to evict.

@@ -13,9 +13,8 @@ A process killed mid-write leaves its reservation behind, and the partial temp f
 reservation of a process of this host that has exited, or any older than `STALE_TMP_SECONDS`, is
 removed by the next process that takes the lock, with that writer's temp files (a dead process of this
 host: every one of them; an old reservation: those as old), so the directory holds no more than its
-capacity once the reservation's room is given back. The
-kernel drops the lock itself when its holder dies. Local, POSIX filesystems only (`flock`); other stores
-keep a per-process limit (see `BoundedStore`).
+capacity once the reservation's room is given back. The kernel drops the lock itself when its holder
+dies. Local, POSIX filesystems only (`flock`); other stores keep a per-process limit (see `BoundedStore`).
 """
 
 from __future__ import annotations

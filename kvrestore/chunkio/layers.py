@@ -118,8 +118,7 @@ class LayerReader:
         the worker thread instead), then verified and placed in one worker-thread call: one thread hop
         per layer, not one per chunk. Raises `ChunkLoadFailed` naming the chunks whose section was
         missing or damaged (the others are placed). With deferred checks the layer is only queued on
-        the device when this returns (`wait_placed`) and damage shows in `verify`.
-        """
+        the device when this returns (`wait_placed`) and damage shows in `verify`."""
         return await self.read_layers(range(layer, layer + 1), kv)
 
     async def read_layers(self, layers: range, kv: KVCache) -> int:

@@ -45,11 +45,9 @@ class LayerUploads:
         self, layers: range, sections: dict[int, bytes | memoryview | None], kv: KVCache
     ) -> list[tuple[int, BaseException]]:
         """`layers` of chunks `sections` (their fetched spans, or None to read them here from a store
-        that `reads_sync`) into a CUDA cache, blocking, in a worker thread, as one `Transfer` on the
-        reader's lane. The spans go up to one device buffer on its stream (a pinned `MemoryStore`'s
-        object as it lies, other bytes through one shared pinned staging buffer); one
-        `segment_checksums` checks every section there, then the chunks' spans are copied to their rows
-        and the reader's `dest.placed` runs, on the same stream. Returns the unusable chunks."""
+        that `reads_sync`) into a CUDA cache as the module doc says, blocking, in a worker thread, as one
+        `Transfer` on the reader's lane; the reader's `dest.placed` runs on its stream last. Returns the
+        unusable chunks."""
         bad: list[tuple[int, BaseException]] = []
         ups: list[tuple[int, torch.Tensor, bool]] = []  # (chunk, its pinned span, whether it was staged)
         decoded: list[tuple[int, torch.Tensor]] = []  # compressed, or rows not whole words: host-checked
@@ -168,9 +166,9 @@ class LayerUploads:
         staging: torch.Tensor | None = None,
     ) -> list[int]:
         """On `transfer`'s stream (entered): the spans up to one device buffer (staged spans that lie
-        back to back in `staging` in one copy), the checksums of every section in it, then the good chunks' spans to
-        their rows. Notes the damaged chunks in `bad`; returns the chunks placed. With `checks`, every
-        span is placed and the sums are compared on the device (`DeferredChecks`)."""
+        back to back in `staging` in one copy), the checksums of every section in it, then the good
+        chunks' spans to their rows. Notes the damaged chunks in `bad`; returns the chunks placed. With
+        `checks`, every span is placed and the sums are compared on the device (`DeferredChecks`)."""
         if not ups:
             return []
         sizes = [host.numel() for _, host, _ in ups]

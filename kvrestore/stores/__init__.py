@@ -44,10 +44,6 @@ def known_schemes() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def _scheme(url: str) -> str:
-    return url.split("://", 1)[0].lower() if "://" in url else "file"
-
-
 def open_store(url: str, **options: Any) -> ChunkStore:
     """Open the store a URL names.
 
@@ -79,7 +75,7 @@ def open_store(url: str, **options: Any) -> ChunkStore:
     """
     if not isinstance(url, str) or not url.strip():
         raise InvalidInputError(f"store URL must be a non-empty string, got {url!r}")
-    scheme = _scheme(url)
+    scheme = url.split("://", 1)[0].lower() if "://" in url else "file"
     factory = _REGISTRY.get(scheme)
     if factory is None:
         raise UnsupportedURLError(

@@ -7,24 +7,19 @@ is a bug and propagates as itself, not wrapped in an exception group.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from functools import partial
 
 import anyio
 import anyio.to_thread
 
 from kvrestore import codec
-from kvrestore.chunkio.stored import first_error
+from kvrestore.chunkio.stored import each
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import WRITE_FAULTS, SaveError
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
-from kvrestore.stores.base import ChunkStore, in_order
-
-if sys.version_info < (3, 11):  # pragma: no cover
-    from exceptiongroup import BaseExceptionGroup
+from kvrestore.stores.base import ChunkStore
 
 
 @dataclass
@@ -71,10 +66,7 @@ async def write_chunks(
             written.append(ref.key)
             nbytes += len(blob)
 
-    try:
-        await in_order([partial(write, ref) for ref in refs])
-    except BaseExceptionGroup as group:  # a bug, not a store fault: raise it as itself
-        raise first_error(group) from None
+    await each(write, refs)  # a bug, not a store fault, is raised as itself
     if failed:
         first = next(iter(failed.values()))
         raise SaveError(

@@ -7,13 +7,15 @@ import sys
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from kvrestore.core.errors import ChunkDecodeError
 from kvrestore.stores.base import in_order
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
+
+T = TypeVar("T")
 
 
 class ChunkLoadFailed(ChunkDecodeError):
@@ -25,20 +27,16 @@ class ChunkLoadFailed(ChunkDecodeError):
         self.error = error
 
 
-async def each(fn: Callable[[int], Coroutine[Any, Any, None]], indices: Sequence[int]) -> None:
-    """fn(j) for every j concurrently; an unexpected error is raised as itself, not as a group."""
+async def each(fn: Callable[[T], Coroutine[Any, Any, None]], items: Sequence[T]) -> None:
+    """fn(item) for every item concurrently; an unexpected error is raised as itself (the first inside
+    the exception groups), not as a group."""
     try:
-        await in_order([partial(fn, j) for j in indices])
+        await in_order([partial(fn, x) for x in items])
     except BaseExceptionGroup as group:
-        raise first_error(group) from None
-
-
-def first_error(group: BaseExceptionGroup) -> BaseException:
-    """The first error inside (nested) exception groups."""
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    return exc
+        exc: BaseException = group
+        while isinstance(exc, BaseExceptionGroup):
+            exc = exc.exceptions[0]
+        raise exc from None
 
 
 @dataclass(frozen=True)

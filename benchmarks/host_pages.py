@@ -35,9 +35,9 @@ from _provenance import code_version
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LoadChunk
-from kvrestore.integrations.vllm_layout import gather_tokens
-from kvrestore.integrations.vllm_pages import HostLayer, HostPageLoad
+from kvrestore.integrations.vllm.io import ChunkSaver, IOThread, LoadChunk
+from kvrestore.integrations.vllm.layouts import gather_tokens
+from kvrestore.integrations.vllm.pages import HostLayer, HostPageLoad
 from kvrestore.stores import LocalStore
 
 ROOT = Path(__file__).resolve().parent.parent

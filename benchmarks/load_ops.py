@@ -135,9 +135,9 @@ def count_connector(pages: int, layers: int, block_size: int = 16, chunk_tokens:
     """The connector's device load of `pages` pages (a prompt of `pages * block_size` tokens in chunks of
     `chunk_tokens`) into pages in the CUDA layout, scattered over a cache of twice as many: launching ops
     and host syncs per loaded layer, and whether every page holds the stored KV."""
-    from kvrestore.integrations import vllm_device
-    from kvrestore.integrations.vllm_io import IOThread, LoadChunk
-    from kvrestore.integrations.vllm_layout import _scatter_device, gather_tokens, kv_views
+    from kvrestore.integrations.vllm import device as vllm_device
+    from kvrestore.integrations.vllm.io import IOThread, LoadChunk
+    from kvrestore.integrations.vllm.layouts import _scatter_device, gather_tokens, kv_views
 
     H, D = 2, 8
     spec = ModelSpec("tiny", layers, H, D, 256, torch.float32, fingerprint="ab" * 16)

@@ -133,7 +133,7 @@ def case(args: argparse.Namespace) -> dict[str, Any]:
     if args.profile:
         pstats.Stats(profile, stream=stats).sort_stats("tottime").print_stats(40)
     if args.connector == "kvrestore":
-        from kvrestore.integrations.vllm_stats import records
+        from kvrestore.integrations.vllm.stats import records
 
         loads = [r["seconds"] for r in records() if r["event"] == "loaded"]
     else:

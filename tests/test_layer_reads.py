@@ -268,8 +268,8 @@ def test_a_device_layer_load_on_cuda_places_the_stored_kv(deep, kind, tmp_path: 
     from kvrestore.chunkio.transfer import TransferLane
     from kvrestore.core.keys import chunk_keys
     from kvrestore.core.kv import KVChunk
-    from kvrestore.integrations.vllm_device import DeviceLayerLoad
-    from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LoadChunk
+    from kvrestore.integrations.vllm.device import DeviceLayerLoad
+    from kvrestore.integrations.vllm.io import ChunkSaver, IOThread, LoadChunk
 
     spec, n, chunk = deep.spec, 72, 16
     store = _cuda_store("pinned-memory" if kind == "pinned-memory" else "file", tmp_path)

@@ -22,8 +22,8 @@ from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.costs.learned import CostLearner, fit_prefill_steps
-from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LoadChunk
-from kvrestore.integrations.vllm_layout import (
+from kvrestore.integrations.vllm.io import ChunkSaver, IOThread, LoadChunk
+from kvrestore.integrations.vllm.layouts import (
     LAYOUTS,
     blocks_of,
     gather_chunk,
@@ -31,15 +31,15 @@ from kvrestore.integrations.vllm_layout import (
     kv_views,
     scatter_tokens,
 )
-from kvrestore.integrations.vllm_load import LayerLoad
-from kvrestore.integrations.vllm_plan import (
+from kvrestore.integrations.vllm.load import LayerLoad
+from kvrestore.integrations.vllm.config import (
     ConnectorConfig,
     ConnectorContext,
     check_shared_memory,
     checkpoint_fingerprint,
     preflight,
 )
-from kvrestore.integrations.vllm_stats import log_through
+from kvrestore.integrations.vllm.stats import log_through
 from kvrestore.policies import LoadOnly
 from kvrestore.restorer import SyncRestorer
 from kvrestore.stores import MemoryStore
@@ -400,8 +400,8 @@ def test_fp8_pages_are_stored_as_they_are_and_requantized_only_for_other_scales(
     """An fp8 cache's values go into fp8 sections untouched, with the layer's scales; loaded into pages of
     the same scales they come back as they were, into pages of other scales they are decoded and
     quantized with those (an int8 chunk likewise)."""
-    from kvrestore.integrations.vllm_layout import fp8_layer_scales, fp8_sections, fp8_values
-    from kvrestore.integrations.vllm_load import Piece
+    from kvrestore.integrations.vllm.layouts import fp8_layer_scales, fp8_sections, fp8_values
+    from kvrestore.integrations.vllm.load import Piece
 
     enc = codec.spec_encoding(SPEC, "fp8")
     values = torch.randn(SPEC.num_layers, 2, H, 12, D).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -575,7 +575,7 @@ def test_chunks_saved_the_connector_way_are_a_restorers_and_back(io):
 def test_the_device_scatter_writes_what_the_host_scatter_writes(start, n):
     """The device path of `scatter_tokens` (run here on host tensors): whole pages in one indexed copy,
     a partial first or last page alone; the same pages as the host path, slot for slot."""
-    from kvrestore.integrations.vllm_layout import _scatter_device, kv_views
+    from kvrestore.integrations.vllm.layouts import _scatter_device, kv_views
 
     blocks = [7, 2, 5]
     data = torch.randn(2, H, n, D)
@@ -599,7 +599,7 @@ def test_a_device_layer_load_places_each_layer_as_rows_up_to_the_first_failed_ch
     at once) and the host-checked one, from memory and from files."""
     from kvrestore.chunkio.pool import StagingPool
     from kvrestore.chunkio.transfer import TransferLane
-    from kvrestore.integrations.vllm_device import DeviceLayerLoad
+    from kvrestore.integrations.vllm.device import DeviceLayerLoad
     from kvrestore.stores.local import LocalStore
 
     def load(store, chunks):

@@ -10,9 +10,9 @@ from kvrestore import codec
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LoadChunk
-from kvrestore.integrations.vllm_layout import gather_tokens
-from kvrestore.integrations.vllm_pages import (
+from kvrestore.integrations.vllm.io import ChunkSaver, IOThread, LoadChunk
+from kvrestore.integrations.vllm.layouts import gather_tokens
+from kvrestore.integrations.vllm.pages import (
     CompressedChunkError,
     HostLayer,
     HostPageLoad,

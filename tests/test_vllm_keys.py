@@ -15,12 +15,12 @@ from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.keys import chunk_keys, namespaced
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.integrations.vllm_io import ChunkSaver, IOThread, LoadChunk
-from kvrestore.integrations.vllm_keys import RequestKeys
-from kvrestore.integrations.vllm_load import LayerLoad
-from kvrestore.integrations.vllm_pages import HostLayer, HostPageLoad
-from kvrestore.integrations.vllm_plan import ConnectorConfig, ConnectorContext
-from kvrestore.integrations.vllm_stats import records
+from kvrestore.integrations.vllm.io import ChunkSaver, IOThread, LoadChunk
+from kvrestore.integrations.vllm.keys import RequestKeys
+from kvrestore.integrations.vllm.load import LayerLoad
+from kvrestore.integrations.vllm.pages import HostLayer, HostPageLoad
+from kvrestore.integrations.vllm.config import ConnectorConfig, ConnectorContext
+from kvrestore.integrations.vllm.stats import records
 from kvrestore.restorer import Restorer
 from kvrestore.stores import LocalStore, MemoryStore
 

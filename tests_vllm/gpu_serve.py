@@ -53,7 +53,7 @@ def main() -> None:
     records: list[dict] = []
     if kv is not None:
         from kvrestore.integrations import vllm as connector
-        from kvrestore.integrations.vllm_layout import gather_chunk
+        from kvrestore.integrations.vllm.layouts import gather_chunk
 
         connector.flush_saves()
         records = connector.records()

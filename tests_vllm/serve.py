@@ -164,7 +164,7 @@ def main() -> None:
                 metrics[m.name.removeprefix("vllm:kvrestore_")] = getattr(m, "value", None)
     records = []
     if args.connector == "kvrestore":
-        from kvrestore.integrations.vllm_stats import records as kept
+        from kvrestore.integrations.vllm.stats import records as kept
 
         records = kept()
     print(json.dumps({"records": records, "metrics": metrics}), flush=True)

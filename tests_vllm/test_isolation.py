@@ -157,7 +157,7 @@ def _mm_request(image_hash: str, offset: int = 300):
 
 
 def test_a_multimodal_requests_keys_follow_its_image():
-    from kvrestore.integrations.vllm_keys import RequestKeys
+    from kvrestore.integrations.vllm.keys import RequestKeys
 
     keys = RequestKeys("ab" * 16)
 
@@ -176,8 +176,8 @@ def test_the_scheduler_neither_loads_nor_saves_an_unkeyable_request(tmp_path):
     from vllm.v1.request import Request
 
     from kvrestore.core.spec import ModelSpec
-    from kvrestore.integrations.vllm_plan import ConnectorConfig, ConnectorContext
-    from kvrestore.integrations.vllm_scheduler import SchedulerSide
+    from kvrestore.integrations.vllm.config import ConnectorConfig, ConnectorContext
+    from kvrestore.integrations.vllm.scheduler import SchedulerSide
     from kvrestore.stores import MemoryStore
 
     spec = ModelSpec("tiny", 3, 2, 4, 100, torch.float32, fingerprint="ab" * 16)

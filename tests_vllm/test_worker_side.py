@@ -13,11 +13,11 @@ from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.costs.learned import CostLearner
-from kvrestore.integrations.vllm_io import LoadChunk
-from kvrestore.integrations.vllm_meta import KVRestoreConnectorMetadata, LoadSpec, SaveSpec
-from kvrestore.integrations.vllm_plan import ConnectorConfig, ConnectorContext
-from kvrestore.integrations.vllm_scheduler import SchedulerSide
-from kvrestore.integrations.vllm_worker import WorkerSide
+from kvrestore.integrations.vllm.io import LoadChunk
+from kvrestore.integrations.vllm.meta import KVRestoreConnectorMetadata, LoadSpec, SaveSpec
+from kvrestore.integrations.vllm.config import ConnectorConfig, ConnectorContext
+from kvrestore.integrations.vllm.scheduler import SchedulerSide
+from kvrestore.integrations.vllm.worker import WorkerSide
 from kvrestore.stores import MemoryStore
 
 L, H, D, BLOCK, N_BLOCKS, CHUNK = 2, 2, 4, 8, 16, 16
@@ -115,7 +115,7 @@ def test_chunks_computed_over_a_failed_load_are_not_saved():
 def test_a_worker_and_a_scheduler_are_separate_objects_with_separate_resources():
     """The scheduler side holds no I/O thread and no saver; the connector composes one side per role."""
     from kvrestore.integrations.vllm import KVRestoreConnector
-    from kvrestore.integrations.vllm_scheduler import SchedulerSide
+    from kvrestore.integrations.vllm.scheduler import SchedulerSide
 
     ctx = ConnectorContext(
         ConnectorConfig.from_extra({"store_url": "memory://"}), SPEC, BLOCK, CostLearner(SPEC)
@@ -198,9 +198,9 @@ def test_an_fp8_cache_is_saved_as_it_is_and_loads_back_byte_for_byte():
 def test_host_pages_from_a_local_directory_are_read_on_the_step_thread(tmp_path):
     """vLLM's CPU pages from a store that reads without the event loop: `HostPageLoad`, on the step's
     thread, with the same pages as a load through the I/O thread (a throttled link) gives."""
-    from kvrestore.integrations.vllm_layout import gather_tokens
-    from kvrestore.integrations.vllm_load import LayerLoad
-    from kvrestore.integrations.vllm_pages import HostPageLoad
+    from kvrestore.integrations.vllm.layouts import gather_tokens
+    from kvrestore.integrations.vllm.load import LayerLoad
+    from kvrestore.integrations.vllm.pages import HostPageLoad
     from kvrestore.stores import LocalStore, ThrottledStore
 
     d, block = 32, 32  # the shapes of vLLM's "vec" CPU kernels: 16-token chunks, 32-token pages
@@ -349,7 +349,7 @@ def test_requests_loading_at_once_share_the_link_under_the_batch_rule():
     alone."""
     from types import SimpleNamespace
 
-    from kvrestore.integrations.vllm_meta import KVRestoreWorkerMetadata
+    from kvrestore.integrations.vllm.meta import KVRestoreWorkerMetadata
     from kvrestore.policies.batch import link_order
 
     store = MemoryStore()
@@ -448,7 +448,7 @@ def test_requests_arriving_together_are_gathered_and_planned_as_one_pass(monkeyp
     (`choose_split_ahead`), and the pass ends sooner than with each split planned best alone. Gathering
     stops at `gather_s` after the first request of the gathering; it is counted once per request, and a
     request is never gathered behind a load, nor under `"batch": false`."""
-    from kvrestore.integrations import vllm_scheduler
+    from kvrestore.integrations.vllm import scheduler as vllm_scheduler
     from kvrestore.planning.split import Follower, pass_end_s
 
     clock = [100.0]

@@ -24,7 +24,7 @@ from kvrestore.core.paths import cache_root
 from kvrestore.core.spec import ModelSpec, dtype_name
 from kvrestore.costs.learned import CostLearner
 from kvrestore.costs.links import LinkCost
-from kvrestore.integrations.vllm_layout import LAYOUTS
+from kvrestore.integrations.vllm.layouts import LAYOUTS
 from kvrestore.planning.split import SPLITS
 from kvrestore.stores import MemoryStore, ThrottledStore, open_store
 from kvrestore.stores.base import ChunkStore
@@ -60,7 +60,7 @@ class ConnectorConfig:
     link_bytes_per_s: float | None = None  # a prior for the link until loads have measured it
     fingerprint: str | None = None  # default: computed from the checkpoint's weights and dtype
     cost_dir: str | None = None  # where learned costs persist (default: the kvrestore cache dir)
-    layout: str | None = None  # vLLM's paged layout (`vllm_layout.LAYOUTS`); default: from the device
+    layout: str | None = None  # vLLM's paged layout (`layouts.LAYOUTS`); default: from the device
     kv_encoding: str = "native"  # how saved chunks hold the KV (`codec.quant.ENCODINGS`), as a Restorer's
     #: signs every chunk saved and checks every chunk loaded (`codec.seal`); default: $KVRESTORE_SECRET.
     #: vLLM logs its config at start-up, so the environment variable is the place for a real secret.
@@ -131,7 +131,7 @@ class ConnectorContext:
 
     @property
     def key_space(self) -> str:
-        """What chunk keys are hashed under before a request's namespace (`vllm_keys`): as a `Restorer`
+        """What chunk keys are hashed under before a request's namespace (`keys`): as a `Restorer`
         with the same `kv_encoding` keys them (`quant.key_space`)."""
         return key_space(self.spec.fingerprint, self.config.kv_encoding)
 

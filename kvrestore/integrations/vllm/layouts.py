@@ -230,7 +230,7 @@ def fp8_sections(values: torch.Tensor, scales: torch.Tensor, encoding: Encoding)
 
 
 def fp8_values(piece: Any, scales: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A loaded `vllm_load.Piece` as an fp8 cache's values of one layer whose (K, V) scales are `scales`
+    """A loaded `load.Piece` as an fp8 cache's values of one layer whose (K, V) scales are `scales`
     (bf16 [2]): uint8 ``[2, H, n, D]``. An fp8 chunk whose every scale is the layer's gives its values as
     they are (what an fp8 cache saved); any other is decoded and quantized with the layer's scales."""
     n = piece.n_tokens

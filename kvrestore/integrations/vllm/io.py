@@ -1,6 +1,6 @@
 """The vLLM connector's background I/O, without vLLM: an event loop in a daemon thread (`IOThread`), on
 which every store operation runs while vLLM's step loop waits only, with a bound, for the layer it is
-about to compute (`vllm_load`); a bounded saver; and the stored chunks a load reads (`LoadChunk`).
+about to compute (`load`); a bounded saver; and the stored chunks a load reads (`LoadChunk`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from kvrestore.core.errors import STORE_FAULTS
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import LoopThread as IOThread
-from kvrestore.integrations.vllm_layout import fp8_sections
-from kvrestore.integrations.vllm_stats import log
+from kvrestore.integrations.vllm.layouts import fp8_sections
+from kvrestore.integrations.vllm.stats import log
 from kvrestore.stores.base import ChunkStore
 
 
@@ -116,7 +116,7 @@ class ChunkSaver:
         has failed: an fp8 cache's chunk is smaller than the room reserved for it). With `ready`, its bytes (pinned memory a copy from the
         GPU is still filling) are read once that event completed, in the writer's thread. With
         `fp8_scales` ([L, 2]: each layer's K and V scale), `chunk.data` holds an fp8 cache's values,
-        stored as they are in fp8 chunks (`vllm_layout.fp8_sections`)."""
+        stored as they are in fp8 chunks (`layouts.fp8_sections`)."""
         fut = self.io.submit(self._write, key, chunk, nbytes, ready, fp8_scales)
         with self._lock:
             self._futures.add(fut)

@@ -1,7 +1,7 @@
 """The scheduler side of the vLLM connector (`kvrestore.integrations.vllm.KVRestoreConnector`).
 
 It looks each new prompt up in the store, picks the split (how many stored tokens to load), and tells
-the worker side, step by step, which chunks to load and save (`vllm_meta`). It moves no KV: no I/O
+the worker side, step by step, which chunks to load and save (`meta`). It moves no KV: no I/O
 thread, no saver. A lookup runs on an event loop of its own, in the scheduler's thread (vLLM waits for
 the answer in any case), through `DeadlineStore`: at most `lookup_timeout_s`, and none for
 `retry_after_s` once the store has failed one (every prompt is then a miss).
@@ -26,17 +26,17 @@ from typing import TYPE_CHECKING, Any
 
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.sync import CallerLoop
-from kvrestore.integrations.vllm_io import STORE_FAULTS, LoadChunk
-from kvrestore.integrations.vllm_keys import RequestKeys
-from kvrestore.integrations.vllm_layout import blocks_of
-from kvrestore.integrations.vllm_meta import (
+from kvrestore.integrations.vllm.io import STORE_FAULTS, LoadChunk
+from kvrestore.integrations.vllm.keys import RequestKeys
+from kvrestore.integrations.vllm.layouts import blocks_of
+from kvrestore.integrations.vllm.meta import (
     KVRestoreConnectorMetadata,
     KVRestoreWorkerMetadata,
     LoadSpec,
     SaveSpec,
 )
-from kvrestore.integrations.vllm_plan import ConnectorContext
-from kvrestore.integrations.vllm_stats import Counters, emit
+from kvrestore.integrations.vllm.config import ConnectorContext
+from kvrestore.integrations.vllm.stats import Counters, emit
 from kvrestore.planning.split import Follower, SplitChoice, choose_split_ahead
 from kvrestore.policies.batch import QueuedLoad, link_order
 from kvrestore.stores.base import ChunkStore
@@ -163,7 +163,7 @@ class SchedulerSide:
         self.keys = RequestKeys(ctx.key_space)
         self.queue = LinkQueue(c.load_timeout_s)
         self._reqs: dict[str, _Request] = {}
-        self._unkeyed: set[str] = set()  # requests neither loaded nor saved (`vllm_keys.Unkeyable`)
+        self._unkeyed: set[str] = set()  # requests neither loaded nor saved (`keys.Unkeyable`)
         self.passes = 0  # scheduling passes (`build_connector_meta` ends one)
 
     def get_num_new_matched_tokens(

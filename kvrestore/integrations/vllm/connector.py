@@ -1,13 +1,4 @@
-"""kvrestore inside vLLM: a KV connector (V1 API) over kvrestore's stores, chunk keys and wire format.
-
-Use it with::
-
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    llm = LLM(model=checkpoint_dir, enable_prefix_caching=False, kv_transfer_config=KVTransferConfig(
-        kv_connector="KVRestoreConnector", kv_connector_module_path="kvrestore.integrations.vllm",
-        kv_role="kv_both", kv_connector_extra_config={"store_url": "/var/cache/kv"}))
+"""The KV connector class vLLM makes (`KVRestoreConnector`), one per process and role, and its stats.
 
 Each computed chunk of a prompt is saved in the background, under the key a `Restorer` computes for the
 same tokens and checkpoint (one store, shared both ways); past `save_queue_bytes` waiting, a chunk is
@@ -17,12 +8,10 @@ while vLLM computes [k, n), from the measured costs and the loads queued on the 
 corrupt or of another model goes to `get_block_ids_with_load_errors`: vLLM recomputes it (the connector
 sets `kv_load_failure_policy` to "recompute" unless `on_load_error` is "fail"). Hits, bytes, faults,
 saves and splits are counted in vLLM's KV connector stats (`KVRestoreStats`, ``vllm:kvrestore_*`` in
-Prometheus) and logged with structured records (`vllm_stats.records`). docs/tutorial-vllm.md has it all.
+Prometheus) and logged with structured records (`stats.records`). docs/tutorial-vllm.md has it all.
 
-As vLLM's OffloadingConnector, it is split by role, one per process and role: a `SchedulerSide`
-(`vllm_scheduler`: lookups, splits, what each step loads and saves) or a `WorkerSide` (`vllm_worker`:
-loads, page writes, the saver), telling each other `vllm_meta`'s metadata. The vLLM-free parts:
-`vllm_layout`, `vllm_plan`, `vllm_io`, `vllm_load`, `vllm_stats`. This module is the glue to vLLM.
+As vLLM's OffloadingConnector, it is split by role: a `SchedulerSide` (`scheduler`) or a `WorkerSide`
+(`worker`), telling each other `meta`'s metadata. This module is the glue to vLLM.
 """
 
 from __future__ import annotations
@@ -41,8 +30,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvrestore.core.errors import UnsupportedModelError
-from kvrestore.integrations.vllm_meta import KVRestoreConnectorMetadata
-from kvrestore.integrations.vllm_plan import (
+from kvrestore.integrations.vllm.meta import KVRestoreConnectorMetadata
+from kvrestore.integrations.vllm.config import (
     ConnectorConfig,
     ConnectorContext,
     check_shared_memory,
@@ -50,9 +39,9 @@ from kvrestore.integrations.vllm_plan import (
     model_spec,
     preflight,
 )
-from kvrestore.integrations.vllm_scheduler import SchedulerSide
-from kvrestore.integrations.vllm_stats import COUNTERS, emit, log_through, records, sum_counts
-from kvrestore.integrations.vllm_worker import WorkerSide
+from kvrestore.integrations.vllm.scheduler import SchedulerSide
+from kvrestore.integrations.vllm.stats import COUNTERS, emit, log_through, records, sum_counts
+from kvrestore.integrations.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -96,7 +85,7 @@ def _checked_config(vllm_config: VllmConfig) -> ConnectorConfig:
 
 
 class KVRestoreStats(KVConnectorStats):
-    """The connector's counters (`vllm_stats.COUNTERS`) as vLLM's KV connector stats: sums, from the
+    """The connector's counters (`stats.COUNTERS`) as vLLM's KV connector stats: sums, from the
     scheduler and every worker, over an interval."""
 
     def reset(self) -> None:
@@ -197,7 +186,7 @@ class KVRestoreConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        """None: the connector takes vLLM's layout as it is (`vllm_layout`).
+        """None: the connector takes vLLM's layout as it is (`layouts`).
 
         vLLM asks this once the weights are loaded, before it profiles memory, compiles and warms the
         model up (most of a start-up on a CPU) and makes any connector: a configuration error (an

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvrestore.integrations.vllm_io import LoadChunk
+from kvrestore.integrations.vllm.io import LoadChunk
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrestore.core.keys import ChunkRef, Extra, chunk_keys, namespaced
-from kvrestore.integrations.vllm_stats import emit
+from kvrestore.integrations.vllm.stats import emit
 
 
 class Unkeyable(Exception):

@@ -23,9 +23,9 @@ from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.streams import HostEvent, on_stream, timing_event
-from kvrestore.integrations.vllm_device import DeviceLayerLoad
-from kvrestore.integrations.vllm_io import STORE_FAULTS, ChunkSaver, IOThread
-from kvrestore.integrations.vllm_layout import (
+from kvrestore.integrations.vllm.device import DeviceLayerLoad
+from kvrestore.integrations.vllm.io import STORE_FAULTS, ChunkSaver, IOThread
+from kvrestore.integrations.vllm.layouts import (
     blocks_of,
     fp8_layer_scales,
     fp8_values,
@@ -33,16 +33,16 @@ from kvrestore.integrations.vllm_layout import (
     kv_views,
     scatter_tokens,
 )
-from kvrestore.integrations.vllm_load import LayerLoad, Pieces
-from kvrestore.integrations.vllm_meta import (
+from kvrestore.integrations.vllm.load import LayerLoad, Pieces
+from kvrestore.integrations.vllm.meta import (
     KVRestoreConnectorMetadata,
     KVRestoreWorkerMetadata,
     LoadSpec,
     SaveSpec,
 )
-from kvrestore.integrations.vllm_pages import HostLayer, HostPageLoad, applies
-from kvrestore.integrations.vllm_plan import ConnectorContext
-from kvrestore.integrations.vllm_stats import Counters, emit, log
+from kvrestore.integrations.vllm.pages import HostLayer, HostPageLoad, applies
+from kvrestore.integrations.vllm.config import ConnectorContext
+from kvrestore.integrations.vllm.stats import Counters, emit, log
 from kvrestore.stores.base import ChunkStore
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")

@@ -24,8 +24,8 @@ from kvrestore.codec.seal import Seal
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.streams import on_stream
-from kvrestore.integrations.vllm_io import LoadChunk
-from kvrestore.integrations.vllm_load import BackgroundLoad
+from kvrestore.integrations.vllm.io import LoadChunk
+from kvrestore.integrations.vllm.load import BackgroundLoad
 from kvrestore.stores.base import ChunkStore
 
 

@@ -1,7 +1,7 @@
 """The vLLM connector's loads, without vLLM: what every load of a request's chunks keeps (`ChunkLoad`),
 one run on the I/O thread through a `LayerReader` (`BackgroundLoad`), and one that hands each layer's
-verified KV over as `Pieces` (`LayerLoad`). The others: `vllm_device.DeviceLayerLoad` (into CUDA pages)
-and `vllm_pages.HostPageLoad` (on the step's thread, straight into host pages).
+verified KV over as `Pieces` (`LayerLoad`). The others: `device.DeviceLayerLoad` (into CUDA pages)
+and `pages.HostPageLoad` (on the step's thread, straight into host pages).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, CorruptChunkError, InvalidInputError
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
-from kvrestore.integrations.vllm_io import IOThread, LoadChunk
-from kvrestore.integrations.vllm_stats import log
+from kvrestore.integrations.vllm.io import IOThread, LoadChunk
+from kvrestore.integrations.vllm.stats import log
 from kvrestore.stores.base import ChunkStore
 
 

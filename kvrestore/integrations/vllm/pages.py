@@ -43,10 +43,10 @@ from kvrestore.core.errors import (
     TruncatedChunkError,
 )
 from kvrestore.core.spec import ModelSpec
-from kvrestore.integrations.vllm_io import IOThread, LoadChunk
-from kvrestore.integrations.vllm_layout import _INT_OF_SIZE, _pages
-from kvrestore.integrations.vllm_load import ChunkLoad
-from kvrestore.integrations.vllm_stats import log
+from kvrestore.integrations.vllm.io import IOThread, LoadChunk
+from kvrestore.integrations.vllm.layouts import _INT_OF_SIZE, _pages
+from kvrestore.integrations.vllm.load import ChunkLoad
+from kvrestore.integrations.vllm.stats import log
 from kvrestore.stores.base import ChunkStore
 
 

@@ -22,6 +22,13 @@ from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.costs.learned import CostLearner, fit_prefill_steps
+from kvrestore.integrations.vllm.config import (
+    ConnectorConfig,
+    ConnectorContext,
+    check_shared_memory,
+    checkpoint_fingerprint,
+    preflight,
+)
 from kvrestore.integrations.vllm.io import ChunkSaver, IOThread, LoadChunk
 from kvrestore.integrations.vllm.layouts import (
     LAYOUTS,
@@ -32,13 +39,6 @@ from kvrestore.integrations.vllm.layouts import (
     scatter_tokens,
 )
 from kvrestore.integrations.vllm.load import LayerLoad
-from kvrestore.integrations.vllm.config import (
-    ConnectorConfig,
-    ConnectorContext,
-    check_shared_memory,
-    checkpoint_fingerprint,
-    preflight,
-)
 from kvrestore.integrations.vllm.stats import log_through
 from kvrestore.policies import LoadOnly
 from kvrestore.restorer import SyncRestorer

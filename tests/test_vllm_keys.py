@@ -15,11 +15,11 @@ from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.keys import chunk_keys, namespaced
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
+from kvrestore.integrations.vllm.config import ConnectorConfig, ConnectorContext
 from kvrestore.integrations.vllm.io import ChunkSaver, IOThread, LoadChunk
 from kvrestore.integrations.vllm.keys import RequestKeys
 from kvrestore.integrations.vllm.load import LayerLoad
 from kvrestore.integrations.vllm.pages import HostLayer, HostPageLoad
-from kvrestore.integrations.vllm.config import ConnectorConfig, ConnectorContext
 from kvrestore.integrations.vllm.stats import records
 from kvrestore.restorer import Restorer
 from kvrestore.stores import LocalStore, MemoryStore

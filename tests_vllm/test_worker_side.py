@@ -13,9 +13,9 @@ from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.costs.learned import CostLearner
+from kvrestore.integrations.vllm.config import ConnectorConfig, ConnectorContext
 from kvrestore.integrations.vllm.io import LoadChunk
 from kvrestore.integrations.vllm.meta import KVRestoreConnectorMetadata, LoadSpec, SaveSpec
-from kvrestore.integrations.vllm.config import ConnectorConfig, ConnectorContext
 from kvrestore.integrations.vllm.scheduler import SchedulerSide
 from kvrestore.integrations.vllm.worker import WorkerSide
 from kvrestore.stores import MemoryStore

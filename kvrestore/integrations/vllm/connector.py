@@ -30,7 +30,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvrestore.core.errors import UnsupportedModelError
-from kvrestore.integrations.vllm.meta import KVRestoreConnectorMetadata
 from kvrestore.integrations.vllm.config import (
     ConnectorConfig,
     ConnectorContext,
@@ -39,6 +38,7 @@ from kvrestore.integrations.vllm.config import (
     model_spec,
     preflight,
 )
+from kvrestore.integrations.vllm.meta import KVRestoreConnectorMetadata
 from kvrestore.integrations.vllm.scheduler import SchedulerSide
 from kvrestore.integrations.vllm.stats import COUNTERS, emit, log_through, records, sum_counts
 from kvrestore.integrations.vllm.worker import WorkerSide

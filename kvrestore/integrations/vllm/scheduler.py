@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.sync import CallerLoop
+from kvrestore.integrations.vllm.config import ConnectorContext
 from kvrestore.integrations.vllm.io import STORE_FAULTS, LoadChunk
 from kvrestore.integrations.vllm.keys import RequestKeys
 from kvrestore.integrations.vllm.layouts import blocks_of
@@ -35,7 +36,6 @@ from kvrestore.integrations.vllm.meta import (
     LoadSpec,
     SaveSpec,
 )
-from kvrestore.integrations.vllm.config import ConnectorContext
 from kvrestore.integrations.vllm.stats import Counters, emit
 from kvrestore.planning.split import Follower, SplitChoice, choose_split_ahead
 from kvrestore.policies.batch import QueuedLoad, link_order

@@ -23,6 +23,7 @@ from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.streams import HostEvent, on_stream, timing_event
+from kvrestore.integrations.vllm.config import ConnectorContext
 from kvrestore.integrations.vllm.device import DeviceLayerLoad
 from kvrestore.integrations.vllm.io import STORE_FAULTS, ChunkSaver, IOThread
 from kvrestore.integrations.vllm.layouts import (
@@ -41,7 +42,6 @@ from kvrestore.integrations.vllm.meta import (
     SaveSpec,
 )
 from kvrestore.integrations.vllm.pages import HostLayer, HostPageLoad, applies
-from kvrestore.integrations.vllm.config import ConnectorContext
 from kvrestore.integrations.vllm.stats import Counters, emit, log
 from kvrestore.stores.base import ChunkStore
 

@@ -1,5 +1,5 @@
 """The vLLM connector's CPU load on its own: a prompt's chunks read from a local directory straight into
-vLLM's host pages (`vllm_pages.HostPageLoad`), chunks saved with their keys row-major (format 4) against
+vLLM's host pages (a `chunkio.layer_load.LayerLoad` into `chunkio.host_pages.HostPages`), chunks saved with their keys row-major (format 4) against
 keys saved as the pages keep them (format 5, `codec.layout`), beside a plain copy of the same bytes.
 
 SmolLM2-135M's KV shape (30 layers, 3 KV heads of 64, fp32), 4,000 tokens in chunks of 256 (the last
@@ -32,12 +32,15 @@ import torch
 from _common import machine_info, print_table, write_json
 from _provenance import code_version
 
+from kvrestore.chunkio.host_pages import HostPages
+from kvrestore.chunkio.layer_load import LayerLoad
+from kvrestore.chunkio.pages import PagedCache
+from kvrestore.chunkio.save import ChunkSaver
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.integrations.vllm.io import ChunkSaver, IOThread, LoadChunk
-from kvrestore.integrations.vllm.layouts import gather_tokens
-from kvrestore.integrations.vllm.pages import HostLayer, HostPageLoad
+from kvrestore.core.sync import LoopThread
+from kvrestore.integrations.vllm.layouts import gather_tokens, kv_views
 from kvrestore.stores import LocalStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,12 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     k = n // bs * bs  # what the connector loads: whole pages
     kv = torch.randn(L, 2, H, n, D, generator=torch.Generator().manual_seed(0))
     refs = chunk_keys(list(range(n)), spec.fingerprint, args.chunk)
-    chunks = [LoadChunk(r.key, r.start, r.end) for r in refs]
     pages = -(-n // bs)
     blocks = torch.randperm(2 * pages, generator=torch.Generator().manual_seed(1))[:pages].tolist()
     caches = [torch.zeros(2 * pages, H, bs, 2 * D) for _ in range(L)]
-    layers = [HostLayer(c, H, D) for c in caches]
-    io = IOThread()
+    views = [kv_views(c, "cpu", H, D) for c in caches]
+    paged = PagedCache([k_ for k_, _ in views], [v for _, v in views])
+    io = LoopThread()
     stores: dict[str, LocalStore] = {}
     tmp = tempfile.TemporaryDirectory(prefix="kvrestore-host-pages-")
     try:
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in caches:
                 c.zero_()
             t = time.perf_counter()
-            got = HostPageLoad(spec, store, chunks, k, layers, blocks)
+            got = LayerLoad(spec, store, refs, k, HostPages(paged, blocks, 0, k))
             got.start(io)
             for layer in range(L):
                 got.wait(layer)

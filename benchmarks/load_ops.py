@@ -9,11 +9,11 @@ checks, the layer-wise restore's setting on CUDA, run here on a CPU cache: the s
 and events), one layer per read, for a prompt of many chunks stored in a `MemoryStore`, and checks the
 cache it fills against the stored KV.
 
-The vLLM connector's device load (`vllm_device.DeviceLayerLoad` with `device_path=True`, the path it
-takes into CUDA pages, run here on CPU pages shaped as the CUDA layout's) is counted the same way, from
-16 to 1,024 pages of 16 tokens (one chunk of 256 tokens to 64 of them), two layers per read: the ops
-its reads and its page writes (`vllm_layout._scatter_device`, the device branch of `scatter_tokens`)
-launch per loaded layer, and its host synchronisations per loaded layer, the calls that wait for a
+The vLLM connector's device load (a `chunkio.layer_load.LayerLoad` into `page_dest.RowPages` with
+`device_path=True`, the path it takes into CUDA pages, run here on CPU pages shaped as the CUDA
+layout's) is counted the same way, from 16 to 1,024 pages of 16 tokens (one chunk of 256 tokens to 64
+of them), two layers per read: the ops its reads and its page writes (`pages._scatter_device`, the
+device branch of `pages.scatter`) launch per loaded layer, and its host synchronisations per loaded layer, the calls that wait for a
 device on CUDA (`Tensor.tolist`, `.item`, `.cpu`, a stream's or an event's `synchronize`). The pages
 are checked against the stored KV, token by token. Target (issue 48): both constant in the number of
 pages.
@@ -42,7 +42,6 @@ from gpu_restore import build_model
 from kvrestore import ComputeOnly, Restorer, codec
 from kvrestore.chunkio.layers import LayerReader
 from kvrestore.chunkio.pool import StagingPool
-from kvrestore.chunkio.stored import StoredChunk
 from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVCache, KVChunk
@@ -75,7 +74,7 @@ def count(args: argparse.Namespace, tail: int) -> dict[str, Any]:
             full = (await r.restore(tokens, ComputeOnly())).kv
             await r.save(tokens, full)
             _, refs = r.chunks(tokens)
-        stored = [StoredChunk(ref.key, ref.start, ref.start, ref.n_tokens) for ref in refs]
+        stored = list(refs)
         kv = KVCache.empty(backend.spec, n)
         reader = CountingReader(backend.spec, store, stored, defer_checks=True)
         await reader.open()
@@ -135,9 +134,11 @@ def count_connector(pages: int, layers: int, block_size: int = 16, chunk_tokens:
     """The connector's device load of `pages` pages (a prompt of `pages * block_size` tokens in chunks of
     `chunk_tokens`) into pages in the CUDA layout, scattered over a cache of twice as many: launching ops
     and host syncs per loaded layer, and whether every page holds the stored KV."""
-    from kvrestore.integrations.vllm import device as vllm_device
-    from kvrestore.integrations.vllm.io import IOThread, LoadChunk
-    from kvrestore.integrations.vllm.layouts import _scatter_device, gather_tokens, kv_views
+    from kvrestore.chunkio.layer_load import LayerLoad
+    from kvrestore.chunkio.page_dest import RowPages
+    from kvrestore.chunkio.pages import _scatter_device
+    from kvrestore.core.sync import LoopThread
+    from kvrestore.integrations.vllm.layouts import gather_tokens, kv_views
 
     H, D = 2, 8
     spec = ModelSpec("tiny", layers, H, D, 256, torch.float32, fingerprint="ab" * 16)
@@ -153,11 +154,16 @@ def count_connector(pages: int, layers: int, block_size: int = 16, chunk_tokens:
     places: list[OpTally] = []
     reads: list[OpTally] = []
 
-    def place(layer: int, rows: torch.Tensor) -> None:
-        k, v = kv_views(caches[layer], "cuda", H, D)
-        with OpTally() as tally:
-            _scatter_device(k, v, block_ids, 0, rows)
-        places.append(tally)
+    class DeviceWrites:  # `page_dest.Writes` through the device branch of the page writes, counted
+        def put(self, layer: int, pieces: list[Any]) -> None:
+            k, v = kv_views(caches[layer], "cuda", H, D)
+            with OpTally() as tally:
+                for p in pieces:
+                    _scatter_device(k, v, block_ids, p.start, p.kv())
+            places.append(tally)
+
+        def flush(self, layer: int) -> None:
+            pass
 
     upload = LayerReader._upload_layers
 
@@ -167,17 +173,18 @@ def count_connector(pages: int, layers: int, block_size: int = 16, chunk_tokens:
         reads.append(tally)
         return bad
 
-    io = IOThread()
+    io = LoopThread()
     LayerReader._upload_layers = counted  # type: ignore[method-assign]  # every read of the load's reader
     try:
-        load = vllm_device.DeviceLayerLoad(
+        load = LayerLoad(
             spec,
             store,
-            [LoadChunk(r.key, r.start, r.end) for r in refs],
+            refs,
             n,
-            place,
-            TransferLane(StagingPool()),
-            torch.device("cpu"),
+            RowPages(DeviceWrites()),
+            layers_per_read=2,
+            rows=RowPages.buffer(spec, refs, 2, torch.device("cpu")),
+            lane=TransferLane(StagingPool()),
             device_path=True,
         )
         with SyncTally() as syncs:
@@ -263,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             ]
             for c in connector
         ],
-        title="the vLLM connector's device load (DeviceLayerLoad, device path, two layers per read)",
+        title="the vLLM connector's device load (LayerLoad into RowPages, device path, two layers per read)",
     )
     write_json(
         args.out,

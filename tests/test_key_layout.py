@@ -14,9 +14,9 @@ import torch
 from kvrestore import codec
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader
 from kvrestore.chunkio.load import ChunkLoader
-from kvrestore.chunkio.stored import StoredChunk
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import CorruptChunkError, InvalidInputError
+from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache, KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.stores import LocalStore, MemoryStore
@@ -128,7 +128,7 @@ def test_layer_reads_of_tiled_chunks_place_the_kv_and_fail_a_damaged_one(tmp_pat
     and with deferred checks. A chunk damaged in a key tile is named and never counts as placed."""
     kv = _prompt()
     store = _store(kind, tmp_path, kv, 8)
-    stored = [StoredChunk(KEYS[j], j * T, j * T, T) for j in range(3)]
+    stored = [ChunkRef(j, j * T, (j + 1) * T, KEYS[j]) for j in range(3)]
 
     async def read(damage: bool) -> tuple[KVCache, list[int]]:
         if damage:

@@ -17,7 +17,6 @@ from kvrestore import (
     open_store,
 )
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader
-from kvrestore.chunkio.stored import StoredChunk
 from kvrestore.codec import quant
 from kvrestore.codec.checksums import as_signed, device_checksums
 from kvrestore.core.errors import CorruptChunkError, ForeignChunkError
@@ -339,7 +338,7 @@ def test_a_damaged_scale_on_the_device_path_fails_its_chunk(llama_backend, name)
                 damaged[s.offset + s.length - 16] ^= 0x40  # in the scales
                 blob = bytes(damaged)
             await store.put(r.key, blob)
-        chunks = [StoredChunk(r.key, r.start, r.start, r.n_tokens) for r in refs]
+        chunks = list(refs)
         reader = LayerReader(spec, store, chunks, defer_checks=True, encoding=name)
         assert await reader.open() == [True, True]
         kv = KVCache(spec, torch.zeros_like(full))

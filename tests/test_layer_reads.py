@@ -14,7 +14,7 @@ from kvrestore.backends.hf import HFBackend
 from kvrestore.blend import Blend, chunk_key
 from kvrestore.blend.chunks import save_chunk
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader
-from kvrestore.chunkio.stored import StoredChunk
+from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
 from kvrestore.stores.memory import MemoryStore
 
@@ -108,7 +108,10 @@ def test_read_layers_places_what_read_layer_places(deep, defer):
 
     async def go() -> tuple[KVCache, KVCache, ChunkLoadFailed, KVCache]:
         keys = [(await save_chunk(deep, store, c))[0] for c in chunks]
-        stored = [StoredChunk(k, 0, o, len(c)) for k, o, c in zip(keys, [0, 12], chunks, strict=True)]
+        stored = [
+            ChunkRef(j, 0, len(c), k, at=o)
+            for j, (k, o, c) in enumerate(zip(keys, [0, 12], chunks, strict=True))
+        ]
         one, many = _cache(deep, 32), _cache(deep, 32)
         a = LayerReader(deep.spec, store, stored, defer_checks=defer)
         b = LayerReader(deep.spec, store, stored, defer_checks=defer)
@@ -196,7 +199,9 @@ def test_a_device_read_of_many_chunks_places_what_the_host_path_places(deep, whe
         keys = [(await save_chunk(deep, store, c, overwrite=True))[0] for c in chunks]
         if damage:
             await store.put(keys[2], _damage_layer(await store.get(keys[2]), 4))
-        stored = [StoredChunk(k, 0, o, n) for k, o, n in zip(keys, offsets, lengths, strict=True)]
+        stored = [
+            ChunkRef(j, 0, n, k, at=o) for j, (k, o, n) in enumerate(zip(keys, offsets, lengths, strict=True))
+        ]
         kv = _cache(deep, 37)
         reader = LayerReader(deep.spec, store, stored, defer_checks=defer)
         await reader.open()
@@ -247,7 +252,7 @@ def test_a_read_launches_as_many_copies_for_sixteen_chunks_as_for_four(deep):
         store = MemoryStore()
         chunks = _chunks([8] * n_chunks, seed=100)
         keys = [(await save_chunk(deep, store, c))[0] for c in chunks]
-        stored = [StoredChunk(k, 0, 8 * i, 8) for i, k in enumerate(keys)]
+        stored = [ChunkRef(i, 0, 8, k, at=8 * i) for i, k in enumerate(keys)]
         reader = Counting(deep.spec, store, stored, defer_checks=True)
         await reader.open()
         await reader.read_layers(range(2, 4), _cache(deep, 8 * n_chunks))
@@ -260,16 +265,18 @@ def test_a_read_launches_as_many_copies_for_sixteen_chunks_as_for_four(deep):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["pinned-memory", "file"])
 def test_a_device_layer_load_on_cuda_places_the_stored_kv(deep, kind, tmp_path: Path):
-    """The vLLM connector's load into CUDA pages (`DeviceLayerLoad`) on a CUDA stream of its own, from a
-    pinned memory store (its objects go up as they lie) and from files (through the shared staging):
-    each layer's rows equal the stored KV, and a damaged chunk stops the rows of the layers read after
-    the damage showed at its first token."""
+    """The vLLM connector's load into CUDA pages (a `LayerLoad` into `RowPages`) on a CUDA stream of its
+    own, from a pinned memory store (its objects go up as they lie) and from files (through the shared
+    staging): each layer's rows equal the stored KV, and a damaged chunk stops the rows of the layers
+    read after the damage showed at its first token."""
+    from kvrestore.chunkio.layer_load import LayerLoad
+    from kvrestore.chunkio.page_dest import RowPages
     from kvrestore.chunkio.pool import StagingPool
+    from kvrestore.chunkio.save import ChunkSaver
     from kvrestore.chunkio.transfer import TransferLane
     from kvrestore.core.keys import chunk_keys
     from kvrestore.core.kv import KVChunk
-    from kvrestore.integrations.vllm.device import DeviceLayerLoad
-    from kvrestore.integrations.vllm.io import ChunkSaver, IOThread, LoadChunk
+    from kvrestore.core.sync import LoopThread as IOThread
 
     spec, n, chunk = deep.spec, 72, 16
     store = _cuda_store("pinned-memory" if kind == "pinned-memory" else "file", tmp_path)
@@ -281,30 +288,37 @@ def test_a_device_layer_load_on_cuda_places_the_stored_kv(deep, kind, tmp_path: 
         for r in refs:
             assert saver.submit(r.key, KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()))
         assert saver.flush(timeout=30) and saver.written == len(refs)
-        chunks = [LoadChunk(r.key, r.start, r.end) for r in refs]
+        chunks = refs
         stream = torch.cuda.Stream()
 
-        def load() -> tuple[DeviceLayerLoad, dict[int, torch.Tensor]]:
-            placed: dict[int, torch.Tensor] = {}
+        class Handed:  # page writes (`page_dest.Writes`) that keep each layer's rows
+            def __init__(self) -> None:
+                self.placed: dict[int, torch.Tensor] = {}
 
-            def place(layer: int, rows: torch.Tensor) -> None:
+            def put(self, layer: int, pieces) -> None:
                 with torch.cuda.stream(stream):
-                    placed[layer] = rows.clone()
+                    self.placed[layer] = pieces[0].kv().clone()
 
-            got = DeviceLayerLoad(
+            def flush(self, layer: int) -> None:
+                pass
+
+        def load() -> tuple[LayerLoad, dict[int, torch.Tensor]]:
+            handed = Handed()
+            got = LayerLoad(
                 spec,
                 store,
                 chunks,
                 n,
-                place,
-                TransferLane(StagingPool(pinned=True), stream),
-                torch.device("cuda"),
+                RowPages(handed),  # type: ignore[arg-type]
+                layers_per_read=2,
+                rows=RowPages.buffer(spec, chunks, 2, torch.device("cuda"), stream),
+                lane=TransferLane(StagingPool(pinned=True), stream),
             )
             got.start(io, 30.0)
             assert all(got.wait(layer) for layer in range(spec.num_layers))
             got.future.result(timeout=30)
             stream.synchronize()
-            return got, placed
+            return got, handed.placed
 
         good, placed = load()
         assert not good.failed and sorted(placed) == list(range(spec.num_layers))
@@ -332,7 +346,7 @@ def test_a_device_read_from_files_fails_a_cut_or_vanished_chunk_and_places_the_r
 
     async def go(damage: bool) -> tuple[KVCache, list[int], list[str], bool]:
         keys = [(await save_chunk(deep, store, c, overwrite=True))[0] for c in chunks]
-        stored = [StoredChunk(k, 0, 8 * i, 8) for i, k in enumerate(keys)]
+        stored = [ChunkRef(i, 0, 8, k, at=8 * i) for i, k in enumerate(keys)]
         reader = LayerReader(deep.spec, store, stored, device_path=True)
         await reader.open()
         if damage:

@@ -14,9 +14,9 @@ from kvrestore import codec
 from kvrestore.chunkio import ChunkLoader, StagingPool
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader
 from kvrestore.chunkio.load import upload_checked
-from kvrestore.chunkio.stored import StoredChunk
 from kvrestore.chunkio.transfer import Transfer, TransferLane
 from kvrestore.core.errors import ChunkDecodeError, CorruptChunkError
+from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache, KVChunk
 from kvrestore.stores import FsspecStore
 
@@ -152,7 +152,7 @@ def test_every_layer_read_gives_its_buffers_back_once(tmp_path, monkeypatch, com
     damaged = bytearray(blobs[1])
     damaged[header.layers[2].offset + 1] ^= 0x20
     stored = [bytes(blobs[0]), bytes(damaged), blobs[2][: header.layers[2].offset + 4]]
-    chunks = [StoredChunk(k, 0, 6 * j, 6) for j, k in enumerate(keys)]
+    chunks = [ChunkRef(j, 0, 6, k, at=6 * j) for j, k in enumerate(keys)]
     reader = LayerReader(spec, store, chunks, lane=TransferLane(StagingPool()), defer_checks=True)
     cache = KVCache(spec, torch.zeros(spec.num_layers, 2, spec.num_kv_heads, 18, spec.head_dim))
 

@@ -15,11 +15,16 @@ import pytest
 import torch
 
 from kvrestore import codec
+from kvrestore.chunkio.layer_load import LayerLoad
+from kvrestore.chunkio.page_dest import SectionPages
+from kvrestore.chunkio.pages import blocks_of
+from kvrestore.chunkio.save import ChunkSaver
 from kvrestore.codec.quant import key_space
 from kvrestore.core.errors import InvalidInputError, StoreError
-from kvrestore.core.keys import chunk_keys
+from kvrestore.core.keys import ChunkRef, chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
+from kvrestore.core.sync import LoopThread as IOThread
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.costs.learned import CostLearner, fit_prefill_steps
 from kvrestore.integrations.vllm.config import (
@@ -29,16 +34,13 @@ from kvrestore.integrations.vllm.config import (
     checkpoint_fingerprint,
     preflight,
 )
-from kvrestore.integrations.vllm.io import ChunkSaver, IOThread, LoadChunk
 from kvrestore.integrations.vllm.layouts import (
     LAYOUTS,
-    blocks_of,
     gather_chunk,
     gather_tokens,
     kv_views,
     scatter_tokens,
 )
-from kvrestore.integrations.vllm.load import LayerLoad
 from kvrestore.integrations.vllm.stats import log_through
 from kvrestore.policies import LoadOnly
 from kvrestore.restorer import SyncRestorer
@@ -300,11 +302,26 @@ def _stored_prompt(store: MemoryStore, io: IOThread, n: int = 40, chunk: int = 1
         assert saver.submit(r.key, KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()))
     assert saver.flush(timeout=10)
     assert saver.written == len(refs) and saver.dropped == 0 and saver.pending_bytes == 0
-    return [LoadChunk(r.key, r.start, r.end) for r in refs], kv
+    return refs, kv
+
+
+class _Handed:
+    """Page writes (`page_dest.Writes`) that hand each layer's pieces to `place(layer, pieces)`."""
+
+    def __init__(self, place) -> None:
+        self.put = place
+
+    def flush(self, layer: int) -> None:
+        pass
+
+
+def _sections(place) -> SectionPages:
+    """The host path's destination, each layer's pieces handed to `place(layer, pieces)`."""
+    return SectionPages(_Handed(place))  # type: ignore[arg-type]
 
 
 def _joined(placed: dict[int, torch.Tensor]):
-    """A `LayerLoad.place` that keeps each layer's pieces joined into one [2, H, T, D] tensor."""
+    """A `place` that keeps each layer's pieces joined into one [2, H, T, D] tensor."""
 
     def place(layer: int, pieces) -> None:
         assert [p.start for p in pieces] == [0, *(p.start + p.n_tokens for p in pieces[:-1])]
@@ -315,7 +332,7 @@ def _joined(placed: dict[int, torch.Tensor]):
 
 def _load(store, io, chunks, k, timeout=10.0):
     placed: dict[int, torch.Tensor] = {}
-    load = LayerLoad(SPEC, store, chunks, k, _joined(placed))
+    load = LayerLoad(SPEC, store, chunks, k, _sections(_joined(placed)))
     load.start(io, timeout)
     for layer in range(SPEC.num_layers):
         assert load.wait(layer)
@@ -344,7 +361,7 @@ def test_compressed_chunks_load_the_same_kv(io):
     for r in refs:
         assert saver.submit(r.key, KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()))
     assert saver.flush(timeout=10)
-    load, placed = _load(store, io, [LoadChunk(r.key, r.start, r.end) for r in refs], 40)
+    load, placed = _load(store, io, refs, 40)
     assert not load.failed
     for layer in range(SPEC.num_layers):
         assert torch.equal(placed[layer], kv[layer])
@@ -376,8 +393,8 @@ def test_encoded_chunks_are_saved_and_decoded_into_the_pages(io, encoding):
         for p in pieces:
             scatter_tokens(pages[layer], "cpu", ids, p.start, p.kv(), H, D)
 
-    chunks = [LoadChunk(r.key, r.start, r.end) for r in refs]
-    load = LayerLoad(SPEC, store, chunks, k, place, encoding=encoding)
+    chunks = refs
+    load = LayerLoad(SPEC, store, chunks, k, _sections(place), encoding=encoding)
     load.start(io, 10)
     for layer in range(SPEC.num_layers):
         assert load.wait(layer)
@@ -390,7 +407,7 @@ def test_encoded_chunks_are_saved_and_decoded_into_the_pages(io, encoding):
         step = kv.abs().amax(-1, keepdim=True) / 127
         assert ((want - kv).abs() <= 0.51 * step * 1.01).all()
 
-    native = LayerLoad(SPEC, store, chunks[:1], 16, lambda layer, pieces: None)
+    native = LayerLoad(SPEC, store, chunks[:1], 16, _sections(lambda layer, pieces: None))
     native.start(io, 10)
     assert not native.wait(0) or native.failed == {0}
     assert "encoding" in " ".join(native.errors)
@@ -400,8 +417,8 @@ def test_fp8_pages_are_stored_as_they_are_and_requantized_only_for_other_scales(
     """An fp8 cache's values go into fp8 sections untouched, with the layer's scales; loaded into pages of
     the same scales they come back as they were, into pages of other scales they are decoded and
     quantized with those (an int8 chunk likewise)."""
-    from kvrestore.integrations.vllm.layouts import fp8_layer_scales, fp8_sections, fp8_values
-    from kvrestore.integrations.vllm.load import Piece
+    from kvrestore.chunkio.page_dest import Piece
+    from kvrestore.chunkio.pages import fp8_layer_scales, fp8_sections, fp8_values
 
     enc = codec.spec_encoding(SPEC, "fp8")
     values = torch.randn(SPEC.num_layers, 2, H, 12, D).to(torch.float8_e4m3fn).view(torch.uint8)
@@ -461,7 +478,7 @@ class _DownStore(MemoryStore):
 
 
 def test_a_store_that_is_down_fails_the_load_without_hanging(io):
-    load, placed = _load(_DownStore(), io, [LoadChunk("ab" * 20, 0, 16)], 16)
+    load, placed = _load(_DownStore(), io, [ChunkRef(0, 0, 16, "ab" * 20)], 16)
     assert load.failed == {0} and placed == {}
 
 
@@ -486,10 +503,10 @@ def test_a_stalled_load_is_given_up_at_its_deadline_and_writes_nothing_after(io)
     store = _StuckStore(release)
     chunks, _ = _stored_prompt(store, io)
     placed: list[int] = []
-    load = LayerLoad(SPEC, store, chunks, 32, lambda layer, pieces: placed.append(layer))
+    load = LayerLoad(SPEC, store, chunks, 32, _sections(lambda layer, pieces: placed.append(layer)))
     load.start(io, timeout=0.3)
     assert not load.wait(0)  # the deadline passes
-    assert load.cancelled and load.failed == {0, 1, 2}
+    assert load.cancelled and load.failed == {0, 1}  # every chunk that holds tokens [0, 32)
     release.set()
     load.cancel("again")  # idempotent
     with pytest.raises(BaseException):  # noqa: B017 - cancelled
@@ -556,13 +573,7 @@ def test_chunks_saved_the_connector_way_are_a_restorers_and_back(io):
         restorer.save(tokens)
     refs = chunk_keys(tokens, spec.fingerprint, 16)
     placed: dict[int, torch.Tensor] = {}
-    load = LayerLoad(
-        spec,
-        store2,
-        [LoadChunk(r.key, r.start, r.end) for r in refs],
-        32,
-        _joined(placed),
-    )
+    load = LayerLoad(spec, store2, refs, 32, _sections(_joined(placed)))
     load.start(io, 10)
     for layer in range(spec.num_layers):
         assert load.wait(layer)
@@ -575,7 +586,7 @@ def test_chunks_saved_the_connector_way_are_a_restorers_and_back(io):
 def test_the_device_scatter_writes_what_the_host_scatter_writes(start, n):
     """The device path of `scatter_tokens` (run here on host tensors): whole pages in one indexed copy,
     a partial first or last page alone; the same pages as the host path, slot for slot."""
-    from kvrestore.integrations.vllm.layouts import _scatter_device, kv_views
+    from kvrestore.chunkio.pages import _scatter_device
 
     blocks = [7, 2, 5]
     data = torch.randn(2, H, n, D)
@@ -592,27 +603,34 @@ def test_the_device_scatter_writes_what_the_host_scatter_writes(start, n):
 def test_a_device_layer_load_places_each_layer_as_rows_up_to_the_first_failed_chunk(
     io, k, where, device_path, tmp_path, key_tile
 ):
-    """`DeviceLayerLoad` (run here on a host buffer): each layer's rows [2, H, T, D] as the prompt's KV,
+    """The device path of a layer load (`RowPages`, run here on a host buffer): each layer's rows [2, H, T, D] as the prompt's KV,
     a read of two layers at a time after the first alone; a damaged chunk in the middle stops the rows
     of the layers read from then on at its first token, names it, and the object is deleted. The
     device path (shared staging, one upload, device checksums read back per read, runs of chunks placed
     at once) and the host-checked one, from memory and from files."""
+    from kvrestore.chunkio.page_dest import RowPages
     from kvrestore.chunkio.pool import StagingPool
     from kvrestore.chunkio.transfer import TransferLane
-    from kvrestore.integrations.vllm.device import DeviceLayerLoad
     from kvrestore.stores.local import LocalStore
 
     def load(store, chunks):
         placed: dict[int, torch.Tensor] = {}
         lane = TransferLane(StagingPool())
-        load = DeviceLayerLoad(
+        rows = RowPages.buffer(SPEC, chunks, 2, torch.device("cpu"))
+
+        def place(layer: int, pieces) -> None:
+            (piece,) = pieces
+            placed[layer] = piece.kv().clone()
+
+        load = LayerLoad(
             SPEC,
             store,
             chunks,
             k,
-            lambda layer, rows: placed.__setitem__(layer, rows.clone()),
-            lane,
-            torch.device("cpu"),
+            RowPages(_Handed(place)),  # type: ignore[arg-type]
+            layers_per_read=2,
+            rows=rows,
+            lane=lane,
             device_path=device_path,
         )
         load.start(io, 10.0)
@@ -706,7 +724,7 @@ def test_a_store_that_refuses_writes_is_left_alone_with_one_warning(io, caplog):
         assert saver.flush(timeout=10)
     assert tried == store.puts == 1 and saver.failed == 4 and saver.pending_bytes == 0
     assert len([r for r in caplog.records if r.levelno >= logging.WARNING]) == 1
-    saver._down_until = 0.0  # the back-off is over: the next chunk is tried again
+    saver.store._down_until = 0.0  # the back-off is over: the next chunk is tried again
     assert saver.submit(refs[1].key, chunk) and saver.flush(timeout=10) and store.puts == 2
 
 

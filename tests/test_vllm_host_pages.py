@@ -1,5 +1,5 @@
-"""`vllm_pages.HostPageLoad`: stored chunks read straight into vLLM's host pages ("cpu" layout), checked
-against the pages `scatter_tokens` writes and the backend reads. No vLLM needed."""
+"""`chunkio.host_pages.HostPages`: stored chunks read straight into vLLM's host pages ("cpu" layout),
+checked against the pages `scatter_tokens` writes and the backend reads. No vLLM needed."""
 
 from __future__ import annotations
 
@@ -7,18 +7,15 @@ import pytest
 import torch
 
 from kvrestore import codec
+from kvrestore.chunkio.host_pages import CompressedChunkError, HostPages, _ChunkPlan
+from kvrestore.chunkio.layer_load import LayerLoad
+from kvrestore.chunkio.pages import PagedCache
+from kvrestore.chunkio.save import ChunkSaver
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
-from kvrestore.integrations.vllm.io import ChunkSaver, IOThread, LoadChunk
-from kvrestore.integrations.vllm.layouts import gather_tokens
-from kvrestore.integrations.vllm.pages import (
-    CompressedChunkError,
-    HostLayer,
-    HostPageLoad,
-    _ChunkPlan,
-    applies,
-)
+from kvrestore.core.sync import LoopThread as IOThread
+from kvrestore.integrations.vllm.layouts import applies, gather_tokens, kv_views
 from kvrestore.stores import LocalStore, MemoryStore, ThrottledStore
 
 H, D, BS, NB, L = 2, 4, 8, 12, 5
@@ -44,16 +41,20 @@ def _saved(store, io, spec, n=44, chunk=16, compression="none", key_tile=0):
     for r in refs:
         assert saver.submit(r.key, KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()))
     assert saver.flush(timeout=10) and saver.written == len(refs)
-    return [LoadChunk(r.key, r.start, r.end) for r in refs], kv
+    return refs, kv
 
 
 def _pages(spec):
     return [torch.zeros(NB, H, BS, 2 * D, dtype=spec.dtype) for _ in range(L)]
 
 
+def _host_pages(pages, ids, k) -> HostPages:
+    views = [kv_views(p, "cpu", H, D) for p in pages]
+    return HostPages(PagedCache([k_ for k_, _ in views], [v for _, v in views]), ids, 0, k)
+
+
 def _load(store, io, spec, chunks, k, pages, ids):
-    layers = [HostLayer(p, H, D) for p in pages]
-    load = HostPageLoad(spec, store, chunks, k, layers, ids, layers_per_read=2)
+    load = LayerLoad(spec, store, chunks, k, _host_pages(pages, ids, k), layers_per_read=2)
     load.start(io)
     for layer in range(L):  # as vLLM asks: layer by layer
         assert load.wait(layer)
@@ -85,7 +86,8 @@ def test_a_load_puts_each_token_where_the_backend_reads_it_and_nothing_else(
     load = _load(store, io, spec, chunks, k, pages, ids)
     assert not load.failed and load.failed_ranges() == [] and load.seconds is not None
     used = [c for c in chunks if c.start < k]
-    assert load.bytes_read == sum(c.end - c.start for c in used) * spec.kv_bytes_per_token
+    headers = sum(min(codec.HEADER_PROBE, len(io.call(store.get, c.key))) for c in used)  # read first
+    assert load.bytes_read == sum(c.end - c.start for c in used) * spec.kv_bytes_per_token + headers
     for layer in range(L):
         assert torch.equal(gather_tokens(pages[layer], "cpu", ids, 0, k, H, D), kv[layer, :, :, :k])
         untouched = [b for b in range(NB) if b not in ids[: -(-k // BS)]]
@@ -170,8 +172,7 @@ def test_a_load_not_read_to_the_end_fails_every_chunk(tmp_path, io):
     spec = _spec()
     store = LocalStore(str(tmp_path))
     chunks, _ = _saved(store, io, spec)
-    layers = [HostLayer(p, H, D) for p in _pages(spec)]
-    load = HostPageLoad(spec, store, chunks, 40, layers, list(range(NB)))
+    load = LayerLoad(spec, store, chunks, 40, _host_pages(_pages(spec), list(range(NB)), 40))
     load.start(io)
     assert load.wait(0)
     load.cancel("the step ended")

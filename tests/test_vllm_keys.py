@@ -9,17 +9,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvrestore.chunkio.host_pages import HostPages
+from kvrestore.chunkio.layer_load import LayerLoad
+from kvrestore.chunkio.page_dest import SectionPages
+from kvrestore.chunkio.pages import PagedCache
+from kvrestore.chunkio.save import ChunkSaver
 from kvrestore.codec.quant import key_space
 from kvrestore.codec.seal import SECRET_ENV, Seal
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.keys import chunk_keys, namespaced
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
+from kvrestore.core.sync import LoopThread as IOThread
 from kvrestore.integrations.vllm.config import ConnectorConfig, ConnectorContext
-from kvrestore.integrations.vllm.io import ChunkSaver, IOThread, LoadChunk
 from kvrestore.integrations.vllm.keys import RequestKeys
-from kvrestore.integrations.vllm.load import LayerLoad
-from kvrestore.integrations.vllm.pages import HostLayer, HostPageLoad
+from kvrestore.integrations.vllm.layouts import kv_views
 from kvrestore.integrations.vllm.stats import records
 from kvrestore.restorer import Restorer
 from kvrestore.stores import LocalStore, MemoryStore
@@ -142,16 +146,20 @@ def _save(store, io, seal, n=40):
     for r in refs:
         assert saver.submit(r.key, KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()))
     assert saver.flush(timeout=10) and saver.written == len(refs)
-    return [LoadChunk(r.key, r.start, r.end) for r in refs], kv
+    return refs, kv
 
 
 def _layer_load(store, io, chunks, seal):
     placed: dict[int, torch.Tensor] = {}
 
-    def place(layer, pieces):
-        placed[layer] = torch.cat([p.kv() for p in pieces], dim=2)
+    class Handed:  # page writes (`page_dest.Writes`) that keep each layer's pieces, joined
+        def put(self, layer, pieces):
+            placed[layer] = torch.cat([p.kv() for p in pieces], dim=2)
 
-    load = LayerLoad(SPEC, store, chunks, 32, place, seal=seal)
+        def flush(self, layer):
+            pass
+
+    load = LayerLoad(SPEC, store, chunks, 32, SectionPages(Handed()), seal=seal)
     load.start(io, 10)
     for layer in range(L):
         assert load.wait(layer)
@@ -168,7 +176,7 @@ def test_the_connector_signs_its_chunks_and_loads_only_signed_ones(io):
     forged_store = MemoryStore()
     chunks, _ = _save(forged_store, io, None)  # a writer without the secret, under the right keys
     load, placed = _layer_load(forged_store, io, chunks, seal)
-    assert load.failed == {0, 1, 2} and placed == {}
+    assert load.failed == {0, 1} and placed == {}  # the two chunks of tokens [0, 32)
     assert len(forged_store) == 3  # a miss, not deleted
 
 
@@ -176,9 +184,9 @@ def test_host_page_loads_refuse_unsigned_chunks_and_keep_them(tmp_path, io):
     store = LocalStore(str(tmp_path))
     chunks, _ = _save(store, io, None)
     pages = [torch.zeros(12, H, 8, 2 * D) for _ in range(L)]
-    load = HostPageLoad(
-        SPEC, store, chunks, 32, [HostLayer(p, H, D) for p in pages], list(range(12)), seal=Seal(SECRET)
-    )
+    views = [kv_views(p, "cpu", H, D) for p in pages]
+    dest = HostPages(PagedCache([k for k, _ in views], [v for _, v in views]), list(range(12)), 0, 32)
+    load = LayerLoad(SPEC, store, chunks, 32, dest, seal=Seal(SECRET))
     load.start(io)
     for layer in range(L):
         load.wait(layer)

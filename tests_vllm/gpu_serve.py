@@ -52,7 +52,7 @@ def main() -> None:
     logprobs = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs or [], strict=False)]
     records: list[dict] = []
     if kv is not None:
-        from kvrestore.integrations import vllm as connector
+        from kvrestore.integrations.vllm import connector
         from kvrestore.integrations.vllm.layouts import gather_chunk
 
         connector.flush_saves()

@@ -96,7 +96,7 @@ def test_loaded_pages_hold_the_kv_vllm_computed(model, store, saved, tmp_path):
     from kvrestore import codec
     from kvrestore.core.keys import chunk_keys
     from kvrestore.core.spec import ModelSpec
-    from kvrestore.integrations.vllm.io import IOThread
+    from kvrestore.core.sync import LoopThread as IOThread
     from kvrestore.stores import open_store
 
     dump = tmp_path / "pages.pt"

@@ -14,7 +14,6 @@ from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.costs.learned import CostLearner
 from kvrestore.integrations.vllm.config import ConnectorConfig, ConnectorContext
-from kvrestore.integrations.vllm.io import LoadChunk
 from kvrestore.integrations.vllm.meta import KVRestoreConnectorMetadata, LoadSpec, SaveSpec
 from kvrestore.integrations.vllm.scheduler import SchedulerSide
 from kvrestore.integrations.vllm.worker import WorkerSide
@@ -72,8 +71,8 @@ def test_chunks_computed_over_a_failed_load_are_not_saved():
 
     def meta(req: str) -> KVRestoreConnectorMetadata:
         m = KVRestoreConnectorMetadata()
-        m.loads.append(LoadSpec(req, [LoadChunk(refs[0].key, 0, 16)], 16, blocks))
-        m.saves.append(SaveSpec(req, [LoadChunk(refs[1].key, 16, 32)], blocks))
+        m.loads.append(LoadSpec(req, [refs[0]], 16, blocks))
+        m.saves.append(SaveSpec(req, [refs[1]], blocks))
         m.steps.append((req, 16, 16))
         return m
 
@@ -156,7 +155,7 @@ def test_an_fp8_cache_is_saved_as_it_is_and_loads_back_byte_for_byte():
     store = MemoryStore()
     pages = {n: torch.randn(2, N_BLOCKS, BLOCK, H, D).to(torch.float8_e4m3fn) for n in names}
     refs = chunk_keys(list(range(32)), key_space(SPEC.fingerprint, "fp8"), CHUNK)
-    chunks = [LoadChunk(r.key, r.start, r.end) for r in refs[:2]]
+    chunks = refs[:2]
     saving, loading = WorkerSide(ctx, store=store), WorkerSide(ctx, store=store)
     try:
         saving.register_kv_caches(pages, scales)
@@ -196,11 +195,11 @@ def test_an_fp8_cache_is_saved_as_it_is_and_loads_back_byte_for_byte():
 
 
 def test_host_pages_from_a_local_directory_are_read_on_the_step_thread(tmp_path):
-    """vLLM's CPU pages from a store that reads without the event loop: `HostPageLoad`, on the step's
+    """vLLM's CPU pages from a store that reads without the event loop: `HostPages`, read on the step's
     thread, with the same pages as a load through the I/O thread (a throttled link) gives."""
+    from kvrestore.chunkio.host_pages import HostPages
+    from kvrestore.chunkio.page_dest import SectionPages
     from kvrestore.integrations.vllm.layouts import gather_tokens
-    from kvrestore.integrations.vllm.load import LayerLoad
-    from kvrestore.integrations.vllm.pages import HostPageLoad
     from kvrestore.stores import LocalStore, ThrottledStore
 
     d, block = 32, 32  # the shapes of vLLM's "vec" CPU kernels: 16-token chunks, 32-token pages
@@ -229,11 +228,11 @@ def test_host_pages_from_a_local_directory_are_read_on_the_step_thread(tmp_path)
                         ),
                     )
             meta = KVRestoreConnectorMetadata()
-            meta.loads.append(LoadSpec("a", [LoadChunk(r.key, r.start, r.end) for r in refs], 36, blocks))
+            meta.loads.append(LoadSpec("a", refs, 36, blocks))
             meta.steps.append(("a", 4, 36))
             side.bind(meta)
             side.start_load_kv()
-            seen[name] = type(side._loads[0][1])
+            seen[name] = type(side._loads[0][1].dest)
             for layer_name in side._layer_of:
                 side.wait_for_layer_load(layer_name)
             side.wait_for_save()
@@ -249,7 +248,7 @@ def test_host_pages_from_a_local_directory_are_read_on_the_step_thread(tmp_path)
                 assert torch.equal(got, kv[layer, :, :, :36])
         finally:
             side.io.close()
-    assert seen == {"local": HostPageLoad, "throttled": LayerLoad}
+    assert seen == {"local": HostPages, "throttled": SectionPages}
 
 
 class _Request:
@@ -530,7 +529,7 @@ def test_loads_that_share_a_step_are_one_sample_of_the_link_and_reported_finishe
             (ref,) = chunk_keys(list(range(100 * i, 100 * i + 16)), SPEC.fingerprint, CHUNK)
             blob = codec.encode_chunk(KVChunk(0, torch.randn(L, 2, H, 16, D)), SPEC, ref.key)
             side.io.call(store.put, ref.key, blob)
-            meta.loads.append(LoadSpec(req, [LoadChunk(ref.key, 0, 16)], 16, [2 * i, 2 * i + 1]))
+            meta.loads.append(LoadSpec(req, [ref], 16, [2 * i, 2 * i + 1]))
             meta.steps.append((req, 1, 16))
         step(side, meta)
         counts = side.take_counts()
@@ -574,7 +573,7 @@ def test_a_step_of_several_requests_is_learned_as_one_pass():
             store.put, ref.key, codec.encode_chunk(KVChunk(0, torch.randn(L, 2, H, 16, D)), SPEC, ref.key)
         )
         loading = KVRestoreConnectorMetadata()
-        loading.loads.append(LoadSpec("d", [LoadChunk(ref.key, 0, 16)], 16, [0, 1]))
+        loading.loads.append(LoadSpec("d", [ref], 16, [0, 1]))
         loading.steps.extend([("d", 16, 16), ("e", 24, 0)])
         step(side, loading)
         assert len(side.costs.state.passes) == 1 and side.costs.state.steps == []

@@ -24,10 +24,10 @@ import torch
 
 from kvrestore import codec
 from kvrestore.chunkio.dest import CacheRows
-from kvrestore.chunkio.layers import LayerReader, StoredChunk
+from kvrestore.chunkio.layers import LayerReader
 from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.codec.seal import Seal
-from kvrestore.core.keys import content_key
+from kvrestore.core.keys import ChunkRef, content_key
 from kvrestore.core.kv import KVCache
 from kvrestore.core.streams import upload
 from kvrestore.stores.base import ChunkStore
@@ -95,7 +95,7 @@ async def save_chunk(
 
 class RotatedRows(CacheRows):
     """A blend's cache rows (`chunkio.dest`), the keys of every chunk placed elsewhere than where it was
-    saved (`stored_at`) re-rotated to where it sits once its sections are in place."""
+    saved (`ChunkRef.start`) re-rotated to where it sits once its sections are in place."""
 
     def __init__(self, backend: HFBackend) -> None:
         super().__init__()
@@ -108,7 +108,7 @@ class RotatedRows(CacheRows):
         are recomputed after this anyway): a few kernels per read instead of a few per chunk and layer.
         The angles are the same for every layer: made once."""
         stored = reader.chunks
-        moved = [j for j in chunks if stored[j].offset != stored[j].stored_at]
+        moved = [j for j in chunks if stored[j].offset != stored[j].start]
         if not moved:
             return
         keys = kv.data[layers.start : layers.stop, 0]  # [n, H, N, D]
@@ -118,9 +118,7 @@ class RotatedRows(CacheRows):
                 old = torch.arange(keys.shape[2], dtype=torch.int64)
                 new = old.clone()
                 for c in stored:
-                    old[c.offset : c.offset + c.n_tokens] = torch.arange(
-                        c.stored_at, c.stored_at + c.n_tokens
-                    )
+                    old[c.offset : c.offset + c.n_tokens] = torch.arange(c.start, c.end)
                 old, new = upload(old, keys.device), upload(new, keys.device)
                 rotation = self._rotations[-1] = self.backend.rerotation(keys, old, new)
             keys.copy_(self.backend.rerotate_keys(keys, 0, 0, rotation))
@@ -130,8 +128,8 @@ class RotatedRows(CacheRows):
             k = keys[:, :, chunk.offset : chunk.offset + chunk.n_tokens]
             rotation = self._rotations.get(j)
             if rotation is None:
-                rotation = self._rotations[j] = self.backend.rerotation(k, chunk.stored_at, chunk.offset)
-            k.copy_(self.backend.rerotate_keys(k, chunk.stored_at, chunk.offset, rotation))
+                rotation = self._rotations[j] = self.backend.rerotation(k, chunk.start, chunk.offset)
+            k.copy_(self.backend.rerotate_keys(k, chunk.start, chunk.offset, rotation))
 
 
 class StoreChunkSource(LayerReader):
@@ -154,7 +152,10 @@ class StoreChunkSource(LayerReader):
         **options: Any,
     ) -> None:
         """`options`: the rest of `LayerReader`'s (`ahead`, `layers_per_read`), passed on as they are."""
-        chunks = [StoredChunk(k, stored_at, o, n) for k, o, n in zip(keys, offsets, lengths, strict=True)]
+        chunks = [
+            ChunkRef(j, stored_at, stored_at + n, k, at=o)
+            for j, (k, o, n) in enumerate(zip(keys, offsets, lengths, strict=True))
+        ]
         dest = RotatedRows(backend)
         super().__init__(
             backend.spec, store, chunks, lane=lane, defer_checks=defer_checks, dest=dest, **options

@@ -3,18 +3,19 @@ which chunks of which layers are good; a destination says where each chunk's row
 them means. A reader is given one, never subclassed.
 
 * `CacheRows` (the default): a `KVCache`'s rows, chunk j's tokens of layer l at row l and the chunk's
-  token range; with `per_read`, a cache that holds the layers of one read only (the read's first layer
-  at row 0: the vLLM connector's device buffer of one read).
-* `vllm_load.KeptSections`: each verified section kept as read, for the vLLM connector's host load to
-  write into its pages.
+  token range (`ChunkRef.offset`); with `per_read`, a cache that holds the layers of one read only (the
+  read's first layer at row 0: a device buffer a read lands in before its rows go to pages).
 * `blend.chunks.RotatedRows`: a cache's rows, the keys of chunks placed elsewhere than where they were
   saved re-rotated once placed (CacheBlend).
+* an engine's pages (`page_dest`): the sections kept as read, or rows from a device buffer, written
+  into the request's pages layer by layer; and `host_pages.HostPages`, which the reader fills straight
+  from the store (`Lands`: the bytes read into the pages, verified where they landed).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -42,6 +43,29 @@ class Destination(Protocol):
     def placed(self, reader: LayerReader, layers: range, chunks: Sequence[int], kv: KVCache) -> None:
         """`chunks`' sections of `layers` are verified and in place (on the upload stream for a CUDA
         cache)."""
+        ...
+
+
+class Landing(NamedTuple):
+    """Where a read of one chunk's span lands (`Lands`): `buffers`, filled in order by one scatter read of
+    the span; `sections`, each layer's section among them as its parts in order (what is verified)."""
+
+    buffers: list[memoryview]
+    sections: list[list[memoryview]]
+
+
+@runtime_checkable
+class Lands(Protocol):
+    """A destination the reader fills straight from a store that reads without the event loop
+    (`ChunkStore.reads_sync`), on the caller's thread (`LayerReader.read_layers_sync`): the bytes go where
+    they are used with one scatter read, and are verified there before they count as placed."""
+
+    def landing(self, reader: LayerReader, layers: range, j: int) -> Landing:
+        """Where chunk j's span of `layers` goes (a ChunkDecodeError where it cannot go there)."""
+        ...
+
+    def landed(self, reader: LayerReader, layers: range, j: int) -> None:
+        """Chunk j's span of `layers` is read and verified where it landed: finish placing it."""
         ...
 
 

@@ -11,13 +11,17 @@ compute lane bound by its kernel launches. How a read goes up to a device: `chun
 `open` fetches and checks every chunk's header first (one concurrent round of small reads) and says
 which chunks can be read; `read_layer` raises `ChunkLoadFailed` naming the chunks whose section could
 not be used. Either way the fault is noted in `errors`, a damaged object is deleted so it is never
-served again, and nothing unverified reaches the cache -- except with deferred checks
+served again (`stored.forget`), and nothing unverified reaches the cache -- except with deferred checks
 (`chunkio.deferred`), for a caller that keeps the cache to itself until `verify` has passed.
+
+A destination that lands bytes where they are used (`dest.Lands`: an engine's host pages) is read by
+the blocking face, `open_sync` and `read_layers_sync`, on the caller's thread, from a store that reads
+without the event loop: one scatter read per chunk and read, each section verified where it landed.
+There a damaged chunk's key goes to `damaged`, for the caller to forget on its event loop.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import anyio
@@ -26,9 +30,9 @@ import torch
 
 from kvrestore import codec
 from kvrestore.chunkio.deferred import DeferredChecks
-from kvrestore.chunkio.dest import CacheRows, Destination
+from kvrestore.chunkio.dest import CacheRows, Destination, Lands
 from kvrestore.chunkio.pool import StagingPool
-from kvrestore.chunkio.stored import ChunkLoadFailed, StoredChunk, each, layers_name
+from kvrestore.chunkio.stored import ChunkLoadFailed, each, forget, layers_name, read_plan
 from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.chunkio.uploads import LayerUploads
 from kvrestore.codec.seal import Seal
@@ -38,7 +42,9 @@ from kvrestore.core.errors import (
     ChunkDecodeError,
     CorruptChunkError,
     MissingChunkError,
+    TruncatedChunkError,
 )
+from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.streams import on_stream
@@ -54,7 +60,7 @@ class LayerReader:
         self,
         spec: ModelSpec,
         store: ChunkStore,
-        chunks: Sequence[StoredChunk],
+        chunks: Sequence[ChunkRef],
         lane: TransferLane | None = None,
         defer_checks: bool | None = False,
         ahead: int = 8,
@@ -76,6 +82,8 @@ class LayerReader:
         self.dropped: set[int] = set()  # chunks not read any more (a fault, or the caller's `drop`)
         self.opened = False
         self.errors: list[str] = []
+        self.why: dict[int, str] = {}  # every chunk not read any more: why (noted in `errors` or not)
+        self.damaged: list[str] = []  # keys the blocking face found damaged: to forget
         self.bytes_read = 0
         # Deferred checks (`chunkio.deferred`): None means on a CUDA cache only; True runs the device
         # path on a CPU cache too (tests of the same code, without streams). At most `ahead` layers
@@ -163,10 +171,7 @@ class LayerReader:
         a restore waits for first, and what the loading controller times), then `layers_per_read` at a
         time where the checks are deferred (fewer host calls, thread hops and kernels per layer: the
         loader shares the host with a compute lane that is bound by its launches), else one by one."""
-        step = self.layers_per_read if self.defers(kv) else 1
-        plan = [range(first, min(first + 1, stop))] if first < stop else []
-        plan += [range(a, min(a + step, stop)) for a in range(first + 1, stop, step)]
-        return plan
+        return read_plan(first, stop, self.layers_per_read if self.defers(kv) else 1)
 
     def place(self, layers: range, j: int, data: bytes | memoryview, kv: KVCache) -> None:
         """Verify chunk j's sections of `layers` (`data`: their byte span, `codec.layer_span`) and place
@@ -235,7 +240,7 @@ class LayerReader:
             if len(head) >= codec.PREFIX_SIZE and codec.header_length(head) > len(head):
                 head = await self._get(chunk.key, 0, codec.header_length(head))
             header = codec.probe_header(
-                head, self.spec, chunk.key, chunk.stored_at, chunk.n_tokens, self.encoding.name, self.seal
+                head, self.spec, chunk.key, chunk.start, chunk.n_tokens, self.encoding.name, self.seal
             )
         except LOAD_FAULTS as exc:
             # a chunk gone before the restore reads it is a plain miss; anything else is worth reporting
@@ -269,9 +274,78 @@ class LayerReader:
     async def _fault(self, j: int, exc: BaseException, where: str = "", note: bool = True) -> None:
         """Stop reading chunk j, note its fault, and delete an object its bytes proved damaged
         (`DAMAGE_FAULTS`; best effort: the miss is what matters)."""
+        if self._noted(j, exc, where, note):
+            await forget(self.store, self.chunks[j].key)
+
+    def _noted(self, j: int, exc: BaseException, where: str, note: bool = True) -> bool:
+        """Stop reading chunk j and note why; whether its bytes proved it damaged (`DAMAGE_FAULTS`)."""
         self.drop(j)
+        self.why[j] = f"chunk {j}{where}: {type(exc).__name__}: {exc}"
         if note:
-            self.errors.append(f"chunk {j}{where}: {type(exc).__name__}: {exc}")
-        if isinstance(exc, DAMAGE_FAULTS):
-            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-                await self.store.delete(self.chunks[j].key)
+            self.errors.append(self.why[j])
+        return isinstance(exc, DAMAGE_FAULTS)
+
+    # -- the blocking face: destinations that land bytes where they are used -----------------------
+
+    def open_sync(self) -> list[bool]:
+        """`open`, blocking, from a store that `reads_sync`: each chunk's header with a scatter read."""
+        for j, chunk in enumerate(self.chunks):
+            try:
+                head = self._scatter_sync(chunk.key, 0, codec.HEADER_PROBE)
+                if len(head) >= codec.PREFIX_SIZE and codec.header_length(head) > len(head):
+                    head = self._scatter_sync(chunk.key, 0, codec.header_length(head))
+                header = codec.probe_header(
+                    head, self.spec, chunk.key, chunk.start, chunk.n_tokens, self.encoding.name, self.seal
+                )
+            except LOAD_FAULTS as exc:
+                if self._noted(j, exc, "", note=not isinstance(exc, MissingChunkError)):
+                    self.damaged.append(chunk.key)
+                continue
+            self.bytes_read += len(head)
+            self.headers[j] = header
+        self.opened = True
+        return [self.readable(j) for j in range(len(self.chunks))]
+
+    def _scatter_sync(self, key: str, start: int, n: int) -> memoryview:
+        buf = memoryview(bytearray(n))
+        got = self.store.scatter_into_sync(key, start, [buf])
+        if got is None:
+            raise MissingChunkError(f"chunk {key[:12]} is not in the store")
+        return buf[:got]
+
+    def read_layers_sync(self, layers: range, kv: KVCache) -> int:
+        """`read_layers` into a destination that lands the bytes (`dest.Lands`), blocking: per chunk one
+        scatter read of its span into the buffers the destination gives (and one byte past it, to see an
+        object longer than its header says), each section verified where it landed, then `landed`."""
+        dest = self.dest
+        assert isinstance(dest, Lands), "read_layers_sync reads into a destination that lands bytes"
+        failed: list[int] = []
+        total = 0
+        for j in [j for j in self.headers if j not in self.dropped]:
+            header, key = self.headers[j], self.chunks[j].key
+            try:
+                first, end = codec.layer_span(header, layers)
+                if not codec.back_to_back(header, layers):
+                    raise CorruptChunkError("sections are not back to back")
+                landing = dest.landing(self, layers, j)
+                past_end = memoryview(bytearray(1))  # filled only if the object is longer than its header says
+                got = self.store.scatter_into_sync(key, first, [*landing.buffers, past_end])
+                if got is None:
+                    raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
+                if got < end - first:
+                    raise TruncatedChunkError(f"object is {first + got} bytes, its header says {end} or more")
+                if layers[-1] == header.num_layers - 1 and got > end - first:
+                    raise CorruptChunkError(f"object has bytes past the last section (at byte {end})")
+                for layer, parts in zip(layers, landing.sections, strict=True):
+                    codec.check_section(header.layers[layer], layer, parts)
+                dest.landed(self, layers, j)
+            except LOAD_FAULTS as exc:
+                if self._noted(j, exc, f" {layers_name(layers)}"):
+                    self.damaged.append(key)
+                failed.append(j)
+                continue
+            total += end - first
+        self.bytes_read += total
+        if failed:
+            raise ChunkLoadFailed(failed, self.errors[-1])
+        return total

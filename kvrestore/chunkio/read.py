@@ -1,28 +1,21 @@
-"""One chunk of a prompt into its rows of a KV cache, and what happens to a damaged one.
+"""Whole chunks of a prompt into their rows of a KV cache (a token-wise restore's loads).
 
-A chunk whose bytes, as read, fail their checks (corrupt, truncated, foreign: `DAMAGE_FAULTS`) is deleted
-from the store: it is never served again, and the next save writes a good copy. Nothing else deletes a
-chunk: a missing one, one without a valid MAC, and a failure to place good bytes (the caller's buffer, a
-device, a cancelled copy) leave the store as it was. A fault raises before the chunk counts as loaded.
+A damaged chunk is forgotten as every read forgets one (`stored.forget`); a fault raises before the
+chunk counts as loaded.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 from collections.abc import Callable
 
-import anyio
 import torch
 
 from kvrestore.chunkio.load import ChunkLoader, Fetched
+from kvrestore.chunkio.stored import forget
 from kvrestore.core.errors import DAMAGE_FAULTS
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
 from kvrestore.core.streams import on_stream
-from kvrestore.stores.base import ChunkStore
-
-log = logging.getLogger("kvrestore.chunkio")
 
 
 async def load_chunk(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, first: int = 0) -> int:
@@ -114,10 +107,3 @@ class AllFetched:
     def discard(self) -> None:
         for f in self.fetched:
             f.discard()
-
-
-async def forget(store: ChunkStore, key: str) -> None:
-    """Delete a damaged chunk: never serve it again; the next save writes a good copy."""
-    log.warning("chunk %s is damaged: deleted from the store (the next save writes it again)", key)
-    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
-        await store.delete(key)  # best effort: the miss is what matters

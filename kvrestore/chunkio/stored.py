@@ -1,21 +1,33 @@
-"""What a layer-wise read names: the stored chunks it reads (`StoredChunk`) and the chunks it could not
-(`ChunkLoadFailed`), and how it runs one read per chunk concurrently (`each`)."""
+"""What every read of stored chunks shares: the chunks it could not read (`ChunkLoadFailed`), the one
+rule for a damaged chunk (`forget`), the one schedule of a read along layers (`read_plan`), and how it
+runs one read per chunk concurrently (`each`).
+
+Only proven damage deletes: a chunk whose bytes, as read, fail their checks (corrupt, truncated,
+foreign: `DAMAGE_FAULTS`) is deleted from the store, so it is never served again and the next save
+writes a good copy. A missing chunk, one without a valid MAC, a store fault and a failure to place good
+bytes (the caller's buffer, a device, a cancelled copy) leave the store as it was.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
+import anyio
+
 from kvrestore.core.errors import ChunkDecodeError
-from kvrestore.stores.base import in_order
+from kvrestore.stores.base import ChunkStore, in_order
 
 if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
 T = TypeVar("T")
+
+log = logging.getLogger("kvrestore.chunkio")
 
 
 class ChunkLoadFailed(ChunkDecodeError):
@@ -39,14 +51,21 @@ async def each(fn: Callable[[T], Coroutine[Any, Any, None]], items: Sequence[T])
         raise exc from None
 
 
-@dataclass(frozen=True)
-class StoredChunk:
-    """Where a stored chunk comes from (`key`, saved at position `stored_at`) and goes (`offset`)."""
+async def forget(store: ChunkStore, key: str) -> None:
+    """Delete a damaged chunk: never serve it again; the next save writes a good copy (best effort: the
+    miss is what matters, and a cancelled caller still deletes it)."""
+    log.warning("chunk %s is damaged: deleted from the store (the next save writes it again)", key)
+    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+        await store.delete(key)
 
-    key: str
-    stored_at: int
-    offset: int
-    n_tokens: int
+
+def read_plan(first: int, stop: int, per_read: int) -> list[range]:
+    """The reads that cover layers [first, stop): the first layer alone (what the compute waits for
+    first, and what a restore times the link by), then `per_read` consecutive layers at a time (their
+    sections lie back to back: one range read per chunk, fewer host calls per layer)."""
+    step = max(1, per_read)
+    plan = [range(first, min(first + 1, stop))] if first < stop else []
+    return plan + [range(a, min(a + step, stop)) for a in range(first + 1, stop, step)]
 
 
 def layers_name(layers: range) -> str:

@@ -35,7 +35,13 @@ import numpy as np
 import torch
 import zstandard
 
-from kvrestore.codec.checksums import as_signed, device_checkable, device_checksums, host_checksum
+from kvrestore.codec.checksums import (
+    as_signed,
+    device_checkable,
+    device_checksums,
+    host_checksum,
+    host_checksum_parts,
+)
 from kvrestore.codec.header import (
     _ENCODER,
     _PREFIX,  # noqa: F401 - tests frame headers through codec.chunk
@@ -67,7 +73,7 @@ from kvrestore.codec.header import (
     span_sections,
     spec_encoding,
 )
-from kvrestore.codec.layout import _INT_OF_SIZE, place_host_rows, place_rows, tile_keys
+from kvrestore.codec.layout import INT_OF_SIZE, place_host_rows, place_rows, tile_keys
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import CorruptChunkError, InvalidInputError, TruncatedChunkError
@@ -234,12 +240,7 @@ def _fill(
     tile: int = 0,
 ) -> None:
     """Verify one stored section and decode it into `dst` ([2, H, T, D], may be a strided view of a cache)."""
-    if len(stored) < section.length:
-        raise TruncatedChunkError(f"layer {layer}: {len(stored)} of {section.length} section bytes")
-    if len(stored) > section.length:
-        raise CorruptChunkError(f"layer {layer}: {len(stored)} bytes for a {section.length}-byte section")
-    if host_checksum(stored) != section.checksum:
-        raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
+    check_section(section, layer, [stored])
     if compression == "zstd":
         raw: Buffer = bounded_zstd(stored, section.raw_length, f"layer {layer}")
         if len(raw) != section.raw_length:
@@ -251,6 +252,20 @@ def _fill(
         copy_bytes(dst, stored, tile)
     else:
         enc.decode(byte_tensor(stored).view(1, -1), dst.unsqueeze(0))
+
+
+def check_section(section: LayerSection, layer: int, parts: Sequence[Buffer]) -> None:
+    """Verify layer `layer`'s section as read, `parts` its bytes in order (one buffer, or the pieces a
+    read put straight where they are used): its length, then its xxh3-64. The one host check of a
+    section's bytes; CorruptChunkError or TruncatedChunkError naming the layer."""
+    n = sum(memoryview(p).nbytes for p in parts)
+    if n < section.length:
+        raise TruncatedChunkError(f"layer {layer}: {n} of {section.length} section bytes")
+    if n > section.length:
+        raise CorruptChunkError(f"layer {layer}: {n} bytes for a {section.length}-byte section")
+    digest = host_checksum(parts[0]) if len(parts) == 1 else host_checksum_parts(parts)
+    if digest != section.checksum:
+        raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
 
 
 def byte_tensor(data: Buffer) -> torch.Tensor:
@@ -269,7 +284,7 @@ def copy_bytes(dst: torch.Tensor, data: Buffer, key_tile: int = 0) -> None:
     on the CPU through numpy views of both sides; elsewhere through a host tensor over the bytes.
     """
     if dst.device.type == "cpu":
-        host = dst.view(_INT_OF_SIZE[dst.element_size()]).numpy()  # any KV dtype, bfloat16 included
+        host = dst.view(INT_OF_SIZE[dst.element_size()]).numpy()  # any KV dtype, bfloat16 included
         place_host_rows(host, np.frombuffer(data, host.dtype).reshape(dst.shape), key_tile)
         return
     place_rows(dst, byte_tensor(data).view(dst.dtype).view(dst.shape), key_tile)
@@ -337,8 +352,7 @@ def verify_sections(header: ChunkHeader, data: Buffer) -> None:
     hashes); raises CorruptChunkError naming the first damaged layer."""
     mv = memoryview(data)
     for i, s in enumerate(header.layers):
-        if host_checksum(mv[s.offset : s.offset + s.length]) != s.checksum:
-            raise CorruptChunkError(f"layer {i}: section checksum mismatch")
+        check_section(s, i, [mv[s.offset : s.offset + s.length]])
 
 
 def body(header: ChunkHeader, data: Buffer) -> memoryview:
@@ -398,6 +412,7 @@ __all__ = [
     "body_start_after",
     "check_header",
     "check_object",
+    "check_section",
     "decode_chunk",
     "decode_layers",
     "encode_chunk",

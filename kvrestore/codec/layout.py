@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 #: same-sized integer types, to copy any KV dtype (bfloat16 included) through numpy
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def tile_keys(dense: torch.Tensor, tile: int) -> torch.Tensor:
@@ -30,7 +30,7 @@ def tile_keys(dense: torch.Tensor, tile: int) -> torch.Tensor:
         out[:, 1] = dense[:, 1]
         keys.copy_(rows)
         return out
-    ints = _INT_OF_SIZE[dense.element_size()]
+    ints = INT_OF_SIZE[dense.element_size()]
     np.copyto(out[:, 1].view(ints).numpy(), dense[:, 1].view(ints).numpy())
     np.copyto(keys.view(ints).numpy(), rows.view(ints).numpy())
     return out
@@ -54,6 +54,13 @@ def place_rows(dst: torch.Tensor, src: torch.Tensor, tile: int) -> None:
     dst.select(-4, 0).unflatten(-2, (-1, tile)).copy_(stored_keys(src.select(-4, 0), tile))
 
 
+def host_tiles(keys: np.ndarray, tile: int) -> np.ndarray:
+    """`stored_keys` for a host array: keys stored in tiles (``[..., H, T, D]`` over the stored bytes) as a
+    view ``[..., H, T / tile, tile, D]``, token-major."""
+    *lead, T, D = keys.shape
+    return keys.reshape(*lead, T // tile, D, tile).swapaxes(-1, -2)
+
+
 def place_host_rows(dst: np.ndarray, src: np.ndarray, tile: int) -> None:
     """`place_rows` for host arrays (numpy: one thread, the GIL released), `dst` a view of a cache."""
     if not tile:
@@ -61,8 +68,7 @@ def place_host_rows(dst: np.ndarray, src: np.ndarray, tile: int) -> None:
         return
     np.copyto(dst[..., 1, :, :, :], src[..., 1, :, :, :])
     T, D = src.shape[-2:]
-    keys = src[..., 0, :, :, :]
-    tiles = keys.reshape(*keys.shape[:-2], T // tile, D, tile).swapaxes(-1, -2)
+    tiles = host_tiles(src[..., 0, :, :, :], tile)
     out = dst[..., 0, :, :, :]
     # split dst's token axis in place (a view, whatever its strides): [..., H, T / tile, tile, D]
     strides = (*out.strides[:-2], out.strides[-2] * tile, out.strides[-2], out.strides[-1])
@@ -72,4 +78,4 @@ def place_host_rows(dst: np.ndarray, src: np.ndarray, tile: int) -> None:
     np.copyto(view, tiles)
 
 
-__all__ = ["place_host_rows", "place_rows", "stored_keys", "tile_keys"]
+__all__ = ["INT_OF_SIZE", "host_tiles", "place_host_rows", "place_rows", "stored_keys", "tile_keys"]

@@ -33,16 +33,25 @@ DEFAULT_CHUNK_SIZE = 256
 
 @dataclass(frozen=True)
 class ChunkRef:
-    """One chunk of a prompt: its index, token range [start, end) and store key."""
+    """One chunk of a prompt: its index, token range [start, end) (the positions it was saved at) and
+    store key; `at`, where a read places its tokens when that is not `start` (a buffer that begins at
+    another token, a CacheBlend chunk moved to another position). The one chunk descriptor: what a
+    lookup finds, a restore or a vLLM step loads, a save writes."""
 
     index: int
     start: int
     end: int
     key: str
+    at: int | None = None
 
     @property
     def n_tokens(self) -> int:
         return self.end - self.start
+
+    @property
+    def offset(self) -> int:
+        """Where a read places the chunk's first token (`at`, else `start`)."""
+        return self.start if self.at is None else self.at
 
 
 def token_bytes(tokens: Sequence[int] | torch.Tensor) -> bytes:

@@ -12,7 +12,7 @@ import time
 
 import anyio
 
-from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
+from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader
 from kvrestore.costs.estimates import Estimates, Priors
 from kvrestore.policies import ComputeOnly, LoadOnly, Policy, Progress
 from kvrestore.restore.compute import LayerCompute, prefill_into
@@ -43,7 +43,7 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     reader = LayerReader(
         spec,
         parts.store,
-        [StoredChunk(r.key, r.start, r.start, r.n_tokens) for unit in units[:k] for r in unit],
+        [r for unit in units[:k] for r in unit],
         lane=parts.loader.lane(kv.data.device),
         encoding=parts.loader.encoding.name,
         seal=parts.loader.seal,

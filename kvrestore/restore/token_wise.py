@@ -7,7 +7,8 @@ import time
 from collections.abc import Callable, Iterable
 
 from kvrestore.chunkio.load import Fetched
-from kvrestore.chunkio.read import AllFetched, fetch_chunks_sync, forget, load_chunks, load_chunks_aside
+from kvrestore.chunkio.read import AllFetched, fetch_chunks_sync, load_chunks, load_chunks_aside
+from kvrestore.chunkio.stored import forget
 from kvrestore.costs.estimates import Priors
 from kvrestore.policies import LaneTraits, Policy, Progress
 from kvrestore.restore.compute import prefill_apart, prefill_into

@@ -8,21 +8,25 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvrestore.integrations.vllm.io import LoadChunk
+from kvrestore.core.keys import ChunkRef
 
 
 @dataclass
 class LoadSpec:
+    """Load tokens [first, k) of `req_id` (`first`: where vLLM's own prefix cache ends) from `chunks`,
+    the stored chunks that hold them, into its pages `block_ids`."""
+
     req_id: str
-    chunks: list[LoadChunk]
+    chunks: list[ChunkRef]
     k: int
     block_ids: list[int]
+    first: int = 0
 
 
 @dataclass
 class SaveSpec:
     req_id: str
-    chunks: list[LoadChunk]
+    chunks: list[ChunkRef]
     block_ids: list[int]
 
 

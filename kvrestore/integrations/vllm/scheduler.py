@@ -24,12 +24,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvrestore.chunkio.pages import blocks_of
+from kvrestore.core.errors import STORE_FAULTS
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.sync import CallerLoop
 from kvrestore.integrations.vllm.config import ConnectorContext
-from kvrestore.integrations.vllm.io import STORE_FAULTS, LoadChunk
 from kvrestore.integrations.vllm.keys import RequestKeys
-from kvrestore.integrations.vllm.layouts import blocks_of
 from kvrestore.integrations.vllm.meta import (
     KVRestoreConnectorMetadata,
     KVRestoreWorkerMetadata,
@@ -57,6 +57,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0  # chunks before this one are saved or not to be saved
     load_k: int = 0
+    load_from: int = 0  # where vLLM's own prefix cache ends: the load starts there
     need_load: bool = False
     choice: SplitChoice | None = None
     waited: bool = False  # it has waited a step once (`SplitChoice.waits`); it never waits again
@@ -237,7 +238,7 @@ class SchedulerSide:
             )
         if not loads:
             return 0, False
-        st.load_k = choice.k
+        st.load_k, st.load_from = choice.k, num_computed_tokens
         return choice.k - num_computed_tokens, False
 
     def _gathers(self, st: _Request, bytes_ahead: float, compute_ahead_s: float) -> bool:
@@ -365,10 +366,11 @@ class SchedulerSide:
             return
         if blocks is not None:
             st.block_ids = list(blocks) if replace else st.block_ids + list(blocks)
-        if st.need_load:
+        if st.need_load:  # what vLLM lacks: [load_from, load_k), from the chunks that hold it
             st.need_load = False
-            chunks = [LoadChunk(r.key, r.start, r.end) for r in st.refs if r.start < st.load_k]
-            meta.loads.append(LoadSpec(req_id, chunks, st.load_k, list(st.block_ids)))
+            k, first = st.load_k, st.load_from
+            chunks = [r for r in st.refs if r.start < k and r.end > first]
+            meta.loads.append(LoadSpec(req_id, chunks, k, list(st.block_ids), first))
         if not self.config.save or self.lookups.down_for > 0:
             return  # while the store is down, chunks are not even copied out
         done = computed + n_new
@@ -376,7 +378,7 @@ class SchedulerSide:
         while st.next_save < len(st.refs) and st.refs[st.next_save].end <= done:
             ref = st.refs[st.next_save]
             if not st.stored[ref.index]:
-                todo.append(LoadChunk(ref.key, ref.start, ref.end))
+                todo.append(ref)
             st.next_save += 1
         if todo:
             meta.saves.append(

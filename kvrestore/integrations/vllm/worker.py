@@ -1,7 +1,18 @@
-"""The worker side of the vLLM connector (`kvrestore.integrations.vllm.KVRestoreConnector`): it takes
-vLLM's paged KV caches, loads each step's stored tokens layer by layer, waits only for the layer about to
-run, copies computed chunks out of the pages for the saver, and reports the blocks that did not load so
-vLLM recomputes them.
+"""The worker side of the vLLM connector (`connector.KVRestoreConnector`): vLLM's paged KV caches as
+destinations of chunkio's reader, the step's loads and saves, and the blocks that did not load.
+
+Each request's load is one `chunkio.layer_load.LayerLoad` of tokens [first, k) (first: where vLLM's own
+prefix cache ends) into the request's pages, which vLLM's layout gives as K and V views (`layouts`). The
+pages decide the destination, not a load class of ours:
+
+* vLLM's CPU pages, from a store that reads without the event loop, chunks saved uncompressed and
+  native: `HostPages`, filled straight from the store on the step's thread as vLLM asks for each layer;
+* CUDA pages: `RowPages`, each read checked on the GPU in a device buffer and written into the pages on
+  a stream of the connector's own, which vLLM's stream waits on per layer;
+* any other (a remote store, compressed or encoded chunks, an fp8 cache): `SectionPages`, read on the I/O
+  thread, each layer written by the step's thread (or on the load stream, CUDA) as vLLM asks for it.
+
+Computed chunks are copied out of the pages (`pages.gather`) for chunkio's `ChunkSaver`.
 """
 
 from __future__ import annotations
@@ -9,100 +20,84 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from kvrestore.chunkio.host_pages import HostPages
+from kvrestore.chunkio.layer_load import LayerDest, LayerLoad
+from kvrestore.chunkio.page_dest import PageWrites, RowPages, SectionPages
+from kvrestore.chunkio.pages import PagedCache, blocks_of, fp8_layer_scales, gather
 from kvrestore.chunkio.pool import StagingPool
+from kvrestore.chunkio.save import ChunkSaver
 from kvrestore.chunkio.transfer import TransferLane
-from kvrestore.core.errors import UnsupportedModelError
+from kvrestore.core.errors import STORE_FAULTS, UnsupportedModelError
 from kvrestore.core.kv import KVChunk
-from kvrestore.core.streams import HostEvent, on_stream, timing_event
+from kvrestore.core.streams import HostEvent, timing_event
+from kvrestore.core.sync import LoopThread
 from kvrestore.integrations.vllm.config import ConnectorContext
-from kvrestore.integrations.vllm.device import DeviceLayerLoad
-from kvrestore.integrations.vllm.io import STORE_FAULTS, ChunkSaver, IOThread
-from kvrestore.integrations.vllm.layouts import (
-    blocks_of,
-    fp8_layer_scales,
-    fp8_values,
-    gather_chunk,
-    kv_views,
-    scatter_tokens,
-)
-from kvrestore.integrations.vllm.load import LayerLoad, Pieces
+from kvrestore.integrations.vllm.layouts import applies, detect_layout, kv_views
 from kvrestore.integrations.vllm.meta import (
     KVRestoreConnectorMetadata,
     KVRestoreWorkerMetadata,
     LoadSpec,
     SaveSpec,
 )
-from kvrestore.integrations.vllm.pages import HostLayer, HostPageLoad, applies
 from kvrestore.integrations.vllm.stats import Counters, emit, log
 from kvrestore.stores.base import ChunkStore
+from kvrestore.stores.deadline import Deadlines, DeadlineStore
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
 class WorkerSide:
-    """The connector's worker-role calls, over `ctx`: its own store, I/O thread and saver.
-
-    Loaded layers reach vLLM's pages three ways. On CUDA the I/O thread sends a few layers of every
-    chunk up at a time, checks them on the GPU and writes them into the pages on a stream of its own
-    (`DeviceLayerLoad`; an fp8 cache's through the host, `LayerLoad`); vLLM's stream waits on the device
-    for each layer. On the CPU, from a store that reads without the event loop and chunks saved
-    uncompressed and native, the step's thread reads each layer as vLLM asks for it straight into the
-    pages (`HostPageLoad`): one copy, no thread of ours beside vLLM's compute threads. Otherwise the I/O
-    thread reads in the background and the step's thread writes each layer as vLLM asks for it.
-    """
+    """The connector's worker-role calls, over `ctx`: its own store (loads and saves each under their own
+    back-off, `DeadlineStore`), I/O thread and saver."""
 
     def __init__(
         self,
         ctx: ConnectorContext,
         store: ChunkStore | None = None,
-        io: IOThread | None = None,
+        io: LoopThread | None = None,
         saver: ChunkSaver | None = None,
     ) -> None:
         self.ctx = ctx
         self.spec = ctx.spec
-        self.config = ctx.config
+        self.config = c = ctx.config
         self.costs = ctx.costs
         self.block_size = ctx.block_size
-        self.store = store if store is not None else ctx.open_store()
-        self.io = io if io is not None else IOThread()
+        raw = store if store is not None else ctx.open_store()
+        # a late load marks the store down for `retry_after_s`: the loads after it fail at once
+        self.store = DeadlineStore(raw, Deadlines(None, None, None, c.retry_after_s, c.retry_after_s))
+        self.io = io if io is not None else LoopThread()
         self.saver = saver or ChunkSaver(
             self.spec,
-            self.store,
+            raw,
             self.io,
-            compression=self.config.compression,
-            max_bytes=self.config.save_queue_bytes,
-            encoding=self.config.kv_encoding,
+            compression=c.compression,
+            max_bytes=c.save_queue_bytes,
+            encoding=c.kv_encoding,
             seal=ctx.seal,
-            retry_after_s=self.config.retry_after_s,
+            retry_after_s=c.retry_after_s,
         )
         self.counters = Counters()
         self._saver_seen = (0, 0, 0, 0)  # the saver's written, bytes, dropped, failed last reported
-        self._caches: list[torch.Tensor] = []
         self._layer_of: dict[str, int] = {}
+        self._caches: list[torch.Tensor] = []  # vLLM's, a tensor a layer
         self._layout = "cpu"
+        self.paged: PagedCache | None = None
         self._meta: KVRestoreConnectorMetadata | None = None
-        self._loads: list[tuple[LoadSpec, LayerLoad | DeviceLayerLoad | HostPageLoad]] = []
-        self._pending: dict[int, list[tuple[list[int], Pieces]]] = {}  # CPU: layer -> pieces to write
-        self._pending_lock = threading.Lock()
+        self._loads: list[tuple[LoadSpec, LayerLoad]] = []
         self._load_errors: set[int] = set()
         self._failed_chunks: dict[str, set[int]] = {}
         self._loaded: set[str] = set()  # requests whose loads ended since the last report
-        self._errors_lock = threading.Lock()
         self._waited_s = 0.0  # this step's time in wait_for_layer_load: the step minus it is compute
         self._load_stream: torch.cuda.Stream | None = None  # set with the caches, on CUDA
-        self._lane: TransferLane | None = None  # `DeviceLayerLoad`'s staging pool and stream, on CUDA
-        self._host_layers: list[HostLayer] | None = None  # the caches as `HostPageLoad` writes them
-        self._layer_placed: dict[int, torch.cuda.Event] = {}
-        self._fp8_scales: torch.Tensor | None = None  # [L, 2] bf16: an fp8 cache's K and V scales
+        self._lane: TransferLane | None = None  # `RowPages`' staging pool and stream, on CUDA
         self._step_start: torch.cuda.Event | HostEvent = HostEvent()  # where the step began, on vLLM's stream
         #: steps whose device time is not read yet: ((n new, past) of each request, start, end, waited,
         #: load seconds or None)
@@ -118,7 +113,7 @@ class WorkerSide:
         """Take vLLM's paged caches (layer name -> tensor) and work out their layout. An fp8 cache (one
         byte an element under a wider model dtype) needs `kv_encoding="fp8"` and each layer's K and V
         scale (`scales`, vLLM's ``_k_scale_float`` and ``_v_scale_float``; 1.0 where not given): its pages
-        are saved as the fp8 chunks' values, as they are (`fp8_sections`)."""
+        are saved as the fp8 chunks' values, as they are (`pages.fp8_sections`)."""
         names = list(kv_caches)
 
         def index(name: str) -> int:
@@ -131,32 +126,22 @@ class WorkerSide:
                 f"vLLM has {len(ordered)} KV cache layers, the model config says {self.spec.num_layers}"
             )
         self._layer_of = {name: i for i, name in enumerate(ordered)}
-        self._caches = [kv_caches[name] for name in ordered]
-        self._host_layers = None
-        first = self._caches[0]
-        H, D = self.spec.num_kv_heads, self.spec.head_dim
-        if first.element_size() == 1 and self.spec.dtype.itemsize > 1:  # vLLM's fp8 cache
+        caches = [kv_caches[name] for name in ordered]
+        fp8 = None
+        if caches[0].element_size() == 1 and self.spec.dtype.itemsize > 1:  # vLLM's fp8 cache
             if self.config.kv_encoding != "fp8":
                 raise UnsupportedModelError(
                     "vLLM runs an fp8 KV cache: set kv_connector_extra_config['kv_encoding'] = 'fp8' "
                     f"(got {self.config.kv_encoding!r}), whose chunks hold its pages as they are"
                 )
-            self._caches = [c.view(torch.uint8) for c in self._caches]
-            first = self._caches[0]
-            self._fp8_scales = fp8_layer_scales([(scales or {}).get(name, (1.0, 1.0)) for name in ordered])
-        if self.config.layout is not None:
-            self._layout = self.config.layout
-        elif first.dim() == 4 and first.shape[1] == H and first.shape[3] == 2 * D:
-            # the CPU backend keeps a page's keys, then its values; CUDA backends one token's K then V
-            self._layout = "cpu" if first.device.type == "cpu" else "cuda"
-        elif first.dim() == 5 and first.shape[0] == 2 and tuple(first.shape[3:]) == (H, D):
-            self._layout = "flash_attn"
-        else:
-            raise UnsupportedModelError(
-                f"unknown vLLM KV cache layout {tuple(first.shape)} for {H} heads of {D}; "
-                "set kv_connector_extra_config['layout']"
-            )
-        kv_views(first, self._layout, H, D)  # checks the shape
+            caches = [c.view(torch.uint8) for c in caches]
+            fp8 = fp8_layer_scales([(scales or {}).get(name, (1.0, 1.0)) for name in ordered])
+        H, D = self.spec.num_kv_heads, self.spec.head_dim
+        self._caches = caches
+        self._layout = self.config.layout or detect_layout(caches[0], H, D)
+        views = [kv_views(c, self._layout, H, D) for c in caches]
+        self.paged = PagedCache([k for k, _ in views], [v for _, v in views], fp8)
+        first = caches[0]
         # on CUDA the pages are written on a stream of the connector's own, ordered on the device against
         # vLLM's (which need not be the default stream, and does not sync with it)
         self._load_stream = torch.cuda.Stream(first.device) if first.is_cuda else None
@@ -165,8 +150,8 @@ class WorkerSide:
         if self._layout == "cpu":
             self._check_cpu_kernels(int(first.shape[2]))
         # the keys of native chunks stored as the pages keep them, a tile a page: read back straight
-        # into the pages (`HostPageLoad`); every other reader converts them (`codec.layout`)
-        self.saver.key_tile = int(first.shape[2]) if self._layout == "cpu" and self._fp8_scales is None else 0
+        # into the pages (`HostPages`); every other reader converts them (`codec.layout`)
+        self.saver.key_tile = int(first.shape[2]) if self._layout == "cpu" and fp8 is None else 0
         log.info("kvrestore: %d KV layers, layout %s %s", len(ordered), self._layout, tuple(first.shape))
 
     def _check_cpu_kernels(self, block_size: int) -> None:
@@ -196,88 +181,45 @@ class WorkerSide:
     def _mark(self) -> torch.cuda.Event | HostEvent:
         """Now, on vLLM's current stream: on CUDA the host only launches a step's kernels, so the device
         times its compute (the host's clock off CUDA, or before the caches are known)."""
-        device = self._caches[0].device if self._caches else torch.device("cpu")
+        device = self.paged.device if self.paged is not None else torch.device("cpu")
         event = timing_event(device)
         event.record(torch.cuda.current_stream(device) if device.type == "cuda" else None)
         return event
 
     def start_load_kv(self) -> None:
-        """Start the step's loads in the background. vLLM's forward context is not needed (its Model
-        Runner V2 passes None)."""
-        meta = self._meta
-        if meta is None or not meta.loads:
+        """Start the step's loads. vLLM's forward context is not needed (its Model Runner V2 passes
+        None)."""
+        meta, paged = self._meta, self.paged
+        if meta is None or not meta.loads or paged is None:
             return
         if self._load_stream is not None:  # the pages are written after what vLLM queued
-            self._load_stream.wait_stream(torch.cuda.current_stream(self._caches[0].device))
-        direct = self._fp8_scales is None and applies(
-            self.store, self._layout, self.config.kv_encoding, self.config.compression
-        )
-        if direct and self._host_layers is None:
-            H, D = self.spec.num_kv_heads, self.spec.head_dim
-            self._host_layers = [HostLayer(c, H, D) for c in self._caches]
-        encoding, seal = self.config.kv_encoding, self.ctx.seal
+            self._load_stream.wait_stream(torch.cuda.current_stream(paged.device))
+        c = self.config
+        direct = applies(self.store, self._layout, c.kv_encoding, c.compression) and HostPages.takes(paged)
         for spec in meta.loads:
-            what = (self.spec, self.store, spec.chunks, spec.k)
-            load: LayerLoad | DeviceLayerLoad | HostPageLoad
+            dest: LayerDest
+            options: dict[str, Any] = {"layers_per_read": 4}
             if direct:  # read on this thread as vLLM asks for each layer, straight into the pages
-                load = HostPageLoad(*what, self._host_layers or [], spec.block_ids, seal=seal)
-            elif self._lane is not None and self._fp8_scales is None:  # CUDA pages: checked on the GPU
-                place = self._device_placer(spec.block_ids)
-                device = self._caches[0].device
-                load = DeviceLayerLoad(*what, place, self._lane, device, encoding=encoding, seal=seal)
-            else:
-                load = LayerLoad(*what, self._placer(spec.block_ids), encoding=encoding, seal=seal)
-            load.start(self.io, self.config.load_timeout_s)
-            self._loads.append((spec, load))
-
-    def _placer(self, block_ids: list[int]) -> Callable[[int, Pieces], None]:
-        if self._load_stream is None:  # CPU: the step's thread writes the pages (`wait_for_layer_load`)
-
-            def keep(layer: int, pieces: Pieces) -> None:
-                with self._pending_lock:
-                    self._pending.setdefault(layer, []).append((block_ids, pieces))
-
-            return keep
-
-        def place(layer: int, pieces: Pieces) -> None:
-            self._on_load_stream(layer, lambda: self._write(layer, block_ids, pieces))
-
-        return place
-
-    def _device_placer(self, block_ids: list[int]) -> Callable[[int, torch.Tensor], None]:
-        """`DeviceLayerLoad`'s `place`: a layer's rows ``[2, H, T, D]``, already on the device, into the
-        request's pages (whole pages with one indexed copy for K and one for V)."""
-        H, D = self.spec.num_kv_heads, self.spec.head_dim
-
-        def place(layer: int, rows: torch.Tensor) -> None:
-            self._on_load_stream(
-                layer, lambda: scatter_tokens(self._caches[layer], self._layout, block_ids, 0, rows, H, D)
+                dest = HostPages(paged, spec.block_ids, spec.first, spec.k)
+            elif self._lane is not None and paged.scales is None:  # CUDA pages: checked on the GPU
+                dest = RowPages(PageWrites(paged, spec.block_ids, self._load_stream))
+                rows = RowPages.buffer(self.spec, spec.chunks, 2, paged.device, self._load_stream)
+                options = {"layers_per_read": 2, "rows": rows, "lane": self._lane}
+            else:  # through the I/O thread; written by the step's thread (on the load stream on CUDA)
+                dest = SectionPages(PageWrites(paged, spec.block_ids, self._load_stream))
+            load = LayerLoad(
+                self.spec,
+                self.store,
+                spec.chunks,
+                spec.k,
+                dest,
+                first=spec.first,
+                encoding=c.kv_encoding,
+                seal=self.ctx.seal,
+                **options,
             )
-
-        return place
-
-    def _on_load_stream(self, layer: int, write: Callable[[], None]) -> None:
-        """Run `write` (a layer's pages) on the load stream, then mark the layer placed there: vLLM's
-        stream waits for that event before it runs the layer."""
-        stream = self._load_stream
-        with on_stream(stream):
-            write()
-            # the newest event for the layer covers every load's copies of it
-            placed = torch.cuda.Event()
-            placed.record(stream)
-            self._layer_placed[layer] = placed
-
-    def _write(self, layer: int, block_ids: list[int], pieces: Pieces) -> None:
-        """Write one layer's pieces into its pages, each straight from the bytes read, decoded where the
-        pages are if encoded (on CUDA only an fp8 cache's: quantized with the layer's scales there)."""
-        H, D = self.spec.num_kv_heads, self.spec.head_dim
-        cache = self._caches[layer]
-        for p in pieces:
-            if self._fp8_scales is not None:
-                data = fp8_values(p, self._fp8_scales[layer], cache.device)
-            else:
-                data = p.kv(cache.device)
-            scatter_tokens(cache, self._layout, block_ids, p.start, data, H, D)
+            load.start(self.io, c.load_timeout_s)
+            self._loads.append((spec, load))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_of.get(layer_name)
@@ -294,17 +236,8 @@ class WorkerSide:
                     request=spec.req_id,
                     layer=layer,
                     timeout_s=self.config.load_timeout_s,
-                    tokens=spec.k,
+                    tokens=spec.k - spec.first,
                 )
-        # what the loads kept for the layer (CPU); a load cancelled since (late) failed every chunk, so
-        # vLLM recomputes those blocks whatever is written
-        with self._pending_lock:
-            todo = self._pending.pop(layer, [])
-        for block_ids, pieces in todo:
-            self._write(layer, block_ids, pieces)
-        placed = self._layer_placed.get(layer)
-        if placed is not None:  # vLLM's stream runs the layer once its pages are written
-            torch.cuda.current_stream(self._caches[layer].device).wait_event(placed)
         self._waited_s += time.perf_counter() - t
 
     def wait_for_save(self) -> None:
@@ -318,9 +251,9 @@ class WorkerSide:
             # one request computed: a sample of what computing costs, alone or beside a load
             load_s = loads[0][1].seconds if len(loads) == 1 else None
             if not loads or load_s is not None:
-                # a load read on this thread (`HostPageLoad`) ran before each layer, not beside it: the
-                # step is a sample of computing (less its waits, the reads), not of computing beside one
-                beside = load_s if loads and not isinstance(loads[0][1], HostPageLoad) else None
+                # a load read on this thread ran before each layer, not beside it: the step is a sample
+                # of computing (less its waits, the reads), not of computing beside one
+                beside = load_s if loads and not loads[0][1].here else None
                 self._timed_steps.append((computed, self._step_start, self._mark(), self._waited_s, beside))
         elif len(computed) > 1 and not loads:
             # several requests in one forward pass, nothing loaded beside it: a sample of the pass
@@ -361,11 +294,11 @@ class WorkerSide:
             self._loaded.add(spec.req_id)
             ranges = load.failed_ranges()
             bad = [b for a, e in ranges for b in blocks_of(spec.block_ids, a, e, self.block_size)]
+            tokens = spec.k - spec.first
             if bad:
                 failed.add(spec.req_id)
-                with self._errors_lock:
-                    self._load_errors.update(bad)
-                self._failed_chunks.setdefault(spec.req_id, set()).update(load.failed)
+                self._load_errors.update(bad)
+                self._failed_chunks.setdefault(spec.req_id, set()).update(spec.chunks[j].index for j in load.failed)
                 first = min(a for a, _ in ranges)
                 self.counters.add(
                     load_failures=1, failed_chunks=len(load.failed), recomputed_tokens=spec.k - first
@@ -383,25 +316,23 @@ class WorkerSide:
                 )
             elif load.seconds is not None:
                 moved, longest = moved + load.bytes_read, max(longest, load.seconds)
-                self.counters.add(loads=1, loaded_tokens=spec.k, loaded_bytes=load.bytes_read)
+                self.counters.add(loads=1, loaded_tokens=tokens, loaded_bytes=load.bytes_read)
                 emit(
                     logging.INFO,
                     "loaded",
                     "request %(request)s: loaded %(tokens)d tokens (%(bytes)d bytes) in %(seconds).3f s",
                     request=spec.req_id,
-                    tokens=spec.k,
+                    tokens=tokens,
                     bytes=load.bytes_read,
                     seconds=load.seconds,
-                    blocks=blocks_of(spec.block_ids, 0, spec.k, self.block_size),
+                    first=spec.first,
+                    blocks=blocks_of(spec.block_ids, spec.first, spec.k, self.block_size),
                 )
         if moved:
             self.costs.observe_load(self.ctx.link_key, moved, longest)
-        if self._loads and self._load_stream is not None:  # every load is settled: vLLM's stream goes on
-            vllm_stream = torch.cuda.current_stream(self._caches[0].device)  # after every page they wrote
-            vllm_stream.wait_stream(self._load_stream)
-        with self._pending_lock:
-            self._pending.clear()
-        self._layer_placed.clear()
+        if self._loads and self._load_stream is not None and self.paged is not None:
+            # every load is settled: vLLM's stream goes on after every page they wrote
+            torch.cuda.current_stream(self.paged.device).wait_stream(self._load_stream)
         self._loads.clear()
         return failed
 
@@ -409,13 +340,15 @@ class WorkerSide:
         """Copy each chunk out of the pages behind the step's kernels on vLLM's stream (before vLLM can
         reuse the pages) and hand it to the saver. On CUDA the copy goes to pinned memory; the saver's
         thread, not the host, waits for it before it encodes."""
-        H, D = self.spec.num_kv_heads, self.spec.head_dim
+        paged = self.paged
+        assert paged is not None
+        views = list(zip(paged.k, paged.v, strict=True))
         for c in spec.chunks:
             nbytes = self.spec.kv_bytes_per_token * (c.end - c.start)
             if not self.saver.reserve(c.key, nbytes):  # dropped: not even copied out
                 continue
             try:
-                data = gather_chunk(self._caches, self._layout, spec.block_ids, c.start, c.end, H, D)
+                data = gather(views, spec.block_ids, c.start, c.end)
                 ready = None
                 if data.is_cuda:
                     host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
@@ -430,9 +363,7 @@ class WorkerSide:
                 raise
             # an fp8 cache's values are stored as they are, with its scales (the saver's thread lays out
             # the sections)
-            self.saver.submit_reserved(
-                c.key, KVChunk(c.start, data), nbytes, ready, fp8_scales=self._fp8_scales
-            )
+            self.saver.submit_reserved(c.key, KVChunk(c.start, data), nbytes, ready, fp8_scales=paged.scales)
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if not self._failed_chunks and not self._loaded:
@@ -442,8 +373,7 @@ class WorkerSide:
         return meta
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        with self._errors_lock:
-            errors, self._load_errors = self._load_errors, set()
+        errors, self._load_errors = self._load_errors, set()
         return errors
 
     def take_counts(self) -> dict[str, int]:
@@ -478,3 +408,4 @@ class WorkerSide:
         self.io.close()
         if self._lane is not None:
             self._lane.pool.close()
+

@@ -155,6 +155,8 @@ def count_connector(pages: int, layers: int, block_size: int = 16, chunk_tokens:
     reads: list[OpTally] = []
 
     class DeviceWrites:  # `page_dest.Writes` through the device branch of the page writes, counted
+        queues = False
+
         def put(self, layer: int, pieces: list[Any]) -> None:
             k, v = kv_views(caches[layer], "cuda", H, D)
             with OpTally() as tally:

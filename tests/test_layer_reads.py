@@ -292,6 +292,8 @@ def test_a_device_layer_load_on_cuda_places_the_stored_kv(deep, kind, tmp_path: 
         stream = torch.cuda.Stream()
 
         class Handed:  # page writes (`page_dest.Writes`) that keep each layer's rows
+            queues = False
+
             def __init__(self) -> None:
                 self.placed: dict[int, torch.Tensor] = {}
 

@@ -308,6 +308,8 @@ def _stored_prompt(store: MemoryStore, io: IOThread, n: int = 40, chunk: int = 1
 class _Handed:
     """Page writes (`page_dest.Writes`) that hand each layer's pieces to `place(layer, pieces)`."""
 
+    queues = False
+
     def __init__(self, place) -> None:
         self.put = place
 

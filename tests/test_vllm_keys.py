@@ -153,6 +153,8 @@ def _layer_load(store, io, chunks, seal):
     placed: dict[int, torch.Tensor] = {}
 
     class Handed:  # page writes (`page_dest.Writes`) that keep each layer's pieces, joined
+        queues = False
+
         def put(self, layer, pieces):
             placed[layer] = torch.cat([p.kv() for p in pieces], dim=2)
 

@@ -337,7 +337,7 @@ class LayerReader:
                 if layers[-1] == header.num_layers - 1 and got > end - first:
                     raise CorruptChunkError(f"object has bytes past the last section (at byte {end})")
                 for layer, parts in zip(layers, landing.sections, strict=True):
-                    codec.check_section(header.layers[layer], layer, parts)
+                    codec.check_section(header, layer, parts)
                 dest.landed(self, layers, j)
             except LOAD_FAULTS as exc:
                 if self._noted(j, exc, f" {layers_name(layers)}"):

@@ -30,6 +30,7 @@ from kvrestore import codec
 from kvrestore.chunkio.dest import CacheRows
 from kvrestore.chunkio.pages import PagedCache, fp8_values, scatter
 from kvrestore.codec.quant import Encoding
+from kvrestore.core.errors import CorruptChunkError
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
@@ -72,6 +73,10 @@ class Piece(NamedTuple):
 class Writes(Protocol):
     """Where a page destination's layers go: `PageWrites`, or anything that takes the pieces of each layer."""
 
+    #: whether `put` keeps the pieces for the layer's waiter, who writes them later (their data must
+    #: then outlive the read that made it)
+    queues: bool
+
     def put(self, layer: int, pieces: list[Piece]) -> None:
         """`pieces` of `layer`, read and verified (on the reading thread)."""
         ...
@@ -92,6 +97,7 @@ class PageWrites:
         self.paged = paged
         self.block_ids = list(block_ids)
         self.stream = stream
+        self.queues = stream is None
         self._queued: dict[int, list[Piece]] = {}
         self._placed: dict[int, torch.cuda.Event] = {}
         self._lock = threading.Lock()
@@ -151,7 +157,9 @@ class KeptSections(CacheRows):
             if copied or section.length != raw or section.raw_length != raw:
                 self.sections[j, layer] = codec.decode_layers(header, {layer: stored}, spec, [layer])[0]
                 continue
-            codec.check_section(section, layer, [stored])
+            if len(stored) != section.length:
+                raise CorruptChunkError(f"layer {layer}: {len(stored)} bytes for a {section.length}-byte section")
+            codec.check_section(header, layer, stored)
             with warnings.catch_warnings():  # read-only bytes: nothing writes through the view
                 warnings.simplefilter("ignore", UserWarning)
                 flat = torch.frombuffer(stored, dtype=torch.uint8)
@@ -197,6 +205,8 @@ class RowPages(CacheRows):
     def ready(self, load: LayerLoad, i: int, layer: int, upto: int) -> None:
         base = load.reader.chunks[0].start  # the buffer's first token
         rows = load.rows.data[i, :, :, load.first - base : upto - base]
+        if self.writes.queues:  # the next read reuses the buffer before the waiter writes these
+            rows = rows.clone()
         native = codec.spec_encoding(load.reader.spec)  # the read decoded them into the buffer
         self.writes.put(layer, [Piece(load.first, upto - load.first, rows, native, int(rows.shape[2]))])
 

@@ -240,7 +240,12 @@ def _fill(
     tile: int = 0,
 ) -> None:
     """Verify one stored section and decode it into `dst` ([2, H, T, D], may be a strided view of a cache)."""
-    check_section(section, layer, [stored])
+    if len(stored) < section.length:
+        raise TruncatedChunkError(f"layer {layer}: {len(stored)} of {section.length} section bytes")
+    if len(stored) > section.length:
+        raise CorruptChunkError(f"layer {layer}: {len(stored)} bytes for a {section.length}-byte section")
+    if host_checksum(stored) != section.checksum:
+        raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
     if compression == "zstd":
         raw: Buffer = bounded_zstd(stored, section.raw_length, f"layer {layer}")
         if len(raw) != section.raw_length:
@@ -254,17 +259,12 @@ def _fill(
         enc.decode(byte_tensor(stored).view(1, -1), dst.unsqueeze(0))
 
 
-def check_section(section: LayerSection, layer: int, parts: Sequence[Buffer]) -> None:
-    """Verify layer `layer`'s section as read, `parts` its bytes in order (one buffer, or the pieces a
-    read put straight where they are used): its length, then its xxh3-64. The one host check of a
-    section's bytes; CorruptChunkError or TruncatedChunkError naming the layer."""
-    n = sum(memoryview(p).nbytes for p in parts)
-    if n < section.length:
-        raise TruncatedChunkError(f"layer {layer}: {n} of {section.length} section bytes")
-    if n > section.length:
-        raise CorruptChunkError(f"layer {layer}: {n} bytes for a {section.length}-byte section")
-    digest = host_checksum(parts[0]) if len(parts) == 1 else host_checksum_parts(parts)
-    if digest != section.checksum:
+def check_section(header: ChunkHeader, layer: int, stored: Buffer | Sequence[Buffer]) -> None:
+    """Verify the stored bytes of section `layer` (`stored`: its bytes, or its parts in order, where they
+    were read straight into place) against its xxh3-64 before any of them is used; CorruptChunkError
+    where they fail it. The GIL is released while it hashes."""
+    parts = [stored] if isinstance(stored, (bytes, bytearray, memoryview)) else stored
+    if host_checksum_parts(parts) != header.layers[layer].checksum:
         raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
 
 
@@ -352,7 +352,8 @@ def verify_sections(header: ChunkHeader, data: Buffer) -> None:
     hashes); raises CorruptChunkError naming the first damaged layer."""
     mv = memoryview(data)
     for i, s in enumerate(header.layers):
-        check_section(s, i, [mv[s.offset : s.offset + s.length]])
+        if host_checksum(mv[s.offset : s.offset + s.length]) != s.checksum:
+            raise CorruptChunkError(f"layer {i}: section checksum mismatch")
 
 
 def body(header: ChunkHeader, data: Buffer) -> memoryview:

@@ -20,7 +20,6 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,8 +36,9 @@ from kvrestore.integrations.vllm.meta import (
     SaveSpec,
 )
 from kvrestore.integrations.vllm.stats import Counters, emit
+from kvrestore.planning.link_queue import LinkQueue
 from kvrestore.planning.split import Follower, SplitChoice, choose_split_ahead
-from kvrestore.policies.batch import QueuedLoad, link_order
+from kvrestore.policies.batch import link_order
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.deadline import Deadlines, DeadlineStore
 
@@ -75,63 +75,6 @@ class _Request:
     def unplanned(self) -> bool:
         """Gathered, and neither planned nor gone to wait for the next step."""
         return self.gathered_at is not None and self.choice is None and not self.waited
-
-
-class LinkQueue:
-    """What the engine's next step holds, as the scheduler side knows it: the loads not finished (planned
-    in this pass, or sent until the worker reports them finished, `KVRestoreWorkerMetadata.loaded`, or
-    at most `timeout_s`: a lost report does not hold the link forever), and the step's compute: what
-    the running requests carry into it (vLLM schedules them first) and what this pass planned."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._planned: dict[str, tuple[QueuedLoad | None, SplitChoice]] = {}  # (its load, its split)
-        self._sent: dict[str, tuple[QueuedLoad, float]] = {}  # and when it is taken as finished
-        self._running: tuple[float, int] = (0.0, 0)  # compute seconds, tokens
-
-    def plan(self, req_id: str, load: QueuedLoad | None, choice: SplitChoice) -> None:
-        """`req_id`'s split in this pass and its load (None: nothing to load)."""
-        self._planned[req_id] = (load, choice)
-
-    def planned(self, req_id: str) -> QueuedLoad | None:
-        entry = self._planned.get(req_id)
-        return entry[0] if entry else None
-
-    def ahead(self, req_id: str) -> tuple[float, float, int]:
-        """What the step holds before `req_id`'s split: the bytes of every other load not finished, and
-        the compute seconds and tokens of the running requests and the others planned in this pass."""
-        now = time.monotonic()
-        self._sent = {r: v for r, v in self._sent.items() if v[1] > now}
-        loads = [q for r, (q, _) in self._sent.items() if r != req_id]
-        others = [v for r, v in self._planned.items() if r != req_id]
-        loads += [q for q, _ in others if q is not None]
-        compute_s, tokens = self._running
-        return (
-            sum(q.nbytes for q in loads),
-            compute_s + sum(c.compute_s or 0.0 for _, c in others),
-            tokens + sum(c.step_new_tokens for _, c in others),
-        )
-
-    def later(self, req_id: str) -> tuple[float, int]:
-        """The compute seconds and tokens the others planned in this pass spill into the next step."""
-        others = [c for r, (_, c) in self._planned.items() if r != req_id]
-        return sum(c.later_s for c in others), sum(c.later_tokens for c in others)
-
-    def send(self, req_ids: Iterable[str], running: tuple[float, int] = (0.0, 0)) -> None:
-        """The pass is over: `req_ids`' loads were sent, other plans dropped (asked again). `running`: the
-        compute seconds and tokens the scheduled requests carry into the next step."""
-        until = time.monotonic() + self.timeout_s
-        for r in req_ids:
-            q = self.planned(r)
-            if q is not None:
-                self._sent[r] = (q, until)
-        self._planned.clear()
-        self._running = running
-
-    def finished(self, req_ids: Iterable[str]) -> None:
-        for r in req_ids:
-            self._sent.pop(r, None)
-            self._planned.pop(r, None)
 
 
 def _emit_choice(event: str, req_id: str, choice: SplitChoice) -> None:

@@ -37,8 +37,9 @@ def prompt_ids(tokenizer, n_tokens: int, offset: int = 0) -> list[int]:
 
 
 def engine(model: str, connector: str, extra: dict, **options: Any) -> Any:
-    """vLLM's engine as every case here runs it (eager, fp32, no prefix cache), with `connector`'s KV
-    transfer ("kvrestore" or "example"; none for any other) and `options` (LLM's)."""
+    """vLLM's engine as every case here runs it (eager, fp32, no prefix cache unless `options` turn it
+    on), with `connector`'s KV transfer ("kvrestore" or "example"; none for any other) and `options`
+    (LLM's)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -57,9 +58,8 @@ def engine(model: str, connector: str, extra: dict, **options: Any) -> Any:
         max_model_len=4096,
         enforce_eager=True,
         dtype="float32",
-        enable_prefix_caching=False,
         kv_transfer_config=kv,
-        **options,
+        **{"enable_prefix_caching": False, **options},
     )
 
 
@@ -90,6 +90,9 @@ def main() -> None:
     )
     ap.add_argument("--lora", default=None, help="a LoRA adapter directory: vLLM serves with LoRA on")
     ap.add_argument(
+        "--prefix-caching", action="store_true", help="vLLM's own prefix cache on (off by default)"
+    )
+    ap.add_argument(
         "--requests", default=None, help='JSON list of {"offset", "salt", "lora"}: the prompts to serve'
     )
     args = ap.parse_args()
@@ -101,6 +104,8 @@ def main() -> None:
     t0 = time.perf_counter()
     lora_options = {"enable_lora": True, "max_lora_rank": 16} if args.lora else {}
     options = {"disable_log_stats": not args.metrics, **lora_options}
+    if args.prefix_caching:
+        options["enable_prefix_caching"] = True
     if args.step_tokens is not None:
         options |= {"max_num_batched_tokens": args.step_tokens, "enable_chunked_prefill": True}
     llm = engine(args.model, args.connector, json.loads(args.extra), **options)

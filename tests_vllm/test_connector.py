@@ -41,7 +41,8 @@ VLLM_ENV = {
 
 @dataclass
 class Served:
-    results: dict[int, dict]  # offset -> {"ids", "logprobs", "seconds"}
+    results: dict[int, dict]  # offset -> {"ids", "logprobs", "seconds"} (the last served at that offset)
+    rows: list[dict]  # every prompt served, in order
     records: list[dict]  # the connector's records (`vllm_stats.records`), oldest first
     metrics: dict[str, float]  # the vllm:kvrestore_* counters vLLM exported, by counter name
     log: str  # stderr, shown when a check fails
@@ -51,17 +52,23 @@ class Served:
 
 
 def serve(
-    model: Path, *, connector: str = "kvrestore", extra: dict | None = None, offsets=(0,), args=()
+    model: Path,
+    *,
+    connector: str = "kvrestore",
+    extra: dict | None = None,
+    offsets=(0,),
+    args=(),
+    tokens=(N_TOKENS,),
 ) -> Served:
-    cmd = [sys.executable, str(HERE / "serve.py"), "--model", str(model), "--tokens", str(N_TOKENS), *args]
+    cmd = [sys.executable, str(HERE / "serve.py"), "--model", str(model), "--tokens", *map(str, tokens)]
     cmd += ["--offsets", *map(str, offsets), "--connector", connector, "--extra", json.dumps(extra or {})]
-    cmd += ["--metrics"]
+    cmd += ["--metrics", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **VLLM_ENV})
     assert proc.returncode == 0, f"vLLM exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
-    assert len(rows) == len(offsets), proc.stdout[-2000:]
+    assert len(rows) == len(tokens) * len(offsets), proc.stdout[-2000:]
     (last,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"records"')]
-    return Served({r["offset"]: r for r in rows}, last["records"], last["metrics"], proc.stderr)
+    return Served({r["offset"]: r for r in rows}, rows, last["records"], last["metrics"], proc.stderr)
 
 
 def assert_same_generation(got: dict, want: dict) -> None:
@@ -306,3 +313,28 @@ def test_prompts_asked_together_are_planned_as_one_pass(model_dir, reference, tm
     )
     for offset in OFFSETS:
         assert_same_generation(run.results[offset], reference.results[offset])
+
+
+# -- vLLM's own prefix cache ------------------------------------------------------------------------
+
+PREFIX = 896  # 7 of vLLM's 128-token blocks: what its own cache holds of the longer prompt
+LONGER = 1280  # 5 chunks of 256 tokens; whole blocks less the last token: 1,152 loadable
+
+
+def test_what_vllm_s_own_prefix_cache_holds_is_not_loaded_again(model_dir, tmp_path):
+    """With vLLM's prefix caching on, a prompt of 1,280 tokens whose first 896 vLLM holds (from an
+    earlier prompt, itself loaded and computed) loads only what vLLM lacks: [896, 1152), from the two
+    chunks that hold it (the one the cache ends in read whole, written from token 896 on), not the 1,152
+    tokens from token 0 over vLLM's shared blocks: two chunks' bytes of five. Both answers are vLLM
+    alone's."""
+    extra = {"store_url": str(tmp_path / "kv"), "cost_dir": str(tmp_path / "costs"), "split": "load_all"}
+    serve(model_dir, extra=extra, tokens=(LONGER,), args=["--ttft"])  # computes and saves 5 chunks
+    run = serve(model_dir, extra=extra, tokens=(PREFIX, LONGER), args=["--prefix-caching"])
+    alone = serve(model_dir, connector="none", tokens=(PREFIX, LONGER))
+    loaded = run.events("loaded")
+    assert [(r["first"], r["tokens"]) for r in loaded] == [(0, 768), (PREFIX, 256)], run.log[-3000:]
+    chunk = CHUNK * 46_080  # a chunk's sections; each read adds its header's few KiB
+    assert 2 * chunk < loaded[1]["bytes"] < 2.01 * chunk
+    assert run.events("load_failed") == []
+    for got, want in zip(run.rows, alone.rows, strict=True):
+        assert_same_generation(got, want)

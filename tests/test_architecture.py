@@ -266,6 +266,80 @@ def test_the_mixin_check_can_fail(tmp_path):
     assert len(_mixins(fake)) == 4  # no layer is exempt
 
 
+#: what reading or verifying a stored chunk's bytes takes: a store's reads, and the codec's parsing and
+#: checks of a chunk. chunkio is the one place that does it; an integration hands it destinations.
+CHUNK_BYTES = {
+    "get_range",
+    "get_ranges",
+    "get_many",
+    "read_into",
+    "read_into_sync",
+    "scatter_into_sync",
+    "get_sync",
+    "probe_header",
+    "read_header",
+    "header_length",
+    "check_header",
+    "check_object",
+    "check_section",
+    "verify_sections",
+    "decode_chunk",
+    "decode_layers",
+    "span_sections",
+    "layer_span",
+    "host_checksum",
+    "host_checksum_parts",
+    "device_checksums",
+    "segment_checksums",
+}
+
+
+def _reads_chunk_bytes(path: Path) -> list[str]:
+    """Where `path` reads or verifies chunk bytes itself (`CHUNK_BYTES`, named or imported, or the codec's
+    chunk and checksum modules imported)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names: list[str] = []
+        if isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.ImportFrom):
+            if node.module in ("kvrestore.codec.chunk", "kvrestore.codec.checksums"):
+                names = [node.module]
+            names += [a.name for a in node.names]
+        found += [
+            f"{path.name}:{node.lineno}: {n}"
+            for n in names
+            if n in CHUNK_BYTES or n.startswith("kvrestore.codec.c")
+        ]
+    return found
+
+
+def test_no_integration_reads_or_verifies_chunk_bytes():
+    """Integrations adapt an engine to chunkio's reader (its pages are destinations); they never read a
+    store's chunk or check its bytes themselves (docs/architecture.md, the read path)."""
+    found = [f for p in _modules(PACKAGE / "integrations") for f in _reads_chunk_bytes(p)]
+    assert not found, "chunk bytes read or verified outside chunkio:\n" + "\n".join(found)
+
+
+def test_the_chunk_bytes_check_can_fail(tmp_path):
+    bad = tmp_path / "load.py"
+    bad.write_text(
+        "from kvrestore.codec.checksums import host_checksum\n"
+        "async def f(store, key):\n"
+        "    return await store.get_range(key, 0, 10)\n"
+        "def g(codec, header, data):\n"
+        "    return codec.check_section(header, 0, data)\n"
+    )
+    assert sorted(f.split(": ")[1] for f in _reads_chunk_bytes(bad)) == [
+        "check_section",
+        "get_range",
+        "host_checksum",
+        "kvrestore.codec.checksums",
+    ]
+
+
 def test_the_restorer_is_a_thin_facade():
     """`Restorer` delegates its jobs to the layers below: its class has under 200 lines of code (its
     docstrings, which document the public API, are not counted)."""

@@ -91,6 +91,22 @@ def gather(
     return by_head.view(len(views), 2, H, len(pages) * bs, D)[:, :, :, start - first : end - first]
 
 
+def copy_out(
+    views: Sequence[tuple[torch.Tensor, torch.Tensor]], block_ids: Sequence[int], start: int, end: int
+) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Tokens [start, end) of every layer (`gather`) in memory of their own, copied behind the work queued
+    on the current stream, and the event a reader of them waits for: on CUDA they go to pinned memory
+    and the host does not wait (None off CUDA, where the copy is done when this returns)."""
+    data = gather(views, block_ids, start, end)
+    if not data.is_cuda:
+        return data.contiguous(), None
+    host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
+    host.copy_(data, non_blocking=True)  # padded pages cut on the device first
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(data.device))
+    return host, ready
+
+
 def scatter(
     k: torch.Tensor, v: torch.Tensor, block_ids: Sequence[int] | torch.Tensor, start: int, data: torch.Tensor
 ) -> None:

@@ -21,7 +21,6 @@ import contextlib
 import logging
 import re
 import time
-from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,14 +30,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from kvrestore.chunkio.host_pages import HostPages
 from kvrestore.chunkio.layer_load import LayerDest, LayerLoad
 from kvrestore.chunkio.page_dest import PageWrites, RowPages, SectionPages
-from kvrestore.chunkio.pages import PagedCache, blocks_of, fp8_layer_scales, gather
+from kvrestore.chunkio.pages import PagedCache, blocks_of, copy_out, fp8_layer_scales
 from kvrestore.chunkio.pool import StagingPool
 from kvrestore.chunkio.save import ChunkSaver
 from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.core.errors import STORE_FAULTS, UnsupportedModelError
 from kvrestore.core.kv import KVChunk
-from kvrestore.core.streams import HostEvent, timing_event
 from kvrestore.core.sync import LoopThread
+from kvrestore.costs.steps import StepTimer
 from kvrestore.integrations.vllm.config import ConnectorContext
 from kvrestore.integrations.vllm.layouts import applies, detect_layout, kv_views
 from kvrestore.integrations.vllm.meta import (
@@ -98,12 +97,7 @@ class WorkerSide:
         self._waited_s = 0.0  # this step's time in wait_for_layer_load: the step minus it is compute
         self._load_stream: torch.cuda.Stream | None = None  # set with the caches, on CUDA
         self._lane: TransferLane | None = None  # `RowPages`' staging pool and stream, on CUDA
-        self._step_start: torch.cuda.Event | HostEvent = HostEvent()  # where the step began, on vLLM's stream
-        #: steps whose device time is not read yet: ((n new, past) of each request, start, end, waited,
-        #: load seconds or None)
-        self._timed_steps: deque[tuple[list[tuple[int, int]], Any, Any, float, float | None]] = deque(
-            maxlen=16
-        )
+        self.steps = StepTimer(self.costs, self.spec.num_layers)  # each step: what computing costs
 
     def register_kv_caches(
         self,
@@ -173,18 +167,14 @@ class WorkerSide:
         assert isinstance(meta, KVRestoreConnectorMetadata)
         self._meta = meta
         self._waited_s = 0.0
-        self._step_start = self._mark()
+        self.steps.begin(self._device)
 
     def clear(self) -> None:
         self._meta = None
 
-    def _mark(self) -> torch.cuda.Event | HostEvent:
-        """Now, on vLLM's current stream: on CUDA the host only launches a step's kernels, so the device
-        times its compute (the host's clock off CUDA, or before the caches are known)."""
-        device = self.paged.device if self.paged is not None else torch.device("cpu")
-        event = timing_event(device)
-        event.record(torch.cuda.current_stream(device) if device.type == "cuda" else None)
-        return event
+    @property
+    def _device(self) -> torch.device:
+        return self.paged.device if self.paged is not None else torch.device("cpu")
 
     def start_load_kv(self) -> None:
         """Start the step's loads. vLLM's forward context is not needed (its Model Runner V2 passes
@@ -247,18 +237,15 @@ class WorkerSide:
         loads = list(self._loads)
         failed = self._finish_loads()
         computed = [(n_new, past) for _, n_new, past in meta.steps if n_new > 0]
-        if len(computed) == 1 and not failed:
-            # one request computed: a sample of what computing costs, alone or beside a load
-            load_s = loads[0][1].seconds if len(loads) == 1 else None
-            if not loads or load_s is not None:
-                # a load read on this thread ran before each layer, not beside it: the step is a sample
-                # of computing (less its waits, the reads), not of computing beside one
-                beside = load_s if loads and not loads[0][1].here else None
-                self._timed_steps.append((computed, self._step_start, self._mark(), self._waited_s, beside))
-        elif len(computed) > 1 and not loads:
-            # several requests in one forward pass, nothing loaded beside it: a sample of the pass
-            self._timed_steps.append((computed, self._step_start, self._mark(), self._waited_s, None))
-        self._add_timed_steps()
+        load_s = loads[0][1].seconds if len(loads) == 1 else None
+        if len(computed) == 1 and not failed and (not loads or load_s is not None):
+            # one request computed: a sample of what computing costs, alone or beside a load; a load
+            # read on this thread ran before each layer, not beside it (a sample of computing only)
+            beside = load_s if loads and not loads[0][1].here else None
+            self.steps.end(self._device, computed, self._waited_s, beside)
+        elif len(computed) > 1 and not loads:  # several requests in one pass, nothing loaded beside it
+            self.steps.end(self._device, computed, self._waited_s)
+        self.steps.learn()
         for spec in meta.saves:
             if spec.req_id in failed:  # computed this step over KV that did not load: wrong, not saved
                 emit(
@@ -271,18 +258,6 @@ class WorkerSide:
                 )
                 continue
             self._save(spec)
-
-    def _add_timed_steps(self) -> None:
-        """Learn from the timed steps the device has completed (never waits for one). Each is a sample of
-        compute (its time less its waits for layers; only a step that loaded computes after a long past,
-        as a split's suffix does), and one that loaded of computing beside a load (`loading_factor`)."""
-        while self._timed_steps and self._timed_steps[0][2].query():
-            requests, start, end, waited, load_s = self._timed_steps.popleft()
-            seconds = start.elapsed_time(end) / 1e3
-            self.costs.observe_pass(requests, max(0.0, seconds - waited))
-            if load_s is not None:
-                ((n_new, past),) = requests
-                self.costs.observe_loading(n_new, past, load_s, seconds, self.spec.num_layers)
 
     def _finish_loads(self) -> set[str]:
         """Settle the step's loads (cancelling any still running): note the blocks and chunks that did not
@@ -337,9 +312,8 @@ class WorkerSide:
         return failed
 
     def _save(self, spec: SaveSpec) -> None:
-        """Copy each chunk out of the pages behind the step's kernels on vLLM's stream (before vLLM can
-        reuse the pages) and hand it to the saver. On CUDA the copy goes to pinned memory; the saver's
-        thread, not the host, waits for it before it encodes."""
+        """Copy each chunk out of the pages behind the step's kernels (`pages.copy_out`: before vLLM can
+        reuse the pages) and hand it to the saver."""
         paged = self.paged
         assert paged is not None
         views = list(zip(paged.k, paged.v, strict=True))
@@ -348,16 +322,7 @@ class WorkerSide:
             if not self.saver.reserve(c.key, nbytes):  # dropped: not even copied out
                 continue
             try:
-                data = gather(views, spec.block_ids, c.start, c.end)
-                ready = None
-                if data.is_cuda:
-                    host = torch.empty(data.shape, dtype=data.dtype, pin_memory=True)
-                    host.copy_(data, non_blocking=True)  # padded pages cut on the device first
-                    ready = torch.cuda.Event()
-                    ready.record(torch.cuda.current_stream(data.device))
-                    data = host
-                else:
-                    data = data.contiguous()  # its own memory, as the saver wants it
+                data, ready = copy_out(views, spec.block_ids, c.start, c.end)
             except BaseException:
                 self.saver.unreserve(nbytes)
                 raise

@@ -40,10 +40,6 @@ ENTRY_POINTS = ("__init__", "__main__")
 #: past this many lines a module is worth a reviewer's question (does it hold one job?); not a failure
 REVIEW_LINES = 400
 
-#: packages whose mixins are being split into objects elsewhere (the vLLM connector's scheduler and
-#: worker sides); the mixin check skips them until then
-
-
 def _modules(package: Path = PACKAGE) -> list[Path]:
     return sorted(p for p in package.rglob("*.py") if "__pycache__" not in p.parts)
 

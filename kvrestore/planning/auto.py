@@ -26,9 +26,10 @@ from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.costs.calibration import Calibration
 from kvrestore.costs.compute import ChunkCost, LayerCost
+from kvrestore.costs.estimates import Estimates, Priors
 from kvrestore.costs.links import LinkCost
 from kvrestore.costs.profile import Profile
-from kvrestore.policies.base import Policy
+from kvrestore.policies.base import Policy, Progress
 from kvrestore.policies.compute_only import ComputeOnly
 from kvrestore.policies.load_only import LoadOnly
 from kvrestore.policies.meeting import LayerTwoPointer, TokenTwoPointer
@@ -269,25 +270,45 @@ def predict(policy: Policy, profile: Profile | _Costs, link: LinkCost, work: Wor
 
 
 def _predict_layers(policy: Policy, profile: Profile | _Costs, link: LinkCost, work: Workload) -> float:
-    """The stored prefix by layers (one range read per chunk per layer), then the rest computed."""
+    """The stored prefix by layers (one range read per chunk per layer), then the rest computed; or,
+    where the policy would load every layer before computing one, whole chunks along tokens, as the
+    restore then runs (`restore.layer_wise`)."""
     k = work.stored.index(False) if False in work.stored else len(work.stored)
     if k == 0:  # what the restorer does then: nothing to load along layers
         return predict(ComputeOnly(), profile, link, work)
-    prefix, n = sum(work.chunk_tokens[:k]), work.n_tokens
+    prefix, n, layers = sum(work.chunk_tokens[:k]), work.n_tokens, work.num_layers
     layer_s = profile.layer.seconds(prefix)
-    layer_bytes = prefix * work.kv_bytes_per_token // work.num_layers
+    layer_bytes = prefix * work.kv_bytes_per_token // layers
+    # what the restore tells the policy before it starts (`Planner.layer_priors`)
+    priors = Priors([layer_s] * layers, (work.kv_bytes_per_token / layers / link.bytes_per_s, link.latency_s))
+    if k == len(work.stored) and loads_every_layer_first(policy, prefix, layers, work.load_lanes, priors):
+        return predict(LoadOnly(), profile, link, work)
     result = simulate(
         policy,
-        [prefix] * work.num_layers,
-        [True] * work.num_layers,
+        [prefix] * layers,
+        [True] * layers,
         lambda a, b, _t: (b - a) * layer_s,
-        [layer_bytes] * work.num_layers,
+        [layer_bytes] * layers,
         Link(BandwidthTrace.constant(link.bytes_per_s), latency_s=link.latency_s),
         work.load_lanes,
+        priors=(priors.compute_s, priors.link),
     )
     tail = profile.chunk.seconds(n - prefix, prefix) if n > prefix else 0.0
     # reading the chunks' headers first costs one round trip before the first layer arrives
     return result.makespan + tail + link.latency_s
+
+
+def loads_every_layer_first(
+    policy: Policy, prefix: int, num_layers: int, load_lanes: int, priors: Priors
+) -> bool:
+    """Whether a layer-axis `policy` over a stored prefix of `prefix` tokens, told `priors` (its
+    layers' compute and the link per token of one layer), would start no layer's compute: its loads
+    are predicted to land every layer first. A restore of a whole stored prompt then loads whole
+    chunks along tokens instead (`restore.layer_wise`), and `predict` predicts it so."""
+    if priors.link is None:  # nothing known of the link: a policy that starts no unit waits to see fetches
+        return False
+    asked = Progress([prefix] * num_layers, [True] * num_layers).as_if(free_load_lanes=load_lanes)
+    return policy.decide(asked, Estimates(asked, priors)).compute is None
 
 
 def crossover_length(

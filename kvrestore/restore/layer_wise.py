@@ -21,7 +21,8 @@ import time
 import anyio
 
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
-from kvrestore.costs.estimates import Estimates, Priors
+from kvrestore.costs.estimates import Priors
+from kvrestore.planning.auto import loads_every_layer_first
 from kvrestore.policies import ComputeOnly, LoadOnly, Policy, Progress
 from kvrestore.restore.compute import LayerCompute, prefill_into
 from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
@@ -46,11 +47,8 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     prior_compute_s, prior_link = parts.planner.layer_priors(prefix)
     priors = Priors(prior_compute_s, prior_link, floor_s=parts.planner.layer_floors(prefix))
     progress = Progress([prefix] * n_layers, [True] * n_layers)
-    whole = k == len(refs) and prior_link is not None  # (no link known: a policy waits to see fetches land)
-    asked = progress.as_if(free_load_lanes=engine.load_lanes)
-    if whole and policy.decide(asked, Estimates(asked, priors)).compute is None:
-        # the loads are predicted to land every layer before the first could be computed: whole chunks
-        # then land sooner still (one read each, not one per layer), so the prompt goes along tokens
+    if k == len(refs) and loads_every_layer_first(policy, prefix, n_layers, engine.load_lanes, priors):
+        # whole chunks land sooner still (one read each, not one per layer): the prompt goes along tokens
         result = await restore_tokens(parts, job, LoadOnly())
         result.stats.policy, result.stats.handoff = policy.name, WHOLE_CHUNKS
         return result

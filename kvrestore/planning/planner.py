@@ -204,7 +204,8 @@ class Planner:
             self._probe = plan
             return plan
         # computing everything: one stored chunk fetched aside keeps the link measured (`watch`)
-        return replace(plan, choice=ComputeOnly(watch=True))
+        watched = "; one stored chunk is fetched aside meanwhile, to keep measuring the store's link"
+        return replace(plan, choice=ComputeOnly(watch=True), reason=plan.reason + watched)
 
     def workload(self, refs: list[ChunkRef], stored: Sequence[bool]) -> Workload:
         """One restore as the planner sees it."""

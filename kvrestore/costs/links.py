@@ -73,12 +73,18 @@ class LinkEstimate:
             raise InvalidInputError(f"weight must be in (0, 1], got {weight}")
         self.current = link
         self.weight = weight
-        self.observations = 0
+        self.observations = 0  # restores whose fetches showed the link (loads that landed, or a bound)
         self.changes = 0  # restores whose loads showed the link change speed
         #: the latest restore that loaded showed a change, which no restore since has confirmed
         self.unconfirmed = False
         self.measured_latency = link is not None  # a profile measured it: keep it
         self._afresh = False
+
+    @property
+    def doubted(self) -> bool:
+        """Whether the estimate is a hint no restore has confirmed yet: read from a file (`reprobe`),
+        or a change one restore showed (`unconfirmed`)."""
+        return self._afresh or self.unconfirmed
 
     def reprobe(self) -> None:
         """Judge the link again from the next restore's loads alone: they replace the estimate (both
@@ -121,18 +127,21 @@ class LinkEstimate:
 
     def at_most(self, bytes_per_s: float) -> bool:
         """A restore none of whose fetches landed showed the link delivers at most `bytes_per_s` (its
-        fetches were in flight that long without landing): where the estimate is more than
-        `CHANGE_FACTOR` faster, the link changed speed, and the bound replaces it (the fastest the
-        link can be; the next restore's loads, or their absence, say more). Whether it did. A bound
-        the estimate agrees with confirms it (`unconfirmed`): the fetches did not land, as it said."""
+        fetches were in flight that long without landing): an observation of the link, if there is an
+        estimate to set it against (whether there was). Where the estimate is more than `CHANGE_FACTOR`
+        faster, the link changed speed, and the bound replaces it: the fastest the link can be, so a
+        plan made with it errs only towards loading, which a two-pointer corrects as it goes, and the
+        link is measured again by the next restore's fetches (or their absence). A bound leaves no
+        doubt to confirm (`unconfirmed`): that the link may be slower still never makes loading
+        better."""
         if self.current is None:
             return False
-        if self.current.bytes_per_s <= CHANGE_FACTOR * bytes_per_s:
-            self.unconfirmed = False
-            return False
-        self.current = LinkCost(bytes_per_s, self.current.latency_s)
-        self.changes += 1
-        self.unconfirmed = True
+        if self.current.bytes_per_s > CHANGE_FACTOR * bytes_per_s:
+            self.current = LinkCost(bytes_per_s, self.current.latency_s)
+            self.changes += 1
+            self._afresh = False  # the hint read from a file is gone: replaced by what was seen here
+        self.unconfirmed = False
+        self.observations += 1
         return True
 
 

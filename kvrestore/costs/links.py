@@ -58,8 +58,8 @@ class LinkEstimate:
     """A store's link as restores see it: starts from a profile's, then follows the loads.
 
     After each restore, the bytes its loads brought over the time the load lanes were busy give the
-    delivery rate. A rate within `CHANGE_FACTOR` of the estimate is noise: it moves the estimate by
-    `weight` (EWMA). One further off is a link that changed speed (another network path, a store
+    delivery rate. Loads that took within `CHANGE_FACTOR` of what the estimate predicts for them are
+    noise: they move the estimate by `weight` (EWMA). Loads further off show a link that changed speed (another network path, a store
     under load, a throttle moved): the estimate is replaced by what the restore saw, not averaged with
     a speed the link no longer has (averaging halves a sixteen-fold error per restore, so the planner
     would judge by a wrong link for four restores), `changes` counts it, and the estimate stays
@@ -110,9 +110,7 @@ class LinkEstimate:
             # the busy time starts with one round trip before the first bytes move (more lanes overlap
             # the later ones): the rest is the link's delivery time
             rate = sum(e.nbytes for e in loads) / max(busy - latency, busy / 2)
-        changed = (
-            previous is not None and not 1 / CHANGE_FACTOR <= rate / previous.bytes_per_s <= CHANGE_FACTOR
-        )
+        changed = previous is not None and not _agrees(previous, sum(e.nbytes for e in loads), busy)
         if self.current is None:
             self.current = LinkCost(rate, latency)
         elif changed:
@@ -143,6 +141,15 @@ class LinkEstimate:
         self.unconfirmed = False
         self.observations += 1
         return True
+
+
+def _agrees(link: LinkCost, nbytes: int, busy_s: float) -> bool:
+    """Whether loads of `nbytes` that kept the link busy `busy_s` took within `CHANGE_FACTOR` of what
+    `link` predicts for them (a round trip, then the bytes at its rate). The time is compared, not the
+    rate: a few loads split a link's time between its round trip and its rate unsteadily (the same
+    loads fit 70 MB/s and no latency, or 215 MB/s and 14 ms), while what they took is what a plan
+    predicts with."""
+    return 1 / CHANGE_FACTOR <= busy_s / link.seconds(nbytes) <= CHANGE_FACTOR
 
 
 def _fit_shared(loads: Sequence[Any]) -> LinkCost | None:

@@ -43,6 +43,11 @@ class Outage:
         """Whether calls fail fast now."""
         return time.monotonic() < self._down_until
 
+    @property
+    def retry_in(self) -> float:
+        """Seconds until calls reach the server again (0: they do now)."""
+        return max(0.0, self._down_until - time.monotonic())
+
     def check(self) -> None:
         """StoreError at once while the store fails fast (counted as a failure, not logged again)."""
         if self.down:

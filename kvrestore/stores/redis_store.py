@@ -5,10 +5,9 @@ One object per chunk, a Redis string at `<prefix>/<key>` (default prefix `kvrest
 SET (atomic: a reader sees the old value, the new one, or none). The client is redis-py's asyncio client
 (the `redis` extra; hiredis parses replies where it is installed) over a connection pool of at most
 `max_connections` connections; batch calls (`contains`, `get_many`, `get_ranges`) are one pipeline, one
-round trip. Range reads (`get_range`, and `read_into`, which reads no more than its buffer holds) run a
-small read-only Lua script that answers the range and the object's size atomically, so a missing object
-and an empty range are told apart and an object larger than the caller's buffer is never sent whole. The
-script is flagged `no-writes`: Redis 7 or later, or Valkey.
+round trip. Range reads (`get_range`, and `read_into`, which reads no more than its buffer holds) ask for the
+range, the object's size and its existence in one MULTI/EXEC, so a missing object and an empty range are
+told apart and an object larger than the caller's buffer is never sent whole.
 
 Eviction: Redis' own. Give the server a `maxmemory` and a `maxmemory-policy` (`allkeys-lru` for a cache
 only kvrestore uses; `volatile-*` policies never evict kvrestore's objects, which have no TTL): every
@@ -45,17 +44,6 @@ DEFAULT_PREFIX = "kvrestore"
 MAX_CONNECTIONS = 32
 #: bytes asked of the socket at once: a chunk object is megabytes
 SOCKET_READ_SIZE = 1 << 20
-
-#: [start, end) of KEYS[1] and its size, or nil when it does not exist; reads only (`no-writes`: allowed
-#: on a replica and while the server is over its maxmemory)
-RANGE_SCRIPT = """#!lua flags=no-writes
-local n = redis.call('STRLEN', KEYS[1])
-if n == 0 and redis.call('EXISTS', KEYS[1]) == 0 then return false end
-local s, e = tonumber(ARGV[1]), tonumber(ARGV[2])
-if e > n then e = n end
-if e <= s then return {'', n} end
-return {redis.call('GETRANGE', KEYS[1], s, e - 1), n}
-"""
 
 #: options passed on to redis-py as they are (TLS, timeouts)
 CLIENT_OPTIONS = (
@@ -225,16 +213,27 @@ class RedisStore(ChunkStore):
         return out
 
     async def _ranges(self, keys: Sequence[str], ranges: Sequence[tuple[int, int]]) -> list[Any]:
-        """The range script for each (key, range): [bytes, object size] or None, in one round trip."""
+        """For each (key, range): [the range's bytes, the object's size], or None where the object does
+        not exist; in one round trip (EXISTS, STRLEN, GETRANGE per range), atomic per range on one
+        server (MULTI/EXEC), in order on a cluster (whose pipelines are not transactions)."""
         names = [self.redis_key(k) for k in keys]
 
         async def run(client: Any) -> list[Any]:
-            if len(names) == 1:
-                return [await client.eval(RANGE_SCRIPT, 1, names[0], *ranges[0])]
-            pipe = client.pipeline(transaction=False)
+            pipe = client.pipeline(transaction=not self.cluster)
             for name, (a, b) in zip(names, ranges, strict=True):
-                pipe.eval(RANGE_SCRIPT, 1, name, a, b)
-            return list(await pipe.execute())
+                pipe.exists(name)
+                pipe.strlen(name)
+                # GETRANGE's end is inclusive (and -1 the last byte): an empty range asks for none
+                if b > a:
+                    pipe.getrange(name, a, b - 1)
+                else:
+                    pipe.exists(name)  # a placeholder: no byte asked
+            answers = await pipe.execute()
+            out: list[Any] = []
+            for i, (a, b) in enumerate(ranges):
+                exists, size, data = answers[3 * i : 3 * i + 3]
+                out.append(None if not exists else [data if b > a else b"", int(size)])
+            return out
 
         return await self._call("read", run)
 

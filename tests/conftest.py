@@ -94,8 +94,8 @@ def _learned_costs_per_test(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("KVRESTORE_LEARNED_DIR", str(tmp_path_factory.mktemp("learned")))
 
 
-#: fixtures whose tests belong to the slow tier: the real model, a real S3 server process
-SLOW_FIXTURES = {"smollm2", "s3_server", "s3_bucket", "s3_options"}
+#: fixtures whose tests belong to the slow tier: the real model, a real S3 server process, Mooncake's store
+SLOW_FIXTURES = {"smollm2", "s3_server", "s3_bucket", "s3_options", "mooncake_server", "mooncake_url"}
 
 
 def pytest_collection_modifyitems(config, items):

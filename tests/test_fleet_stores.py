@@ -28,7 +28,8 @@ def run(fn, *args):
     return anyio.run(partial(fn, *args))
 
 
-@pytest.fixture(params=["redis", "mooncake"])
+#: Mooncake's calls take seconds per test here (a client set up and torn down each time): the slow tier
+@pytest.fixture(params=["redis", pytest.param("mooncake", marks=pytest.mark.slow)])
 def fleet(request) -> Callable[..., ChunkStore]:
     """`fleet(**options)`: a new store on the test's own prefix of a real Redis or Mooncake server."""
     if request.param == "redis":

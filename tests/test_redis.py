@@ -17,6 +17,7 @@ from kvrestore.core.errors import StoreError
 from kvrestore.stores import BoundedStore
 
 from .redis_server import RedisServer
+from .s3_server import free_port
 from .test_stores import K1, K2, K3
 from .test_stores import test_contract as check_contract
 
@@ -125,10 +126,27 @@ def test_a_store_survives_a_new_event_loop(redis_url):
         portal.call(store.close)
 
 
+def cluster_port() -> int:
+    """A free port whose cluster bus port (10000 above it) is free too."""
+    import socket
+
+    for _ in range(1000):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 @pytest.fixture(scope="module")
 def cluster_node():
     """One `redis-server --cluster-enabled yes` that owns all 16384 slots: a whole cluster."""
-    server = RedisServer(cluster_enabled="yes", cluster_config_file="nodes.conf")
+    server = RedisServer(cluster_port(), cluster_enabled="yes", cluster_config_file="nodes.conf")
     with server:
         client = server.client()
         client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)

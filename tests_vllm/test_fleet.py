@@ -62,3 +62,42 @@ def test_a_restarted_server_and_another_one_load_what_the_first_saved(model_dir,
         loaded = [r["tokens"] for r in run.events("loaded")]
         assert loaded == [LOADABLE], run.log[-3000:]
         assert run.events("load_failed") == [] and run.metrics["load_failures"] == 0
+
+
+def test_a_running_server_rides_out_a_redis_outage(model_dir, tmp_path):
+    """vLLM's OpenAI server over Redis, never restarted: it saves a prompt, loads it; Redis is killed and
+    the prompt is served without it (the same greedy output); Redis starts again (empty) and, within the
+    connector's `retry_after_s` (10 s), the running server saves and loads again."""
+    import asyncio
+    import time
+
+    from serve import prompt_ids
+    from transformers import AutoTokenizer
+
+    from kvrestore.tools.vllm_server import VLLMServer, complete, kv_transfer
+
+    prompt = prompt_ids(AutoTokenizer.from_pretrained(str(model_dir)), 1000)
+    with RedisServer() as redis:
+        extra = {"store_url": f"{redis.url}/running", "cost_dir": str(tmp_path / "costs")}
+        transfer = kv_transfer("KVRestoreConnector", extra)
+        # no prefix caching: every request asks the store, as one to another server of the fleet would
+        with VLLMServer(model_dir, kv_transfer=transfer, args=["--no-enable-prefix-caching"]) as server:
+
+            def ask() -> tuple[str, dict[str, float]]:
+                done = asyncio.run(complete(server.url, str(model_dir), prompt, max_tokens=8))
+                return done.text, server.metrics()
+
+            text, _ = ask()
+            again, loaded = ask()
+            assert again == text and loaded["saved_chunks"] >= 3 and loaded["loaded_tokens"] > 0
+            redis.kill()
+            down_text, down = ask()
+            assert down_text == text, server.log_tail()
+            assert down["loaded_tokens"] == loaded["loaded_tokens"]  # nothing loaded while it is down
+            redis.start()  # the same port, empty
+            time.sleep(10.0)  # the promise: saving and loading again within 10 s
+            back_text, back = ask()  # computed, and saved again
+            final_text, final = ask()  # loaded
+            assert back_text == final_text == text
+            assert final["saved_chunks"] > down["saved_chunks"], server.log_tail()
+            assert final["loaded_tokens"] > back["loaded_tokens"], server.log_tail()

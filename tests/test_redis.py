@@ -29,9 +29,14 @@ def run(fn, *args):
 
 
 async def put_get(store, key=K1, data=b"hello"):
+    """Write, then read back both ways (`get`; `read_into`, over the store's own connections)."""
     async with store:
         await store.put(key, data)
-        return await store.get(key)
+        buf = bytearray(64)
+        size = await store.read_into(key, memoryview(buf))
+        got = await store.get(key)
+        assert size == len(data) and bytes(buf[:size]) == got
+        return got
 
 
 def test_objects_live_under_the_db_and_prefix(redis_server):

@@ -43,6 +43,7 @@ import numpy as np
 
 from kvrestore.core.errors import InvalidInputError, StoreError
 from kvrestore.stores.base import ChunkStore, check_key, copy_into
+from kvrestore.stores.bounce import Lease, ReadBuffers
 from kvrestore.stores.files import check_range
 from kvrestore.stores.outage import COOLOFF_S, Outage
 
@@ -54,8 +55,6 @@ DEFAULT_PREFIX = "kvrestore"
 LOCAL_BUFFER_SIZE = 256 << 20
 #: blocking calls one store runs at once (worker threads)
 MAX_CONCURRENCY = 16
-#: registered read buffers are rounded up to this, so chunks of one prompt share them
-GRANULE = 1 << 20
 
 #: Mooncake's error codes (mooncake-store's `ErrorCode`) that mean a part of the store could not be reached
 UNREACHABLE = {
@@ -91,33 +90,6 @@ def _local_address(host: str, port: int) -> str:
         s.connect((host, port))
         return str(s.getsockname()[0])
     return socket.gethostname()
-
-
-class _Buffers:
-    """Read buffers registered with the transfer engine, reused; a buffer whose read was abandoned comes
-    back only when that read has ended (`Lease`)."""
-
-    def __init__(self, register: Callable[[int, int], int], unregister: Callable[[int], int]) -> None:
-        self._register, self._unregister = register, unregister
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-        self.registered = 0  # buffers the transfer engine accepted
-
-    def acquire(self, nbytes: int) -> np.ndarray:
-        with self._lock:
-            for i, buf in enumerate(self._free):
-                if buf.nbytes >= nbytes:
-                    return self._free.pop(i)
-        buf = np.empty(-(-max(nbytes, 1) // GRANULE) * GRANULE, np.uint8)
-        if self._register(buf.ctypes.data, buf.nbytes) == 0:
-            self.registered += 1
-        return buf
-
-    def release(self, buf: np.ndarray) -> None:
-        with self._lock:
-            self._free.append(buf)
-            while len(self._free) > MAX_CONCURRENCY:
-                self._unregister(self._free.pop(0).ctypes.data)
 
 
 class MooncakeStore(ChunkStore):
@@ -183,7 +155,7 @@ class MooncakeStore(ChunkStore):
         self.name = f"mooncake://{self.master}/{self.prefix}"
         self.outage = Outage(self.name, unreachable_cooloff_s)
         self._client: Any = None
-        self._buffers: _Buffers | None = None
+        self._buffers: ReadBuffers | None = None
         self._setup_lock = threading.Lock()
         self._limiter = anyio.CapacityLimiter(MAX_CONCURRENCY)
 
@@ -227,7 +199,7 @@ class MooncakeStore(ChunkStore):
                     f"{self.metadata_server} (code {rc})"
                 )
             self._client = client
-            self._buffers = _Buffers(client.register_buffer, client.unregister_buffer)
+            self._buffers = ReadBuffers(MAX_CONCURRENCY, client.register_buffer, client.unregister_buffer)
             return client
 
     async def _blocking(self, what: str, fn: Callable[[Any], T], abandon: bool = True) -> T:
@@ -281,7 +253,7 @@ class MooncakeStore(ChunkStore):
         if self._buffers is None:
             await self._blocking("reach", lambda c: None)
         assert self._buffers is not None
-        lease = _Lease(self._buffers, self._buffers.acquire(len(into)))
+        lease = Lease(self._buffers, self._buffers.acquire(len(into)))
 
         def fetch(client: Any) -> int | None:
             try:
@@ -363,30 +335,6 @@ class MooncakeStore(ChunkStore):
 
     def __repr__(self) -> str:
         return f"MooncakeStore({self.name!r})"
-
-
-class _Lease:
-    """A registered buffer lent to one read. It goes back to the pool once the read's thread has finished
-    with it (`finish`: the transfer engine writes into it until then) and its reader has copied out of it
-    or stopped waiting (`settle`), in whichever order: a read abandoned at its deadline never hands a
-    buffer that is still being written to another read."""
-
-    def __init__(self, pool: _Buffers, buf: np.ndarray) -> None:
-        self.pool, self.buf = pool, buf
-        self._lock = threading.Lock()
-        self._open = 2  # the thread and the reader
-
-    def finish(self) -> None:
-        self._end()
-
-    def settle(self) -> None:
-        self._end()
-
-    def _end(self) -> None:
-        with self._lock:
-            self._open -= 1
-            if self._open == 0:
-                self.pool.release(self.buf)
 
 
 #: seconds a connection to the master or the metadata server may take before setting up a client

@@ -7,7 +7,9 @@ SET (atomic: a reader sees the old value, the new one, or none). The client is r
 `max_connections` connections; batch calls (`contains`, `get_many`, `get_ranges`) are one pipeline, one
 round trip. Range reads (`get_range`, and `read_into`, which reads no more than its buffer holds) ask for the
 range, the object's size and its existence in one MULTI/EXEC, so a missing object and an empty range are
-told apart and an object larger than the caller's buffer is never sent whole.
+told apart and an object larger than the caller's buffer is never sent whole. A chunk's load
+(`read_into`) on one server skips redis-py altogether: its bytes are received straight into a buffer over
+connections of the store's own (`redis_reads`).
 
 Eviction: Redis' own. Give the server a `maxmemory` and a `maxmemory-policy` (`allkeys-lru` for a cache
 only kvrestore uses; `volatile-*` policies never evict kvrestore's objects, which have no TTL): every
@@ -23,6 +25,7 @@ that made them; a store used from another loop (another `anyio.run`) makes new o
 from __future__ import annotations
 
 import importlib.util
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
@@ -30,11 +33,14 @@ from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import anyio.lowlevel
+import anyio.to_thread
 
 from kvrestore.core.errors import InvalidInputError, StoreError
 from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object, is_key
+from kvrestore.stores.bounce import Lease, ReadBuffers
 from kvrestore.stores.files import check_range
 from kvrestore.stores.outage import COOLOFF_S, Outage
+from kvrestore.stores.redis_reads import RawReads, RespError
 
 T = TypeVar("T")
 
@@ -140,6 +146,8 @@ class RedisStore(ChunkStore):
         self.name = f"{scheme}://{host}:{port}{db_part}/{self.prefix}"
         self.outage = Outage(self.name, unreachable_cooloff_s)
         self._client: Any = None
+        self._raw: RawReads | None = None  # chunk reads over connections of their own
+        self._buffers: ReadBuffers | None = None
         self._loop: Any = None  # the event loop token the client's connections belong to
 
     def redis_key(self, key: str) -> str:
@@ -203,6 +211,9 @@ class RedisStore(ChunkStore):
         except auth as e:
             self.outage.refused(e)
             raise StoreError(f"cannot {what} {self.name}: {type(e).__name__}: {e}") from e
+        except RespError as e:
+            self.outage.refused(e)
+            raise StoreError(f"cannot {what} {self.name}: {e}") from e
         except (unreachable, TimeoutError, OSError) as e:
             self.outage.unreachable(e)
             raise StoreError(f"cannot {what} {self.name}: {type(e).__name__}: {e}") from e
@@ -257,13 +268,59 @@ class RedisStore(ChunkStore):
         return None if data is None else bytes(data)
 
     async def read_into(self, key: str, buffer: memoryview) -> int | None:
-        """One range read of at most `len(buffer)` bytes; returns the object's size."""
+        """One range read of at most `len(buffer)` bytes; returns the object's size. On one server (not a
+        cluster) over a connection of its own, the bytes received straight into a buffer
+        (`redis_reads`)."""
+        if not self.cluster and len(buffer):
+            return await self._raw_read(self.redis_key(key), buffer)
         found = (await self._ranges([key], [(0, len(buffer))]))[0]
         if found is None:
             return None
         data, size = found
         await copy_object(buffer, data)
         return int(size)
+
+    def _raw_reads(self) -> RawReads:
+        if self._raw is None:
+            o = self._options
+            self._raw = RawReads(
+                self.host,
+                self.port,
+                self.db,
+                username=self._username,
+                password=self._password,
+                tls=tls_context(o) if self.tls else None,
+                connect_timeout_s=o["socket_connect_timeout"],
+                timeout_s=o["socket_timeout"],
+                keep=self.max_connections,
+            )
+            self._buffers = ReadBuffers(self.max_connections)
+        return self._raw
+
+    async def _raw_read(self, name: str, into: memoryview) -> int | None:
+        raw = self._raw_reads()
+        assert self._buffers is not None
+        lease = Lease(self._buffers, self._buffers.acquire(len(into)))
+        placed = [0]
+
+        def read() -> int | None:
+            try:
+                size = raw.read(name.encode(), len(into), lease.buf.data)
+                placed[0] = 0 if size is None else min(size, len(into))
+                return size
+            finally:
+                lease.finish()
+
+        async def call(_client: Any) -> int | None:
+            return await anyio.to_thread.run_sync(read, abandon_on_cancel=True)
+
+        try:
+            size = await self._call("read", call)
+            if size is not None:
+                await copy_object(into, lease.buf.data[: placed[0]])
+        finally:
+            lease.settle()
+        return size
 
     async def get_range(self, key: str, start: int, end: int) -> bytes | None:
         check_range(start, end)
@@ -320,6 +377,8 @@ class RedisStore(ChunkStore):
         return await self._call("list", run)
 
     async def close(self) -> None:
+        if self._raw is not None:
+            self._raw.close()
         client, self._client = self._client, None
         if client is not None and self._loop == anyio.lowlevel.current_token():
             with suppress(Exception):  # closing a client whose server is gone
@@ -327,6 +386,21 @@ class RedisStore(ChunkStore):
 
     def __repr__(self) -> str:
         return f"RedisStore({self.name!r})"
+
+
+def tls_context(options: dict[str, Any]) -> ssl.SSLContext:
+    """The TLS settings of redis-py's options (`ssl_ca_certs`, `ssl_certfile`, ...) as an SSLContext."""
+    ctx = ssl.create_default_context(cafile=options.get("ssl_ca_certs"), cadata=options.get("ssl_ca_data"))
+    if options.get("ssl_certfile"):
+        ctx.load_cert_chain(options["ssl_certfile"], options.get("ssl_keyfile"), options.get("ssl_password"))
+    reqs = options.get("ssl_cert_reqs", "required")
+    reqs = {"none": ssl.CERT_NONE, "optional": ssl.CERT_OPTIONAL, "required": ssl.CERT_REQUIRED}.get(
+        reqs, reqs
+    )
+    if reqs == ssl.CERT_NONE or options.get("ssl_check_hostname") is False:
+        ctx.check_hostname = False
+    ctx.verify_mode = reqs
+    return ctx
 
 
 def _glob_escape(text: str) -> str:

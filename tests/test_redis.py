@@ -166,3 +166,34 @@ def test_redis_cluster_contract(cluster_node):
     store = open_store(f"redis+cluster://127.0.0.1:{cluster_node.port}/c")
     assert store.cluster
     check_contract(store)
+
+
+def test_a_server_that_never_answers_is_bounded_by_the_deadline():
+    """A socket that accepts and never answers: a chunk read past its deadline is a StoreTimeoutError,
+    the store is then left alone, and the caller's buffer never sees a byte (the abandoned read goes on
+    into a buffer of the store's own)."""
+    import socket
+
+    from kvrestore.core.errors import StoreTimeoutError
+    from kvrestore.stores.deadline import Deadlines, DeadlineStore
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    store = open_store(f"redis://127.0.0.1:{port}/0", socket_timeout=60)
+    bounded = DeadlineStore(store, Deadlines(lookup_s=0.3, load_s=0.3))
+    buf = bytearray(100)
+
+    async def body():
+        with pytest.raises(StoreTimeoutError):
+            await bounded.read_into(K1, memoryview(buf))
+        with pytest.raises(StoreTimeoutError, match="timed out recently"):
+            await bounded.contains([K1])
+        await store.close()
+
+    try:
+        run(body)
+    finally:
+        listener.close()  # the abandoned read's connection ends with the test
+    assert bytes(buf) == bytes(100)

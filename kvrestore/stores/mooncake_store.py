@@ -42,7 +42,7 @@ import anyio.to_thread
 import numpy as np
 
 from kvrestore.core.errors import InvalidInputError, StoreError
-from kvrestore.stores.base import ChunkStore, check_key, copy_into
+from kvrestore.stores.base import ChunkStore, check_key, copy_object
 from kvrestore.stores.bounce import Lease, ReadBuffers
 from kvrestore.stores.files import check_range
 from kvrestore.stores.outage import COOLOFF_S, Outage
@@ -265,7 +265,7 @@ class MooncakeStore(ChunkStore):
             size = await self._blocking("read", fetch)
             if size is not None:
                 got = min(len(into), max(size - offset, 0))
-                copy_into(into[:got], lease.buf.data[:got])
+                await copy_object(into[:got], lease.buf.data[:got])
         finally:
             lease.settle()
         return size
@@ -330,6 +330,7 @@ class MooncakeStore(ChunkStore):
 
     async def close(self) -> None:
         client, self._client = self._client, None
+        self._buffers = None  # registered with the client that closes
         if client is not None:
             await anyio.to_thread.run_sync(client.close)
 

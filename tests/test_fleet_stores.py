@@ -206,6 +206,7 @@ def test_bad_urls_are_typed_errors(url):
         ("redis://127.0.0.1:6379", {"max_connections": 0}, "max_connections"),
         ("redis://127.0.0.1:6379", {"eviction": "lru"}, "capacity"),
         ("redis+cluster://127.0.0.1:7000", {"db": 1}, "one database"),
+        ("redis://127.0.0.1:6379", {"ssl_ca_certs": "/ca.pem"}, "rediss://"),
         ("mooncake://127.0.0.1", {"capacity_bytes": 1 << 30}, "storage nodes"),
         ("mooncake://127.0.0.1", {"protocol": "udp"}, "protocol"),
         ("mooncake://127.0.0.1", {"local_buffer_size": 0}, "local_buffer_size"),

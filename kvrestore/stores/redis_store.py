@@ -122,6 +122,11 @@ class RedisStore(ChunkStore):
             raise InvalidInputError(f"{url!r} names no host")
         self.cluster = scheme.endswith("+cluster")
         self.tls = scheme.startswith("rediss")
+        tls_options = sorted(o for o in options if o.startswith("ssl_"))
+        if tls_options and not self.tls:
+            raise InvalidInputError(
+                f"{', '.join(tls_options)} need a TLS connection: rediss:// (or rediss+cluster://), not {scheme}://"
+            )
         segments = [s for s in parts.path.split("/") if s]
         url_db = 0
         if segments and not self.cluster and segments[0].isdigit():

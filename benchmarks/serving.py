@@ -570,16 +570,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def learned_links(work: Path) -> dict[str, Any]:
-    """What the connectors' planners learned of each store's link: their cost files, by directory."""
+    """What the connectors' planners learned of each store's link: their cost files, by directory, and
+    each link's median rate over the loads it timed (`links`: [bytes, seconds] per load)."""
     import json
 
-    out: dict[str, Any] = {}
+    files: dict[str, Any] = {}
+    rates: dict[str, float] = {}
     for path in sorted(work.glob("costs*/**/*.json")):
         try:
-            out[str(path.relative_to(work))] = json.loads(path.read_text())
+            data = json.loads(path.read_text())
         except (OSError, ValueError) as e:
-            out[str(path.relative_to(work))] = f"unreadable: {e}"
-    return out
+            files[str(path.relative_to(work))] = f"unreadable: {e}"
+            continue
+        files[str(path.relative_to(work))] = data
+        for link, samples in (data.get("links") or {}).items():
+            per = sorted(b / s for b, s in samples if s > 0)
+            if per:
+                rates[link] = per[len(per) // 2] / 1e6
+    return {"median_MB_per_s": rates, "files": files}
 
 
 def report_head(benchmark: str, args: argparse.Namespace, balance: float) -> dict[str, Any]:

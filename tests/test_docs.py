@@ -58,3 +58,18 @@ def test_each_readme_block_runs_on_its_own(block):
 def test_readme_is_read_in_two_minutes():
     """At most 150 lines; the benchmark tables live in docs/benchmarks.md, the history in CHANGELOG.md."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
+def test_the_glossary_defines_the_words_the_demo_prints():
+    """`kvrestore demo` points at the glossary for its words and for those of `plan.explain()`."""
+    from kvrestore.tools.demo import GLOSSARY
+
+    page, anchor = GLOSSARY.split("#")
+    text = (ROOT / page).read_text()
+    assert f"\n## {anchor.capitalize()}\n" in text
+    words = {
+        line.split("|")[1].strip()
+        for line in text.split(f"## {anchor.capitalize()}")[1].splitlines()
+        if line.startswith("| ")
+    }
+    assert {"TTFT", "balance point", "T* bound", "Tc, Tio", "L_delta"} <= words

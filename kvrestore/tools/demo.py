@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 #: rounds of each restore from the local disk that takes a fraction of a second (the table shows the
 #: median one); computing everything takes seconds and runs once
 LOCAL_ROUNDS = 9
+#: where the words the demo prints are defined
+GLOSSARY = "docs/architecture.md#glossary"
 QUESTION = "What does the with statement guarantee about the __exit__() method?"
 
 
@@ -177,7 +179,9 @@ async def _demo(
             unit = "layers" if s.axis == "layers" else "chunks"
             failed = sum(run[2].failed_loads for run in samples[i])
             runs.append(PolicyRun(name, restore_s, ttft, *counts, answers[i], where[place], unit, failed))
-            say(f"{name}: TTFT {ttft:.2f} s ({counts[0]} {unit} computed, {counts[1]} loaded)")
+            say(
+                f"{name} from the {where[place]}: TTFT {ttft:.2f} s ({counts[0]} {unit} computed, {counts[1]} loaded)"
+            )
 
     print(f"\nQuestion: {question}", file=out)
     head = f"\n{'policy':<22}{'store':<16}{'TTFT s':>8}{'vs full':>9}{'computed':>11}{'loaded':>11}"
@@ -192,6 +196,20 @@ async def _demo(
         )
     print("(L: layers, for the layer-wise two-pointer; otherwise chunks)", file=out)
     print(f"(local disk: the median of {LOCAL_ROUNDS} interleaved rounds; compute-only: one)", file=out)
+    print(
+        f"({where['link']}: the same store read through a ThrottledStore at the balance point, where "
+        "loading every chunk takes as long as computing them)",
+        file=out,
+    )
+    compute = next((row for row in runs if row.name == policy_mod.ComputeOnly.name), None)
+    if compute is not None:
+        print(
+            f"(compute-only does a full prefill's work in two calls, the document in {compute.restore_s:.2f} s "
+            f"then the question in {compute.ttft_s - compute.restore_s:.2f} s; a gap beyond that is this "
+            "machine's noise: each ran once)",
+            file=out,
+        )
+    print(f"(TTFT, the balance point and what auto printed: {GLOSSARY})", file=out)
     distinct = {r.answer for r in runs}
     print(
         f"\nAnswer ({'identical for every policy' if len(distinct) == 1 else 'policies differ!'}):", file=out

@@ -205,8 +205,8 @@ async def _demo(
     if compute is not None:
         print(
             f"(compute-only does a full prefill's work in two calls, the document in {compute.restore_s:.2f} s "
-            f"then the question in {compute.ttft_s - compute.restore_s:.2f} s; a gap beyond that is this "
-            "machine's noise: each ran once)",
+            f"then the question in {compute.ttft_s - compute.restore_s:.2f} s; each ran once, and one run's "
+            "time on a shared CPU varies by more than the rest of the gap)",
             file=out,
         )
     print(f"(TTFT, the balance point and what auto printed: {GLOSSARY})", file=out)

@@ -25,7 +25,7 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: every command and option with its help."""
-    from kvrestore import __version__
+    from kvrestore.core.version import __version__
 
     top = argparse.ArgumentParser(
         prog="kvrestore",

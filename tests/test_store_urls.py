@@ -92,8 +92,11 @@ def test_every_typo_is_a_typed_error_and_makes_nothing(url, error, says, cwd):
 def test_a_scheme_error_names_every_registered_scheme(cwd):
     register_store("kvtest-redis", lambda url, **o: MemoryStore())
     try:
-        for url in ("kvtest-rdis://host/0", "kvtest-redis:/host/0"):
-            with pytest.raises(InvalidInputError, match="did you mean kvtest-redis://") as exc:
+        for url, error in (
+            ("kvtest-rdis://host/0", UnsupportedURLError),
+            ("kvtest-redis:/host/0", InvalidInputError),
+        ):
+            with pytest.raises(error, match="did you mean kvtest-redis://") as exc:
                 open_store(url)
             assert "memory://" in str(exc.value) and "s3://" in str(exc.value)
         assert isinstance(open_store("kvtest-redis://host/0"), MemoryStore)

@@ -16,7 +16,7 @@ import torch
 
 from kvrestore import codec
 from kvrestore.codec.quant import key_space
-from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.errors import InvalidInputError, KVRestoreError, StoreError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
@@ -653,7 +653,7 @@ def test_a_store_that_cannot_be_used_is_refused_before_vllm_loads_the_model(tmp_
     preflight(ConnectorConfig.from_extra({"store_url": "memory://"}))  # nothing to check
     preflight(ConnectorConfig.from_extra({"store_url": "s3://bucket/kv"}))  # asked at the first lookup
     for typo in ("memroy://", "memory:/", "s4://bucket/kv", "file://relative/kv", " /var/cache/kv"):
-        with pytest.raises(InvalidInputError, match="known schemes|absolute path|whitespace"):
+        with pytest.raises(KVRestoreError, match="known schemes|absolute path|whitespace"):
             preflight(ConnectorConfig.from_extra({"store_url": typo}))
 
 

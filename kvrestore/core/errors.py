@@ -41,9 +41,9 @@ class StoreTimeoutError(StoreError, TimeoutError):
     alone until its back-off ends): the store counts as down for that call."""
 
 
-class UnsupportedURLError(StoreError, InvalidInputError):
-    """`open_store` was given a URL whose scheme no store handles: bad input, so an `InvalidInputError`
-    (and a `ValueError`) as much as a `StoreError`."""
+class UnsupportedURLError(StoreError, ValueError):
+    """`open_store` was given a URL whose scheme no store handles (a `ValueError`, as an
+    `InvalidInputError` is)."""
 
 
 class ChunkDecodeError(KVRestoreError):

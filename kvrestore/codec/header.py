@@ -122,7 +122,7 @@ class _Versioned(msgspec.Struct):
 
 _ENCODER = msgspec.msgpack.Encoder()
 #: per version: the decoder of an unsigned header, and of a signed one
-_DECODERS = {
+_DECODERS: dict[int, tuple[msgspec.msgpack.Decoder, msgspec.msgpack.Decoder]] = {
     PLAIN_VERSION: (msgspec.msgpack.Decoder(ChunkHeader), msgspec.msgpack.Decoder(SignedHeader)),
     FORMAT_VERSION: (msgspec.msgpack.Decoder(TiledHeader), msgspec.msgpack.Decoder(SignedTiledHeader)),
 }

@@ -127,6 +127,10 @@ LOAD_FAULTS = (ChunkDecodeError, StoreError, OSError, TimeoutError)
 #: faults found by checking a chunk's bytes as read (header, sizes, checksums) that prove the object bad:
 #: the only ones for which it is deleted (`proves_damage`)
 DAMAGE_FAULTS = (CorruptChunkError, TruncatedChunkError, ForeignChunkError)
+#: faults of one store call that fail that call only (a tier's miss, one boundary write, one page save)
+STORE_FAULTS = (StoreError, OSError, TimeoutError)
+#: faults of one chunk write that fail that chunk only (`SaveError` once every write has ended)
+WRITE_FAULTS = (StoreError, OSError)
 
 
 def proves_damage(exc: BaseException) -> bool:
@@ -138,7 +142,3 @@ def proves_damage(exc: BaseException) -> bool:
     does one that is missing, or whose good bytes could not be placed (the caller's buffer, a device, a
     cancelled copy)."""
     return isinstance(exc, DAMAGE_FAULTS)
-#: faults of one store call that fail that call only (a tier's miss, one boundary write, one page save)
-STORE_FAULTS = (StoreError, OSError, TimeoutError)
-#: faults of one chunk write that fail that chunk only (`SaveError` once every write has ended)
-WRITE_FAULTS = (StoreError, OSError)

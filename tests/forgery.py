@@ -95,3 +95,27 @@ def _tensor(section: memoryview):  # noqa: ANN202
     import torch
 
     return torch.frombuffer(bytearray(section), dtype=torch.uint8).view(1, -1)
+
+
+def future_version(blob: bytes, version: int | None = None) -> bytes:
+    """`blob` as a newer release might write it: a format version this reader does not read (the next
+    one by default), a header field it does not know, the same sections (framed as `codec.frame` does)."""
+    import msgspec
+
+    from kvrestore.codec.header import FORMAT_VERSION, MAGIC, frame
+
+    header, _ = codec.read_header(blob)
+    payloads = [blob[s.offset : s.offset + s.length] for s in header.layers]
+
+    def header_for(body_start: int) -> bytes:
+        fields = msgspec.structs.asdict(header)
+        fields["version"] = FORMAT_VERSION + 1 if version is None else version
+        fields["a_field_from_the_future"] = [1, 2, 3]
+        layers, off = [], body_start
+        for s in header.layers:
+            layers.append([off, s.length, s.raw_length, s.checksum, s.device_sum])
+            off += s.length
+        fields["layers"] = layers
+        return msgspec.msgpack.encode(fields)
+
+    return frame(MAGIC, header_for, payloads)

@@ -101,7 +101,9 @@ def _read(path: str, store: MemoryStore, key: str, start: int, n: int, encoding:
     try:
         anyio.run(main)
     except ChunkLoadFailed as exc:
-        raise UnauthenticatedChunkError(exc.error) if "Unauthenticated" in exc.error else exc
+        if "UnauthenticatedChunkError" in exc.error:
+            raise UnauthenticatedChunkError(exc.error) from exc
+        raise
     if dest is not None:  # the sections kept as read: what the connector hands its pages
         for layer in range(SPEC.num_layers):
             piece = dest.piece(reader, 0, layer, 0, n)
@@ -221,3 +223,30 @@ def test_blend_uses_no_forged_section(llama_backend, preimages):
         torch.testing.assert_close(got.kv.data, stock, atol=1e-5, rtol=0)
 
     anyio.run(main)
+
+
+# -- boundary activations (stage-parallel restore) ---------------------------------------------------
+
+
+def test_a_forged_boundary_activation_is_refused_and_an_unsigned_one_too(preimages):
+    hidden = torch.randn(16, 24)
+    key = "c" * 40
+    signed = codec.encode_boundary(hidden, SPEC, key, 16, 2, Seal(SECRET))
+    assert torch.equal(codec.decode_boundary(signed, SPEC, key, 16, 16, 2, 24, Seal(SECRET)), hidden)
+    assert torch.equal(codec.decode_boundary(signed, SPEC, key, 16, 16, 2, 24), hidden)  # no secret: read
+    header_end = codec.PREFIX_SIZE + int.from_bytes(signed[4:8], "little")
+    offset = codec.body_start_after(header_end)
+    forged = bytearray(signed)
+    forged[offset + 5] ^= 0x40
+    preimages.keep(
+        memoryview(forged)[offset:],
+        codec.boundary._BOUNDARY_DECODER.decode(signed[codec.PREFIX_SIZE : header_end]).checksum,
+    )
+    with pytest.raises(UnauthenticatedChunkError, match="tag"):
+        codec.decode_boundary(bytes(forged), SPEC, key, 16, 16, 2, 24, Seal(SECRET))
+    assert not torch.equal(codec.decode_boundary(bytes(forged), SPEC, key, 16, 16, 2, 24), hidden)
+    unsigned = codec.encode_boundary(hidden, SPEC, key, 16, 2)
+    with pytest.raises(UnauthenticatedChunkError, match="unsigned"):
+        codec.decode_boundary(unsigned, SPEC, key, 16, 16, 2, 24, Seal(SECRET))
+    with pytest.raises(UnauthenticatedChunkError, match="secret"):
+        codec.decode_boundary(signed, SPEC, key, 16, 16, 2, 24, Seal(b"another secret of 32 bytes......"))

@@ -8,14 +8,17 @@ The path a load lane runs for a chunk, and why each step is shaped so:
    copied once for a remote store).
 2. **Check** the header (a few hundred bytes: model, key, position, sizes, zero padding).
 3. **Verify and place**, in one worker-thread call:
-   * into a CPU cache: xxh3 of every section (python-xxhash releases the GIL), then one numpy copy of
-     the body into the cache's token range. Nothing unverified reaches the cache.
+   * into a CPU cache: xxh3 of every section (python-xxhash releases the GIL), or with a secret its
+     GMAC tag (`codec.seal`, the GIL released too), then one numpy copy of the body into the cache's
+     token range. Nothing unverified reaches the cache.
    * into a CUDA cache: the body (in pinned staging, or in a pinned `MemoryStore`'s own memory; other
      bytes from memory are first copied into pinned staging with one numpy copy) goes to the device on the load stream with one copy, then the device checksum of every
      layer runs there (`checksums.device_checksums`, two kernels) and only L sums come back. The
      staging buffers belong to the load's `Transfer` (`chunkio.transfer`), which recycles each once
      the upload's event has completed, also when the load fails part-way. A mismatch raises before the
      chunk counts as loaded; its rows are then recomputed, so damaged bytes never survive in the cache.
+     With a secret each layer's tag is checked on the host before that layer is queued to go up (the
+     next layer's check overlaps this one's copy), so no unauthenticated byte reaches the cache.
 
 A store that reads without the event loop (`ChunkStore.reads_sync`: memory of this process, a local
 directory) gets the whole load as blocking calls on the engine's load-lane threads

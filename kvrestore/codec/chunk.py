@@ -14,13 +14,16 @@ offset, stored length, raw length and xxh3-64 checksum, so
   (`checksums`: xxh3-64 of the stored bytes for a host reader, a weighted int64 sum of the raw bytes
   for a reader that uploads the section to a GPU first and verifies it there), and the object must end
   exactly where the last section ends. A damaged chunk is always reported, never decoded wrongly.
+* with a secret (`seal`), the header also holds a salt and every section's GMAC tag under its keyed
+  MAC (`SignedHeader`), and a reader with the secret checks a section's tag (`check_section`) where a
+  reader without one checks its xxh3-64: checksums catch damage, the tags forgery.
 
 Format 5 added the writer's key layout (`TiledHeader.key_tile`, `codec.layout`: keys stored as vLLM's
 CPU pages keep them, converted on read by every other reader); a chunk without one is still written as
 format 4, byte for byte, and read by both. Format 4 added the encodings (the header names one,
 `ChunkHeader.encoding`; both checksums cover the encoded bytes as stored), format 3 the device
-checksum. A chunk of an older format is foreign to this reader: a clean miss, recomputed and written
-again in the current format.
+checksum. A chunk of a format this reader does not read, older or newer, is a clean miss
+(`FormatVersionError`), recomputed, and left in the store for the releases that read it.
 
 The framing (prefix, header, reading and checking it: `probe_header`) is `codec.header`; boundary
 activations (`codec.boundary`) use the same framing under their own magic.

@@ -101,9 +101,10 @@ class SignedHeader(ChunkHeader, frozen=True, kw_only=True):
     tags: bytes = b""
 
 
-class SignedTiledHeader(TiledHeader, frozen=True, kw_only=True):
-    """`SignedHeader` for a format-5 chunk (`TiledHeader`)."""
+class SignedTiledHeader(ChunkHeader, frozen=True, kw_only=True):
+    """`SignedHeader` for a format-5 chunk: `TiledHeader`'s fields, then the salt and the tags."""
 
+    key_tile: int
     salt: bytes = b""
     tags: bytes = b""
 
@@ -111,7 +112,7 @@ class SignedTiledHeader(TiledHeader, frozen=True, kw_only=True):
 def key_tile(header: ChunkHeader) -> int:
     """The tokens of the writer's key tiles (`TiledHeader`), or 0: keys row-major, as in every format-4
     chunk."""
-    return header.key_tile if isinstance(header, TiledHeader) else 0
+    return header.key_tile if isinstance(header, (TiledHeader, SignedTiledHeader)) else 0
 
 
 class _Versioned(msgspec.Struct):
@@ -232,7 +233,7 @@ def _check_sections(header: ChunkHeader, header_end: int) -> None:
             raise CorruptChunkError(f"uncompressed section {i} has length {s.length} != raw {s.raw_length}")
         off += s.length
     tile = key_tile(header)
-    if isinstance(header, TiledHeader) and (tile < 1 or header.n_tokens % tile):
+    if isinstance(header, (TiledHeader, SignedTiledHeader)) and (tile < 1 or header.n_tokens % tile):
         raise CorruptChunkError(f"key tiles of {tile} tokens in a chunk of {header.n_tokens}")
 
 

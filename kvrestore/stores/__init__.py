@@ -66,16 +66,19 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> ChunkStore:
     url: str or os.PathLike
         `"memory://"` (a `MemoryStore`), `"file:///var/cache/kv"` (an absolute path) or a plain path (a
         `LocalStore`; made by its first write), `"s3://bucket/prefix"` (an `FsspecStore` over s3fs, the
-        `s3` extra), or a scheme added with `register_store`. Anything else is refused, never guessed
-        at: an unknown scheme, a scheme without "://" (`"memory:/"`), whitespace around the URL,
+        `s3` extra), `"redis://host:port/db"` (and `rediss://`, `redis+cluster://`: a `RedisStore`, the
+        `redis` extra), `"mooncake://master_host:port"` (a `MooncakeStore`, the `mooncake` extra), or a
+        scheme added with `register_store`. Anything else is refused, never guessed at: an unknown
+        scheme, a scheme without "://" (`"memory:/"`), whitespace around the URL,
         `"file://relative/dir"` (`kvrestore.stores.urls`).
     **options
         `read_only=True` for every scheme: the store is read and never written (a put or a delete is a
         `StoreError`; a local directory must exist, and nothing is created in it, not even a probe or
         a lock file; `capacity_bytes` is refused: a store that never writes never evicts). Then the store's
-        own: `capacity_bytes` and `eviction` (default LRU) for every built-in store, a store that
-        really evicts (a local directory or S3 with a capacity is wrapped in a `BoundedStore`), s3fs's
-        options (`endpoint_url`, `key`, `secret`, `config_kwargs`, ...) for S3.
+        own: `capacity_bytes` and `eviction` (default LRU) for every built-in store but Mooncake's, a
+        store that really evicts (a local directory, S3 or Redis with a capacity is wrapped in a
+        `BoundedStore`), s3fs's options (`endpoint_url`, `key`, `secret`, `config_kwargs`, ...) for S3,
+        `RedisStore`'s and `MooncakeStore`'s for theirs.
 
     Returns
     -------
@@ -151,9 +154,35 @@ def _s3(url: str, capacity_bytes: int | None = None, eviction: Any = None, **opt
     return _bounded(FsspecStore(url, **options), capacity_bytes, eviction)
 
 
+def _redis(url: str, capacity_bytes: int | None = None, eviction: Any = None, **options: Any) -> ChunkStore:
+    """`RedisStore` options pass through (password, username, db, prefix, TLS, timeouts). Without a
+    capacity the server's own `maxmemory` policy evicts; with one, a `BoundedStore` keeps it."""
+    from kvrestore.stores.redis_store import RedisStore
+
+    return _bounded(RedisStore(url, **options), capacity_bytes, eviction)
+
+
+def _mooncake(url: str, capacity_bytes: int | None = None, eviction: Any = None, **options: Any) -> ChunkStore:
+    """`MooncakeStore` options pass through (metadata_server, protocol, segment and buffer sizes).
+    Mooncake evicts within the memory its storage nodes lend; it lists no objects, so kvrestore's own
+    capacity (which is rebuilt from a listing) is refused."""
+    from kvrestore.stores.mooncake_store import MooncakeStore
+
+    if capacity_bytes is not None or eviction is not None:
+        raise InvalidInputError(
+            "mooncake:// takes no capacity_bytes or eviction: Mooncake evicts within the memory its "
+            "storage nodes lend (mooncake_client --global_segment_size), and lists no objects from which "
+            "a capacity of kvrestore's own could be rebuilt"
+        )
+    return MooncakeStore(url, **options)
+
+
 register_store("memory", _memory)
 register_store("file", _local)
 register_store("s3", _s3)
+for _scheme in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+    register_store(_scheme, _redis)
+register_store("mooncake", _mooncake)
 
 __all__ = [
     "FIFO",

@@ -20,6 +20,7 @@ from kvrestore.costs.estimates import Priors
 from kvrestore.costs.links import LinkCost
 from kvrestore.policies import ChunkStatus, Decision, Progress
 from kvrestore.policies.meeting import GRACE, PROBE_SHARE
+from kvrestore.restore.layer_wise import WHOLE_CHUNKS
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.memory import MemoryStore
@@ -219,7 +220,9 @@ def test_stats_seconds_is_the_whole_call(llama_backend):
 
 def test_a_layer_wise_restore_whose_loads_win_before_any_layer_goes_along_tokens(llama_backend):
     """Predicted to land every layer before the first is computed, a layer-wise restore reads whole
-    chunks instead (one read each, not one per layer): the token axis, loads only, exact."""
+    chunks instead (one read each, not one per layer): the token axis, loads only, exact, and the
+    stats say so (the policy asked for, the axis it ran along, and why). A fixed profile decides it:
+    a second of compute per layer against a link of a terabyte a second."""
     tokens = random_tokens(96, llama_backend.spec.vocab_size)
     slow_compute = make_profile(
         llama_backend,
@@ -230,6 +233,7 @@ def test_a_layer_wise_restore_whose_loads_win_before_any_layer_goes_along_tokens
 
     res = _saved_then_restored(llama_backend, llama_backend, tokens, LayerTwoPointer(), profile=slow_compute)
     assert res.stats.axis == "tokens" and res.stats.loaded_chunks == 3 and res.stats.computed_chunks == 0
+    assert res.stats.policy == "layer-wise" and res.stats.handoff == WHOLE_CHUNKS
     torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
 
 

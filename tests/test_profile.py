@@ -110,17 +110,26 @@ def test_profile_rejects_bad_sizes(llama_backend):
 
 
 def test_link_estimate_follows_the_loads():
-    est = LinkEstimate(LinkCost(1e6, 0.0), weight=0.5)
+    """Loads within `CHANGE_FACTOR` of the estimate move it (noise); loads further off replace it (the
+    link changed speed), and it stays unconfirmed until a later restore's loads agree."""
     trace = Trace()
     for i in range(4):  # 1 MB every 0.1 s on one lane, back to back: 10 MB/s
         trace.add(TraceEvent("load", i, i, 0.1 * i, 0.1 * (i + 1), 1_000_000))
+    est = LinkEstimate(LinkCost(6e6, 0.0), weight=0.5)
     est.observe(trace)
-    assert est.current.bytes_per_s == pytest.approx((1e6 + 1e7) / 2)
+    assert est.current.bytes_per_s == pytest.approx((6e6 + 1e7) / 2) and est.changes == 0
     est.observe(Trace())  # nothing loaded: nothing learned
     assert est.observations == 1
+    changed = LinkEstimate(LinkCost(1e6, 0.0), weight=0.5)  # ten times too slow: a change, not noise
+    changed.observe(trace)
+    assert changed.current.bytes_per_s == pytest.approx(1e7) and changed.changes == 1 and changed.unconfirmed
+    changed.observe(trace)
+    assert changed.current.bytes_per_s == pytest.approx(1e7) and not changed.unconfirmed
+    assert not changed.at_most(0.6e7) and changed.at_most(1e6)  # a bound within the factor says nothing
+    assert changed.current.bytes_per_s == 1e6 and changed.changes == 2 and changed.unconfirmed
     fresh = LinkEstimate()
     fresh.observe(trace)
-    assert fresh.current.bytes_per_s == pytest.approx(1e7)
+    assert fresh.current.bytes_per_s == pytest.approx(1e7) and fresh.changes == 0
 
 
 def test_busy_time_is_the_union_of_intervals():

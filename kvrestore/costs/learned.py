@@ -271,9 +271,9 @@ class CostLearner:
             return None
         if self._fitted is None:
             s = self.state
-            chunk = fit_prefill_cost(s.chunk) if s.chunk else None
-            layer = _fit_layer(s.layer) if s.layer else None
             n_layers = self.spec.num_layers
+            chunk = fit_prefill_cost(s.chunk) if s.chunk else None
+            layer = _fit_layer(s.layer, chunk, n_layers) if s.layer else None
             if chunk is None:  # only layer-wise units seen: a whole prefill is every layer's
                 assert layer is not None
                 chunk = ChunkCost(
@@ -527,10 +527,21 @@ def loading_factor(samples: Sequence[Sequence[float]], compute: ChunkCost) -> fl
     return min(hi, max(lo, statistics.median(ratios)))
 
 
-def _fit_layer(samples: Sequence[Sequence[float]]) -> LayerCost:
-    """``fixed + N per_token + N^2 per_token2`` per layer."""
+def _fit_layer(
+    samples: Sequence[Sequence[float]], chunk: ChunkCost | None = None, n_layers: int = 1
+) -> LayerCost:
+    """``fixed + N per_token + N^2 per_token2`` per layer. From fewer than three prompt lengths the
+    attention term cannot be told from the others (a linear fit of one length would predict a prompt
+    eight times as long eight times as dear, where its attention costs sixty-four times as much): it is
+    then taken from the token-wise units (`chunk`, if any were fitted), whose attention pairs cost
+    alike on either axis, a layer's share of them (1 / `n_layers`), and the rest is fitted per token."""
     rows = [[1.0, n, n * n] for n, _ in samples]
-    return LayerCost(*_fit_terms(rows, [s for _, s in samples], _distinct([(n,) for n, _ in samples])))
+    shapes = _distinct([(n,) for n, _ in samples])
+    if shapes >= 3 or chunk is None or chunk.per_token2_s <= 0:
+        return LayerCost(*_fit_terms(rows, [s for _, s in samples], shapes))
+    per_token2 = chunk.per_token2_s / n_layers
+    _, per_token, _ = _fit_terms(rows, [s - n * n * per_token2 for n, s in samples], 1)
+    return LayerCost(0.0, per_token, per_token2)
 
 
 def check_learn(learn: object) -> bool | Path:

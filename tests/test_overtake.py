@@ -328,9 +328,14 @@ class SlowFloored(SlowLayers):
 
 def test_a_fresh_restorer_that_knows_the_floor_starts_no_unit_on_a_fast_store(llama_backend):
     """No profile, nothing learned, but a compute floor far above what the store needs: the first
-    restore waits for the first fetch, sees the loads will land everything first, and only loads."""
+    restore waits for the first fetch, sees the loads will land everything first, and only loads.
+
+    The floor is 30 s a chunk, so the restore waits up to `PROBE_SHARE` of the prompt's (7.5 s) for
+    two fetches from memory to land: on a machine however busy (with a floor of 0.3 s a chunk, the
+    75 ms wait ran out on a loaded 2-core machine and a unit started). No unit runs, so the test
+    takes what the loads take."""
     tokens = random_tokens(160, llama_backend.spec.vocab_size)
-    slow = SlowFloored(llama_backend, layer_s=0.1)
+    slow = SlowFloored(llama_backend, layer_s=10.0)
 
     res = _saved_then_restored(llama_backend, slow, tokens, TokenTwoPointer(), profile=False)
     assert slow.units == 0 and res.stats.loaded_chunks == res.stats.n_chunks

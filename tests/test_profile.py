@@ -125,8 +125,11 @@ def test_link_estimate_follows_the_loads():
     assert changed.current.bytes_per_s == pytest.approx(1e7) and changed.changes == 1 and changed.unconfirmed
     changed.observe(trace)
     assert changed.current.bytes_per_s == pytest.approx(1e7) and not changed.unconfirmed
-    assert not changed.at_most(0.6e7) and changed.at_most(1e6)  # a bound within the factor says nothing
-    assert changed.current.bytes_per_s == 1e6 and changed.changes == 2 and changed.unconfirmed
+    assert changed.at_most(0.6e7) and changed.changes == 1  # a bound within the factor: no change
+    assert changed.current.bytes_per_s == pytest.approx(1e7)
+    assert changed.at_most(1e6) and changed.current.bytes_per_s == 1e6 and changed.changes == 2
+    assert not changed.unconfirmed and changed.observations == 4  # a bound: nothing left to confirm
+    assert not LinkEstimate().at_most(1e6)  # no estimate to set it against
     fresh = LinkEstimate()
     fresh.observe(trace)
     assert fresh.current.bytes_per_s == pytest.approx(1e7) and fresh.changes == 0

@@ -196,3 +196,24 @@ def test_compute_only_watching_fetches_the_last_stored_chunk_of_its_first_unit_a
     assert ask(ComputeOnly(watch=True), p.as_if(free_load_lanes=0)).overtake == ()  # no lane free
     p.lanes.can_overtake = False  # a batch engine's lanes: nothing aside
     assert ask(ComputeOnly(watch=True), p.as_if(free_load_lanes=4)).overtake == ()
+
+
+def test_auto_loads_everything_only_over_a_link_it_checked_itself(tmp_path):
+    """A link read from what an earlier restorer learned is a hint: where `Auto` would load
+    everything over it, a fresh restorer probes it with a two-pointer first (load-only cannot adapt
+    to a link slower than it was; a two-pointer can), then loads everything once its own loads agree."""
+    learned = tmp_path / "learned.json"
+    fast = 100 * balance(2048)
+    earlier = planner(learned)
+    earlier.learn_compute(2048, 0, CHUNK.seconds(2048))  # the save computed the prompt in one unit
+    for _ in range(4):
+        restore(earlier, Auto(), 2048, fast)
+    anyio.run(earlier.keep)
+    refs = [ChunkRef(i, 256 * i, 256 * (i + 1), f"{i:016x}") for i in range(8)]
+    assert earlier.plan(refs, [True] * 8).choice.name == "load-only"
+    fresh = planner(learned)
+    assert fresh.link.doubted
+    probe = fresh.plan(refs, [True] * 8)
+    assert isinstance(probe.choice, TokenTwoPointer) and "probing the store's link" in probe.reason
+    restore(fresh, Auto(), 2048, fast)
+    assert not fresh.link.doubted and fresh.plan(refs, [True] * 8).choice.name == "load-only"

@@ -58,8 +58,8 @@ class LinkEstimate:
     """A store's link as restores see it: starts from a profile's, then follows the loads.
 
     After each restore, the bytes its loads brought over the time the load lanes were busy give the
-    delivery rate. A rate within `CHANGE_FACTOR` of the estimate is noise: it moves the estimate by
-    `weight` (EWMA). One further off is a link that changed speed (another network path, a store
+    delivery rate. Loads that took within `CHANGE_FACTOR` of what the estimate predicts for them are
+    noise: they move the estimate by `weight` (EWMA). Loads further off show a link that changed speed (another network path, a store
     under load, a throttle moved): the estimate is replaced by what the restore saw, not averaged with
     a speed the link no longer has (averaging halves a sixteen-fold error per restore, so the planner
     would judge by a wrong link for four restores), `changes` counts it, and the estimate stays
@@ -73,12 +73,18 @@ class LinkEstimate:
             raise InvalidInputError(f"weight must be in (0, 1], got {weight}")
         self.current = link
         self.weight = weight
-        self.observations = 0
+        self.observations = 0  # restores whose fetches showed the link (loads that landed, or a bound)
         self.changes = 0  # restores whose loads showed the link change speed
         #: the latest restore that loaded showed a change, which no restore since has confirmed
         self.unconfirmed = False
         self.measured_latency = link is not None  # a profile measured it: keep it
         self._afresh = False
+
+    @property
+    def doubted(self) -> bool:
+        """Whether the estimate is a hint no restore has confirmed yet: read from a file (`reprobe`),
+        or a change one restore showed (`unconfirmed`)."""
+        return self._afresh or self.unconfirmed
 
     def reprobe(self) -> None:
         """Judge the link again from the next restore's loads alone: they replace the estimate (both
@@ -104,9 +110,7 @@ class LinkEstimate:
             # the busy time starts with one round trip before the first bytes move (more lanes overlap
             # the later ones): the rest is the link's delivery time
             rate = sum(e.nbytes for e in loads) / max(busy - latency, busy / 2)
-        changed = (
-            previous is not None and not 1 / CHANGE_FACTOR <= rate / previous.bytes_per_s <= CHANGE_FACTOR
-        )
+        changed = previous is not None and not _agrees(previous, sum(e.nbytes for e in loads), busy)
         if self.current is None:
             self.current = LinkCost(rate, latency)
         elif changed:
@@ -121,19 +125,31 @@ class LinkEstimate:
 
     def at_most(self, bytes_per_s: float) -> bool:
         """A restore none of whose fetches landed showed the link delivers at most `bytes_per_s` (its
-        fetches were in flight that long without landing): where the estimate is more than
-        `CHANGE_FACTOR` faster, the link changed speed, and the bound replaces it (the fastest the
-        link can be; the next restore's loads, or their absence, say more). Whether it did. A bound
-        the estimate agrees with confirms it (`unconfirmed`): the fetches did not land, as it said."""
+        fetches were in flight that long without landing): an observation of the link, if there is an
+        estimate to set it against (whether there was). Where the estimate is more than `CHANGE_FACTOR`
+        faster, the link changed speed, and the bound replaces it: the fastest the link can be, so a
+        plan made with it errs only towards loading, which a two-pointer corrects as it goes, and the
+        link is measured again by the next restore's fetches (or their absence). A bound leaves no
+        doubt to confirm (`unconfirmed`): that the link may be slower still never makes loading
+        better."""
         if self.current is None:
             return False
-        if self.current.bytes_per_s <= CHANGE_FACTOR * bytes_per_s:
-            self.unconfirmed = False
-            return False
-        self.current = LinkCost(bytes_per_s, self.current.latency_s)
-        self.changes += 1
-        self.unconfirmed = True
+        if self.current.bytes_per_s > CHANGE_FACTOR * bytes_per_s:
+            self.current = LinkCost(bytes_per_s, self.current.latency_s)
+            self.changes += 1
+            self._afresh = False  # the hint read from a file is gone: replaced by what was seen here
+        self.unconfirmed = False
+        self.observations += 1
         return True
+
+
+def _agrees(link: LinkCost, nbytes: int, busy_s: float) -> bool:
+    """Whether loads of `nbytes` that kept the link busy `busy_s` took within `CHANGE_FACTOR` of what
+    `link` predicts for them (a round trip, then the bytes at its rate). The time is compared, not the
+    rate: a few loads split a link's time between its round trip and its rate unsteadily (the same
+    loads fit 70 MB/s and no latency, or 215 MB/s and 14 ms), while what they took is what a plan
+    predicts with."""
+    return 1 / CHANGE_FACTOR <= busy_s / link.seconds(nbytes) <= CHANGE_FACTOR
 
 
 def _fit_shared(loads: Sequence[Any]) -> LinkCost | None:

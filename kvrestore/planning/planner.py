@@ -174,7 +174,9 @@ class Planner:
         `PROBE_EVERY` restores, or changed speed at the last restore that loaded and was not confirmed
         since (`LinkEstimate.unconfirmed`), the restore probes the link instead: it runs the strategy
         `Auto` explores with (a two-pointer, which adapts to the speeds it meets and is never much
-        slower than computing), and its loads replace the link estimate. Otherwise compute-only runs
+        slower than computing), and its loads replace the link estimate. So does a restore `Auto` would
+        load whole over a link it doubts (`LinkEstimate.doubted`: from a file, or a change not confirmed
+        yet): load-only cannot adapt to a link slower than it was, a two-pointer can. Otherwise compute-only runs
         with one stored chunk fetched aside (`ComputeOnly(watch=True)`), whose landing (or time in
         flight without landing) keeps the link measured: a link that got faster is seen by the next
         plan, not sixteen restores later. So no link, however wrong, keeps `Auto` from loading for
@@ -188,11 +190,17 @@ class Planner:
             costs=self.costs_line(),
             untried_margin=1.0 if self.profile is not None else UNTRIED_MARGIN,
         )
-        if plan.choice.name != "compute-only" or not plan.predicted_s or (auto and auto.candidates):
+        alone = plan.choice.name in ("compute-only", "load-only")
+        if not alone or not plan.predicted_s or (auto and auto.candidates):
             return plan
-        stale = self.link.observations == 0 or self._unprobed >= PROBE_EVERY or self.link.unconfirmed
+        if plan.choice.name == "compute-only":
+            stale = self.link.observations == 0 or self._unprobed >= PROBE_EVERY or self.link.unconfirmed
+        else:  # loading everything over a link that may be far slower than it is thought to be
+            stale = self.link.doubted
         if stale:
-            if self.link.observations == 0:
+            if self.link.doubted and self.link.observations == 0:
+                why = "read from what an earlier restorer learned, not checked by a load here yet"
+            elif self.link.observations == 0:
                 why = "never checked by a load here"
             elif self.link.unconfirmed:
                 why = "it changed speed at the last restore that loaded: checked once more"
@@ -202,6 +210,8 @@ class Planner:
                 plan, choice=explore(work), reason=f"probing the store's link ({why}); else {plan.reason}"
             )
             self._probe = plan
+            return plan
+        if plan.choice.name != "compute-only":
             return plan
         # computing everything: one stored chunk fetched aside keeps the link measured (`watch`)
         watched = "; one stored chunk is fetched aside meanwhile, to keep measuring the store's link"
@@ -369,8 +379,9 @@ class Planner:
             self.silent_s_per_token = None
         elif layers_over is None:
             self._learn_silent(trace, refs)
-            if self.silent_s_per_token is not None:  # no fetch landed: the link is at most this fast
-                self.link.at_most(self.stored_bytes_per_token / self.silent_s_per_token)
+            bound = self.silent_s_per_token  # no fetch landed: the link is at most this fast
+            if bound is not None and self.link.at_most(self.stored_bytes_per_token / bound):
+                self._unprobed = 0
         if self.link.changes > changes:  # the link changed speed: the factors measured over it go
             self._unsettled.clear()
             self._calibration.forget()

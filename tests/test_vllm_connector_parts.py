@@ -16,7 +16,7 @@ import torch
 
 from kvrestore import codec
 from kvrestore.codec.quant import key_space
-from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.errors import InvalidInputError, KVRestoreError, StoreError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
@@ -649,9 +649,12 @@ def test_a_store_that_cannot_be_used_is_refused_before_vllm_loads_the_model(tmp_
     with pytest.raises(StoreError, match="read-only"):  # a replica that only reads: the cache must exist
         preflight(ConnectorConfig.from_extra({"store_url": str(tmp_path / "none"), "save": False}))
     preflight(ConnectorConfig.from_extra({"store_url": f"file://{tmp_path / 'kv'}"}))
-    assert (tmp_path / "kv").is_dir()  # created, as the connector will
+    assert not (tmp_path / "kv").exists()  # made by the first save
     preflight(ConnectorConfig.from_extra({"store_url": "memory://"}))  # nothing to check
     preflight(ConnectorConfig.from_extra({"store_url": "s3://bucket/kv"}))  # asked at the first lookup
+    for typo in ("memroy://", "memory:/", "s4://bucket/kv", "file://relative/kv", " /var/cache/kv"):
+        with pytest.raises(KVRestoreError, match="known schemes|absolute path|whitespace"):
+            preflight(ConnectorConfig.from_extra({"store_url": typo}))
 
 
 def test_memory_is_refused_where_the_scheduler_and_the_worker_are_two_processes():

@@ -33,11 +33,11 @@ from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.chunkio.uploads import LayerUploads
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import (
-    DAMAGE_FAULTS,
     LOAD_FAULTS,
     ChunkDecodeError,
     CorruptChunkError,
     MissingChunkError,
+    proves_damage,
 )
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
@@ -268,10 +268,10 @@ class LayerReader:
 
     async def _fault(self, j: int, exc: BaseException, where: str = "", note: bool = True) -> None:
         """Stop reading chunk j, note its fault, and delete an object its bytes proved damaged
-        (`DAMAGE_FAULTS`; best effort: the miss is what matters)."""
+        (`proves_damage`; best effort: the miss is what matters)."""
         self.drop(j)
         if note:
             self.errors.append(f"chunk {j}{where}: {type(exc).__name__}: {exc}")
-        if isinstance(exc, DAMAGE_FAULTS):
+        if proves_damage(exc):
             with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
                 await self.store.delete(self.chunks[j].key)

@@ -1,9 +1,11 @@
 """One chunk of a prompt into its rows of a KV cache, and what happens to a damaged one.
 
-A chunk whose bytes, as read, fail their checks (corrupt, truncated, foreign: `DAMAGE_FAULTS`) is deleted
-from the store: it is never served again, and the next save writes a good copy. Nothing else deletes a
-chunk: a missing one, one without a valid MAC, and a failure to place good bytes (the caller's buffer, a
-device, a cancelled copy) leave the store as it was. A fault raises before the chunk counts as loaded.
+A chunk whose bytes, as read, prove it damaged (`core.errors.proves_damage`: corrupt, truncated, or not
+the chunk its key names) is deleted from the store: it is never served again, and the next save writes a
+good copy. Nothing else deletes a chunk: a missing one, one of a format version or layout this reader
+does not read (a newer release's), one without a valid signature, and a failure to place good bytes (the
+caller's buffer, a device, a cancelled copy) leave the store as it was. A fault raises before the chunk
+counts as loaded.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import anyio
 import torch
 
 from kvrestore.chunkio.load import ChunkLoader, Fetched
-from kvrestore.core.errors import DAMAGE_FAULTS
+from kvrestore.core.errors import ChunkDecodeError, proves_damage
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
 from kvrestore.core.streams import on_stream
@@ -27,12 +29,13 @@ log = logging.getLogger("kvrestore.chunkio")
 
 async def load_chunk(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, first: int = 0) -> int:
     """Fetch, verify and place `ref` in its token range of `kv` (`ChunkLoader.load`), which begins at
-    token `first` of the prompt; returns the stored bytes read. A damaged chunk (`DAMAGE_FAULTS`) is
+    token `first` of the prompt; returns the stored bytes read. A damaged chunk (`proves_damage`) is
     forgotten before its error propagates."""
     try:
         return await loader.load(ref.key, ref.start, kv.chunk(ref.start - first, ref.end - first).data)
-    except DAMAGE_FAULTS:
-        await forget(loader.store, ref.key)
+    except ChunkDecodeError as exc:
+        if proves_damage(exc):
+            await forget(loader.store, ref.key)
         raise
 
 
@@ -73,8 +76,9 @@ def fetch_chunk_sync(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: l
     loop (`forget`) once the restore is over."""
     try:
         fetched = loader.fetch_sync(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
-    except DAMAGE_FAULTS:
-        damaged.append(ref.key)
+    except ChunkDecodeError as exc:
+        if proves_damage(exc):
+            damaged.append(ref.key)
         raise
     fetched.damaged = damaged
     return fetched

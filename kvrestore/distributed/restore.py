@@ -245,7 +245,14 @@ class StageRestorer:
         shard = sb.empty_shard(len(tokens))
         receives, sends = plan.receives(s), plan.sends(s)
         reader = BoundaryReader(
-            self.store, self.spec, refs, sb.start, sb.hidden_size, plan.wants_boundary(s), sb.device
+            self.store,
+            self.spec,
+            refs,
+            sb.start,
+            sb.hidden_size,
+            plan.wants_boundary(s),
+            sb.device,
+            self.restorer.loader.seal,
         )
 
         def compute(a: int, b: int) -> None:  # on the compute lane's thread
@@ -320,10 +327,11 @@ class StageRestorer:
         dest = shard[:, :, :, ref.start : ref.end]
 
         def place() -> None:
+            seal = self.restorer.loader.seal  # signed: every section's tag checked before it is placed
             if dest.device.type == "cpu":
-                codec.decode_layers(header, sections, self.spec, range(a, b), out=dest)
+                codec.decode_layers(header, sections, self.spec, range(a, b), out=dest, seal=seal)
             else:
-                dest.copy_(codec.decode_layers(header, sections, self.spec, range(a, b)))
+                dest.copy_(codec.decode_layers(header, sections, self.spec, range(a, b), seal=seal))
 
         await anyio.to_thread.run_sync(place)
         return len(head) + len(body)

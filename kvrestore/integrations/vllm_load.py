@@ -19,7 +19,6 @@ import torch
 from kvrestore import codec
 from kvrestore.chunkio.dest import CacheRows, Destination
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader, StoredChunk
-from kvrestore.codec.checksums import host_checksum
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, CorruptChunkError, InvalidInputError
@@ -86,10 +85,16 @@ class KeptSections(CacheRows):
             section = header.layers[layer]
             copied = header.compression != "none" or codec.key_tile(header)
             if copied or section.length != raw or section.raw_length != raw:
-                self.sections[j, layer] = codec.decode_layers(header, {layer: stored}, spec, [layer])[0]
+                sections = {layer: stored}
+                self.sections[j, layer] = codec.decode_layers(
+                    header, sections, spec, [layer], seal=reader.seal
+                )[0]
                 continue
-            if len(stored) != section.length or host_checksum(stored) != section.checksum:
-                raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
+            if len(stored) != section.length:
+                raise CorruptChunkError(
+                    f"layer {layer}: {len(stored)} bytes for a {section.length}-byte section"
+                )
+            codec.check_section(header, layer, stored, reader.seal)
             with warnings.catch_warnings():  # read-only bytes: nothing writes through the view
                 warnings.simplefilter("ignore", UserWarning)
                 flat = torch.frombuffer(stored, dtype=torch.uint8)

@@ -11,7 +11,8 @@ another thread holds one of them).
 * keys, which the pages keep column-major, go in the same `preadv` where the connector saved them so
   (tiles of one page, `codec.layout`) and the chunk covers whole pages; otherwise (another writer or
   page size, a last partial page) into a small staging buffer, transposed into the pages once verified;
-* every section is checked against its xxh3-64 where its bytes landed (`host_checksum_parts`).
+* every section is checked where its bytes landed (`codec.check_section`): against its xxh3-64, or
+  with a secret its GMAC tag (`codec.seal`), before `wait` hands the layer to vLLM.
 
 A chunk whose header or section does not check out is failed: vLLM recomputes its blocks (with the
 recompute policy, all after them too), so damaged bytes written into its pages are never used.
@@ -31,16 +32,15 @@ import torch
 
 from kvrestore import codec
 from kvrestore.chunkio.load import PROBE_BYTES
-from kvrestore.codec.checksums import host_checksum_parts
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import (
-    DAMAGE_FAULTS,
     LOAD_FAULTS,
     STORE_FAULTS,
     ChunkDecodeError,
     CorruptChunkError,
     MissingChunkError,
     TruncatedChunkError,
+    proves_damage,
 )
 from kvrestore.core.spec import ModelSpec
 from kvrestore.integrations.vllm_io import IOThread, LoadChunk
@@ -277,9 +277,8 @@ class HostPageLoad(ChunkLoad):
         if layers[-1] == len(header.layers) - 1 and placed > end - first:
             raise CorruptChunkError(f"object has bytes past the last section (at byte {end})")
         self.bytes_read += end - first
-        for layer, mine in zip(layers, parts, strict=True):
-            if host_checksum_parts(mine) != header.layers[layer].checksum:
-                raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
+        for layer, mine in zip(layers, parts, strict=True):  # signed: against its tag (`codec.seal`)
+            codec.check_section(header, layer, mine, self.seal)
         for keys, host in staged:
             plan.place_keys(host.keys, keys)
 
@@ -289,7 +288,7 @@ class HostPageLoad(ChunkLoad):
         """Fail chunks `indices` for `error`, deleting in the background an object its bytes proved
         damaged (`exc`)."""
         self._fail(indices, [error])
-        damaged = isinstance(exc, DAMAGE_FAULTS)  # a compressed or missing chunk is not damaged
+        damaged = exc is not None and proves_damage(exc)  # a compressed or missing chunk is not damaged
         if damaged and self._io is not None:  # as `LayerReader` does: never served again
             self.deletes.append(self._io.submit(self.store.delete, key))
 

@@ -26,7 +26,7 @@ from kvrestore.costs.learned import CostLearner
 from kvrestore.costs.links import LinkCost
 from kvrestore.integrations.vllm_layout import LAYOUTS
 from kvrestore.planning.split import SPLITS
-from kvrestore.stores import MemoryStore, ThrottledStore, open_store
+from kvrestore.stores import MemoryStore, ThrottledStore, check_store_url, open_store
 from kvrestore.stores.base import ChunkStore
 
 # -- configuration ----------------------------------------------------------------------------------
@@ -212,12 +212,12 @@ def check_shared_memory(config: ConnectorConfig, executor_backend: str | None, w
 
 
 def preflight(config: ConnectorConfig) -> None:
-    """Open a local directory store as the connector will (created and probed for writing, or read-only
-    with ``"save": false``), so one that cannot be used stops the server before vLLM loads the model.
-    Other stores are opened when the connector starts (an S3 bucket is first asked at the first lookup)."""
-    url = config.store_url
-    if "://" not in url or url.startswith("file://"):
-        open_store(url, **{"read_only": not config.save, **dict(config.store_options)})
+    """Check the store URL (a typo, an unknown scheme: a typed error naming the known ones) and open a
+    local directory store as the connector will (probed for writing, or read-only with ``"save":
+    false``), so a store that cannot be used stops the server before vLLM loads the model. Other stores
+    are opened when the connector starts (an S3 bucket is first asked at the first lookup)."""
+    if check_store_url(config.store_url) == "file":
+        open_store(config.store_url, **{"read_only": not config.save, **dict(config.store_options)})
 
 
 # -- the model ---------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ imports vLLM.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import threading
@@ -36,7 +35,6 @@ from kvrestore.integrations.vllm_plan import (
     ConnectorConfig,
     ConnectorContext,
     check_shared_memory,
-    checkpoint_fingerprint,
     preflight,
 )
 from kvrestore.integrations.vllm_stats import log_through
@@ -248,26 +246,6 @@ def test_config_is_checked():
     ]:
         with pytest.raises(InvalidInputError, match=match):
             ConnectorConfig.from_extra(bad)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
-def test_checkpoint_fingerprint_is_the_restorers(tmp_path):
-    from kvrestore.backends.hf import HFBackend
-
-    model = tiny_model("llama")
-    model.save_pretrained(tmp_path / "ckpt")
-    from transformers import AutoModelForCausalLM
-
-    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32)
-    want = HFBackend(loaded, dtype=torch.float32).spec.fingerprint
-    got = checkpoint_fingerprint(tmp_path / "ckpt", torch.float32, cache_dir=tmp_path / "cache")
-    assert got == want
-    assert (
-        checkpoint_fingerprint(tmp_path / "ckpt", torch.float32, cache_dir=tmp_path / "cache") == want
-    )  # cached
-    assert checkpoint_fingerprint(tmp_path / "ckpt", torch.bfloat16, cache_dir=tmp_path / "cache") != want
-    with pytest.raises(InvalidInputError, match="fingerprint"):
-        checkpoint_fingerprint(tmp_path / "nope", torch.float32, cache_dir=tmp_path / "cache")
 
 
 # -- background I/O --------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from kvrestore.backends.floor import measure_floor
 from kvrestore.backends.hf_blend import REROTATABLE_ROPE_TYPES, HFBlend
 from kvrestore.core.cancel import checkpoint
 from kvrestore.core.errors import InvalidInputError, UnsupportedModelError
+from kvrestore.core.fingerprint import of_checkpoint, of_tensors
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 
@@ -42,7 +43,9 @@ class HFBackend:
     name: str, optional
         The model's name in its `ModelSpec` (default: the config's `_name_or_path`).
     fingerprint: str, optional
-        The model's identity in chunk keys (default: a hash of its config, weights and dtype).
+        The model's identity in chunk keys (default: a hash of its config, dtype and every byte of its
+        parameters and buffers, `core.fingerprint.of_tensors`; `from_pretrained` hashes the checkpoint's
+        files instead, as the vLLM connector does).
 
     Attributes
     ----------
@@ -98,8 +101,8 @@ class HFBackend:
         self._n_heads = config.num_attention_heads
         self._n_kv = config.num_key_value_heads
         self._qk_norm = hasattr(attn, "q_norm")
-        fp = fingerprint or ModelSpec.compute_fingerprint(
-            config.to_dict(), model.state_dict().items(), self.dtype
+        fp = fingerprint or of_tensors(
+            config.to_dict(), [*model.named_parameters(), *model.named_buffers()], self.dtype
         )
         self.spec = ModelSpec(
             name=name or getattr(config, "_name_or_path", None) or model_type,
@@ -125,12 +128,21 @@ class HFBackend:
     # -- loading ---------------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any) -> HFBackend:
-        """Load a local HF checkpoint directory (model + tokenizer); nothing is downloaded."""
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, **kwargs: Any
+    ) -> HFBackend:
+        """Load a local HF checkpoint directory (model + tokenizer); nothing is downloaded.
+
+        Unless `fingerprint` is given, the model's is the checkpoint's (`core.fingerprint.of_checkpoint`:
+        its weight files' content, config and the dtype), what the vLLM connector computes for the same
+        directory; the files' digests are cached under `cache_dir` (default: kvrestore's cache dir).
+        """
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
         dtype = kwargs.pop("dtype", torch.float32)
+        if kwargs.get("fingerprint") is None:
+            kwargs["fingerprint"] = of_checkpoint(path, dtype, cache_dir)
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a local load takes a second: no bar
         try:
@@ -154,7 +166,9 @@ class HFBackend:
         user cache dir; later calls load those in a few seconds. Nothing is downloaded.
         """
         path = smollm2_checkpoint(cache_dir)
-        return cls.from_pretrained(path, dtype=dtype, device=device, name="SmolLM2-135M-Instruct")
+        return cls.from_pretrained(
+            path, cache_dir=cache_dir, dtype=dtype, device=device, name="SmolLM2-135M-Instruct"
+        )
 
     # -- ComputeBackend --------------------------------------------------------------------------
 

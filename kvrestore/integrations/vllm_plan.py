@@ -4,7 +4,6 @@ model's fingerprint, without vLLM. The split is `planning.split`'s; the learned 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -20,8 +19,8 @@ from kvrestore.codec.header import spec_encoding
 from kvrestore.codec.quant import ENCODINGS, key_space
 from kvrestore.codec.seal import Seal, seal_of, secret_from_env
 from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
-from kvrestore.core.paths import cache_root
-from kvrestore.core.spec import ModelSpec, dtype_name
+from kvrestore.core.fingerprint import of_checkpoint
+from kvrestore.core.spec import ModelSpec
 from kvrestore.costs.learned import CostLearner
 from kvrestore.costs.links import LinkCost
 from kvrestore.integrations.vllm_layout import LAYOUTS
@@ -238,41 +237,15 @@ def model_spec(hf_config: Any, dtype: torch.dtype, fingerprint: str, name: str) 
     )
 
 
-_FP_LOCK = threading.Lock()
-
-
 def checkpoint_fingerprint(
     path: str | os.PathLike, dtype: torch.dtype, cache_dir: str | os.PathLike | None = None
 ) -> str:
-    """The fingerprint `HFBackend.from_pretrained(path, dtype=dtype)` computes, so that vLLM and a
-    `Restorer` over the same checkpoint and dtype share chunk keys. Loading the model to hash a sample of
-    its weights takes seconds; the result is cached by the checkpoint files' sizes and times."""
-    p = Path(path)
-    if not p.is_dir():
+    """The fingerprint `HFBackend.from_pretrained(path, dtype=dtype)` computes (`core.fingerprint`: the
+    checkpoint's weight files, config and dtype), so that vLLM and a `Restorer` over the same checkpoint
+    and dtype share chunk keys. Each weight file is read once; later starts find its digest cached."""
+    if not Path(path).is_dir():
         raise InvalidInputError(
             f"the model {str(path)!r} is not a local checkpoint directory; give kv_connector_extra_config "
             "a 'fingerprint' (e.g. Restorer(...).spec.fingerprint) for a model loaded by name"
         )
-    files = sorted(f for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".json") and f.is_file())
-    stamp = "|".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-    ident = f"{p.resolve()}|{dtype_name(dtype)}|{stamp}"
-    index = cache_root(cache_dir) / "vllm" / "fingerprints.json"
-    with _FP_LOCK:
-        try:
-            known = json.loads(index.read_text())
-        except (OSError, ValueError):
-            known = {}
-        if ident in known:
-            return str(known[ident])
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, local_files_only=True)
-        fp = ModelSpec.compute_fingerprint(model.config.to_dict(), model.state_dict().items(), dtype)
-        del model
-        known[ident] = fp
-        with contextlib.suppress(OSError):
-            index.parent.mkdir(parents=True, exist_ok=True)
-            tmp = index.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known))
-            os.replace(tmp, index)
-        return fp
+    return of_checkpoint(path, dtype, cache_dir)

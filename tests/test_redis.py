@@ -18,7 +18,7 @@ from kvrestore.stores import BoundedStore
 
 from .redis_server import RedisServer
 from .s3_server import free_port
-from .test_stores import K1, K2, K3
+from .test_stores import K1, K3, evict_under_capacity
 from .test_stores import test_contract as check_contract
 
 pytest.importorskip("redis")  # the kvrestore[redis] extra
@@ -96,15 +96,7 @@ def test_capacity_is_kvrestores_own_where_asked_and_rebuilt_from_a_scan(redis_ur
     store = open_store(redis_url, capacity_bytes=250)
     assert isinstance(store, BoundedStore)
 
-    async def body():
-        async with store:
-            await store.put(K1, b"1" * 100)
-            await store.put(K2, b"2" * 100)
-            assert await store.get(K1) is not None  # K1 used: K2 is now the least recent
-            await store.put(K3, b"3" * 100)
-            return await store.contains([K1, K2, K3])
-
-    assert run(body) == [True, False, True]
+    assert evict_under_capacity(store) == [True, False, True]
     assert store.bytes_used == 200 and store.evictions == 1
 
     async def scan():

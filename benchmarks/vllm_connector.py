@@ -200,7 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=2, help="timed requests per process, after its warm-up")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds, a new process per case each")
     p.add_argument(
-        "--factors", type=float, nargs="*", default=[0.5, 1.0, 2.0], help="x balance bandwidth (none: no link)"
+        "--factors",
+        type=float,
+        nargs="*",
+        default=[0.5, 1.0, 2.0],
+        help="x balance bandwidth (none: no link)",
     )
     p.add_argument("--chunk", type=int, default=256, help="kvrestore chunk size (default 256)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -412,7 +412,7 @@ def test_throttled_store_refuses_its_other_bad_arguments():
     for latency in (-0.1, "1ms", math.nan):
         with pytest.raises(InvalidInputError, match="latency_s must be a finite number >= 0"):
             ThrottledStore(MemoryStore(), 1e6, latency_s=latency)
-    with pytest.raises(TypeError, match="wraps a ChunkStore"):
+    with pytest.raises(InvalidInputError, match="inner must be a ChunkStore"):
         ThrottledStore("memory://", 1e6)
 
 

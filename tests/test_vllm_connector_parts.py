@@ -234,7 +234,7 @@ def test_config_is_checked():
     assert cfg.batch is True  # CacheFlow's batch rule, unless turned off
     assert ConnectorConfig.from_extra({"store_url": "/x", "batch": False}).batch is False
     for bad, match in [
-        ({"store_url": "/x", "batch": "no"}, "batch must be true or false"),
+        ({"store_url": "/x", "batch": "no"}, "batch must be True or False"),
         ({}, "store_url"),
         ({"store_url": "/x", "chunk": 3}, "unknown kv_connector_extra_config keys"),
         ({"store_url": "/x", "chunk_size": 0}, "chunk_size"),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -24,6 +24,7 @@ from kvrestore.core.cancel import checkpoint
 from kvrestore.core.errors import InvalidInputError, UnsupportedModelError
 from kvrestore.core.fingerprint import of_checkpoint, of_tensors
 from kvrestore.core.kv import KVChunk
+from kvrestore.core.settings import check_device, check_dtype, check_path, check_text
 from kvrestore.core.spec import ModelSpec
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -71,6 +72,14 @@ class HFBackend:
         name: str | None = None,
         fingerprint: str | None = None,
     ) -> None:
+        if not isinstance(cast(object, model), torch.nn.Module) or not hasattr(model, "config"):
+            raise InvalidInputError(
+                f"model must be a transformers causal LM (e.g. AutoModelForCausalLM.from_pretrained(path)), got {model!r}"
+            )
+        dtype = None if dtype is None else check_dtype("dtype", dtype)
+        device = check_device("device", device)
+        name = None if name is None else check_text("name", name)
+        fingerprint = None if fingerprint is None else check_text("fingerprint", fingerprint)
         config = model.config
         model_type = getattr(config, "model_type", "?")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -140,7 +149,9 @@ class HFBackend:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        dtype = kwargs.pop("dtype", torch.float32)
+        path = check_path("path", path)
+        cache_dir = None if cache_dir is None else check_path("cache_dir", cache_dir)
+        dtype = check_dtype("dtype", kwargs.pop("dtype", torch.float32))
         if kwargs.get("fingerprint") is None:
             kwargs["fingerprint"] = of_checkpoint(path, dtype, cache_dir)
         bar = hf_logging.is_progress_bar_enabled()
@@ -165,6 +176,8 @@ class HFBackend:
         The first call converts the GGUF (about 25 s) and saves the weights as safetensors under the
         user cache dir; later calls load those in a few seconds. Nothing is downloaded.
         """
+        dtype, device = check_dtype("dtype", dtype), check_device("device", device)
+        cache_dir = None if cache_dir is None else check_path("cache_dir", cache_dir)
         path = smollm2_checkpoint(cache_dir)
         return cls.from_pretrained(
             path, cache_dir=cache_dir, dtype=dtype, device=device, name="SmolLM2-135M-Instruct"

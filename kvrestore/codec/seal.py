@@ -43,6 +43,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvrestore.core.errors import InvalidInputError, UnauthenticatedChunkError
+from kvrestore.core.settings import check_text
 
 #: the environment variable the vLLM connector reads a secret from (never a file in the store)
 SECRET_ENV = "KVRESTORE_SECRET"
@@ -94,7 +95,7 @@ class Seal:
 
     def __init__(self, secret: bytes | str) -> None:
         if isinstance(secret, str):
-            secret = secret.encode()
+            secret = check_text("secret", secret, secret=True).encode()
         if not isinstance(secret, (bytes, bytearray)):
             raise InvalidInputError(f"secret must be bytes or str, got {type(secret).__name__}")
         if len(secret) < MIN_SECRET_BYTES:

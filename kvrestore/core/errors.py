@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping, Sequence
 
 
@@ -88,29 +87,6 @@ class UnsupportedModelError(KVRestoreError):
 
 class MissingChunkError(ChunkDecodeError):
     """A chunk listed by `contains` was gone when it was read (evicted or deleted meanwhile)."""
-
-
-def check_int(name: str, value: object, minimum: int = 1) -> int:
-    """`value` as an int if it is an integer (not a bool) >= `minimum`, else InvalidInputError naming `name`."""
-    try:
-        n = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        n = None
-    if n is None or n < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise InvalidInputError(f"{name} must be {what}, got {value!r}")
-    return n
-
-
-def check_seconds(name: str, value: object) -> float | None:
-    """`value` as seconds if it is a positive number, None for None (no limit), else InvalidInputError."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:  # NaN fails too
-        raise InvalidInputError(
-            f"{name} must be a positive number of seconds, or None for no limit, got {value!r}"
-        )
-    return float(value)
 
 
 class StageFailedError(KVRestoreError):

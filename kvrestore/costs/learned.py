@@ -37,8 +37,8 @@ from typing import cast
 import msgspec
 import torch
 
-from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.paths import cache_root
+from kvrestore.core.settings import check_bool_or_path, check_path
 from kvrestore.core.spec import ModelSpec, dtype_name
 from kvrestore.costs.bounds import (
     BYTES,
@@ -114,7 +114,7 @@ def store_name(store: object) -> str:
 def learned_dir() -> Path:
     """$KVRESTORE_LEARNED_DIR, else `learned/` beside the profiles in the cache directory."""
     env = os.environ.get("KVRESTORE_LEARNED_DIR")
-    return Path(env) if env else profile_dir() / "learned"
+    return Path(check_path("KVRESTORE_LEARNED_DIR", env)) if env else profile_dir() / "learned"
 
 
 def learned_path(spec: ModelSpec, device: torch.device | str, store: str) -> Path:
@@ -547,11 +547,8 @@ def _fit_layer(
 def check_learn(learn: object) -> bool | Path:
     """`Restorer(learn=...)`: True (persist under the cache directory), False (in memory only) or a
     path to persist at."""
-    if isinstance(learn, bool):
-        return learn
-    if isinstance(learn, (str, os.PathLike)):
-        return Path(learn)
-    raise InvalidInputError(f"learn must be True, False or a path, got {learn!r}")
+    learn = check_bool_or_path("learn", learn)
+    return learn if isinstance(learn, bool) else Path(learn)
 
 
 __all__ = [

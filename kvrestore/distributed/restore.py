@@ -30,6 +30,7 @@ from kvrestore import codec
 from kvrestore.backends.base import ComputeBackend
 from kvrestore.core.errors import InvalidInputError, MissingChunkError, StageFailedError, StoreError
 from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef
+from kvrestore.core.settings import check_instance, check_number
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.trace import Trace
 from kvrestore.distributed.boundaries import BoundaryReader
@@ -100,6 +101,8 @@ class StageRestorer:
         secret: bytes | str | None = None,
     ) -> None:
         """`namespace` and `secret` are a `Restorer`'s: whose chunks, and the key that signs them."""
+        check_instance("layout", layout, StageLayout, "a StageLayout")
+        timeout_s = check_number("timeout_s", timeout_s, positive=True)
         if not dist.is_initialized():
             raise InvalidInputError(
                 "torch.distributed is not initialised: use kvrestore.distributed.spawn or torchrun"

@@ -17,11 +17,21 @@ import torch
 
 from kvrestore.codec.header import spec_encoding
 from kvrestore.codec.quant import ENCODINGS, key_space
-from kvrestore.codec.seal import Seal, seal_of, secret_from_env
-from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
+from kvrestore.codec.seal import SECRET_ENV, Seal, seal_of, secret_from_env
+from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.fingerprint import of_checkpoint
+from kvrestore.core.paths import cache_root
+from kvrestore.core.settings import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_path,
+    check_seconds,
+    check_text,
+)
 from kvrestore.core.spec import ModelSpec
-from kvrestore.costs.learned import CostLearner
+from kvrestore.costs.learned import CostLearner, learned_dir
 from kvrestore.costs.links import LinkCost
 from kvrestore.integrations.vllm_layout import LAYOUTS
 from kvrestore.planning.split import SPLITS
@@ -69,24 +79,30 @@ class ConnectorConfig:
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
         known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(extra) - known)
+        unknown = sorted(set(extra) - known, key=str)
         if unknown:
             raise InvalidInputError(
                 f"unknown kv_connector_extra_config keys {unknown}; KVRestoreConnector takes {sorted(known)}"
             )
         url = extra.get("store_url")
-        if not isinstance(url, str) or not url.strip():
+        if url is None or (isinstance(url, str) and not url.strip()):
             raise InvalidInputError(
                 "kv_connector_extra_config needs store_url, e.g. {'store_url': '/var/cache/kv'} or 's3://bucket/kv'"
             )
+        check_text("store_url", url)  # (what a URL may be is open_store's to say)
         cfg = cls(**extra)
         check_int("chunk_size", cfg.chunk_size)
         check_int("save_queue_bytes", cfg.save_queue_bytes)
-        for name in ("lookup_timeout_s", "load_timeout_s", "retry_after_s"):
+        for name in ("batch", "save", "load"):
+            check_bool(name, getattr(cfg, name))
+        for name in ("lookup_timeout_s", "load_timeout_s"):
             check_seconds(name, getattr(cfg, name))
+        check_number("retry_after_s", cfg.retry_after_s, positive=True, finite=True)
         for name in ("throttle_bytes_per_s", "link_bytes_per_s"):
             if getattr(cfg, name) is not None:
-                check_seconds(name, getattr(cfg, name))  # a positive number
+                check_number(name, getattr(cfg, name), positive=True, finite=True)
+        check_number("throttle_latency_s", cfg.throttle_latency_s, 0, finite=True)
+        check_number("gather_s", cfg.gather_s, 0, 10)
         choices = {
             "compression": ("none", "zstd"),
             "split": SPLITS,
@@ -95,19 +111,32 @@ class ConnectorConfig:
             "layout": (None, *LAYOUTS),
         }
         for name, allowed in choices.items():
-            if getattr(cfg, name) not in allowed:
-                raise InvalidInputError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
-        g = cfg.gather_s
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g <= 10:  # NaN fails too
-            raise InvalidInputError(f"gather_s must be a number of seconds from 0 to 10, got {g!r}")
-        if not isinstance(cfg.batch, bool):
-            raise InvalidInputError(f"batch must be true or false, got {cfg.batch!r}")
+            check_choice(name, getattr(cfg, name), allowed)
         if not isinstance(cfg.store_options, Mapping):
             raise InvalidInputError(f"store_options must be a dict, got {type(cfg.store_options).__name__}")
+        if cfg.fingerprint is not None:
+            check_text("fingerprint", cfg.fingerprint)
+        if cfg.cost_dir is not None:
+            check_path("cost_dir", cfg.cost_dir)
         if cfg.secret is not None and not isinstance(cfg.secret, str):
             raise InvalidInputError(f"secret must be a string, got {type(cfg.secret).__name__}")
-        seal_of(cfg.secret if cfg.secret is not None else secret_from_env())  # a weak secret: refused now
+        check_environment(cfg.secret)
         return cfg
+
+
+def check_environment(secret: str | None) -> None:
+    """Refuse, by name, the environment variables the connector reads that it could not use: a
+    `KVRESTORE_SECRET` (unless `secret` is given) that is too short or not UTF-8, a
+    `KVRESTORE_CACHE_DIR` or `KVRESTORE_LEARNED_DIR` that is no usable path."""
+    if secret is None and (env := secret_from_env()) is not None:
+        try:
+            seal_of(env)
+        except InvalidInputError as e:
+            raise InvalidInputError(f"{SECRET_ENV}: {e}") from None
+    else:
+        seal_of(secret)  # a weak secret: refused now
+    cache_root()
+    learned_dir()
 
 
 @dataclass(frozen=True)

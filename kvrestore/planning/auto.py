@@ -152,7 +152,15 @@ class Auto:
 
     def __init__(self, candidates: Sequence[Policy] | None = None) -> None:
         if candidates is not None:
+            if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence):
+                raise InvalidInputError(
+                    f"Auto's candidates must be a list of restore policies (or None), got {candidates!r}"
+                )
             candidates = tuple(candidates)
+            if not candidates:
+                raise InvalidInputError(
+                    "Auto's candidates is empty: give it policies to choose from, or None"
+                )
             bad = [p for p in candidates if not isinstance(p, Policy) or isinstance(p, Auto)]
             if bad:
                 raise InvalidInputError(f"Auto's candidates must be restore policies (not Auto), got {bad!r}")

@@ -23,6 +23,7 @@ import torch
 from kvrestore.backends.base import ComputeBackend
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.keys import ChunkRef
+from kvrestore.core.settings import check_path
 from kvrestore.core.spec import dtype_name
 from kvrestore.core.trace import Trace
 from kvrestore.costs.calibration import Calibration
@@ -72,7 +73,9 @@ def find_profile(backend: ComputeBackend, profile: ProfileArg) -> Profile | None
     if profile is None:
         return Profile.find(spec, backend.device)
     if not isinstance(profile, Profile):
-        profile = Profile.load(profile)
+        if not isinstance(profile, (str, os.PathLike)):
+            raise InvalidInputError(f"profile must be a Profile, a path, None or False, got {profile!r}")
+        profile = Profile.load(check_path("profile", profile))
     problem = profile_problem(profile)
     if problem is not None:
         raise InvalidInputError(f"the profile holds a value no machine has: {problem}")

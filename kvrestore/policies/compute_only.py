@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvrestore.core.errors import check_int
+from kvrestore.core.settings import check_int
 from kvrestore.policies.base import IDLE, Decision, Estimates, Policy, Progress, next_compute_run
 
 

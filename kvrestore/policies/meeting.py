@@ -22,7 +22,7 @@ over); this module only decides.
 
 from __future__ import annotations
 
-from kvrestore.core.errors import check_int
+from kvrestore.core.settings import check_int
 from kvrestore.policies.base import ChunkStatus, Decision, Estimates, Policy, Progress
 
 #: how far past its estimated landing (as a fraction of computing the chunk) a fetch is still awaited

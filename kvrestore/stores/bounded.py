@@ -34,7 +34,8 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from kvrestore.core.errors import StoreError, check_int
+from kvrestore.core.errors import StoreError
+from kvrestore.core.settings import check_int
 from kvrestore.stores.base import ChunkStore, check_key, in_order
 from kvrestore.stores.eviction import EvictionPolicy, make_policy
 from kvrestore.stores.shared_dir import SharedDir

@@ -31,6 +31,7 @@ import anyio.to_thread
 import fsspec
 
 from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.settings import check_bool
 from kvrestore.stores.base import ChunkStore, StoredObject, check_key, mirrors_reads_of
 from kvrestore.stores.files import SUFFIX, TMP_PREFIX, check_range, filesystem_class, is_local, stored_key
 from kvrestore.stores.urls import check_local_url
@@ -221,8 +222,8 @@ class LocalStore(ChunkStore):
         except Exception as e:
             raise StoreError(f"cannot open {url!r}: {type(e).__name__}: {e}") from e
         self.name = url
-        self.fsync = fsync
-        self.read_only = bool(read_only)
+        self.fsync = check_bool("fsync", fsync)
+        self.read_only = check_bool("read_only", read_only)
         self.root = self.local_dir = os.path.abspath(root)
         self._listings: dict[str, tuple[int, list[StoredObject]]] = {}  # shard dir: (its mtime, objects)
         self._open()

@@ -42,6 +42,7 @@ import anyio.to_thread
 import numpy as np
 
 from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.settings import check_choice, check_int, check_text
 from kvrestore.stores.base import ChunkStore, check_key, copy_object
 from kvrestore.stores.bounce import Lease, ReadBuffers
 from kvrestore.stores.files import check_range
@@ -121,7 +122,7 @@ class MooncakeStore(ChunkStore):
             raise StoreError(
                 f"{url!r} needs Mooncake's store, which is not installed: pip install kvrestore[mooncake]"
             )
-        parts = urlsplit(url)
+        parts = urlsplit(check_text("url", url))
         if parts.scheme.lower() != "mooncake":
             raise InvalidInputError(f"{url!r} is not a mooncake:// URL")
         if parts.query or parts.fragment:
@@ -132,16 +133,15 @@ class MooncakeStore(ChunkStore):
             raise InvalidInputError(f"{url!r}: {e}") from None
         if not parts.hostname:
             raise InvalidInputError(f"{url!r} names no master host")
-        for name, value in (
-            ("global_segment_size", global_segment_size),
-            ("local_buffer_size", local_buffer_size),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidInputError(f"{name} must be a number of bytes (an int >= 0), got {value!r}")
-        if local_buffer_size < 1:
-            raise InvalidInputError("local_buffer_size must be positive: every write is staged there")
-        if protocol not in ("tcp", "rdma"):
-            raise InvalidInputError(f"protocol must be 'tcp' or 'rdma', got {protocol!r}")
+        global_segment_size = check_int("global_segment_size", global_segment_size, minimum=0)
+        local_buffer_size = check_int("local_buffer_size", local_buffer_size)  # every write is staged there
+        check_choice("protocol", protocol, ("tcp", "rdma"))
+        check_text("rdma_devices", rdma_devices, empty=True)
+        for name, value in (("metadata_server", metadata_server), ("local_hostname", local_hostname)):
+            if value is not None:
+                check_text(name, value)
+        if prefix is not None:
+            check_text("prefix", prefix, empty=True)
         self.master = f"{parts.hostname}:{port}"
         self.metadata_server = metadata_server or f"http://{parts.hostname}:8080/metadata"
         self.protocol = protocol

@@ -18,6 +18,7 @@ import logging
 import time
 
 from kvrestore.core.errors import StoreError
+from kvrestore.core.settings import check_number
 
 log = logging.getLogger("kvrestore.stores")
 
@@ -30,7 +31,7 @@ class Outage:
 
     def __init__(self, name: str, cooloff_s: float = COOLOFF_S) -> None:
         self.name = name
-        self.cooloff_s = cooloff_s
+        self.cooloff_s = check_number("unreachable_cooloff_s", cooloff_s, 0, finite=True)
         self.failures = 0  # calls that failed, whatever the cause
         self.outages = 0  # times the server became unreachable
         self._down_until = 0.0  # monotonic time before which calls fail fast

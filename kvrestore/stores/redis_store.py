@@ -36,6 +36,7 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.settings import check_int, check_text
 from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object, is_key
 from kvrestore.stores.bounce import Lease, ReadBuffers
 from kvrestore.stores.files import check_range
@@ -100,6 +101,10 @@ class RedisStore(ChunkStore):
     ) -> None:
         if importlib.util.find_spec("redis") is None:
             raise StoreError(f"{url!r} needs redis-py, which is not installed: pip install kvrestore[redis]")
+        check_text("url", url)
+        for name, value in (("password", password), ("username", username), ("prefix", prefix)):
+            if value is not None:
+                check_text(name, value, empty=True, secret=name == "password")
         unknown = sorted(set(options) - set(CLIENT_OPTIONS))
         if unknown:
             raise InvalidInputError(
@@ -131,8 +136,8 @@ class RedisStore(ChunkStore):
         url_db = 0
         if segments and not self.cluster and segments[0].isdigit():
             url_db = int(segments.pop(0))
-        if db is not None and (isinstance(db, bool) or not isinstance(db, int) or db < 0):
-            raise InvalidInputError(f"db must be a non-negative integer, got {db!r}")
+        if db is not None:
+            db = check_int("db", db, minimum=0)
         self.db = url_db if db is None else db
         if self.cluster and self.db:
             raise InvalidInputError(f"{url!r}: a Redis Cluster has one database (db 0)")
@@ -140,8 +145,7 @@ class RedisStore(ChunkStore):
         self.prefix = (prefix if prefix is not None else path_prefix or DEFAULT_PREFIX).strip("/")
         if not self.prefix:
             raise InvalidInputError("prefix must not be empty: kvrestore's objects live under one")
-        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
-            raise InvalidInputError(f"max_connections must be a positive integer, got {max_connections!r}")
+        max_connections = check_int("max_connections", max_connections)
         self.host, self.port = host, port
         self.max_connections = max_connections
         self._username = username if username is not None else unquote(parts.username or "") or None

@@ -28,6 +28,7 @@ import anyio.to_thread
 import fsspec
 
 from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.settings import check_bool
 from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object, in_order
 from kvrestore.stores.files import SUFFIX, check_range, filesystem_class, is_local, stored_key
 from kvrestore.stores.local import LocalStore
@@ -123,6 +124,7 @@ class FsspecStore(ChunkStore):
         self, url: str, *, fsync: bool = False, create_bucket: bool = False, **storage_options: Any
     ) -> None:
         fs_cls = filesystem_class(url)
+        fsync, create_bucket = check_bool("fsync", fsync), check_bool("create_bucket", create_bucket)
         if is_local(fs_cls):  # a subclass of FsspecStore given a local path
             raise InvalidInputError(f"{url!r} is a local directory: use (or subclass) LocalStore")
         if fs_cls.async_impl:
@@ -134,7 +136,7 @@ class FsspecStore(ChunkStore):
         except Exception as e:
             raise StoreError(f"cannot open {url!r}: {type(e).__name__}: {e}") from e
         self._setup(fs, root, url, fsync)
-        self.create_bucket = bool(create_bucket)
+        self.create_bucket = create_bucket
 
     @classmethod
     def from_filesystem(

@@ -57,11 +57,17 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def serve(model: Path, tokens: int, repeat: int, connector: str, extra: dict | None = None) -> dict[str, Any]:
+def serve(
+    model: Path, tokens: int, repeat: int, connector: str, extra: dict | None = None, env: dict | None = None
+) -> dict[str, Any]:
+    """One new vLLM process serving the prompt `repeat` + 1 times (the first a warm-up), with `env`
+    added to its environment."""
     cmd = [sys.executable, str(SERVE), "--model", str(model), "--tokens", str(tokens), "--ttft", "--warmup"]
     cmd += ["--repeat", str(repeat + 1), "--connector", connector, "--extra", json.dumps(extra or {})]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env={**os.environ, **ENV})
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=3600, env={**os.environ, **ENV, **(env or {})}
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{connector} run failed:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]

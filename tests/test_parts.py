@@ -162,3 +162,38 @@ def test_a_part_forged_without_the_secret_is_refused():
 def test_a_part_outside_the_model_is_refused():
     with pytest.raises(InvalidInputError, match="not within"):
         part_key(KEY, Part((1, 3), (0, 4)), make_spec())
+
+
+def test_a_restorer_reads_a_chunk_saved_as_two_head_parts(llama_backend):
+    from kvrestore import LoadOnly, Restorer
+    from kvrestore.chunkio.parts_view import PartsView
+    from kvrestore.core.keys import chunk_keys
+
+    from .conftest import random_tokens
+
+    b = llama_backend
+    spec = b.spec
+    tokens = random_tokens(80, spec.vocab_size, seed=5)
+    ref = b.prefill_chunk(tokens, None, 0).data
+    parts = MemoryStore()
+    layout = engine_layout(spec, tp=spec.num_kv_heads)  # one head a part: as tp 2 writes
+    refs = chunk_keys(tokens, spec.fingerprint, 32)
+    for r in refs:  # each rank writes its heads of the prefill's KV
+        for part in layout:
+            data = slice_part(ref[:, :, :, r.start : r.end], part, spec)
+            anyio.run(lambda: write_part(parts, data, spec, r.key, r.start, part))  # noqa: B023
+
+    async def main():
+        r = Restorer(b, PartsView(parts, spec), chunk_size=32)
+        assert await r.lookup(tokens) == 80
+        res = await r.restore(tokens, LoadOnly())
+        assert res.stats.loaded_chunks == res.stats.n_chunks == 3
+        await parts.delete(part_key(refs[1].key, layout[1], spec))  # one rank's part of chunk 1 gone
+        assert await r.lookup(tokens) == 32
+        again = await r.restore(tokens, LoadOnly())
+        assert (again.stats.loaded_chunks, again.stats.computed_chunks) == (2, 1)
+        return res.kv.data, again.kv.data
+
+    loaded, again = anyio.run(main)
+    torch.testing.assert_close(loaded, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(again, ref, atol=1e-5, rtol=0)

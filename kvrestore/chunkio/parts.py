@@ -33,7 +33,13 @@ import torch
 
 from kvrestore import codec
 from kvrestore.codec.seal import Seal
-from kvrestore.core.errors import InvalidInputError, MissingChunkError, TruncatedChunkError
+from kvrestore.core.errors import (
+    ChunkDecodeError,
+    InvalidInputError,
+    MissingChunkError,
+    TruncatedChunkError,
+    proves_damage,
+)
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.stores.base import ChunkStore
@@ -215,12 +221,14 @@ async def read_slice(
     encoding: str = "native",
     seal: Seal | None = None,
     out: torch.Tensor | None = None,
+    damaged: list[str] | None = None,
 ) -> SliceRead:
     """KV heads [heads) of layers [layers) of the chunk `key` stored as `layout`, as a tensor
     [l, 2, h, T, D] (`out` where given): of each part that overlaps them, the header, then the sections
     of the layers needed in one range read, each verified (`codec.check_section`, with `seal` its tag)
     before its bytes are used. Raises a `ChunkDecodeError` (`MissingChunkError` for a part that is
-    gone): a caller treats the chunk as a miss; `out` may then hold some of it."""
+    gone): a caller treats the chunk as a miss; `out` may then hold some of it. The key of a part whose
+    bytes proved damaged (`proves_damage`) is appended to `damaged` first, for the caller to delete."""
     want = Part(heads, layers).check(spec)
     (a, b), (l0, l1) = want.heads, want.layers
     shape = (l1 - l0, 2, b - a, n_tokens, spec.head_dim)
@@ -229,34 +237,58 @@ async def read_slice(
     elif tuple(out.shape) != shape or out.dtype != spec.dtype:
         raise InvalidInputError(f"out is {list(out.shape)} {out.dtype}, need {list(shape)} {spec.dtype}")
     covered = torch.zeros(l1 - l0, b - a, dtype=torch.bool)
-    nbytes = 0
+    reads = []
     for part in layout:
         (pa, pb), (pl0, pl1) = part.check(spec).heads, part.layers
         ha, hb, la, lb = max(a, pa), min(b, pb), max(l0, pl0), min(l1, pl1)
-        if ha >= hb or la >= lb:
-            continue
-        pkey, sub = part_key(key, part, spec), part_spec(spec, part)
-        head = await _get(store, pkey, 0, codec.HEADER_PROBE)
-        if len(head) >= codec.PREFIX_SIZE and codec.header_length(head) > len(head):
-            head = await _get(store, pkey, 0, codec.header_length(head))
-        header = codec.probe_header(head, sub, pkey, start, n_tokens, encoding, seal)
-        local = range(la - pl0, lb - pl0)
-        lo, hi = codec.layer_span(header, local)
-        span = head[lo:hi]  # what the header probe already holds is not read again
-        if lo + len(span) < hi:
-            rest = await _get(store, pkey, lo + len(span), hi)
-            nbytes += len(rest)
-            span += rest
-        if len(span) != hi - lo:
-            raise TruncatedChunkError(f"part {pkey[:12]}: read {len(span)} of {hi - lo} bytes")
-        nbytes += len(head)
-        sections = codec.span_sections(header, local, span)
-        kv = codec.decode_layers(header, sections, sub, list(local), seal=seal)
-        out[la - l0 : lb - l0, :, ha - a : hb - a] = kv[:, :, ha - pa : hb - pa]
-        covered[la - l0 : lb - l0, ha - a : hb - a] = True
+        if ha < hb and la < lb:
+            reads.append((part, ha, hb, la, lb))
+            covered[la - l0 : lb - l0, ha - a : hb - a] = True
     if not bool(covered.all()):
         raise InvalidInputError(f"layout {layout} does not cover heads [{a}, {b}) of layers [{l0}, {l1})")
+    nbytes = 0
+    for part, ha, hb, la, lb in reads:
+        pkey = part_key(key, part, spec)
+        try:
+            kv, n = await _read_part(store, spec, pkey, part, start, n_tokens, (la, lb), encoding, seal)
+        except ChunkDecodeError as exc:
+            if damaged is not None and proves_damage(exc):
+                damaged.append(pkey)
+            raise
+        nbytes += n
+        pa = part.heads[0]
+        out[la - l0 : lb - l0, :, ha - a : hb - a] = kv[:, :, ha - pa : hb - pa]
     return SliceRead(out, nbytes)
+
+
+async def _read_part(
+    store: ChunkStore,
+    spec: ModelSpec,
+    pkey: str,
+    part: Part,
+    start: int,
+    n_tokens: int,
+    layers: Span,
+    encoding: str,
+    seal: Seal | None,
+) -> tuple[torch.Tensor, int]:
+    """Layers [layers) of the stored `part` (under `pkey`), verified, and the bytes read for them."""
+    sub, pl0 = part_spec(spec, part), part.layers[0]
+    head = await _get(store, pkey, 0, codec.HEADER_PROBE)
+    if len(head) >= codec.PREFIX_SIZE and codec.header_length(head) > len(head):
+        head = await _get(store, pkey, 0, codec.header_length(head))
+    header = codec.probe_header(head, sub, pkey, start, n_tokens, encoding, seal)
+    local = range(layers[0] - pl0, layers[1] - pl0)
+    lo, hi = codec.layer_span(header, local)
+    span, nbytes = head[lo:hi], len(head)  # what the header probe already holds is not read again
+    if lo + len(span) < hi:
+        rest = await _get(store, pkey, lo + len(span), hi)
+        nbytes += len(rest)
+        span += rest
+    if len(span) != hi - lo:
+        raise TruncatedChunkError(f"part {pkey[:12]}: read {len(span)} of {hi - lo} bytes")
+    sections = codec.span_sections(header, local, span)
+    return codec.decode_layers(header, sections, sub, list(local), seal=seal), nbytes
 
 
 async def _get(store: ChunkStore, key: str, start: int, end: int) -> bytes:

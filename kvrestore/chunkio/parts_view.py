@@ -8,7 +8,8 @@ it checks any chunk: its key, position, model, and every section. Native encodin
 chunk is not re-encoded exactly.
 
 A part that is missing, damaged or forged makes the whole chunk a miss (`get` answers None): never half
-a chunk. The view keeps the last chunks it assembled, so the range reads of one chunk assemble it once.
+a chunk. A part whose bytes proved damaged is deleted (`proves_damage`), as a whole chunk would be. The view keeps the last `KEEP` chunks it assembled (verified KV, which a key names for good), so the
+range reads of one chunk assemble it once.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class PartsView(WrapperStore):
             return None
         first = part_key(key, layout[0], self.spec)
         head = await self.inner.get_range(first, 0, codec.HEADER_PROBE)
+        damaged: list[str] = []
         try:
             if head is None:
                 return None
@@ -92,9 +94,11 @@ class PartsView(WrapperStore):
             spec = self.spec
             read = await read_slice(
                 self.inner, spec, key, header.start, header.n_tokens, layout,
-                (0, spec.num_kv_heads), (0, spec.num_layers), seal=self.seal,
+                (0, spec.num_kv_heads), (0, spec.num_layers), seal=self.seal, damaged=damaged,
             )  # fmt: skip
         except ChunkDecodeError:
+            for pkey in damaged:  # only proven damage deletes: the next save writes the part again
+                await self.inner.delete(pkey)
             return None  # a missing, damaged or forged part: the chunk is a miss
         data = codec.encode_chunk(KVChunk(header.start, read.kv), self.spec, key, seal=self.seal)
         self._assembled[key] = data

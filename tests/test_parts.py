@@ -11,8 +11,10 @@ from kvrestore.chunkio.parts import (
     Part,
     engine_layout,
     find_layouts,
+    leading,
     part_key,
     pp_layers,
+    rank_part,
     read_slice,
     reader_layouts,
     slice_part,
@@ -73,6 +75,16 @@ def test_heads_and_layers_split_as_vllm_splits_them():
     assert engine_layout(spec, tp=1) == (whole(spec),)
     with pytest.raises(InvalidInputError, match="do not split"):
         tp_heads(6, 4, 0)
+
+
+def test_a_rank_knows_its_part_and_a_prompt_hits_in_one_layout():
+    spec = make_spec(heads=2, layers=4)
+    assert rank_part(spec, tp=2, rank=1, pp=2, stage=0) == (Part((1, 2), (0, 2)), True)
+    assert rank_part(spec, tp=4, rank=3) == (Part((1, 2), (0, 4)), False)
+    tp1, tp2 = engine_layout(spec, 1), engine_layout(spec, 2)
+    assert leading([tp2, tp2, tp1, None]) == (tp2, 2)
+    assert leading([None, tp1]) == (None, 0)
+    assert leading([]) == (None, 0)
 
 
 def test_part_keys_are_store_keys_and_the_whole_chunk_is_its_own_key():

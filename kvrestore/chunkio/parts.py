@@ -128,6 +128,23 @@ def engine_layout(spec: ModelSpec, tp: int = 1, pp: int = 1) -> Layout:
     return tuple(Part(h, s) for s in stages for h in heads)
 
 
+def rank_part(spec: ModelSpec, tp: int = 1, rank: int = 0, pp: int = 1, stage: int = 0) -> tuple[Part, bool]:
+    """The part tensor-parallel rank `rank` of pipeline stage `stage` holds, and whether it writes it (a
+    replicated head is written by its first rank only)."""
+    heads, writes = tp_heads(spec.num_kv_heads, tp, rank)
+    return Part(heads, pp_layers(spec.num_layers, pp, stage)), writes
+
+
+def leading(found: Sequence[Layout | None]) -> tuple[Layout | None, int]:
+    """The layout of a prompt's first stored chunk and how many leading chunks are stored in it: what
+    one load reads (a prompt's hit never mixes layouts)."""
+    first = found[0] if found else None
+    n = 0
+    while n < len(found) and first is not None and found[n] == first:
+        n += 1
+    return first, n
+
+
 def reader_layouts(spec: ModelSpec, extra: Sequence[Layout] = ()) -> list[Layout]:
     """The layouts a reader looks for, in order: the whole chunk, each tensor-parallel split of the heads
     (2, 3, ... up to one head a part), then `extra` (e.g. the reader's own pipeline split)."""

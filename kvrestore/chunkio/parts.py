@@ -121,6 +121,12 @@ def pp_layers(num_layers: int, pp: int, stage: int) -> Span:
     return first, first + sizes[stage]
 
 
+def tp_sizes(num_kv_heads: int) -> list[int]:
+    """The tensor-parallel sizes whose layouts differ: those that split the heads evenly (a larger one
+    replicates heads and writes what tp = heads writes)."""
+    return [tp for tp in range(1, num_kv_heads + 1) if num_kv_heads % tp == 0]
+
+
 def engine_layout(spec: ModelSpec, tp: int = 1, pp: int = 1) -> Layout:
     """The parts an engine of `tp` ranks and `pp` stages writes: one per (written head range, stage)."""
     heads = sorted({h for h, writes in (tp_heads(spec.num_kv_heads, tp, r) for r in range(tp)) if writes})
@@ -148,10 +154,7 @@ def leading(found: Sequence[Layout | None]) -> tuple[Layout | None, int]:
 def reader_layouts(spec: ModelSpec, extra: Sequence[Layout] = ()) -> list[Layout]:
     """The layouts a reader looks for, in order: the whole chunk, each tensor-parallel split of the heads
     (2, 3, ... up to one head a part), then `extra` (e.g. the reader's own pipeline split)."""
-    out: list[Layout] = [(whole(spec),)]
-    for tp in range(2, spec.num_kv_heads + 1):
-        if spec.num_kv_heads % tp == 0:
-            out.append(engine_layout(spec, tp))
+    out = [engine_layout(spec, tp) for tp in tp_sizes(spec.num_kv_heads)]
     for layout in extra:
         if layout not in out:
             out.append(tuple(p.check(spec) for p in layout))

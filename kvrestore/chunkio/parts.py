@@ -40,6 +40,7 @@ from kvrestore.core.errors import (
     TruncatedChunkError,
     proves_damage,
 )
+from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.stores.base import ChunkStore
@@ -89,6 +90,11 @@ def part_key(key: str, part: Part, spec: ModelSpec) -> str:
     (a, b), (l0, l1) = part.heads, part.layers
     name = f"kvrestore-part-v1|{key}|h{a}-{b}/{spec.num_kv_heads}|l{l0}-{l1}/{spec.num_layers}"
     return hashlib.blake2b(name.encode(), digest_size=max(8, len(key) // 2)).hexdigest()
+
+
+def part_ref(ref: ChunkRef, part: Part, spec: ModelSpec) -> ChunkRef:
+    """`ref` with the key of its `part` (`part_key`): the chunk as the part's reader and writer see it."""
+    return dataclasses.replace(ref, key=part_key(ref.key, part, spec))
 
 
 def tp_heads(num_kv_heads: int, tp: int, rank: int) -> tuple[Span, bool]:

@@ -15,8 +15,18 @@ from pathlib import Path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def save_tiny_llama(out: Path, *, seed: int = 0) -> Path:
-    """Write the checkpoint (fp32 safetensors, config, tokenizer) into `out`; return `out`."""
+def save_tiny_llama(
+    out: Path,
+    *,
+    seed: int = 0,
+    layers: int = 4,
+    hidden: int = 256,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 512,
+) -> Path:
+    """Write the checkpoint (fp32 safetensors, config, tokenizer) into `out`; return `out`. The sizes
+    default to the tests' model (head dim 64); benchmarks ask for a larger one."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -25,11 +35,11 @@ def save_tiny_llama(out: Path, *, seed: int = 0) -> Path:
     source = Path(smollm2_checkpoint())
     config = LlamaConfig(
         vocab_size=49152,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=4096,
         initializer_range=0.1,
         rms_norm_eps=1e-5,

@@ -279,6 +279,7 @@ def test_seal_cost_tiny(tmp_path: Path) -> None:
     assert data["config"]["tiny"] and data["chunks"] == 4
     assert {len(v) for v in data["seconds"].values()} == {1} and len(data["seconds"]) == 4
     assert data["load_only_signed_vs_unsigned"] > 0 and data["header_macs_s_per_restore"] > 0
+    assert set(data["section_checks_s_per_restore"]) == {"unsigned", "signed"}
     assert data["primitives"]["SectionTags.tag (GMAC)"]["gb_per_s"] > 0
 
 

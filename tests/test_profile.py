@@ -95,7 +95,15 @@ def test_restorer_finds_the_saved_profile_and_refuses_another_models(tmp_path, m
 
 def test_profile_measures_a_real_model_and_store(llama_backend):
     store = MemoryStore()
-    p = anyio.run(lambda: profile(llama_backend, store, max_tokens=256, chunk_size=64, repeats=1))
+    ticks: list[str] = []
+    p = anyio.run(
+        lambda: profile(llama_backend, store, max_tokens=256, chunk_size=64, repeats=1, tick=ticks.append)
+    )
+    # every measurement of a long step is told as it ends, counted against the step's whole
+    for step, kind in (("prefill cost", "chunk"), ("layer cost", "layer")):
+        n = len(p.samples[kind])
+        told = [t for t in ticks if t.startswith(step)]
+        assert told == [f"{step}: {i} of {n} measurements" for i in range(1, n + 1)]
     assert p.matches(llama_backend.spec, "cpu")
     assert {len(s) for s in p.samples["chunk"]} == {3} and len(p.samples["layer"]) >= 3
     assert p.chunk.seconds(256) > p.chunk.seconds(64) > 0

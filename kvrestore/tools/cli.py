@@ -212,6 +212,7 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     chunk_size=args.chunk_size,
                     repeats=args.repeats,
                     log=say,
+                    tick=say.tick,
                 )
         finally:
             if store is not None:

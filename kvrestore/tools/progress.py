@@ -26,6 +26,7 @@ class ProgressLog:
         self.step = ""
         self.tty = self.stream.isatty()
         self._open = False  # a line `tick` began is not ended yet
+        self.last = ""  # the current step's latest tick, which a heartbeat off a terminal repeats
 
     def _stamp(self) -> str:
         return f"[{self.clock() - self.t0:6.1f}s]"
@@ -42,11 +43,14 @@ class ProgressLog:
         """A new step begins, said elsewhere (a result line on stdout): what `beat` then names."""
         self.step, self.step_t0 = step, self.clock()
         self.said_t = self.step_t0
+        self.last = ""
 
     def tick(self, message: str) -> None:
         """How a step is going, on a terminal only: one line, rewritten by the next tick."""
-        self.said_t = self.clock()
-        self._rewrite(message)
+        self.last = message
+        if self.tty:  # off a terminal a tick prints nothing, so the heartbeat must still come
+            self.said_t = self.clock()
+            self._rewrite(message)
 
     def _rewrite(self, message: str) -> None:
         if self.tty:
@@ -60,7 +64,8 @@ class ProgressLog:
         if self.tty:
             self._rewrite(still)
         else:
-            print(f"{self._stamp()} {still}", file=self.stream, flush=True)
+            done = f": {self.last}" if self.last else ""
+            print(f"{self._stamp()} {still}{done}", file=self.stream, flush=True)
             self.said_t = self.clock()
 
     @contextlib.asynccontextmanager

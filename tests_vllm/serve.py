@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument(
         "--step-tokens", type=int, default=None, help="vLLM's token budget per step, prompts cut across steps"
     )
+    ap.add_argument("--tp", type=int, default=1, help="vLLM's tensor_parallel_size")
+    ap.add_argument("--pp", type=int, default=1, help="vLLM's pipeline_parallel_size")
     ap.add_argument("--lora", default=None, help="a LoRA adapter directory: vLLM serves with LoRA on")
     ap.add_argument(
         "--requests", default=None, help='JSON list of {"offset", "salt", "lora"}: the prompts to serve'
@@ -101,6 +103,8 @@ def main() -> None:
     t0 = time.perf_counter()
     lora_options = {"enable_lora": True, "max_lora_rank": 16} if args.lora else {}
     options = {"disable_log_stats": not args.metrics, **lora_options}
+    if args.tp > 1 or args.pp > 1:
+        options |= {"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp}
     if args.step_tokens is not None:
         options |= {"max_num_batched_tokens": args.step_tokens, "enable_chunked_prefill": True}
     llm = engine(args.model, args.connector, json.loads(args.extra), **options)

@@ -51,12 +51,20 @@ class Served:
 
 
 def serve(
-    model: Path, *, connector: str = "kvrestore", extra: dict | None = None, offsets=(0,), args=()
+    model: Path,
+    *,
+    connector: str = "kvrestore",
+    extra: dict | None = None,
+    offsets=(0,),
+    args=(),
+    env: dict | None = None,
 ) -> Served:
     cmd = [sys.executable, str(HERE / "serve.py"), "--model", str(model), "--tokens", str(N_TOKENS), *args]
     cmd += ["--offsets", *map(str, offsets), "--connector", connector, "--extra", json.dumps(extra or {})]
     cmd += ["--metrics"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **VLLM_ENV})
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **VLLM_ENV, **(env or {})}
+    )
     assert proc.returncode == 0, f"vLLM exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
     assert len(rows) == len(offsets), proc.stdout[-2000:]

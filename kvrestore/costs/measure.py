@@ -50,7 +50,7 @@ def _sample_tokens(backend: Any, n: int) -> torch.Tensor:
     return torch.randint(0, backend.spec.vocab_size, (n,), generator=g)
 
 
-Progress = Callable[[int, int], None]
+MeasureProgress = Callable[[int, int], None]
 """Told (measurements done, measurements in all) after each measurement: how a long step reports."""
 
 
@@ -59,7 +59,7 @@ def _quiet(_done: int, _total: int) -> None:
 
 
 def measure_chunks(
-    backend: Any, max_tokens: int, chunk_size: int, repeats: int = 2, progress: Progress = _quiet
+    backend: Any, max_tokens: int, chunk_size: int, repeats: int = 2, progress: MeasureProgress = _quiet
 ) -> list[list[float]]:
     """[n, past, seconds] of prefills: the chunks (of one and two `chunk_size`s) of a `max_tokens`
     prompt after their past, and whole prompts of doubling lengths (compute-only's one unit)."""
@@ -95,7 +95,7 @@ def measure_chunks(
 
 
 def measure_layers(
-    backend: Any, lengths: Sequence[int], repeats: int = 2, progress: Progress = _quiet
+    backend: Any, lengths: Sequence[int], repeats: int = 2, progress: MeasureProgress = _quiet
 ) -> list[list[float]]:
     """[n, seconds per layer] of running every decoder layer, one at a time, over n tokens at once.
 
@@ -167,7 +167,7 @@ async def profile(
     say = log or (lambda _msg: None)
     told = tick or (lambda _msg: None)
 
-    def counted(step: str) -> Progress:
+    def counted(step: str) -> MeasureProgress:
         return lambda done, total: told(f"{step}: {done} of {total} measurements")
 
     lengths = list(layer_lengths or _doublings(chunk_size // 2, max_tokens))

@@ -155,11 +155,13 @@ class KeptSections(CacheRows):
             section = header.layers[layer]
             copied = header.compression != "none" or codec.key_tile(header)
             if copied or section.length != raw or section.raw_length != raw:
-                self.sections[j, layer] = codec.decode_layers(header, {layer: stored}, spec, [layer])[0]
+                self.sections[j, layer] = codec.decode_layers(
+                    header, {layer: stored}, spec, [layer], seal=reader.seal
+                )[0]
                 continue
             if len(stored) != section.length:
                 raise CorruptChunkError(f"layer {layer}: {len(stored)} bytes for a {section.length}-byte section")
-            codec.check_section(header, layer, stored)
+            codec.check_section(header, layer, stored, reader.seal)
             with warnings.catch_warnings():  # read-only bytes: nothing writes through the view
                 warnings.simplefilter("ignore", UserWarning)
                 flat = torch.frombuffer(stored, dtype=torch.uint8)

@@ -58,6 +58,9 @@ def test_compute_and_load_equal_full_prefill(tiny_backend, store, n_tokens):
         assert computed.stats.loaded_chunks == 0
         saved = await r.save(tokens)
         assert saved.written_chunks == saved.n_chunks == -(-n_tokens // 32)
+        # every chunk's bytes counted, however many writes ran at once
+        stored = [await store.get(ref.key) for ref in r.chunks(tokens)[1]]
+        assert saved.bytes_written == sum(len(blob) for blob in stored) > 0
         assert await r.lookup(tokens) == n_tokens
         again = await r.save(tokens)
         assert again.written_chunks == 0 and again.skipped_chunks == again.n_chunks

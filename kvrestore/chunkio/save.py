@@ -101,13 +101,14 @@ async def write_chunks(
         async with limiter:
             chunk = kv.chunk(ref.start, ref.end)
             try:
-                nbytes += await write_one(
+                n = await write_one(
                     store, spec, ref.key, chunk, encoding=encoding, compression=compression, seal=seal
                 )
             except WRITE_FAULTS as exc:
                 failed[ref.key] = exc
                 return
             written.append(ref.key)
+            nbytes += n  # after the await: concurrent writes each add their own
 
     await each(write, refs)  # a bug, not a store fault, is raised as itself
     if failed:
@@ -168,6 +169,7 @@ class ChunkSaver:
         self.failed = 0
         self.lanes = lanes
         self._warned = False  # the store's outage is warned of
+        self._seen: dict[str, int] = {}  # the counts `take_counts` last returned
         self._lock = threading.Lock()
         self._futures: set[concurrent.futures.Future[None]] = set()
         self._limiter: anyio.CapacityLimiter | None = None  # made on the loop
@@ -264,9 +266,34 @@ class ChunkSaver:
             with self._lock:
                 self.pending_bytes -= nbytes
 
+    def take_counts(self) -> dict[str, int]:
+        """The chunks saved (and their bytes), dropped and failed since this was last called."""
+        with self._lock:
+            now = {
+                "saved_chunks": self.written,
+                "saved_bytes": self.written_bytes,
+                "dropped_chunks": self.dropped,
+                "failed_saves": self.failed,
+            }
+        seen, self._seen = self._seen, now
+        return {name: n - seen.get(name, 0) for name, n in now.items()}
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for every queued write; False if some were still running after `timeout` seconds."""
         with self._lock:
             futures = list(self._futures)
         _, not_done = concurrent.futures.wait(futures, timeout=timeout)
         return not not_done
+
+    def finish(self, timeout: float | None = None) -> None:
+        """`flush`, then warn of the writes still running after `timeout` seconds and of the chunks that
+        were dropped or failed (the end of a process that saved in the background)."""
+        if not self.flush(timeout):
+            log.warning("kvrestore: some chunk writes were still running at shutdown")
+        if self.dropped or self.failed:
+            log.warning(
+                "kvrestore: %d chunks saved, %d dropped (queue full), %d failed",
+                self.written,
+                self.dropped,
+                self.failed,
+            )

@@ -34,13 +34,13 @@ from _provenance import code_version
 
 from kvrestore.chunkio.host_pages import HostPages
 from kvrestore.chunkio.layer_load import LayerLoad
-from kvrestore.chunkio.pages import PagedCache
+from kvrestore.chunkio.pages import PagedCache, gather
 from kvrestore.chunkio.save import ChunkSaver
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import LoopThread
-from kvrestore.integrations.vllm.layouts import gather_tokens, kv_views
+from kvrestore.integrations.vllm.layouts import kv_views
 from kvrestore.stores import LocalStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, store in stores.items():  # warm-up: files into the page cache, pages touched
             load(store)
             exact[name] = all(
-                torch.equal(gather_tokens(caches[i], "cpu", blocks, 0, k, H, D), kv[i, :, :, :k])
+                torch.equal(gather([kv_views(caches[i], "cpu", H, D)], blocks, 0, k)[0], kv[i, :, :, :k])
                 for i in range(L)
             )
         for _ in range(args.rounds):

@@ -136,9 +136,9 @@ def count_connector(pages: int, layers: int, block_size: int = 16, chunk_tokens:
     and host syncs per loaded layer, and whether every page holds the stored KV."""
     from kvrestore.chunkio.layer_load import LayerLoad
     from kvrestore.chunkio.page_dest import RowPages
-    from kvrestore.chunkio.pages import _scatter_device
+    from kvrestore.chunkio.pages import _scatter_device, gather
     from kvrestore.core.sync import LoopThread
-    from kvrestore.integrations.vllm.layouts import gather_tokens, kv_views
+    from kvrestore.integrations.vllm.layouts import kv_views
 
     H, D = 2, 8
     spec = ModelSpec("tiny", layers, H, D, 256, torch.float32, fingerprint="ab" * 16)
@@ -201,7 +201,7 @@ def count_connector(pages: int, layers: int, block_size: int = 16, chunk_tokens:
         placed
         and not load.failed
         and all(
-            torch.equal(gather_tokens(caches[layer], "cuda", block_ids, 0, n, H, D), kv[layer])
+            torch.equal(gather([kv_views(caches[layer], "cuda", H, D)], block_ids, 0, n)[0], kv[layer])
             for layer in range(layers)
         )
     )

@@ -17,7 +17,6 @@ from kvrestore.backends.hf import HFBackend
 from kvrestore.core import fingerprint
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.fingerprint import DigestCache, of_checkpoint, of_tensors
-from kvrestore.integrations.vllm.config import checkpoint_fingerprint
 
 from .conftest import tiny_model
 
@@ -85,13 +84,13 @@ def checkpoint(tmp_path_factory) -> Path:
 
 def test_a_restorer_and_the_connector_name_a_checkpoint_alike(checkpoint, tmp_path):
     backend = HFBackend.from_pretrained(checkpoint, dtype=torch.float32, cache_dir=tmp_path / "a")
-    got = checkpoint_fingerprint(checkpoint, torch.float32, cache_dir=tmp_path / "b")
+    got = of_checkpoint(checkpoint, torch.float32, cache_dir=tmp_path / "b")
     assert backend.spec.fingerprint == got
-    assert checkpoint_fingerprint(checkpoint, torch.float32, cache_dir=tmp_path / "b") == got  # cached or not
-    assert checkpoint_fingerprint(checkpoint, torch.bfloat16, cache_dir=tmp_path / "b") != got
+    assert of_checkpoint(checkpoint, torch.float32, cache_dir=tmp_path / "b") == got  # cached or not
+    assert of_checkpoint(checkpoint, torch.bfloat16, cache_dir=tmp_path / "b") != got
     assert HFBackend.from_pretrained(checkpoint, dtype=torch.bfloat16).spec.fingerprint != got
     with pytest.raises(InvalidInputError, match="fingerprint"):  # the connector says what to give instead
-        checkpoint_fingerprint(tmp_path / "nope", torch.float32, cache_dir=tmp_path / "b")
+        of_checkpoint(tmp_path / "nope", torch.float32, cache_dir=tmp_path / "b")
 
 
 def test_a_checkpoint_is_named_by_its_config_and_each_file(checkpoint, tmp_path):

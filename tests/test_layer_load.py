@@ -26,8 +26,10 @@ from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import LoopThread
-from kvrestore.integrations.vllm.layouts import gather_tokens, kv_views
+from kvrestore.integrations.vllm.layouts import kv_views
 from kvrestore.stores import LocalStore, MemoryStore
+
+from .paged import gather_tokens
 
 H, D, BS, NB, L = 2, 4, 8, 12, 5
 N, CHUNK = 44, 16  # chunks [0, 16), [16, 32), [32, 44)

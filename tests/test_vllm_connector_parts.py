@@ -32,19 +32,14 @@ from kvrestore.integrations.vllm.config import (
     check_shared_memory,
     preflight,
 )
-from kvrestore.integrations.vllm.layouts import (
-    LAYOUTS,
-    gather_chunk,
-    gather_tokens,
-    kv_views,
-    scatter_tokens,
-)
+from kvrestore.integrations.vllm.layouts import LAYOUTS, kv_views
 from kvrestore.integrations.vllm.stats import log_through
 from kvrestore.policies import LoadOnly
 from kvrestore.restorer import SyncRestorer
 from kvrestore.stores import MemoryStore
 
 from .conftest import tiny_model
+from .paged import gather_chunk, gather_tokens, scatter_tokens
 
 H, D, BS, NB = 2, 4, 8, 10
 

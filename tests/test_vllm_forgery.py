@@ -22,10 +22,11 @@ from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import LoopThread
-from kvrestore.integrations.vllm.layouts import gather_tokens, kv_views
+from kvrestore.integrations.vllm.layouts import kv_views
 from kvrestore.stores import LocalStore, MemoryStore
 
 from .forgery import SecondPreimages, forge, future_version
+from .paged import gather_tokens
 
 H, D, BS, NB, L = 2, 8, 8, 12, 3
 SPEC = ModelSpec("tiny", L, H, D, 100, torch.float32, fingerprint="ef" * 16)

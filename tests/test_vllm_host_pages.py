@@ -15,8 +15,10 @@ from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import LoopThread as IOThread
-from kvrestore.integrations.vllm.layouts import applies, gather_tokens, kv_views
+from kvrestore.integrations.vllm.layouts import applies, kv_views
 from kvrestore.stores import LocalStore, MemoryStore, ThrottledStore
+
+from .paged import gather_tokens
 
 H, D, BS, NB, L = 2, 4, 8, 12, 5
 

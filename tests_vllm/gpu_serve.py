@@ -52,24 +52,16 @@ def main() -> None:
     logprobs = [lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs or [], strict=False)]
     records: list[dict] = []
     if kv is not None:
+        from kvrestore.chunkio.pages import gather
         from kvrestore.integrations.vllm import connector
-        from kvrestore.integrations.vllm.layouts import gather_chunk
 
         connector.flush_saves()
         records = connector.records()
         loaded = [r for r in records if r["event"] == "loaded"]
         if spec.get("dump") and loaded:
             (worker,) = list(connector._WORKERS)
-            s = worker.spec
-            pages = gather_chunk(
-                worker._caches,
-                worker._layout,
-                loaded[0]["blocks"],
-                0,
-                loaded[0]["tokens"],
-                s.num_kv_heads,
-                s.head_dim,
-            )
+            views = list(zip(worker.paged.k, worker.paged.v, strict=True))
+            pages = gather(views, loaded[0]["blocks"], 0, loaded[0]["tokens"])
             torch.save(pages.cpu(), spec["dump"])
     print(json.dumps({"ids": list(out.token_ids), "logprobs": logprobs, "records": records}), flush=True)
 

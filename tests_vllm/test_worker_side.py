@@ -199,7 +199,7 @@ def test_host_pages_from_a_local_directory_are_read_on_the_step_thread(tmp_path)
     thread, with the same pages as a load through the I/O thread (a throttled link) gives."""
     from kvrestore.chunkio.host_pages import HostPages
     from kvrestore.chunkio.page_dest import SectionPages
-    from kvrestore.integrations.vllm.layouts import gather_tokens
+    from kvrestore.chunkio.pages import gather
     from kvrestore.stores import LocalStore, ThrottledStore
 
     d, block = 32, 32  # the shapes of vLLM's "vec" CPU kernels: 16-token chunks, 32-token pages
@@ -244,7 +244,7 @@ def test_host_pages_from_a_local_directory_are_read_on_the_step_thread(tmp_path)
             assert len(side.costs.state.steps) == 1
             assert len(side.costs.state.loading) == (0 if name == "local" else 1)
             for layer in range(L):
-                got = gather_tokens(side._caches[layer], "cpu", blocks, 0, 36, H, d)
+                got = gather([(side.paged.k[layer], side.paged.v[layer])], blocks, 0, 36)[0]
                 assert torch.equal(got, kv[layer, :, :, :36])
         finally:
             side.io.close()

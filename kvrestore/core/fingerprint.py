@@ -4,6 +4,7 @@ It names every weight, so two models that differ in one element never share a ch
 
 * `of_tensors` hashes every byte of every tensor it is given (`HFBackend(model)` gives every parameter
   and buffer of the model), each with its name, shape and dtype, plus the model's config and KV dtype.
+* `of_adapter` names a LoRA adapter by its files alike (the vLLM connector keys an adapter's chunks so).
 * `of_checkpoint` hashes a local checkpoint directory's files instead: the content of every weight file
   at its top level (``*.safetensors``, ``*.bin``), its ``config.json`` and the KV dtype. It needs no
   model in memory, so `HFBackend.from_pretrained` and the vLLM connector compute it alike, without
@@ -48,6 +49,7 @@ RACY_S = 2.0
 _STEP_BYTES = 64 << 20
 _TENSORS = b"kvrestore-fingerprint-v2|tensors\0"
 _CHECKPOINT = b"kvrestore-fingerprint-v2|checkpoint\0"
+_ADAPTER = b"kvrestore-fingerprint-v2|adapter\0"
 
 # Config entries that say where or with what a model was loaded, not what it computes: a model copied
 # to another directory, or loaded by another transformers release, still shares its cache.
@@ -81,7 +83,10 @@ def of_checkpoint(
     """
     root = Path(path)
     if not root.is_dir():
-        raise InvalidInputError(f"{str(path)!r} is not a local checkpoint directory")
+        raise InvalidInputError(
+            f"{str(path)!r} is not a local checkpoint directory: a model loaded by name needs its "
+            "fingerprint given (e.g. Restorer(...).spec.fingerprint; the vLLM connector's 'fingerprint')"
+        )
     files = sorted(f for f in root.iterdir() if f.suffix in WEIGHT_SUFFIXES and f.is_file())
     if not files:
         raise InvalidInputError(
@@ -97,6 +102,22 @@ def of_checkpoint(
     digests = DigestCache(cache_root(cache_dir) / "fingerprints")
     for f in files:
         h.update(f"{f.name}\0".encode("utf-8", "surrogateescape"))
+        h.update(digests.digest(f))
+    return h.hexdigest()
+
+
+def of_adapter(path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """The identity of the LoRA adapter at `path` (a directory, or one file): its files' names and
+    content, the same on every machine and after a restart (each file's digest cached as a checkpoint's
+    weight files are). InvalidInputError where there is no file; OSError where one cannot be read."""
+    root = Path(path)
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+    if not files:
+        raise InvalidInputError(f"the LoRA adapter at {str(path)!r} is no local file or directory")
+    h = hashlib.blake2b(_ADAPTER, digest_size=20)
+    digests = DigestCache(cache_root(cache_dir) / "fingerprints")
+    for f in files:
+        h.update(f"{f.name if f == root else f.relative_to(root)}\0".encode("utf-8", "surrogateescape"))
         h.update(digests.digest(f))
     return h.hexdigest()
 
@@ -181,4 +202,12 @@ class DigestCache:
                 raise
 
 
-__all__ = ["RACY_S", "WEIGHT_SUFFIXES", "DigestCache", "file_digest", "of_checkpoint", "of_tensors"]
+__all__ = [
+    "RACY_S",
+    "WEIGHT_SUFFIXES",
+    "DigestCache",
+    "file_digest",
+    "of_adapter",
+    "of_checkpoint",
+    "of_tensors",
+]

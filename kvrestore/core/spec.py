@@ -8,6 +8,7 @@ header carries it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +39,20 @@ class ModelSpec:
     vocab_size: int
     dtype: torch.dtype
     fingerprint: str  # hex digest: config + weights + dtype
+
+    @classmethod
+    def from_hf_config(cls, config: Any, dtype: torch.dtype, fingerprint: str, name: str) -> ModelSpec:
+        """The spec of a HuggingFace decoder `config` in `dtype`: what a `Restorer`'s HFBackend sees."""
+        heads = config.num_attention_heads
+        return cls(
+            name=name,
+            num_layers=config.num_hidden_layers,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab_size=config.vocab_size,
+            dtype=dtype,
+            fingerprint=fingerprint,
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:

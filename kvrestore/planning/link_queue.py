@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from kvrestore.costs.compute import ChunkCost
 from kvrestore.planning.split import SplitChoice
 from kvrestore.policies.batch import QueuedLoad
 
@@ -67,3 +68,22 @@ class LinkQueue:
         for r in req_ids:
             self._sent.pop(r, None)
             self._planned.pop(r, None)
+
+
+def carried(
+    running: Iterable[tuple[int, int]], cost: ChunkCost | None, step_tokens: int | None
+) -> tuple[float, int]:
+    """The compute seconds and tokens that requests in a step, each (its prompt's tokens, those computed
+    by the step's end), carry into the next step, where an engine schedules them before any new request:
+    the rest of a prompt (`step_tokens` at most), or one token to decode, in a pass the step runs anyway
+    (its fixed cost not counted). No cost known: the tokens only."""
+    seconds, tokens = 0.0, 0
+    for n_tokens, done in running:
+        n = n_tokens - done if step_tokens is None else min(n_tokens - done, step_tokens)
+        if n > 0:
+            seconds += cost.seconds(n, done) if cost is not None else 0.0
+        else:
+            n = 1
+            seconds += cost.seconds(1, done) - cost.fixed_s if cost is not None else 0.0
+        tokens += n
+    return seconds, tokens

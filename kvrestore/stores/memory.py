@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -12,6 +14,9 @@ from kvrestore.core.settings import check_bool, check_int
 from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object, mirrors_reads_of
 from kvrestore.stores.eviction import EvictionPolicy, make_policy
 from kvrestore.stores.files import check_range
+
+_SHARED: dict[str, MemoryStore] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 class MemoryStore(ChunkStore):
@@ -34,6 +39,20 @@ class MemoryStore(ChunkStore):
     def reads_sync(self) -> bool:  # type: ignore[override]
         """From any thread, unless a subclass changed how it reads."""
         return mirrors_reads_of(self, MemoryStore)
+
+    @classmethod
+    def shared(cls, **options: Any) -> MemoryStore:
+        """This process's one MemoryStore with `options` (made on first use): where several parts of one
+        process open ``memory://`` (an engine's scheduler and worker), each finds what the other saved."""
+        key = json.dumps(options, sort_keys=True, default=str)
+        with _SHARED_LOCK:
+            store = _SHARED.get(key)
+            if store is None:
+                try:
+                    store = _SHARED[key] = cls(**options)
+                except TypeError as exc:
+                    raise InvalidInputError(f"options for memory:// are MemoryStore's: {exc}") from None
+            return store
 
     def __init__(
         self,

@@ -1,25 +1,18 @@
-"""The vLLM connector's configuration, its context (what the scheduler and worker sides share) and the
-model's fingerprint, without vLLM. The split is `planning.split`'s; the learned costs `costs.learned`'s.
+"""The vLLM connector's configuration and its context (what the scheduler and worker sides share),
+without vLLM. The split is `planning.split`'s; the learned costs `costs.learned`'s.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import torch
 
 from kvrestore.codec.header import spec_encoding
 from kvrestore.codec.quant import ENCODINGS, key_space
 from kvrestore.codec.seal import SECRET_ENV, Seal, seal_of, secret_from_env
 from kvrestore.core.errors import InvalidInputError
-from kvrestore.core.fingerprint import of_checkpoint
 from kvrestore.core.paths import cache_root
 from kvrestore.core.settings import (
     check_bool,
@@ -192,7 +185,7 @@ class ConnectorContext:
         c = self.config
         store: ChunkStore
         if c.store_url == "memory://":
-            store = _memory_store(c.store_options)
+            store = MemoryStore.shared(**dict(c.store_options))
         else:
             store = open_store(c.store_url, **{"read_only": not c.save, **dict(c.store_options)})
         if c.throttle_bytes_per_s is not None:
@@ -204,23 +197,6 @@ class ConnectorContext:
         c = self.config
         bw = c.link_bytes_per_s or c.throttle_bytes_per_s
         return LinkCost(bw, c.throttle_latency_s) if bw else None
-
-
-_MEMORY: dict[str, MemoryStore] = {}
-_MEMORY_LOCK = threading.Lock()
-
-
-def _memory_store(options: Mapping[str, Any]) -> MemoryStore:
-    """This process's ``memory://`` store with `options` (made on first use)."""
-    key = json.dumps(dict(options), sort_keys=True, default=str)
-    with _MEMORY_LOCK:
-        store = _MEMORY.get(key)
-        if store is None:
-            try:
-                store = _MEMORY[key] = MemoryStore(**dict(options))
-            except TypeError as exc:
-                raise InvalidInputError(f"store_options for memory:// are MemoryStore's: {exc}") from None
-        return store
 
 
 def check_shared_memory(config: ConnectorConfig, executor_backend: str | None, world_size: int = 1) -> None:
@@ -246,35 +222,3 @@ def preflight(config: ConnectorConfig) -> None:
     are opened when the connector starts (an S3 bucket is first asked at the first lookup)."""
     if check_store_url(config.store_url) == "file":
         open_store(config.store_url, **{"read_only": not config.save, **dict(config.store_options)})
-
-
-# -- the model ---------------------------------------------------------------------------------------
-
-
-def model_spec(hf_config: Any, dtype: torch.dtype, fingerprint: str, name: str) -> ModelSpec:
-    """The ModelSpec kvrestore would make for this HF config (what a `Restorer`'s HFBackend sees)."""
-    heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    return ModelSpec(
-        name=name,
-        num_layers=hf_config.num_hidden_layers,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
-        vocab_size=hf_config.vocab_size,
-        dtype=dtype,
-        fingerprint=fingerprint,
-    )
-
-
-def checkpoint_fingerprint(
-    path: str | os.PathLike, dtype: torch.dtype, cache_dir: str | os.PathLike | None = None
-) -> str:
-    """The fingerprint `HFBackend.from_pretrained(path, dtype=dtype)` computes (`core.fingerprint`: the
-    checkpoint's weight files, config and dtype), so that vLLM and a `Restorer` over the same checkpoint
-    and dtype share chunk keys. Each weight file is read once; later starts find its digest cached."""
-    if not Path(path).is_dir():
-        raise InvalidInputError(
-            f"the model {str(path)!r} is not a local checkpoint directory; give kv_connector_extra_config "
-            "a 'fingerprint' (e.g. Restorer(...).spec.fingerprint) for a model loaded by name"
-        )
-    return of_checkpoint(path, dtype, cache_dir)

@@ -30,12 +30,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvrestore.core.errors import UnsupportedModelError
+from kvrestore.core.fingerprint import of_checkpoint
+from kvrestore.core.spec import ModelSpec
 from kvrestore.integrations.vllm.config import (
     ConnectorConfig,
     ConnectorContext,
     check_shared_memory,
-    checkpoint_fingerprint,
-    model_spec,
     preflight,
 )
 from kvrestore.integrations.vllm.meta import KVRestoreConnectorMetadata
@@ -143,8 +143,8 @@ class KVRestoreConnector(KVConnectorBase_V1):
             raise UnsupportedModelError(
                 f"kvrestore stores KV in the model's dtype or as fp8 e4m3; kv_cache_dtype={cache_dtype!r}"
             )
-        fp = config.fingerprint or checkpoint_fingerprint(mc.model, mc.dtype)
-        spec = model_spec(mc.hf_config, mc.dtype, fp, name=str(mc.model))
+        fp = config.fingerprint or of_checkpoint(mc.model, mc.dtype)  # as HFBackend.from_pretrained's
+        spec = ModelSpec.from_hf_config(mc.hf_config, mc.dtype, fp, name=str(mc.model))
         self.ctx = ConnectorContext.make(
             config, spec, vllm_config.cache_config.block_size, step_tokens(vllm_config.scheduler_config)
         )

@@ -21,11 +21,8 @@ Every layout is viewed (never copied) as K and V, each ``[num_blocks, H, block_s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from kvrestore.chunkio.pages import gather, scatter
 from kvrestore.core.errors import InvalidInputError, UnsupportedModelError
 from kvrestore.stores.base import ChunkStore
 
@@ -82,43 +79,3 @@ def applies(store: ChunkStore, layout: str, encoding: str, compression: str) -> 
     """Whether a load can go straight into the pages (`chunkio.host_pages`): vLLM's host layout, a store
     that reads without the event loop, chunks saved uncompressed in the native encoding."""
     return layout == "cpu" and store.reads_sync and encoding == "native" and compression == "none"
-
-
-def gather_chunk(
-    caches: Sequence[torch.Tensor],
-    layout: str,
-    block_ids: Sequence[int] | torch.Tensor,
-    start: int,
-    end: int,
-    num_kv_heads: int,
-    head_dim: int,
-) -> torch.Tensor:
-    """Tokens [start, end) of every layer in `caches` as one ``[L, 2, H, T, D]`` tensor (`pages.gather`)."""
-    return gather([kv_views(c, layout, num_kv_heads, head_dim) for c in caches], block_ids, start, end)
-
-
-def gather_tokens(
-    cache: torch.Tensor,
-    layout: str,
-    block_ids: Sequence[int] | torch.Tensor,
-    start: int,
-    end: int,
-    num_kv_heads: int,
-    head_dim: int,
-) -> torch.Tensor:
-    """Tokens [start, end) of one layer of a paged cache as a new ``[2, H, T, D]`` tensor on its device."""
-    return gather_chunk([cache], layout, block_ids, start, end, num_kv_heads, head_dim)[0]
-
-
-def scatter_tokens(
-    cache: torch.Tensor,
-    layout: str,
-    block_ids: Sequence[int] | torch.Tensor,
-    start: int,
-    data: torch.Tensor,
-    num_kv_heads: int,
-    head_dim: int,
-) -> None:
-    """Write `data` (``[2, H, T, D]``) as tokens [start, start + T) of one layer of a paged cache
-    (`pages.scatter`)."""
-    scatter(*kv_views(cache, layout, num_kv_heads, head_dim), block_ids, start, data)

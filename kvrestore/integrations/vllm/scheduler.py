@@ -36,7 +36,7 @@ from kvrestore.integrations.vllm.meta import (
     SaveSpec,
 )
 from kvrestore.integrations.vllm.stats import Counters, emit
-from kvrestore.planning.link_queue import LinkQueue
+from kvrestore.planning.link_queue import LinkQueue, carried
 from kvrestore.planning.split import Follower, SplitChoice, choose_split_ahead
 from kvrestore.policies.batch import link_order
 from kvrestore.stores.base import ChunkStore
@@ -262,29 +262,15 @@ class SchedulerSide:
             planned = [q for spec in meta.loads if (q := self.queue.planned(spec.req_id)) is not None]
             rank = {q.key: i for i, q in enumerate(link_order(planned))}
             meta.loads.sort(key=lambda spec: rank.get(spec.req_id, len(rank)))
-        running = self._running(meta) if self.config.batch else (0.0, 0)  # alone: nothing ahead
+        # what the step's requests carry into the next one (alone: nothing ahead)
+        steps = [(st.n_tokens, c + n) for r, n, c in meta.steps if (st := self._reqs.get(r)) is not None]
+        running = (
+            carried(steps, self.ctx.costs.step_cost(), self.ctx.step_tokens)
+            if self.config.batch
+            else (0.0, 0)
+        )
         self.queue.send((spec.req_id for spec in meta.loads), running)
         return meta
-
-    def _running(self, meta: KVRestoreConnectorMetadata) -> tuple[float, int]:
-        """The compute seconds and tokens the requests of this step carry into the next one, where vLLM
-        schedules them before any new request: the rest of a prompt (a step's worth at most), or one
-        token a request that decodes."""
-        cost, budget = self.ctx.costs.step_cost(), self.ctx.step_tokens
-        seconds, tokens = 0.0, 0
-        for req_id, n_new, computed in meta.steps:
-            st = self._reqs.get(req_id)
-            if st is None:
-                continue
-            done = computed + n_new
-            n = st.n_tokens - done if budget is None else min(st.n_tokens - done, budget)
-            if n > 0:
-                seconds += cost.seconds(n, done) if cost is not None else 0.0
-            else:  # one token to decode, in a forward pass the step runs anyway
-                n = 1
-                seconds += cost.seconds(1, done) - cost.fixed_s if cost is not None else 0.0
-            tokens += n
-        return seconds, tokens
 
     def _forget(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)

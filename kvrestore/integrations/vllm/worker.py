@@ -84,7 +84,6 @@ class WorkerSide:
             retry_after_s=c.retry_after_s,
         )
         self.counters = Counters()
-        self._saver_seen = (0, 0, 0, 0)  # the saver's written, bytes, dropped, failed last reported
         self._layer_of: dict[str, int] = {}
         self._caches: list[torch.Tensor] = []  # vLLM's, a tensor a layer
         self._layout = "cpu"
@@ -343,30 +342,14 @@ class WorkerSide:
 
     def take_counts(self) -> dict[str, int]:
         """The worker's counters since last taken, the saver's included."""
-        s = self.saver
-        now = (s.written, s.written_bytes, s.dropped, s.failed)
-        seen, self._saver_seen = self._saver_seen, now
-        self.counters.add(
-            saved_chunks=now[0] - seen[0],
-            saved_bytes=now[1] - seen[1],
-            dropped_chunks=now[2] - seen[2],
-            failed_saves=now[3] - seen[3],
-        )
+        self.counters.add(**self.saver.take_counts())
         return self.counters.take()
 
     def shutdown(self) -> None:
         for _, load in self._loads:
             load.cancel("shutdown")
         self._loads.clear()
-        if not self.saver.flush(timeout=60):
-            log.warning("kvrestore: some chunk writes were still running at shutdown")
-        if self.saver.dropped or self.saver.failed:
-            log.warning(
-                "kvrestore: %d chunks saved, %d dropped (queue full), %d failed",
-                self.saver.written,
-                self.saver.dropped,
-                self.saver.failed,
-            )
+        self.saver.finish(timeout=60)
         self.costs.flush()  # what it learned since the last write, for the next process
         with contextlib.suppress(*STORE_FAULTS):  # on the loop its client was made on
             self.io.call(self.store.close, timeout=self.config.lookup_timeout_s)

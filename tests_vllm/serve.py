@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument(
         "--step-tokens", type=int, default=None, help="vLLM's token budget per step, prompts cut across steps"
     )
+    ap.add_argument("--tp", type=int, default=1, help="vLLM's tensor_parallel_size")
+    ap.add_argument("--pp", type=int, default=1, help="vLLM's pipeline_parallel_size")
     ap.add_argument("--lora", default=None, help="a LoRA adapter directory: vLLM serves with LoRA on")
     ap.add_argument(
         "--prefix-caching", action="store_true", help="vLLM's own prefix cache on (off by default)"
@@ -104,6 +106,8 @@ def main() -> None:
     t0 = time.perf_counter()
     lora_options = {"enable_lora": True, "max_lora_rank": 16} if args.lora else {}
     options = {"disable_log_stats": not args.metrics, **lora_options}
+    if args.tp > 1 or args.pp > 1:
+        options |= {"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp}
     if args.prefix_caching:
         options["enable_prefix_caching"] = True
     if args.step_tokens is not None:

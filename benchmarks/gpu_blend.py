@@ -82,7 +82,9 @@ def spread(xs: list[float]) -> float:
     return (max(xs) - min(xs)) / median(xs) if xs else float("nan")
 
 
-async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chunk_tokens: int, seed: int) -> dict:
+async def measure_layout(
+    args: argparse.Namespace, model: Any, backend: Any, chunk_tokens: int, seed: int
+) -> dict:
     device = backend.device
     spec = backend.spec
     g = torch.Generator().manual_seed(seed)
@@ -90,7 +92,12 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
     question = torch.randint(0, spec.vocab_size, (args.question,), generator=g)
     ids = torch.cat([*chunks, question])
     n = len(ids)
-    out: dict[str, Any] = {"chunks": args.chunks, "chunk_tokens": chunk_tokens, "question": args.question, "tokens": n}
+    out: dict[str, Any] = {
+        "chunks": args.chunks,
+        "chunk_tokens": chunk_tokens,
+        "question": args.question,
+        "tokens": n,
+    }
 
     memory = MemoryStore(pinned=device.type == "cuda")
     restorer = Restorer(backend, memory, args.prefix_chunk, load_lanes=args.lanes)
@@ -124,7 +131,9 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
 
         return case
 
-    def blend_case(r: float, groups: int | None = None, loader: dict | None = None, split: bool | None = None):
+    def blend_case(
+        r: float, groups: int | None = None, loader: dict | None = None, split: bool | None = None
+    ):
         async def case() -> Sample:
             default = backend.blend.attention_groups
             backend.blend.attention_groups = default if groups is None else groups
@@ -180,7 +189,9 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
             cases[f"blend@0.15 groups={g}"] = blend_case(0.15, groups=g)
     cases["prefix-load-only"] = prefix_restore
     wrapped = {name: Failing(name, counting(fn), device) for name, fn in cases.items()}
-    raw = await interleave(wrapped, args.rounds, warmup=args.warmup, log=lambda s: log("  " + s), collect=True)
+    raw = await interleave(
+        wrapped, args.rounds, warmup=args.warmup, log=lambda s: log("  " + s), collect=True
+    )
     out["errors"] = {name: w.error for name, w in wrapped.items() if w.error}
 
     hf_s = median([s.seconds for s in raw["hf-prefill"]])
@@ -197,7 +208,9 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
                 entry[key] = median([s.extra[key] for s in samples if key in s.extra])
             per_layer = [s.extra["layer_s"] for s in samples if "layer_s" in s.extra]
             if per_layer:  # each layer's compute time (CUDA events), median over the rounds
-                entry["layer_ms"] = [median([r[i] for r in per_layer]) * 1e3 for i in range(len(per_layer[0]))]
+                entry["layer_ms"] = [
+                    median([r[i] for r in per_layer]) * 1e3 for i in range(len(per_layer[0]))
+                ]
             entry["loaded_chunks"] = samples[-1].extra.get("loaded_chunks")
             entry["recomputed_per_layer"] = samples[-1].extra.get("recomputed")
         summary[name] = entry
@@ -230,14 +243,18 @@ async def measure_layout(args: argparse.Namespace, model: Any, backend: Any, chu
     exact.update(compare_logits(res.logits.float(), stock_logits))
     exact["passed"] = exact["within_tolerance"] and (exact["same_argmax"] or exact["tie"])
     out["exactness_full_recompute"] = exact
-    log(f"  blend@1.0 vs stock: max diff / layer max {exact['max_diff_over_layer_max']:.4f}, "
-        f"same argmax {exact['same_argmax']} -> {'PASS' if exact['passed'] else 'FAIL'}")
+    log(
+        f"  blend@1.0 vs stock: max diff / layer max {exact['max_diff_over_layer_max']:.4f}, "
+        f"same argmax {exact['same_argmax']} -> {'PASS' if exact['passed'] else 'FAIL'}"
+    )
     del res, stock_kv
     free_memory(device)
     return out
 
 
-async def profile_blend(restorer: Restorer, chunks: list, question: torch.Tensor, device: torch.device) -> dict:
+async def profile_blend(
+    restorer: Restorer, chunks: list, question: torch.Tensor, device: torch.device
+) -> dict:
     """One blend@0.15 under torch.profiler: the top ops by host and by device time, and the launch count."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
@@ -254,7 +271,9 @@ async def profile_blend(restorer: Restorer, chunks: list, question: torch.Tensor
     by_device = events.table(sort_by="self_device_time_total", row_limit=20) if device.type == "cuda" else ""
     log(by_host)
     log(by_device)
-    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel"))
+    launches = sum(
+        e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel")
+    )
     return {"top_by_host": by_host, "top_by_device": by_device, "kernel_launches": launches}
 
 
@@ -267,14 +286,19 @@ def targets(layouts: list[dict[str, Any]], apply: bool) -> dict[str, Any]:
     for lay in layouts:
         b15 = lay["cases"].get("blend@0.15", {})
         speed = b15.get("speedup_over_hf", float("nan"))
-        shipped = [e["spread"] for name, e in lay["cases"].items() if name.startswith("blend@") and " " not in name]
+        shipped = [
+            e["spread"] for name, e in lay["cases"].items() if name.startswith("blend@") and " " not in name
+        ]
         spr = max(shipped, default=float("nan"))
         by[f"{lay['chunks']}x{lay['chunk_tokens']}+{lay['question']}"] = {
             "blend15_speedup": speed,
             "worst_spread": spr,
             "worst_spread_all_cases": max(e["spread"] for e in lay["cases"].values()),
             "full_recompute_exact": lay["exactness_full_recompute"]["passed"],
-            "meets": {"speedup": speed >= TARGETS["blend15_speedup_min"], "spread": spr < TARGETS["spread_max"]},
+            "meets": {
+                "speedup": speed >= TARGETS["blend15_speedup_min"],
+                "spread": spr < TARGETS["spread_max"],
+            },
         }
     return {**TARGETS, "apply": apply, "by_layout": by}
 
@@ -313,7 +337,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     split = backend.blend._split_attention_works(device, backend.spec.dtype)  # its one-time check, untimed
     log(f"block-causal split attention: {'on' if split else 'unavailable (masked calls only)'}")
     if kernel.startswith("math"):
-        log("WARNING: the selective layers fall back to SDPA's MATH kernel; blend times are not representative")
+        log(
+            "WARNING: the selective layers fall back to SDPA's MATH kernel; blend times are not representative"
+        )
     result: dict[str, Any] = {
         "benchmark": "gpu_blend",
         "config": {
@@ -347,7 +373,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--chunk-tokens", type=int, nargs="+", default=None, help="tokens per chunk (default 2048 4096)")
+    p.add_argument(
+        "--chunk-tokens", type=int, nargs="+", default=None, help="tokens per chunk (default 2048 4096)"
+    )
     p.add_argument("--chunks", type=int, default=4, help="reused chunks per prompt (default 4)")
     p.add_argument("--question", type=int, default=64, help="new tokens after the chunks (default 64)")
     p.add_argument("--ratios", type=float, nargs="+", default=[0.05, 0.15, 0.30], help="recompute ratios")
@@ -366,7 +394,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="also time blend@0.15 with these attention group counts (backend.blend.attention_groups)",
     )
-    p.add_argument("--profile", action="store_true", help="profile one blend@0.15 per layout (torch.profiler)")
+    p.add_argument(
+        "--profile", action="store_true", help="profile one blend@0.15 per layout (torch.profiler)"
+    )
     p.add_argument(
         "--switch-interval",
         type=float,

@@ -173,7 +173,9 @@ def summarize(
     for point in points:
 
         def samples(case: str, point: str = point) -> list[float] | None:
-            return times.get((point, case)) or times.get(("memory", case) if case == "compute-only" else ("", ""))
+            return times.get((point, case)) or times.get(
+                ("memory", case) if case == "compute-only" else ("", "")
+            )
 
         singles = [s for s in (samples("compute-only"), samples("load-only")) if s]
         better = [min(run[r] for run in singles) for r in range(args.rounds)]

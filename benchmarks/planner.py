@@ -258,9 +258,7 @@ if __name__ == "__main__":
         "--latency-ms", type=float, default=1.0, help="per-request latency of the link (default 1)"
     )
     ap.add_argument("--profile", default=None, help="a saved profile instead of measuring one first")
-    ap.add_argument(
-        "--no-profile", action="store_true", help="no profile: Auto learns from its own restores"
-    )
+    ap.add_argument("--no-profile", action="store_true", help="no profile: Auto learns from its own restores")
     ap.add_argument("--json", default=None, help="default: results/planner.json (planner-no-profile.json)")
     a = ap.parse_args()
     name = "planner-no-profile.json" if a.no_profile else "planner.json"

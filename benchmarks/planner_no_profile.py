@@ -54,7 +54,9 @@ async def run(args: argparse.Namespace) -> dict:
     for n in lengths:
         await plain.save(prompt[:n])
         refs[n] = (await plain.restore(prompt[:n], ComputeOnly())).kv.data.clone()  # also a warm-up
-        compute_s[n] = median([(await plain.restore(prompt[:n], ComputeOnly())).stats.seconds for _ in range(2)])
+        compute_s[n] = median(
+            [(await plain.restore(prompt[:n], ComputeOnly())).stats.seconds for _ in range(2)]
+        )
     stores = {}
     for n in lengths:
         balance = n * backend.spec.kv_bytes_per_token / compute_s[n]
@@ -72,7 +74,9 @@ async def run(args: argparse.Namespace) -> dict:
                 store, _ = stores[n, m]
                 fixed = Restorer(backend, store, learn=False)
                 fresh = Restorer(backend, store, learn=False, profile=False)
-                assert fresh.planner.profile is None, "a saved profile was found: this run must start from nothing"
+                assert fresh.planner.profile is None, (
+                    "a saved profile was found: this run must start from nothing"
+                )
                 line = []
                 runs = [(name, fixed, cls()) for name, cls in FIXED.items()]
                 runs += [(f"auto#{k + 1}", fresh, Auto()) for k in range(AUTO_RESTORES)]
@@ -103,7 +107,9 @@ def summarize(args, lengths, multipliers, times, choices, explained, stores, com
     grid, rows = [], []
     for n in lengths:
         for m in multipliers:
-            fixed = {name: samples(n, m, name) for name in FIXED if (n, m, name) in times or name == "compute-only"}
+            fixed = {
+                name: samples(n, m, name) for name in FIXED if (n, m, name) in times or name == "compute-only"
+            }
             best_by_round = [min(v[r] for v in fixed.values()) for r in range(args.rounds)]
             best_name = min(fixed, key=lambda k: median(fixed[k]))
             vs_best = {

@@ -29,6 +29,9 @@ store: as after a crash or a deploy, or another machine reading a shared store).
 * (c) **LMCache** (`LMCacheConnectorV1`, local disk backend) and (d) vLLM's **OffloadingConnector** and
   **SimpleCPUOffloadConnector**: started once each; where a server does not start on this CPU the exact
   error is recorded (`--try-others`).
+* (g) with `--redis`: **kvrestore** with its default split from a Redis server (`redis-server` on
+  127.0.0.1, started here): a warm-up server fills it, a new server reads it, as another machine of a
+  fleet would (`--no-fs` leaves the throttled points out, for a quicker run).
 * (e) **kvrestore load-all** and (f) **kvrestore** with its default split (``"planned"``), from a local
   directory and through the connector's throttle at `--factors` x the balance bandwidth (the rate at
   which loading a document's KV takes as long as computing it, from (a)'s warm-up TTFTs). One warm-up
@@ -431,7 +434,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args, model, "kvrestore", kv_transfer("KVRestoreConnector", base), mr, ldqa, True, encode
     )
     snapshot(store, fill)
-    factors: list[float | None] = [None, *([] if args.smoke else args.factors)]
+    factors: list[float | None] = [None, *([] if args.smoke or args.no_fs else args.factors)]
     for f in factors:
         for split in ("load_all", "planned"):
             if args.smoke and split == "load_all":
@@ -451,6 +454,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "store": point,
                 "bytes_per_s": extra.get("throttle_bytes_per_s"),
             }
+
+    if args.redis:
+        log("== (g) kvrestore from Redis")
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/redis_server.py
+        from tests.redis_server import RedisServer
+
+        with RedisServer() as redis:
+            rbase = {"store_url": f"{redis.url}/serving", "cost_dir": str(args.work / "costs-redis")}
+            rmr = mrqa.copy()
+            phases["kvrestore redis warm-up"] = serve_phase(
+                args,
+                model,
+                "kvrestore redis",
+                kv_transfer("KVRestoreConnector", rbase),
+                rmr,
+                ldqa,
+                True,
+                encode,
+            )
+            label = "kvrestore default split @ redis"
+            phases[label] = serve_phase(
+                args,
+                model,
+                label,
+                kv_transfer("KVRestoreConnector", {**rbase, "split": "planned"}),
+                rmr.copy(),
+                ldqa,
+                False,
+                encode,
+            )
+            points[label] = {"config": "g", "store": "redis"}
 
     reference = phases["vllm alone"]
     results = {
@@ -482,7 +516,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     w["same_output_as_vllm_alone"],
                 ]
             )
-        for point in ["local directory", *[f"{f:g}x balance" for f in factors if f is not None]]:
+        for point in ["local directory", "redis", *[f"{f:g}x balance" for f in factors if f is not None]]:
             ours = results.get(f"kvrestore default split @ {point}")
             if ours is None:
                 continue
@@ -492,7 +526,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if lb != f"kvrestore default split @ {point}"
                 and (
                     r["store"] in (None, "local directory")
-                    if point == "local directory"
+                    if point in ("local directory", "redis")
                     else r["store"] == point or r["config"] in ("a",)
                 )
             }
@@ -527,11 +561,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     return {
         **report_head("serving", args, balance),
+        "learned_links": learned_links(args.work),
         "results": results,
         "targets": targets,
         "other_connectors": others,
         "warm_ups": warmups,
     }
+
+
+def learned_links(work: Path) -> dict[str, Any]:
+    """What the connectors' planners learned of each store's link: their cost files, by directory, and
+    each link's median rate over the loads it timed (`links`: [bytes, seconds] per load)."""
+    import json
+
+    files: dict[str, Any] = {}
+    rates: dict[str, float] = {}
+    for path in sorted(work.glob("costs*/**/*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            files[str(path.relative_to(work))] = f"unreadable: {e}"
+            continue
+        files[str(path.relative_to(work))] = data
+        for link, samples in (data.get("links") or {}).items():
+            per = sorted(b / s for b, s in samples if s > 0)
+            if per:
+                rates[link] = per[len(per) // 2] / 1e6
+    return {"median_MB_per_s": rates, "files": files}
 
 
 def report_head(benchmark: str, args: argparse.Namespace, balance: float) -> dict[str, Any]:
@@ -570,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--only-others", action="store_true", help="--try-others, and nothing else")
     p.add_argument("--lmcache-path", default=None, help="a directory with lmcache installed (--target)")
+    p.add_argument("--redis", action="store_true", help="also kvrestore from a Redis server (g)")
+    p.add_argument("--no-fs", action="store_true", help="no throttled points (with --redis: a quick run)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work", type=Path, default=None, help="stores and server logs (default: a temp dir)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)

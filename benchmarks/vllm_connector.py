@@ -18,7 +18,7 @@ reported:
   the balance bandwidth (the rate at which loading the whole prompt takes as long as computing it, from
   vLLM alone's median), loading everything or the split the connector plans from the costs it measured
   (the load-all run at the same rate measures the link first). Each planned request's split and its
-  prediction come from the connector's records (`vllm_stats.records`), not its log.
+  prediction come from the connector's records (`integrations.vllm.stats.records`), not its log.
 
     .venv-vllm/bin/python benchmarks/vllm_connector.py                 # 2000 and 4000 tokens
     .venv-vllm/bin/python benchmarks/vllm_connector.py --tokens 2000 4000 --factors 1 --rounds 3
@@ -72,11 +72,19 @@ def kv_bytes_per_token(model: Path) -> int:
 
 
 def serve(
-    model: Path, tokens: int, repeat: int, connector: str, extra: dict | None = None, tp: int = 1
+    model: Path,
+    tokens: int,
+    repeat: int,
+    connector: str,
+    extra: dict | None = None,
+    env: dict | None = None,
+    tp: int = 1,
 ) -> dict[str, Any]:
+    """One new vLLM process serving the prompt `repeat` + 1 times (the first a warm-up), with `env`
+    added to its environment, at tensor-parallel size `tp`."""
     cmd = [sys.executable, str(SERVE), "--model", str(model), "--tokens", str(tokens), "--ttft", "--warmup"]
     cmd += ["--repeat", str(repeat + 1), "--connector", connector, "--extra", json.dumps(extra or {})]
-    env = {**os.environ, **ENV}
+    env = {**os.environ, **ENV, **(env or {})}
     if tp > 1:  # one OpenMP thread set per worker, over the cores there are
         cmd += ["--tp", str(tp), "--metrics"]
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
@@ -152,7 +160,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if example:
             serve(model, n, 0, "example", {"shared_storage_path": str(work / f"example-{n}")})
         base = {"store_url": str(work / f"kv-{n}"), "cost_dir": str(work / "costs"), "chunk_size": args.chunk}
-        serve(model, n, 0, "kvrestore", base, tp)
+        serve(model, n, 0, "kvrestore", base, tp=tp)
     for rnd in range(args.rounds):
         for n in args.tokens:
             log(f"== round {rnd + 1} of {args.rounds}, {n} tokens")
@@ -186,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     name = f"kvrestore {split.replace('_', '-')} @ {f:g}x"
                     cases.append((name, "kvrestore", {**throttled, "split": split}, f * balance[n]))
             for name, connector, extra, rate in cases:
-                r = serve(model, n, args.repeat, connector, extra, tp)
+                r = serve(model, n, args.repeat, connector, extra, tp=tp)
                 if rate is not None:
                     r["bytes_per_s"] = rate
                 runs[n].setdefault(name, []).append(r)

@@ -23,13 +23,12 @@ from kvrestore.core.errors import (
     UsageError,
 )
 from kvrestore.core.kv import KVCache
+from kvrestore.core.version import __version__ as __version__
 from kvrestore.planning import Auto
 from kvrestore.policies import Blend, ComputeOnly, LayerTwoPointer, LoadOnly, TokenTwoPointer
 from kvrestore.restorer import Restorer, SyncRestorer
 from kvrestore.runtime.batch_engine import BatchEngine
 from kvrestore.stores import LocalStore, MemoryStore, TieredStore, open_store
-
-__version__ = "0.1.0"
 
 __all__ = [
     # the facade and what it is made of

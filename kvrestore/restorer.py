@@ -26,7 +26,7 @@ from kvrestore.chunkio import ChunkLoader
 from kvrestore.chunkio.save import SaveStats
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import seal_of
-from kvrestore.core.errors import InvalidInputError, KVRestoreError, UsageError, check_int, check_seconds
+from kvrestore.core.errors import InvalidInputError, KVRestoreError, UsageError
 from kvrestore.core.keys import (
     DEFAULT_CHUNK_SIZE,
     ChunkRef,
@@ -36,6 +36,7 @@ from kvrestore.core.keys import (
     namespaced,
 )
 from kvrestore.core.kv import KVCache
+from kvrestore.core.settings import check_choice, check_int, check_seconds
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import LoopThread, mirror_sync_methods
 from kvrestore.core.tokens import TokenIds, as_token_tensor, check_length
@@ -67,8 +68,7 @@ def _check_parts(backend: object, store: object, engine: object, compression: st
         raise InvalidInputError(f"store must be a ChunkStore (e.g. open_store(url)), got {store!r}")
     if engine is not None and not isinstance(engine, Engine):
         raise InvalidInputError(f"engine must be an Engine or None, got {engine!r}")
-    if compression not in ("none", "zstd"):
-        raise InvalidInputError(f"compression must be 'none' or 'zstd', got {compression!r}")
+    check_choice("compression", compression, ("none", "zstd"))
 
 
 def _on_device(t: torch.Tensor, device: torch.device | str) -> bool:

@@ -13,7 +13,8 @@ from kvrestore.backends.hf import HFBackend
 from kvrestore.costs.estimates import NO_PRIORS, Estimates, Priors
 from kvrestore.policies.base import Decision, Policy, Progress
 
-pytest_plugins = ["tests.s3_server"]  # s3_server / s3_bucket / s3_options: a real moto_server
+# real servers on 127.0.0.1: moto_server (s3_*), redis-server (redis_*), Mooncake's store (mooncake_*)
+pytest_plugins = ["tests.s3_server", "tests.redis_server", "tests.mooncake_server"]
 
 # CI runs every property test on the same examples (a red CI run is then reproducible and never a
 # coin toss); local runs draw new examples each time, which is how they find new failures.
@@ -93,8 +94,8 @@ def _learned_costs_per_test(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("KVRESTORE_LEARNED_DIR", str(tmp_path_factory.mktemp("learned")))
 
 
-#: fixtures whose tests belong to the slow tier: the real model, a real S3 server process
-SLOW_FIXTURES = {"smollm2", "s3_server", "s3_bucket", "s3_options"}
+#: fixtures whose tests belong to the slow tier: the real model, a real S3 server process, Mooncake's store
+SLOW_FIXTURES = {"smollm2", "s3_server", "s3_bucket", "s3_options", "mooncake_server", "mooncake_url"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -27,7 +27,10 @@ from kvrestore.core.errors import (
     UnauthenticatedChunkError,
 )
 from kvrestore.core.keys import ChunkRef
+from kvrestore.costs.compute import LayerCost
+from kvrestore.costs.links import LinkCost
 from tests.conftest import random_tokens
+from tests.test_profile import make_profile
 
 N_TOKENS, CHUNK = 300, 32
 
@@ -194,22 +197,29 @@ def test_a_local_store_recreates_its_deleted_directory(tmp_path, capacity):
 def test_short_chunks_are_planned_and_run_in_units_that_pay_their_cost(llama_backend, tmp_path):
     """chunk_size=1: `Auto` plans over units of `UNIT_TOKENS` tokens (never the layer axis, which
     reads every chunk per layer), every restore runs in such units, and the KV is exact; the stats
-    count the store's chunks."""
+    count the store's chunks.
+
+    The restorer's cost model is fixed (a profile), not learned from these restores: a layer costs a
+    nanosecond to compute by it, so no link the loads teach can be predicted to land every layer
+    first, and the `LayerTwoPointer` restore runs along layers (not handed to the token axis,
+    `restore.layer_wise.WHOLE_CHUNKS`) whatever this machine's speeds."""
     from kvrestore.restore.results import UNIT_TOKENS, Units
 
     b = llama_backend
     n = 200
     tokens = random_tokens(n, b.spec.vocab_size, seed=54)
     reference = b.prefill_chunk(tokens, None, 0).data
+    costs = make_profile(b, layer=LayerCost(1e-9, 0.0, 0.0))
 
     async def main():
         store = LocalStore(str(tmp_path / "kv"))
-        r = Restorer(b, store, chunk_size=1)
+        r = Restorer(b, store, chunk_size=1, profile=costs)
         await r.save(tokens)
         assert len(await store.scan()) == n
         results = [
             await r.restore(tokens, policy) for policy in (Auto(), Auto(), LoadOnly(), TokenTwoPointer())
         ]
+        r.planner.link.current = LinkCost(1e13, 0.0)  # the fastest link there is: still along layers
         results.append(await r.restore(tokens, LayerTwoPointer()))  # asked for: it still reads every chunk
         return results
 
@@ -223,6 +233,7 @@ def test_short_chunks_are_planned_and_run_in_units_that_pay_their_cost(llama_bac
     # the layer axis: every layer once; a chunk whose layers were partly computed, partly loaded,
     # counts in both (which of the two happens depends on the lanes' speeds)
     layers = results[4].stats
+    assert layers.axis == "layers" and layers.policy == "layer-wise" and not layers.handoff
     assert layers.computed_layers + layers.loaded_layers == b.spec.num_layers
     assert layers.computed_chunks == n * (layers.computed_layers > 0)
     assert layers.loaded_chunks == n * (layers.loaded_layers > 0)

@@ -277,7 +277,10 @@ def test_gpu_suite_records_failures_and_timeouts(tmp_path: Path, monkeypatch: py
 def test_seal_cost_tiny(tmp_path: Path) -> None:
     data = run_script("seal_cost.py", tmp_path / "seal_cost-tiny.json")
     assert data["config"]["tiny"] and data["chunks"] == 4
-    assert len(data["unsigned_s"]) == len(data["signed_s"]) == 1 and data["mac_s_per_restore"] > 0
+    assert {len(v) for v in data["seconds"].values()} == {1} and len(data["seconds"]) == 4
+    assert data["load_only_signed_vs_unsigned"] > 0 and data["header_macs_s_per_restore"] > 0
+    assert set(data["section_checks_s_per_restore"]) == {"unsigned", "signed"}
+    assert data["primitives"]["SectionTags.tag (GMAC)"]["gb_per_s"] > 0
 
 
 def test_host_pages_tiny(tmp_path: Path) -> None:

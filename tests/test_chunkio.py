@@ -17,7 +17,13 @@ from kvrestore import codec
 from kvrestore.chunkio import ChunkLoader, StagingPool
 from kvrestore.chunkio.pool import GRANULE
 from kvrestore.codec.checksums import device_checksums, segment_checksums, weights
-from kvrestore.core.errors import ChunkDecodeError, CorruptChunkError, ForeignChunkError, MissingChunkError
+from kvrestore.core.errors import (
+    ChunkDecodeError,
+    CorruptChunkError,
+    ForeignChunkError,
+    FormatVersionError,
+    MissingChunkError,
+)
 from kvrestore.core.kv import KVCache
 from kvrestore.core.spec import ModelSpec
 from kvrestore.stores import FsspecStore, MemoryStore, ThrottledStore, TieredStore
@@ -278,7 +284,7 @@ def test_an_older_format_chunk_is_a_clean_miss(tmp_path):
     spec = make_spec()
     _, blob = chunk_blob(spec)
     got, cache, _ = load_into(spec, FsspecStore(str(tmp_path)), older_format(blob))
-    assert isinstance(got, ForeignChunkError) and "version" in str(got)
+    assert isinstance(got, FormatVersionError) and "version" in str(got)
     assert (cache.data == 7).all()
 
 

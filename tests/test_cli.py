@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import io
+import itertools
 
 import anyio
 import pytest
 
-from kvrestore.tools.cli import main
+from kvrestore.tools.cli import build_parser, main
 from kvrestore.tools.demo import run_demo
+from kvrestore.tools.progress import ProgressLog
 
 
 @pytest.mark.model
@@ -104,8 +107,10 @@ def test_profile_command_saves_a_profile_restorer_can_use(smollm2, tmp_path, cap
     out = tmp_path / "p.json"
     args = ["profile", "--max-tokens", "256", "--chunk-size", "128", "--repeats", "1"]
     assert main([*args, "--store", f"file://{tmp_path}/store", "--out", str(out)]) == 0
-    text = capsys.readouterr().out
+    said = capsys.readouterr()
+    text = said.out
     assert "prefill n tokens" in text and f"saved {out}" in text
+    assert len(said.err.splitlines()) >= 4  # progress on stderr: the model, then each measurement
     profile = Profile.load(out)
     assert profile.link is not None and profile.chunk.seconds(256) > 0
     assert Restorer(smollm2, MemoryStore(), profile=out).planner.profile == profile
@@ -130,3 +135,80 @@ def test_simulate_compares_the_schedulers_from_a_saved_profile(tmp_path, capsys)
     with pytest.raises(SystemExit):
         main(["simulate", "--profile", str(path), "--restore-share", "1.5"])
     assert "--restore-share" in capsys.readouterr().err
+
+
+# -- the command line as people expect it -------------------------------------------------------------
+
+
+def _commands(parser):
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices
+
+
+def test_version(capsys):
+    import re
+    from pathlib import Path
+
+    import kvrestore
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvrestore {kvrestore.__version__}"
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    assert re.search(r'^version = "(.+)"$', pyproject, re.M).group(1) == kvrestore.__version__
+
+
+def test_every_command_and_option_has_help(capsys):
+    parser = build_parser()
+    commands = _commands(parser)
+    assert set(commands) == {"demo", "bench", "profile", "simulate"}
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    top = capsys.readouterr().out
+    for name, command in commands.items():
+        assert name in top
+        assert command.description  # `kvrestore NAME --help` says what it does
+        for action in command._actions:
+            assert action.help, f"kvrestore {name} {action.option_strings} has no help"
+        with pytest.raises(SystemExit) as exc:
+            main([name, "--help"])
+        assert exc.value.code == 0
+        shown = capsys.readouterr().out
+        assert all(opt in shown for a in command._actions for opt in a.option_strings)
+
+
+def test_a_bad_store_url_stops_profile_before_the_model_loads(capsys, monkeypatch):
+    from kvrestore.backends.hf import HFBackend
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(HFBackend, "from_smollm2", never)
+    assert main(["profile", "--store", "memroy://"]) == 2
+    assert "memory://" in capsys.readouterr().err  # the known schemes
+
+
+def test_a_step_that_runs_long_says_so_until_it_ends():
+    stream, now = io.StringIO(), [0.0]
+    log = ProgressLog(stream, clock=lambda: now[0])
+    log("measuring the prefill cost")
+    now[0] = 12.0
+    log.beat()
+    assert stream.getvalue().splitlines()[-1] == "[  12.0s] ... measuring the prefill cost (12 s)"
+
+    async def quiet_step():
+        beats = lambda: stream.getvalue().count("...")  # noqa: E731
+        async with log.beating(every_s=0.001, lines_every_s=5.0):
+            with anyio.fail_after(60):
+                while beats() < 3:  # the step says nothing while its clock runs: a line per 5 s
+                    now[0] += 1.0
+                    await anyio.sleep(0.001)
+        seconds = [int(line.rsplit("(", 1)[1].split()[0]) for line in stream.getvalue().splitlines()[1:]]
+        assert all(b - a >= 5 for a, b in itertools.pairwise(seconds))  # no more than a line per 5 s
+        after = beats()
+        now[0] += 100.0
+        await anyio.sleep(0.01)
+        assert beats() == after  # and stop with the block
+
+    anyio.run(quiet_step)

@@ -12,7 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvrestore import codec
-from kvrestore.core.errors import ChunkDecodeError, CorruptChunkError, ForeignChunkError, TruncatedChunkError
+from kvrestore.core.errors import (
+    ChunkDecodeError,
+    CorruptChunkError,
+    ForeignChunkError,
+    FormatVersionError,
+    TruncatedChunkError,
+    proves_damage,
+)
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 
@@ -160,20 +167,22 @@ def test_unparseable_header_with_valid_checksum_is_corrupt():
         decode(_with_header(msgspec.msgpack.encode(wrong)))
 
 
-def test_older_format_version_is_foreign():
+def test_an_older_format_version_is_not_read_nor_damage():
     header, _ = codec.read_header(BLOBS["none"])
     older = msgspec.msgpack.encode({**msgspec.structs.asdict(header), "version": codec.PLAIN_VERSION - 1})
-    with pytest.raises(ForeignChunkError, match="version"):
+    with pytest.raises(FormatVersionError, match="version") as got:
         decode(_with_header(older))
+    assert not proves_damage(got.value)
 
 
-def test_newer_format_version_is_foreign():
+def test_a_newer_format_version_is_not_read_nor_damage():
     header, _ = codec.read_header(BLOBS["none"])
     newer = msgspec.msgpack.encode(
         {**msgspec.structs.asdict(header), "version": codec.FORMAT_VERSION + 1, "extra": [1, 2]}
     )
-    with pytest.raises(ForeignChunkError, match="version"):
+    with pytest.raises(FormatVersionError, match="version") as got:
         decode(_with_header(newer))
+    assert not proves_damage(got.value)
 
 
 # -- foreign chunks -------------------------------------------------------------------------------

@@ -84,7 +84,10 @@ def test_a_restorer_without_a_profile_explores_then_plans_with_what_it_learned(l
         return r, first, second
 
     r, first, second = anyio.run(main)
-    assert first.plan is not None and "exploring" in first.plan.reason and not first.plan.predicted_s
+    assert first.plan is not None and "exploring" in first.plan.reason
+    # the save taught the compute costs, no load the link's: compute-only predicted, the rest not yet
+    assert set(first.plan.predicted_s) == {"compute-only"} and first.plan.balance_bytes_per_s
+    assert set(first.plan.unknown) == {"load-only", "two-pointer", "layer-wise"}
     assert isinstance(first.plan.choice, TokenTwoPointer)  # seven chunks: along tokens
     assert second.plan is not None and second.plan.predicted_s  # predicted every strategy
     predicted = second.plan.predicted_s

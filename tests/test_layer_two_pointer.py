@@ -12,13 +12,16 @@ from kvrestore import BatchEngine, LayerTwoPointer, Restorer, TokenTwoPointer
 from kvrestore.backends.hf import HFBackend
 from kvrestore.core.bandwidth import BandwidthTrace, Link, oracle_split, trace_suffix_times
 from kvrestore.core.keys import chunk_keys
+from kvrestore.core.trace import TraceEvent
 from kvrestore.planning.auto import Auto
+from kvrestore.policies import Decision, Progress
 from kvrestore.policies.batch import BatchAware, FifoLanes
+from kvrestore.runtime.bookkeeping import apply_event, begin
 from kvrestore.sim.simulate import simulate
 from kvrestore.stores import ThrottledStore
 from kvrestore.stores.memory import MemoryStore
 
-from .conftest import random_tokens, tiny_model
+from .conftest import ask, random_tokens, tiny_model
 
 ATOL = 1e-5
 
@@ -245,3 +248,22 @@ def test_layer_pointers_meet_once_near_the_best_cutover(
     one_layer = max(unit * layer_s + overhead, per_layer + latency)
     assert result.makespan >= best - 1e-9
     assert result.makespan <= oracle_split(compute_s, load_suffix)[0] + one_layer + 1e-9
+
+
+def test_a_layer_above_loaded_layers_is_never_computed_while_its_fetch_runs():
+    """On a batch engine the compute lane may get no turn while the loads take every layer down to
+    it: layers 0-2 computed, 3-7 and 9-11 loaded, 8 still in flight and late. Computing layer 8
+    would run layers 3-8 (only computing gives the hidden states layer 8 reads), so the layer pointer
+    waits for the fetch, where the token pointer, whose chunks need no such thing, computes chunk 8.
+    The computed layers stay a bottom run (this restore once computed {0, 1, 2, 8} by luck of timing).
+    A layer whose fetch failed is computed whatever lies below it."""
+    p = Progress([150] * 12, [True] * 12)
+    begin(p, Decision(compute=(0, 3), loads=(11, 10, 9, 8, 7, 6, 5, 4, 3)))
+    apply_event(p, TraceEvent("compute", 0, 2, 0.0, 0.3))
+    for j in (11, 10, 9, 7, 6, 5, 4, 3):
+        apply_event(p, TraceEvent("load", j, j, 0.0, 0.01 * (12 - j), 1000))
+    late = p.as_if(now=5.0, free_load_lanes=3)  # layer 8's fetch: five seconds without landing
+    assert ask(TokenTwoPointer(), late).compute == (8, 9)
+    assert ask(LayerTwoPointer(), late).compute is None
+    apply_event(p, TraceEvent("load-failed", 8, 8, 0.0, 5.0, error="damaged"))
+    assert ask(LayerTwoPointer(), p.as_if(now=5.0, free_load_lanes=3)).compute == (8, 9)

@@ -20,6 +20,7 @@ from kvrestore.costs.estimates import Priors
 from kvrestore.costs.links import LinkCost
 from kvrestore.policies import ChunkStatus, Decision, Progress
 from kvrestore.policies.meeting import GRACE, PROBE_SHARE
+from kvrestore.restore.layer_wise import WHOLE_CHUNKS
 from kvrestore.runtime.bookkeeping import PolicyError, apply_event, begin
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.memory import MemoryStore
@@ -219,7 +220,9 @@ def test_stats_seconds_is_the_whole_call(llama_backend):
 
 def test_a_layer_wise_restore_whose_loads_win_before_any_layer_goes_along_tokens(llama_backend):
     """Predicted to land every layer before the first is computed, a layer-wise restore reads whole
-    chunks instead (one read each, not one per layer): the token axis, loads only, exact."""
+    chunks instead (one read each, not one per layer): the token axis, loads only, exact, and the
+    stats say so (the policy asked for, the axis it ran along, and why). A fixed profile decides it:
+    a second of compute per layer against a link of a terabyte a second."""
     tokens = random_tokens(96, llama_backend.spec.vocab_size)
     slow_compute = make_profile(
         llama_backend,
@@ -230,6 +233,7 @@ def test_a_layer_wise_restore_whose_loads_win_before_any_layer_goes_along_tokens
 
     res = _saved_then_restored(llama_backend, llama_backend, tokens, LayerTwoPointer(), profile=slow_compute)
     assert res.stats.axis == "tokens" and res.stats.loaded_chunks == 3 and res.stats.computed_chunks == 0
+    assert res.stats.policy == "layer-wise" and res.stats.handoff == WHOLE_CHUNKS
     torch.testing.assert_close(res.kv.data, full_prefill(llama_backend, tokens), atol=ATOL, rtol=0)
 
 
@@ -324,9 +328,14 @@ class SlowFloored(SlowLayers):
 
 def test_a_fresh_restorer_that_knows_the_floor_starts_no_unit_on_a_fast_store(llama_backend):
     """No profile, nothing learned, but a compute floor far above what the store needs: the first
-    restore waits for the first fetch, sees the loads will land everything first, and only loads."""
+    restore waits for the first fetch, sees the loads will land everything first, and only loads.
+
+    The floor is 30 s a chunk, so the restore waits up to `PROBE_SHARE` of the prompt's (7.5 s) for
+    two fetches from memory to land: on a machine however busy (with a floor of 0.3 s a chunk, the
+    75 ms wait ran out on a loaded 2-core machine and a unit started). No unit runs, so the test
+    takes what the loads take."""
     tokens = random_tokens(160, llama_backend.spec.vocab_size)
-    slow = SlowFloored(llama_backend, layer_s=0.1)
+    slow = SlowFloored(llama_backend, layer_s=10.0)
 
     res = _saved_then_restored(llama_backend, slow, tokens, TokenTwoPointer(), profile=False)
     assert slow.units == 0 and res.stats.loaded_chunks == res.stats.n_chunks

@@ -15,7 +15,16 @@ from kvrestore.costs.calibration import Calibration
 from kvrestore.costs.compute import ChunkCost, LayerCost
 from kvrestore.costs.links import LinkCost
 from kvrestore.costs.measure import profile
-from kvrestore.planning.auto import TIE, Workload, crossover_length, predict
+from kvrestore.planning.auto import (
+    ADAPTS,
+    NO_COMPUTE,
+    NO_LINK,
+    PLANNED,
+    TIE,
+    Workload,
+    crossover_length,
+    predict,
+)
 from kvrestore.policies import Policy
 from kvrestore.stores.memory import MemoryStore
 
@@ -75,6 +84,34 @@ def test_without_costs_or_link_it_explores_and_says_why():
     plan = Auto().plan(None, LinkCost(1e8), smol_work(512), costs="learned from nothing yet")
     assert isinstance(plan.choice, LayerTwoPointer) and "exploring" in plan.reason  # two chunks: layers
     assert "learned from nothing yet" in plan.explain()
+    # the link alone predicts load-only of a fully stored prompt; the rest need the compute's speed
+    assert plan.predicted_s == {"load-only": predict(LoadOnly(), make_profile(), LinkCost(1e8), smol_work(512))}
+    assert set(plan.unknown) == {"compute-only", "two-pointer", "layer-wise"}
+    assert all(NO_COMPUTE in why and NO_LINK not in why for why in plan.unknown.values())
+
+
+def test_a_fresh_store_s_plan_shows_what_it_predicted_and_what_it_does_not_know_yet():
+    """Costs known (a save computed the prompt), no load seen: compute-only is predicted, and the
+    balance bandwidth from it; each other strategy says what is missing; `explain` has a line for
+    every strategy, the chosen one marked."""
+    p, work = make_profile(chunk=SMOL_CHUNK, layer=SMOL_LAYER), smol_work(2048)
+    plan = Auto().plan(p, None, work)
+    tc = SMOL_CHUNK.seconds(2048)
+    assert isinstance(plan.choice, TokenTwoPointer) and "exploring" in plan.reason
+    assert plan.predicted_s == {"compute-only": pytest.approx(tc)} and plan.compute_s == pytest.approx(tc)
+    assert plan.balance_bytes_per_s == pytest.approx(2048 * SMOL_BYTES / tc)
+    assert plan.unknown["load-only"] == NO_LINK
+    assert plan.unknown["two-pointer"] == plan.unknown["layer-wise"] == f"{NO_LINK}; {ADAPTS}"
+    assert plan.bound_s is None and plan.l_delta is None  # neither without a link
+    lines = plan.explain().splitlines()
+    for name in PLANNED:
+        (line,) = [x for x in lines if x.split()[:1] == [name]]
+        assert line.endswith("<- chosen") == (name == "two-pointer")
+        assert ("not predicted" in line) == (name != "compute-only")
+    # once a link is known every strategy is predicted, and nothing is unknown
+    known = Auto().plan(p, LinkCost(2048 * SMOL_BYTES / tc), work)
+    assert set(known.predicted_s) == set(PLANNED) and not known.unknown
+    assert known.bound_s is not None and known.balance_bytes_per_s == plan.balance_bytes_per_s
     plan = Auto().plan(None, LinkCost(1e8), smol_work(1024))  # four chunks: along tokens
     assert isinstance(plan.choice, TokenTwoPointer) and "exploring" in plan.reason
     plan = Auto().plan(make_profile(), None, smol_work(8192))  # a long prefix: along tokens

@@ -95,7 +95,15 @@ def test_restorer_finds_the_saved_profile_and_refuses_another_models(tmp_path, m
 
 def test_profile_measures_a_real_model_and_store(llama_backend):
     store = MemoryStore()
-    p = anyio.run(lambda: profile(llama_backend, store, max_tokens=256, chunk_size=64, repeats=1))
+    ticks: list[str] = []
+    p = anyio.run(
+        lambda: profile(llama_backend, store, max_tokens=256, chunk_size=64, repeats=1, tick=ticks.append)
+    )
+    # every measurement of a long step is told as it ends, counted against the step's whole
+    for step, kind in (("prefill cost", "chunk"), ("layer cost", "layer")):
+        n = len(p.samples[kind])
+        told = [t for t in ticks if t.startswith(step)]
+        assert told == [f"{step}: {i} of {n} measurements" for i in range(1, n + 1)]
     assert p.matches(llama_backend.spec, "cpu")
     assert {len(s) for s in p.samples["chunk"]} == {3} and len(p.samples["layer"]) >= 3
     assert p.chunk.seconds(256) > p.chunk.seconds(64) > 0
@@ -110,17 +118,29 @@ def test_profile_rejects_bad_sizes(llama_backend):
 
 
 def test_link_estimate_follows_the_loads():
-    est = LinkEstimate(LinkCost(1e6, 0.0), weight=0.5)
+    """Loads within `CHANGE_FACTOR` of the estimate move it (noise); loads further off replace it (the
+    link changed speed), and it stays unconfirmed until a later restore's loads agree."""
     trace = Trace()
     for i in range(4):  # 1 MB every 0.1 s on one lane, back to back: 10 MB/s
         trace.add(TraceEvent("load", i, i, 0.1 * i, 0.1 * (i + 1), 1_000_000))
+    est = LinkEstimate(LinkCost(6e6, 0.0), weight=0.5)
     est.observe(trace)
-    assert est.current.bytes_per_s == pytest.approx((1e6 + 1e7) / 2)
+    assert est.current.bytes_per_s == pytest.approx((6e6 + 1e7) / 2) and est.changes == 0
     est.observe(Trace())  # nothing loaded: nothing learned
     assert est.observations == 1
+    changed = LinkEstimate(LinkCost(1e6, 0.0), weight=0.5)  # ten times too slow: a change, not noise
+    changed.observe(trace)
+    assert changed.current.bytes_per_s == pytest.approx(1e7) and changed.changes == 1 and changed.unconfirmed
+    changed.observe(trace)
+    assert changed.current.bytes_per_s == pytest.approx(1e7) and not changed.unconfirmed
+    assert changed.at_most(0.6e7) and changed.changes == 1  # a bound within the factor: no change
+    assert changed.current.bytes_per_s == pytest.approx(1e7)
+    assert changed.at_most(1e6) and changed.current.bytes_per_s == 1e6 and changed.changes == 2
+    assert not changed.unconfirmed and changed.observations == 4  # a bound: nothing left to confirm
+    assert not LinkEstimate().at_most(1e6)  # no estimate to set it against
     fresh = LinkEstimate()
     fresh.observe(trace)
-    assert fresh.current.bytes_per_s == pytest.approx(1e7)
+    assert fresh.current.bytes_per_s == pytest.approx(1e7) and fresh.changes == 0
 
 
 def test_busy_time_is_the_union_of_intervals():

@@ -19,6 +19,7 @@ from kvrestore.stores import ThrottledStore
 from kvrestore.stores.memory import MemoryStore
 
 from .conftest import random_tokens
+from .test_overtake import HeldCompute
 from .test_two_pointer import ATOL, full_prefill
 
 
@@ -78,18 +79,24 @@ def test_only_a_driver_that_can_race_takes_a_race():
 
 @pytest.mark.parametrize("fast", [True, False])
 def test_a_raced_chunk_is_exact_whichever_wins(llama_backend, fast):
-    """One chunk through a fast store (the fetch wins) and through a very slow one (computing wins)."""
+    """One chunk whose compute never ends until it is stopped (the fetch from memory wins, whatever
+    the machine's speed), and one through a store that takes about 20 s to deliver it, against a tiny
+    model's milliseconds (computing wins)."""
     tokens = random_tokens(48, llama_backend.spec.vocab_size)
+    held = HeldCompute(llama_backend)  # never released: only the fetch can end the race
 
     async def main():
         inner = MemoryStore()
         await Restorer(llama_backend, inner, chunk_size=64, learn=False).save(tokens)
         store = inner if fast else ThrottledStore(inner, 2_000.0)  # a ~20 s fetch: computing wins
-        r = Restorer(llama_backend, store, chunk_size=64, learn=False)
+        r = Restorer(held if fast else llama_backend, store, chunk_size=64, learn=False)
         with anyio.fail_after(10):  # a lost fetch is stopped, not waited for
             return await r.restore(tokens, TokenTwoPointer())
 
-    res = anyio.run(main)
+    try:
+        res = anyio.run(main)
+    finally:
+        held.release.set()  # (a unit that lost the race has stopped; this frees any that did not start)
     kinds = sorted(e.kind for e in res.trace.events)
     if fast:
         assert "load" in kinds and "compute" not in kinds and res.stats.loaded_chunks == 1

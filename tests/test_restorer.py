@@ -7,6 +7,7 @@ import inspect
 import threading
 
 import anyio
+import numpy as np
 import pytest
 import torch
 
@@ -171,6 +172,8 @@ def test_chunks_written_by_other_dtype_are_not_used(tmp_path):
         ("hello", "not text"),
         ([1.5, 2.0], "integers"),
         ([[1, 2], [3, 4]], "1-D"),
+        (np.array([1, 2**64 - 1], dtype=np.uint64), "token id 18446744073709551615 is outside"),
+        (np.array([2**63], dtype=np.uint64), "token id 9223372036854775808 is outside"),
     ],
 )
 def test_bad_tokens_give_clear_errors(llama_backend, bad, message):

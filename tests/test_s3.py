@@ -14,7 +14,7 @@ from kvrestore import ComputeOnly, KVCache, LoadOnly, Restorer, SyncRestorer, op
 from kvrestore.stores import BoundedStore, FsspecStore, PrefetchStore, TieredStore
 
 from .conftest import random_tokens
-from .test_stores import K1, K2, K3
+from .test_stores import K1, K2, K3, evict_under_capacity
 from .test_stores import test_contract as check_contract
 
 pytest.importorskip("s3fs")  # the kvrestore[s3] extra
@@ -132,15 +132,7 @@ def test_s3_capacity_really_evicts(s3_server, s3_bucket, s3_options):
     store = open_store(f"s3://{s3_bucket}/cap", capacity_bytes=250, **s3_options)
     assert isinstance(store, BoundedStore)
 
-    async def body():
-        async with store:
-            await store.put(K1, b"1" * 100)
-            await store.put(K2, b"2" * 100)
-            assert await store.get(K1) is not None  # K1 used: K2 is now the least recent
-            await store.put(K3, b"3" * 100)
-            return await store.contains([K1, K2, K3])
-
-    assert run(body) == [True, False, True]
+    assert evict_under_capacity(store) == [True, False, True]
     assert object_names(s3_server, s3_bucket) == sorted(f"cap/{k[:2]}/{k}.kvc" for k in (K1, K3))
     assert store.bytes_used == 200 and store.evictions == 1
 

@@ -200,9 +200,10 @@ def test_s3_server_stopped_mid_restore_finishes_by_recomputing(llama_backend):
             res = await r.restore(tokens, LoadOnly(), on_event=stop_after_first_load)
             down = await r.restore(tokens, LoadOnly())  # server already down at lookup
             await r.close()
-            return res, down
+            return res, down, store.outage
 
-        res, down = run(main)
+        res, down, outage = run(main)
+    assert outage.outages == 1 and outage.failures >= 2  # one outage, every failed call counted
 
     assert res.stats.loaded_chunks >= 1 and res.stats.failed_loads >= 1
     assert res.stats.loaded_chunks + res.stats.computed_chunks == 8

@@ -412,7 +412,7 @@ def test_throttled_store_refuses_its_other_bad_arguments():
     for latency in (-0.1, "1ms", math.nan):
         with pytest.raises(InvalidInputError, match="latency_s must be a finite number >= 0"):
             ThrottledStore(MemoryStore(), 1e6, latency_s=latency)
-    with pytest.raises(TypeError, match="wraps a ChunkStore"):
+    with pytest.raises(InvalidInputError, match="inner must be a ChunkStore"):
         ThrottledStore("memory://", 1e6)
 
 
@@ -427,7 +427,7 @@ def test_prefetch_and_tiered_stores_refuse_bad_arguments():
 @pytest.mark.parametrize("url", ["file://", "file://  ", "s3://"])
 def test_open_store_refuses_a_url_without_a_path(url, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # where "file://" used to write
-    with pytest.raises(InvalidInputError, match="names no directory or bucket"):
+    with pytest.raises(InvalidInputError, match="names no directory or bucket|whitespace"):
         open_store(url)
     with pytest.raises(InvalidInputError):
         FsspecStore(url)

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrestore import LoadOnly, Restorer, StoreError, open_store
+from kvrestore import InvalidInputError, LoadOnly, Restorer, StoreError, open_store
 from kvrestore.stores import (
     FIFO,
     LRU,
@@ -128,7 +128,7 @@ def test_tiered_rejects_bad_keys(tmp_path, bad):
 def test_bad_construction():
     with pytest.raises(ValueError, match="at least one tier"):
         TieredStore([])
-    with pytest.raises(TypeError, match="ChunkStore"):
+    with pytest.raises(InvalidInputError, match="every tier must be a ChunkStore"):
         TieredStore([MemoryStore(), "file:///tmp"])
     with pytest.raises(ValueError, match="write must be"):
         TieredStore([MemoryStore()], write="sometimes")

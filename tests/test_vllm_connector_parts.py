@@ -6,7 +6,6 @@ imports vLLM.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import threading
@@ -20,7 +19,7 @@ from kvrestore.chunkio.page_dest import SectionPages
 from kvrestore.chunkio.pages import blocks_of
 from kvrestore.chunkio.save import ChunkSaver
 from kvrestore.codec.quant import key_space
-from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.errors import InvalidInputError, KVRestoreError, StoreError
 from kvrestore.core.keys import ChunkRef, chunk_keys
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
@@ -31,7 +30,6 @@ from kvrestore.integrations.vllm.config import (
     ConnectorConfig,
     ConnectorContext,
     check_shared_memory,
-    checkpoint_fingerprint,
     preflight,
 )
 from kvrestore.integrations.vllm.layouts import (
@@ -238,7 +236,7 @@ def test_config_is_checked():
     assert cfg.batch is True  # CacheFlow's batch rule, unless turned off
     assert ConnectorConfig.from_extra({"store_url": "/x", "batch": False}).batch is False
     for bad, match in [
-        ({"store_url": "/x", "batch": "no"}, "batch must be true or false"),
+        ({"store_url": "/x", "batch": "no"}, "batch must be True or False"),
         ({}, "store_url"),
         ({"store_url": "/x", "chunk": 3}, "unknown kv_connector_extra_config keys"),
         ({"store_url": "/x", "chunk_size": 0}, "chunk_size"),
@@ -250,26 +248,6 @@ def test_config_is_checked():
     ]:
         with pytest.raises(InvalidInputError, match=match):
             ConnectorConfig.from_extra(bad)
-
-
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
-def test_checkpoint_fingerprint_is_the_restorers(tmp_path):
-    from kvrestore.backends.hf import HFBackend
-
-    model = tiny_model("llama")
-    model.save_pretrained(tmp_path / "ckpt")
-    from transformers import AutoModelForCausalLM
-
-    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ckpt"), dtype=torch.float32)
-    want = HFBackend(loaded, dtype=torch.float32).spec.fingerprint
-    got = checkpoint_fingerprint(tmp_path / "ckpt", torch.float32, cache_dir=tmp_path / "cache")
-    assert got == want
-    assert (
-        checkpoint_fingerprint(tmp_path / "ckpt", torch.float32, cache_dir=tmp_path / "cache") == want
-    )  # cached
-    assert checkpoint_fingerprint(tmp_path / "ckpt", torch.bfloat16, cache_dir=tmp_path / "cache") != want
-    with pytest.raises(InvalidInputError, match="fingerprint"):
-        checkpoint_fingerprint(tmp_path / "nope", torch.float32, cache_dir=tmp_path / "cache")
 
 
 # -- background I/O --------------------------------------------------------------------------------
@@ -669,9 +647,12 @@ def test_a_store_that_cannot_be_used_is_refused_before_vllm_loads_the_model(tmp_
     with pytest.raises(StoreError, match="read-only"):  # a replica that only reads: the cache must exist
         preflight(ConnectorConfig.from_extra({"store_url": str(tmp_path / "none"), "save": False}))
     preflight(ConnectorConfig.from_extra({"store_url": f"file://{tmp_path / 'kv'}"}))
-    assert (tmp_path / "kv").is_dir()  # created, as the connector will
+    assert not (tmp_path / "kv").exists()  # made by the first save
     preflight(ConnectorConfig.from_extra({"store_url": "memory://"}))  # nothing to check
     preflight(ConnectorConfig.from_extra({"store_url": "s3://bucket/kv"}))  # asked at the first lookup
+    for typo in ("memroy://", "memory:/", "s4://bucket/kv", "file://relative/kv", " /var/cache/kv"):
+        with pytest.raises(KVRestoreError, match="known schemes|absolute path|whitespace"):
+            preflight(ConnectorConfig.from_extra({"store_url": typo}))
 
 
 def test_memory_is_refused_where_the_scheduler_and_the_worker_are_two_processes():

@@ -111,6 +111,7 @@ def test_what_cannot_be_keyed_is_refused_and_logged_once(tmp_path):
         request(tokens=None),
         request(lora=gone),
         request(mm=[no_hash]),
+        request(salt="tenant-\ud800"),  # a lone surrogate, as JSON's "\ud800" decodes: no UTF-8 for it
     ]
     before = len(records("unkeyed"))
     for req in unkeyable + unkeyable:

@@ -7,7 +7,7 @@
 Each prompt is `--tokens` ids of kvrestore's reference text (starting `--offsets` ids in), served with
 greedy sampling; the output has the generated ids, their logprobs and the time to the first token
 (a generate call of one token, measured before the full one, when `--ttft` is given). Last, one line
-``{"records": [...], "metrics": {...}}``: the connector's records (`vllm_stats.records`) and, with
+``{"records": [...], "metrics": {...}}``: the connector's records (`integrations.vllm.stats.records`) and, with
 `--metrics`, the ``vllm:kvrestore_*`` counters vLLM exported. `--requests` serves the listed prompts
 instead, each with its `cache_salt` and under the LoRA adapter `--lora` (vLLM started with LoRA on)
 where `lora` is true; each line then also has the request's `request_id`, `salt` and `lora`. Used by the vLLM test tier and
@@ -106,10 +106,10 @@ def main() -> None:
     t0 = time.perf_counter()
     lora_options = {"enable_lora": True, "max_lora_rank": 16} if args.lora else {}
     options = {"disable_log_stats": not args.metrics, **lora_options}
-    if args.tp > 1 or args.pp > 1:
-        options |= {"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp}
     if args.prefix_caching:
         options["enable_prefix_caching"] = True
+    if args.tp > 1 or args.pp > 1:
+        options |= {"tensor_parallel_size": args.tp, "pipeline_parallel_size": args.pp}
     if args.step_tokens is not None:
         options |= {"max_num_batched_tokens": args.step_tokens, "enable_chunked_prefill": True}
     llm = engine(args.model, args.connector, json.loads(args.extra), **options)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -22,7 +22,9 @@ from kvrestore.backends.floor import measure_floor
 from kvrestore.backends.hf_blend import REROTATABLE_ROPE_TYPES, HFBlend
 from kvrestore.core.cancel import checkpoint
 from kvrestore.core.errors import InvalidInputError, UnsupportedModelError
+from kvrestore.core.fingerprint import of_checkpoint, of_tensors
 from kvrestore.core.kv import KVChunk
+from kvrestore.core.settings import check_device, check_dtype, check_path, check_text
 from kvrestore.core.spec import ModelSpec
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -42,7 +44,9 @@ class HFBackend:
     name: str, optional
         The model's name in its `ModelSpec` (default: the config's `_name_or_path`).
     fingerprint: str, optional
-        The model's identity in chunk keys (default: a hash of its config, weights and dtype).
+        The model's identity in chunk keys (default: a hash of its config, dtype and every byte of its
+        parameters and buffers, `core.fingerprint.of_tensors`; `from_pretrained` hashes the checkpoint's
+        files instead, as the vLLM connector does).
 
     Attributes
     ----------
@@ -68,6 +72,14 @@ class HFBackend:
         name: str | None = None,
         fingerprint: str | None = None,
     ) -> None:
+        if not isinstance(cast(object, model), torch.nn.Module) or not hasattr(model, "config"):
+            raise InvalidInputError(
+                f"model must be a transformers causal LM (e.g. AutoModelForCausalLM.from_pretrained(path)), got {model!r}"
+            )
+        dtype = None if dtype is None else check_dtype("dtype", dtype)
+        device = check_device("device", device)
+        name = None if name is None else check_text("name", name)
+        fingerprint = None if fingerprint is None else check_text("fingerprint", fingerprint)
         config = model.config
         model_type = getattr(config, "model_type", "?")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -98,8 +110,8 @@ class HFBackend:
         self._n_heads = config.num_attention_heads
         self._n_kv = config.num_key_value_heads
         self._qk_norm = hasattr(attn, "q_norm")
-        fp = fingerprint or ModelSpec.compute_fingerprint(
-            config.to_dict(), model.state_dict().items(), self.dtype
+        fp = fingerprint or of_tensors(
+            config.to_dict(), [*model.named_parameters(), *model.named_buffers()], self.dtype
         )
         self.spec = ModelSpec(
             name=name or getattr(config, "_name_or_path", None) or model_type,
@@ -125,12 +137,23 @@ class HFBackend:
     # -- loading ---------------------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, **kwargs: Any) -> HFBackend:
-        """Load a local HF checkpoint directory (model + tokenizer); nothing is downloaded."""
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, cache_dir: str | os.PathLike | None = None, **kwargs: Any
+    ) -> HFBackend:
+        """Load a local HF checkpoint directory (model + tokenizer); nothing is downloaded.
+
+        Unless `fingerprint` is given, the model's is the checkpoint's (`core.fingerprint.of_checkpoint`:
+        its weight files' content, config and the dtype), what the vLLM connector computes for the same
+        directory; the files' digests are cached under `cache_dir` (default: kvrestore's cache dir).
+        """
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
-        dtype = kwargs.pop("dtype", torch.float32)
+        path = check_path("path", path)
+        cache_dir = None if cache_dir is None else check_path("cache_dir", cache_dir)
+        dtype = check_dtype("dtype", kwargs.pop("dtype", torch.float32))
+        if kwargs.get("fingerprint") is None:
+            kwargs["fingerprint"] = of_checkpoint(path, dtype, cache_dir)
         bar = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()  # a local load takes a second: no bar
         try:
@@ -153,8 +176,12 @@ class HFBackend:
         The first call converts the GGUF (about 25 s) and saves the weights as safetensors under the
         user cache dir; later calls load those in a few seconds. Nothing is downloaded.
         """
+        dtype, device = check_dtype("dtype", dtype), check_device("device", device)
+        cache_dir = None if cache_dir is None else check_path("cache_dir", cache_dir)
         path = smollm2_checkpoint(cache_dir)
-        return cls.from_pretrained(path, dtype=dtype, device=device, name="SmolLM2-135M-Instruct")
+        return cls.from_pretrained(
+            path, cache_dir=cache_dir, dtype=dtype, device=device, name="SmolLM2-135M-Instruct"
+        )
 
     # -- ComputeBackend --------------------------------------------------------------------------
 

@@ -85,9 +85,8 @@ class CacheRows:
         """Verify and decode the sections straight into their rows of a CPU cache (one copy each)."""
         header, chunk = reader.headers[j], reader.chunks[j]
         out = self.rows(layers, chunk.offset, chunk.n_tokens, kv)
-        codec.decode_layers(
-            header, codec.span_sections(header, layers, data), reader.spec, list(layers), out=out
-        )
+        sections = codec.span_sections(header, layers, data)
+        codec.decode_layers(header, sections, reader.spec, list(layers), out=out, seal=reader.seal)
 
     def placed(self, reader: LayerReader, layers: range, chunks: Sequence[int], kv: KVCache) -> None:
         """Nothing more to do: the rows are the KV."""

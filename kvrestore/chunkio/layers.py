@@ -37,12 +37,12 @@ from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.chunkio.uploads import LayerUploads
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import (
-    DAMAGE_FAULTS,
     LOAD_FAULTS,
     ChunkDecodeError,
     CorruptChunkError,
     MissingChunkError,
     TruncatedChunkError,
+    proves_damage,
 )
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
@@ -273,17 +273,17 @@ class LayerReader:
 
     async def _fault(self, j: int, exc: BaseException, where: str = "", note: bool = True) -> None:
         """Stop reading chunk j, note its fault, and delete an object its bytes proved damaged
-        (`DAMAGE_FAULTS`; best effort: the miss is what matters)."""
+        (`proves_damage`; best effort: the miss is what matters)."""
         if self._noted(j, exc, where, note):
             await forget(self.store, self.chunks[j].key)
 
     def _noted(self, j: int, exc: BaseException, where: str, note: bool = True) -> bool:
-        """Stop reading chunk j and note why; whether its bytes proved it damaged (`DAMAGE_FAULTS`)."""
+        """Stop reading chunk j and note why; whether its bytes proved it damaged (`proves_damage`)."""
         self.drop(j)
         self.why[j] = f"chunk {j}{where}: {type(exc).__name__}: {exc}"
         if note:
             self.errors.append(self.why[j])
-        return isinstance(exc, DAMAGE_FAULTS)
+        return proves_damage(exc)
 
     # -- the blocking face: destinations that land bytes where they are used -----------------------
 
@@ -337,7 +337,7 @@ class LayerReader:
                 if layers[-1] == header.num_layers - 1 and got > end - first:
                     raise CorruptChunkError(f"object has bytes past the last section (at byte {end})")
                 for layer, parts in zip(layers, landing.sections, strict=True):
-                    codec.check_section(header, layer, parts)
+                    codec.check_section(header, layer, parts, self.seal)
                 dest.landed(self, layers, j)
             except LOAD_FAULTS as exc:
                 if self._noted(j, exc, f" {layers_name(layers)}"):

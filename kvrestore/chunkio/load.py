@@ -8,14 +8,17 @@ The path a load lane runs for a chunk, and why each step is shaped so:
    copied once for a remote store).
 2. **Check** the header (a few hundred bytes: model, key, position, sizes, zero padding).
 3. **Verify and place**, in one worker-thread call:
-   * into a CPU cache: xxh3 of every section (python-xxhash releases the GIL), then one numpy copy of
-     the body into the cache's token range. Nothing unverified reaches the cache.
+   * into a CPU cache: xxh3 of every section (python-xxhash releases the GIL), or with a secret its
+     GMAC tag (`codec.seal`, the GIL released too), then one numpy copy of the body into the cache's
+     token range. Nothing unverified reaches the cache.
    * into a CUDA cache: the body (in pinned staging, or in a pinned `MemoryStore`'s own memory; other
      bytes from memory are first copied into pinned staging with one numpy copy) goes to the device on the load stream with one copy, then the device checksum of every
      layer runs there (`checksums.device_checksums`, two kernels) and only L sums come back. The
      staging buffers belong to the load's `Transfer` (`chunkio.transfer`), which recycles each once
      the upload's event has completed, also when the load fails part-way. A mismatch raises before the
      chunk counts as loaded; its rows are then recomputed, so damaged bytes never survive in the cache.
+     With a secret each layer's tag is checked on the host before that layer is queued to go up (the
+     next layer's check overlaps this one's copy), so no unauthenticated byte reaches the cache.
 
 A store that reads without the event loop (`ChunkStore.reads_sync`: memory of this process, a local
 directory) gets the whole load as blocking calls on the engine's load-lane threads
@@ -51,7 +54,13 @@ from kvrestore.chunkio.transfer import Transfer, TransferLane
 from kvrestore.codec.checksums import device_checkable, device_checksums
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import Seal
-from kvrestore.core.errors import DAMAGE_FAULTS, CorruptChunkError, InvalidInputError, MissingChunkError
+from kvrestore.core.errors import (
+    ChunkDecodeError,
+    CorruptChunkError,
+    InvalidInputError,
+    MissingChunkError,
+    proves_damage,
+)
 from kvrestore.core.kv import buffer_problem
 from kvrestore.core.spec import ModelSpec
 from kvrestore.stores.base import ChunkStore
@@ -225,20 +234,23 @@ class ChunkLoader:
         if header.compression != "none":
             self._place_decoded(header, data, dest, transfer)
         elif dest.device.type != "cuda":
-            codec.verify_sections(header, data)
+            codec.verify_sections(header, data, self.seal)
             if self.encoding.native:  # keys a writer stored in tiles turned row-major on the way
                 codec.copy_bytes(dest, codec.body(header, data), codec.key_tile(header))
             else:
                 self.encoding.decode(codec.body_sections(header, data), dest)
         else:
-            if not self._device_checkable(dest):
+            if not self._device_checkable(dest) and self.seal is None:
                 codec.verify_sections(header, data)
             # read into pinned staging, else a pinned store's object as it is or one GIL-free copy
             host = staging.tensor if staging is not None else transfer.pinned(data)
-            # the body to the device on the load stream, then every layer's device checksum compared
+            # the body to the device on the load stream, then every layer's device checksum compared;
+            # signed, each layer's tag is checked on the host before its bytes are queued to go up
             expected = [s.device_sum for s in header.layers] if self._device_checkable(dest) else None
             body = host[header.layers[0].offset : header.end]
-            upload_checked(body, dest, expected, transfer, self.encoding, codec.key_tile(header))
+            seal = self.seal
+            check = None if seal is None else lambda i: codec.verify_sections(header, data, seal, [i])
+            upload_checked(body, dest, expected, transfer, self.encoding, codec.key_tile(header), check)
 
     def _device_checkable(self, dest: torch.Tensor) -> bool:
         """Whether sections are checked on the device: encoded ones always (whole words), native ones
@@ -256,7 +268,14 @@ class ChunkLoader:
             out = transfer.stage(nbytes).tensor[:nbytes].view(dest.dtype).view(dest.shape)
         n_tokens = int(dest.shape[3])
         codec.decode_chunk(
-            data, self.spec, header.key, header.start, n_tokens, out=out, encoding=self.encoding.name
+            data,
+            self.spec,
+            header.key,
+            header.start,
+            n_tokens,
+            out=out,
+            encoding=self.encoding.name,
+            seal=self.seal,
         )
         if out is not dest:
             with transfer.running():
@@ -271,6 +290,7 @@ def upload_checked(
     transfer: Transfer,
     encoding: Encoding | None = None,
     key_tile: int = 0,
+    check: Callable[[int], None] | None = None,
 ) -> None:
     """Copy `host` (pinned bytes laid out as `dest`, e.g. a chunk's body or one layer's section) to the
     CUDA tensor `dest` ([n, ...]: n layers) on `transfer`'s stream, hand the buffers `transfer` staged
@@ -278,17 +298,31 @@ def upload_checked(
     with `expected` (None: the bytes were verified on the host). With a quantized `encoding`, `host`
     holds the n encoded sections: they go up to a device buffer, are checked there and decoded into
     `dest`, on the stream; native sections whose keys are stored in tiles (`key_tile`,
-    `codec.layout`) go up as they are, are checked there and turned into `dest`'s rows. Blocks until the stream has done all of it (the GIL is released meanwhile);
+    `codec.layout`) go up as they are, are checked there and turned into `dest`'s rows. With `check`
+    (a signed chunk's host check of one layer's stored bytes, `codec.check_section`), the layers go up
+    one copy each, each queued only once `check(i)` has passed: the host checks layer i + 1 while layer
+    i is copied, and no unchecked byte reaches `dest` (a failed check raises with the layers before it
+    placed). Blocks until the stream has done all of it (the GIL is released meanwhile);
     raises CorruptChunkError on a mismatch, naming the layer."""
     with transfer.running():
         if (encoding is None or encoding.native) and not key_tile:
             stored = dest
-            dest.copy_(host.view(dest.dtype).view(dest.shape), non_blocking=True)
+            src = host.view(dest.dtype).view(dest.shape)
         else:  # allocated on this stream: reused only after what is queued on it
             stored = torch.empty(
                 (dest.shape[0], host.numel() // dest.shape[0]), dtype=torch.uint8, device=dest.device
             )
-            stored.copy_(host.view(stored.shape), non_blocking=True)
+            src = host.view(stored.shape)
+        if check is None:
+            stored.copy_(src, non_blocking=True)
+        else:
+            try:
+                for i in range(stored.shape[0]):
+                    check(i)
+                    stored[i].copy_(src[i], non_blocking=True)
+            except BaseException:
+                transfer.wait()  # nothing still reads `host` (a pinned store's object) once this raises
+                raise
         transfer.copied()
         sums = device_checksums(stored).to("cpu", non_blocking=True) if expected is not None else None
         if stored is not dest and key_tile:
@@ -307,7 +341,7 @@ class Fetched:
     """A chunk's object as `ChunkLoader.fetch_sync` read it, not yet placed: in `staged` (the transfer
     holding the staging buffer, the buffer, the size `read_into_sync` returned) or `data` (an object a
     store in memory handed out; None: absent). `place` or `discard` ends it, once. Where `damaged` is a
-    list, a `place` that finds the bytes damaged (`DAMAGE_FAULTS`) notes the key in it."""
+    list, a `place` that finds the bytes damaged (`proves_damage`) notes the key in it."""
 
     __slots__ = ("damaged", "data", "dest", "key", "loader", "staged", "start")
 
@@ -332,8 +366,8 @@ class Fetched:
             transfer, staging, size = self.staged
             with transfer:
                 return self.loader._place_staged(self.key, self.start, self.dest, transfer, staging, size)
-        except DAMAGE_FAULTS:
-            if self.damaged is not None:
+        except ChunkDecodeError as exc:
+            if self.damaged is not None and proves_damage(exc):
                 self.damaged.append(self.key)
             raise
 

@@ -155,11 +155,15 @@ class KeptSections(CacheRows):
             section = header.layers[layer]
             copied = header.compression != "none" or codec.key_tile(header)
             if copied or section.length != raw or section.raw_length != raw:
-                self.sections[j, layer] = codec.decode_layers(header, {layer: stored}, spec, [layer])[0]
+                self.sections[j, layer] = codec.decode_layers(
+                    header, {layer: stored}, spec, [layer], seal=reader.seal
+                )[0]
                 continue
             if len(stored) != section.length:
-                raise CorruptChunkError(f"layer {layer}: {len(stored)} bytes for a {section.length}-byte section")
-            codec.check_section(header, layer, stored)
+                raise CorruptChunkError(
+                    f"layer {layer}: {len(stored)} bytes for a {section.length}-byte section"
+                )
+            codec.check_section(header, layer, stored, reader.seal)
             with warnings.catch_warnings():  # read-only bytes: nothing writes through the view
                 warnings.simplefilter("ignore", UserWarning)
                 flat = torch.frombuffer(stored, dtype=torch.uint8)
@@ -171,13 +175,18 @@ class KeptSections(CacheRows):
         out = []
         for j, c in enumerate(reader.chunks):
             a, b = max(c.start, load.first), min(c.end, upto)
-            if a >= b:
-                continue
-            data = self.sections[j, layer]
-            encoded = data.dtype == torch.uint8 and not reader.encoding.native  # else KV: native or decoded
-            enc = reader.encoding if encoded else codec.spec_encoding(reader.spec)
-            out.append(Piece(a, b - a, data, enc, reader.headers[j].n_tokens, a - c.start))
+            if a < b:
+                out.append(self.piece(reader, j, layer, a, b - a, a - c.start))
         return out
+
+    def piece(
+        self, reader: LayerReader, j: int, layer: int, start: int, n_tokens: int, skip: int = 0
+    ) -> Piece:
+        """Tokens [start, start + n_tokens) of chunk j's section of `layer`, `skip` tokens into it, as read."""
+        data = self.sections[j, layer]
+        encoded = data.dtype == torch.uint8 and not reader.encoding.native  # else KV: native or decoded
+        enc = reader.encoding if encoded else codec.spec_encoding(reader.spec)
+        return Piece(start, n_tokens, data, enc, reader.headers[j].n_tokens, skip)
 
 
 class SectionPages(KeptSections):

@@ -34,11 +34,11 @@ import torch
 from kvrestore import codec
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import (
-    DAMAGE_FAULTS,
     ChunkDecodeError,
     InvalidInputError,
     MissingChunkError,
     TruncatedChunkError,
+    proves_damage,
 )
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVChunk
@@ -314,7 +314,7 @@ async def _read_part(
     if len(span) != hi - lo:
         raise TruncatedChunkError(f"part {pkey[:12]}: read {len(span)} of {hi - lo} bytes")
     sections = codec.span_sections(header, local, span)
-    return codec.decode_layers(header, sections, sub, list(local)), nbytes
+    return codec.decode_layers(header, sections, sub, list(local), seal=seal), nbytes
 
 
 async def _get(store: ChunkStore, key: str, start: int, end: int) -> bytes:
@@ -322,7 +322,3 @@ async def _get(store: ChunkStore, key: str, start: int, end: int) -> bytes:
     if data is None:
         raise MissingChunkError(f"part {key[:12]} is not in the store")
     return data
-
-
-def proves_damage(exc: BaseException) -> bool:  # scratch shim
-    return isinstance(exc, DAMAGE_FAULTS)

@@ -12,7 +12,7 @@ import torch
 
 from kvrestore.chunkio.load import ChunkLoader, Fetched
 from kvrestore.chunkio.stored import forget
-from kvrestore.core.errors import DAMAGE_FAULTS
+from kvrestore.core.errors import ChunkDecodeError, proves_damage
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
 from kvrestore.core.streams import on_stream
@@ -20,12 +20,13 @@ from kvrestore.core.streams import on_stream
 
 async def load_chunk(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, first: int = 0) -> int:
     """Fetch, verify and place `ref` in its token range of `kv` (`ChunkLoader.load`), which begins at
-    token `first` of the prompt; returns the stored bytes read. A damaged chunk (`DAMAGE_FAULTS`) is
+    token `first` of the prompt; returns the stored bytes read. A damaged chunk (`proves_damage`) is
     forgotten before its error propagates."""
     try:
         return await loader.load(ref.key, ref.start, kv.chunk(ref.start - first, ref.end - first).data)
-    except DAMAGE_FAULTS:
-        await forget(loader.store, ref.key)
+    except ChunkDecodeError as exc:
+        if proves_damage(exc):
+            await forget(loader.store, ref.key)
         raise
 
 
@@ -66,8 +67,9 @@ def fetch_chunk_sync(loader: ChunkLoader, ref: ChunkRef, kv: KVCache, damaged: l
     loop (`forget`) once the restore is over."""
     try:
         fetched = loader.fetch_sync(ref.key, ref.start, kv.chunk(ref.start, ref.end).data)
-    except DAMAGE_FAULTS:
-        damaged.append(ref.key)
+    except ChunkDecodeError as exc:
+        if proves_damage(exc):
+            damaged.append(ref.key)
         raise
     fetched.damaged = damaged
     return fetched

@@ -3,7 +3,7 @@ rule for a damaged chunk (`forget`), the one schedule of a read along layers (`r
 runs one read per chunk concurrently (`each`).
 
 Only proven damage deletes: a chunk whose bytes, as read, fail their checks (corrupt, truncated,
-foreign: `DAMAGE_FAULTS`) is deleted from the store, so it is never served again and the next save
+foreign: `core.errors.proves_damage`) is deleted from the store, so it is never served again and the next save
 writes a good copy. A missing chunk, one without a valid MAC, a store fault and a failure to place good
 bytes (the caller's buffer, a device, a cancelled copy) leave the store as it was.
 """

@@ -11,7 +11,8 @@ sums were read back (a host round trip per read), or, with deferred checks (`chu
 span is placed at once and the sums are compared on the device. Quantized sections (`codec.quant`) are
 checked as stored and decoded into their rows there, on the same stream. Sections that cannot be
 checked on the device (compressed, native rows not whole int64 words, not back to back) are decoded and
-checked on the host.
+checked on the host. With a secret, every section's tag (`codec.seal`) is checked on the host while the
+spans are copied to the device buffer, and a span that fails is never placed in the cache.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from kvrestore.chunkio.deferred import DeferredChecks
 from kvrestore.chunkio.stored import layers_name
 from kvrestore.chunkio.transfer import Transfer, pinned_view
 from kvrestore.codec.checksums import device_checkable, segment_checksums
-from kvrestore.core.errors import LOAD_FAULTS, CorruptChunkError, MissingChunkError, TruncatedChunkError
+from kvrestore.core.errors import (
+    LOAD_FAULTS,
+    ChunkDecodeError,
+    CorruptChunkError,
+    MissingChunkError,
+    TruncatedChunkError,
+)
 from kvrestore.core.kv import KVCache
 from kvrestore.stores.base import copy_into
 
@@ -138,9 +145,8 @@ class LayerUploads:
     def _decode(self, layers: range, j: int, data: memoryview) -> torch.Tensor:
         """Chunk j's span, verified and decoded on the host: KV [n, 2, H, T, D]."""
         header = self.reader.headers[j]
-        return codec.decode_layers(
-            header, codec.span_sections(header, layers, data), self.reader.spec, list(layers)
-        )
+        sections = codec.span_sections(header, layers, data)
+        return codec.decode_layers(header, sections, self.reader.spec, list(layers), seal=self.reader.seal)
 
     def _stage(self, j: int, data: memoryview | None, a: int, slot: memoryview, layers: range) -> None:
         """Fill `slot` (chunk j's place in the shared staging buffer) with its span: copied there (one
@@ -175,6 +181,7 @@ class LayerUploads:
         device_buf = torch.empty(sum(sizes), dtype=torch.uint8, device=kv.data.device)
         for at, host in _coalesced(ups, sizes, staging):
             device_buf[at : at + host.numel()].copy_(host, non_blocking=True)
+        forged = self._authenticate(layers, ups, bad)  # on the host, while the copies run
         if checks is not None:
             for _, host, staged in ups:
                 if not staged:
@@ -187,14 +194,17 @@ class LayerUploads:
         ]
         if checks is not None:
             checks.note(layers, [j for j, _, _ in ups], sums)
-            self._place_runs(layers, spans, kv, device_buf)
-            return [j for j, _, _ in ups]
+            authentic = [span for span in spans if span[0] not in forged]
+            self._place_runs(layers, authentic, kv, device_buf)
+            return [j for j, _, _ in authentic]
         sums = sums.to("cpu", non_blocking=True)
         transfer.wait()
         got = sums.view(len(ups), len(layers)).tolist()
         good = []
         for span, chunk_sums in zip(spans, got, strict=True):
             j = span[0]
+            if j in forged:
+                continue
             wrong = [
                 i
                 for i, g in zip(layers, chunk_sums, strict=True)
@@ -206,6 +216,26 @@ class LayerUploads:
                 good.append(span)
         self._place_runs(layers, good, kv, device_buf)
         return [j for j, _, _ in good]
+
+    def _authenticate(
+        self, layers: range, ups: list[tuple[int, torch.Tensor, bool]], bad: list[tuple[int, BaseException]]
+    ) -> set[int]:
+        """With a secret, check every section of `ups`' spans against its tag on the host (the GIL
+        released), while their copies to the device buffer run; a chunk that fails goes to `bad` and
+        is in the returned set: its span is never placed. Nothing without a secret."""
+        seal = self.reader.seal
+        failed: set[int] = set()
+        if seal is None:
+            return failed
+        for j, host, _ in ups:
+            header = self.reader.headers[j]
+            try:
+                for i, stored in codec.span_sections(header, layers, host.numpy().data).items():
+                    codec.check_section(header, i, stored, seal)
+            except ChunkDecodeError as exc:
+                bad.append((j, exc))
+                failed.add(j)
+        return failed
 
     def _place_runs(
         self, layers: range, spans: list[tuple[int, int, int]], kv: KVCache, device_buf: torch.Tensor

@@ -5,7 +5,9 @@ framing (`codec.chunk`) with magic b"KVRB" and its own version (`BOUNDARY_VERSIO
 chunk, layer, token range and hidden size, and one section, the hidden state entering that layer for the
 chunk's tokens ([T, hidden], given the whole prefix before them). The KV chunk format is unchanged by
 them: a chunk saved without boundary activations restores exactly as before, and a stage that finds none
-falls back to the sequential pipeline.
+falls back to the sequential pipeline. With a secret (`codec.seal`) the section carries a GMAC tag and
+the header a MAC over everything, as a chunk's do: a stage computes from no activation a store's other
+writers could have planted.
 """
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ from kvrestore.codec.header import (
     expect_fields,
     frame,
 )
-from kvrestore.core.errors import CorruptChunkError, ForeignChunkError, InvalidInputError, TruncatedChunkError
+from kvrestore.codec.seal import Seal
+from kvrestore.core.errors import (
+    CorruptChunkError,
+    FormatVersionError,
+    InvalidInputError,
+    TruncatedChunkError,
+    UnauthenticatedChunkError,
+)
 from kvrestore.core.spec import ModelSpec, dtype_name
 
 BOUNDARY_MAGIC = b"KVRB"
@@ -53,7 +62,16 @@ class BoundaryHeader(msgspec.Struct, frozen=True):
     checksum: int  # xxh3-64 of the section
 
 
-_BOUNDARY_DECODER = msgspec.msgpack.Decoder(BoundaryHeader)
+class SignedBoundaryHeader(BoundaryHeader, frozen=True, kw_only=True):
+    """`BoundaryHeader` with what a secret adds (`codec.seal`): the writer's MAC of the header (with `mac`
+    empty), the salt of the section's key and the section's tag; all empty where unsigned."""
+
+    mac: bytes = b""
+    salt: bytes = b""
+    tags: bytes = b""
+
+
+_BOUNDARY_DECODER = msgspec.msgpack.Decoder(SignedBoundaryHeader)
 
 
 def boundary_key(chunk_key: str, layer: int) -> str:
@@ -62,8 +80,11 @@ def boundary_key(chunk_key: str, layer: int) -> str:
     return h.hexdigest()
 
 
-def encode_boundary(hidden: torch.Tensor, spec: ModelSpec, chunk_key: str, start: int, layer: int) -> bytes:
-    """Serialise `hidden` ([T, hidden_size] in `spec.dtype`): the input of `layer` for the chunk's tokens."""
+def encode_boundary(
+    hidden: torch.Tensor, spec: ModelSpec, chunk_key: str, start: int, layer: int, seal: Seal | None = None
+) -> bytes:
+    """Serialise `hidden` ([T, hidden_size] in `spec.dtype`): the input of `layer` for the chunk's tokens;
+    signed with `seal` where given."""
     _require_little_endian()
     if hidden.dim() != 2 or hidden.dtype != spec.dtype:
         raise InvalidInputError(
@@ -71,34 +92,45 @@ def encode_boundary(hidden: torch.Tensor, spec: ModelSpec, chunk_key: str, start
         )
     payload = hidden.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy().data
     n_tokens, hidden_size = int(hidden.shape[0]), int(hidden.shape[1])
+    salt, tags = seal.tag_sections([payload]) if seal is not None else (b"", b"")
 
     def header_for(offset: int) -> bytes:
-        return _ENCODER.encode(
-            BoundaryHeader(
-                BOUNDARY_VERSION,
-                spec.fingerprint,
-                chunk_key,
-                layer,
-                start,
-                n_tokens,
-                hidden_size,
-                dtype_name(spec.dtype),
-                offset,
-                payload.nbytes,
-                host_checksum(payload),
-            )
+        fields = (
+            BOUNDARY_VERSION,
+            spec.fingerprint,
+            chunk_key,
+            layer,
+            start,
+            n_tokens,
+            hidden_size,
+            dtype_name(spec.dtype),
+            offset,
+            payload.nbytes,
+            host_checksum(payload),
         )
+        if seal is None:
+            return _ENCODER.encode(BoundaryHeader(*fields))
+        return seal.sign(SignedBoundaryHeader(*fields, salt=salt, tags=tags), _ENCODER)
 
     return frame(BOUNDARY_MAGIC, header_for, [payload])
 
 
 def decode_boundary(
-    data: Buffer, spec: ModelSpec, chunk_key: str, start: int, n_tokens: int, layer: int, hidden_size: int
+    data: Buffer,
+    spec: ModelSpec,
+    chunk_key: str,
+    start: int,
+    n_tokens: int,
+    layer: int,
+    hidden_size: int,
+    seal: Seal | None = None,
 ) -> torch.Tensor:
     """Verify a boundary-activation object and return its hidden states [n_tokens, hidden_size].
 
-    Raises CorruptChunkError (magic, checksums, structure), TruncatedChunkError, or ForeignChunkError (not
-    this chunk's activation at this layer, of this model and dtype, or another version)."""
+    Raises CorruptChunkError (magic, checksums, structure), TruncatedChunkError, ForeignChunkError (not
+    this chunk's activation at this layer, of this model and dtype), FormatVersionError (another
+    version), or with a `seal` UnauthenticatedChunkError (no valid MAC, or a section that fails its
+    tag)."""
     if len(data) < PREFIX_SIZE:
         raise TruncatedChunkError(f"object is {len(data)} bytes, shorter than the {PREFIX_SIZE}-byte prefix")
     magic, hlen, crc = _PREFIX.unpack_from(data, 0)
@@ -112,12 +144,13 @@ def decode_boundary(
     try:
         version = _VERSION_DECODER.decode(raw).version
         if version != BOUNDARY_VERSION:
-            raise ForeignChunkError(
+            raise FormatVersionError(
                 f"boundary format version {version}, this reader handles {BOUNDARY_VERSION}"
             )
         header = _BOUNDARY_DECODER.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise CorruptChunkError(f"unparseable boundary header: {e}") from e
+    tags = None if seal is None else seal.check(header, _ENCODER, 1)
     want = {
         "fingerprint": spec.fingerprint,
         "key": chunk_key,
@@ -137,8 +170,11 @@ def decode_boundary(
         err = TruncatedChunkError if len(data) < header.offset + size else CorruptChunkError
         raise err(f"boundary object is {len(data)} bytes, its header says {header.offset + size}")
     section = memoryview(data)[header.offset :]
-    if host_checksum(section) != header.checksum:
-        raise CorruptChunkError("boundary section checksum mismatch")
+    if tags is None or not tags.matches(0, section, header.tags):
+        if host_checksum(section) != header.checksum:
+            raise CorruptChunkError("boundary section checksum mismatch")
+        if tags is not None:
+            raise UnauthenticatedChunkError("boundary section tag does not match this reader's secret")
     hidden = torch.empty((n_tokens, hidden_size), dtype=spec.dtype)
     copy_bytes(hidden, section)  # a tensor of its own: `data` may be a store's buffer, reused later
     return hidden

@@ -14,13 +14,16 @@ offset, stored length, raw length and xxh3-64 checksum, so
   (`checksums`: xxh3-64 of the stored bytes for a host reader, a weighted int64 sum of the raw bytes
   for a reader that uploads the section to a GPU first and verifies it there), and the object must end
   exactly where the last section ends. A damaged chunk is always reported, never decoded wrongly.
+* with a secret (`seal`), the header also holds a salt and every section's GMAC tag under its keyed
+  MAC (`SignedHeader`), and a reader with the secret checks a section's tag (`check_section`) where a
+  reader without one checks its xxh3-64: checksums catch damage, the tags forgery.
 
 Format 5 added the writer's key layout (`TiledHeader.key_tile`, `codec.layout`: keys stored as vLLM's
 CPU pages keep them, converted on read by every other reader); a chunk without one is still written as
 format 4, byte for byte, and read by both. Format 4 added the encodings (the header names one,
 `ChunkHeader.encoding`; both checksums cover the encoded bytes as stored), format 3 the device
-checksum. A chunk of an older format is foreign to this reader: a clean miss, recomputed and written
-again in the current format.
+checksum. A chunk of a format this reader does not read, older or newer, is a clean miss
+(`FormatVersionError`), recomputed, and left in the store for the releases that read it.
 
 The framing (prefix, header, reading and checking it: `probe_header`) is `codec.header`; boundary
 activations (`codec.boundary`) use the same framing under their own magic.
@@ -56,6 +59,8 @@ from kvrestore.codec.header import (
     Buffer,
     ChunkHeader,
     LayerSection,
+    SignedHeader,
+    SignedTiledHeader,
     TiledHeader,
     _check_spec,
     _require_little_endian,
@@ -75,8 +80,13 @@ from kvrestore.codec.header import (
 )
 from kvrestore.codec.layout import INT_OF_SIZE, place_host_rows, place_rows, tile_keys
 from kvrestore.codec.quant import Encoding
-from kvrestore.codec.seal import Seal
-from kvrestore.core.errors import CorruptChunkError, InvalidInputError, TruncatedChunkError
+from kvrestore.codec.seal import Seal, section_tag
+from kvrestore.core.errors import (
+    CorruptChunkError,
+    InvalidInputError,
+    TruncatedChunkError,
+    UnauthenticatedChunkError,
+)
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec, dtype_name
 
@@ -182,6 +192,7 @@ def _frame(
         payloads = [rows[i].data for i in range(L)]
     lengths = [memoryview(p).nbytes for p in payloads]
     sums = [host_checksum(p) for p in payloads]
+    salt, tags = seal.tag_sections(payloads) if seal is not None else (b"", b"")
 
     def header_for(body_start: int) -> bytes:
         sections, off = [], body_start
@@ -205,8 +216,12 @@ def _frame(
         if tile:
             fields = {**msgspec.structs.asdict(header), "version": FORMAT_VERSION}
             header = TiledHeader(**fields, key_tile=tile)
-        # signed, the MAC has a fixed size: the header's length is the same whatever the MAC
-        return _ENCODER.encode(header) if seal is None else seal.sign(header, _ENCODER)
+        if seal is None:  # byte for byte the header of a release without signatures
+            return _ENCODER.encode(header)
+        signed = SignedTiledHeader if tile else SignedHeader
+        header = signed(**msgspec.structs.asdict(header), salt=salt, tags=tags)
+        # the MAC has a fixed size: the header's length is the same whatever the MAC
+        return seal.sign(header, _ENCODER)
 
     return frame(MAGIC, header_for, payloads)
 
@@ -231,22 +246,17 @@ def bounded_zstd(stored: Buffer, limit: int, what: str) -> bytes:
 
 
 def _fill(
-    dst: torch.Tensor,
-    stored: Buffer,
-    section: LayerSection,
-    compression: str,
-    layer: int,
-    enc: Encoding,
-    tile: int = 0,
+    dst: torch.Tensor, stored: Buffer, header: ChunkHeader, layer: int, enc: Encoding, seal: Seal | None
 ) -> None:
-    """Verify one stored section and decode it into `dst` ([2, H, T, D], may be a strided view of a cache)."""
+    """Verify one stored section (`check_section`) and decode it into `dst` ([2, H, T, D], may be a
+    strided view of a cache)."""
+    section = header.layers[layer]
     if len(stored) < section.length:
         raise TruncatedChunkError(f"layer {layer}: {len(stored)} of {section.length} section bytes")
     if len(stored) > section.length:
         raise CorruptChunkError(f"layer {layer}: {len(stored)} bytes for a {section.length}-byte section")
-    if host_checksum(stored) != section.checksum:
-        raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
-    if compression == "zstd":
+    check_section(header, layer, stored, seal)
+    if header.compression == "zstd":
         raw: Buffer = bounded_zstd(stored, section.raw_length, f"layer {layer}")
         if len(raw) != section.raw_length:
             raise CorruptChunkError(
@@ -254,18 +264,30 @@ def _fill(
             )
         stored = raw
     if enc.native:
-        copy_bytes(dst, stored, tile)
+        copy_bytes(dst, stored, key_tile(header))
     else:
         enc.decode(byte_tensor(stored).view(1, -1), dst.unsqueeze(0))
 
 
-def check_section(header: ChunkHeader, layer: int, stored: Buffer | Sequence[Buffer]) -> None:
-    """Verify the stored bytes of section `layer` (`stored`: its bytes, or its parts in order, where they
-    were read straight into place) against its xxh3-64 before any of them is used; CorruptChunkError
-    where they fail it. The GIL is released while it hashes."""
+def check_section(
+    header: ChunkHeader, layer: int, stored: Buffer | Sequence[Buffer], seal: Seal | None = None
+) -> None:
+    """Verify the stored bytes of section `layer` (`stored`: its bytes, or its parts in order, where
+    they were read straight into place) before any of them is used: without a `seal` against its
+    xxh3-64, with one against its GMAC tag (`codec.seal`; the header must have passed `check_header`
+    under the same seal). Raises CorruptChunkError where the bytes fail their xxh3-64 (damage),
+    UnauthenticatedChunkError where they keep it but fail the tag (a forgery). The GIL is released
+    while either hashes."""
+    section = header.layers[layer]
+    if seal is not None:
+        tags = seal.sections(bytes(getattr(header, "salt", b"")))
+        if tags.matches(layer, stored, section_tag(header, layer)):
+            return
     parts = [stored] if isinstance(stored, (bytes, bytearray, memoryview)) else stored
-    if host_checksum_parts(parts) != header.layers[layer].checksum:
+    if host_checksum_parts(parts) != section.checksum:
         raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
+    if seal is not None:
+        raise UnauthenticatedChunkError(f"layer {layer}: section tag does not match this reader's secret")
 
 
 def byte_tensor(data: Buffer) -> torch.Tensor:
@@ -297,11 +319,14 @@ def decode_layers(
     layers: Sequence[int] | None = None,
     device: torch.device | str = "cpu",
     out: torch.Tensor | None = None,
+    seal: Seal | None = None,
 ) -> torch.Tensor:
-    """Decode range-read sections (layer index -> stored bytes) into a tensor [n, 2, H, T, D].
+    """Decode range-read sections (layer index -> stored bytes) into a tensor [n, 2, H, T, D], each
+    verified first (`check_section`: with a `seal`, its tag).
 
     `layers` gives the output order (default: sorted section indices). The caller is expected to have
-    run `check_header` on `header`; the shape/dtype part is re-checked here because it sizes the output.
+    run `check_header` on `header` (with the same `seal`); the shape/dtype part is re-checked here
+    because it sizes the output.
     `out` (a CPU tensor of that shape and dtype, e.g. a token slice of a KVCache) receives the KV with a
     single copy from the stored bytes; on a fault it may hold part of the chunk.
     """
@@ -320,9 +345,8 @@ def decode_layers(
         raise InvalidInputError(
             f"out is {tuple(out.shape)} {out.dtype} on {out.device}, need {shape} {spec.dtype} on cpu"
         )
-    tile = key_tile(header)
     for j, i in enumerate(order):
-        _fill(out[j], sections[i], header.layers[i], header.compression, i, enc, tile)
+        _fill(out[j], sections[i], header, i, enc, seal)
     return out if torch.device(device).type == "cpu" else out.to(device)
 
 
@@ -347,13 +371,15 @@ def check_object(
     return header
 
 
-def verify_sections(header: ChunkHeader, data: Buffer) -> None:
-    """Check every stored section of a whole object against its xxh3-64 (the GIL is released while it
-    hashes); raises CorruptChunkError naming the first damaged layer."""
+def verify_sections(
+    header: ChunkHeader, data: Buffer, seal: Seal | None = None, layers: Sequence[int] | None = None
+) -> None:
+    """`check_section` of every stored section of a whole object (or of `layers`): against its xxh3-64,
+    or with a `seal` its tag; raises naming the first layer that fails."""
     mv = memoryview(data)
-    for i, s in enumerate(header.layers):
-        if host_checksum(mv[s.offset : s.offset + s.length]) != s.checksum:
-            raise CorruptChunkError(f"layer {i}: section checksum mismatch")
+    for i in range(header.num_layers) if layers is None else layers:
+        s = header.layers[i]
+        check_section(header, i, mv[s.offset : s.offset + s.length], seal)
 
 
 def body(header: ChunkHeader, data: Buffer) -> memoryview:
@@ -389,7 +415,8 @@ def decode_chunk(
     header = check_object(data, spec, key, start, n_tokens, encoding, seal)
     mv = memoryview(data)
     sections = {i: mv[s.offset : s.offset + s.length] for i, s in enumerate(header.layers)}
-    return KVChunk(start, decode_layers(header, sections, spec, range(header.num_layers), device, out))
+    layers = range(header.num_layers)
+    return KVChunk(start, decode_layers(header, sections, spec, layers, device, out, seal))
 
 
 __all__ = [
@@ -401,6 +428,8 @@ __all__ = [
     "LayerSection",
     "MAGIC",
     "PLAIN_VERSION",
+    "SignedHeader",
+    "SignedTiledHeader",
     "PREFIX_SIZE",
     "READ_VERSIONS",
     "TiledHeader",

@@ -17,8 +17,14 @@ from typing import Literal
 import msgspec
 
 from kvrestore.codec import quant
-from kvrestore.codec.seal import Seal
-from kvrestore.core.errors import CorruptChunkError, ForeignChunkError, TruncatedChunkError
+from kvrestore.codec.seal import Seal, SectionTags
+from kvrestore.core.errors import (
+    CorruptChunkError,
+    ForeignChunkError,
+    FormatVersionError,
+    TruncatedChunkError,
+    UnknownLayoutError,
+)
 from kvrestore.core.spec import ModelSpec, dtype_name
 
 MAGIC = b"KVRC"
@@ -85,10 +91,28 @@ class TiledHeader(ChunkHeader, frozen=True, kw_only=True):
     key_tile: int
 
 
+class SignedHeader(ChunkHeader, frozen=True, kw_only=True):
+    """The header of a signed chunk (`codec.seal`): a plain one (format 4) with the random `salt` its
+    section key is derived from and each section's GMAC tag (`tags`, 16 bytes each, in layer order),
+    all under its `mac`. A reader that predates them decodes the header without them (msgpack fields
+    it does not know are skipped): unsigned, it reads the chunk as before; signed, its MAC fails."""
+
+    salt: bytes = b""
+    tags: bytes = b""
+
+
+class SignedTiledHeader(ChunkHeader, frozen=True, kw_only=True):
+    """`SignedHeader` for a format-5 chunk: `TiledHeader`'s fields, then the salt and the tags."""
+
+    key_tile: int
+    salt: bytes = b""
+    tags: bytes = b""
+
+
 def key_tile(header: ChunkHeader) -> int:
     """The tokens of the writer's key tiles (`TiledHeader`), or 0: keys row-major, as in every format-4
     chunk."""
-    return header.key_tile if isinstance(header, TiledHeader) else 0
+    return header.key_tile if isinstance(header, (TiledHeader, SignedTiledHeader)) else 0
 
 
 class _Versioned(msgspec.Struct):
@@ -98,8 +122,11 @@ class _Versioned(msgspec.Struct):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_HEADER_DECODER = msgspec.msgpack.Decoder(ChunkHeader)
-_TILED_DECODER = msgspec.msgpack.Decoder(TiledHeader)
+#: per version: the decoder of an unsigned header, and of a signed one
+_DECODERS: dict[int, tuple[msgspec.msgpack.Decoder, msgspec.msgpack.Decoder]] = {
+    PLAIN_VERSION: (msgspec.msgpack.Decoder(ChunkHeader), msgspec.msgpack.Decoder(SignedHeader)),
+    FORMAT_VERSION: (msgspec.msgpack.Decoder(TiledHeader), msgspec.msgpack.Decoder(SignedTiledHeader)),
+}
 _VERSION_DECODER = msgspec.msgpack.Decoder(_Versioned)
 
 
@@ -117,7 +144,7 @@ def spec_encoding(spec: ModelSpec, name: object = "native") -> quant.Encoding:
 
 
 def header_encoding(header: ChunkHeader, spec: ModelSpec) -> quant.Encoding:
-    """The encoding the header names, for `spec`'s KV; ForeignChunkError where this reader lacks it."""
+    """The encoding the header names, for `spec`'s KV; UnknownLayoutError where this reader lacks it."""
     return quant.from_tag(header.encoding, spec.dtype, spec.num_kv_heads, spec.head_dim)
 
 
@@ -142,8 +169,8 @@ def read_header(prefix: Buffer) -> tuple[ChunkHeader, int]:
     """Parse and verify the header at the start of `prefix`; returns (header, header_end).
 
     Raises TruncatedChunkError when `prefix` stops before the header does (fetch `header_length(prefix)`
-    bytes and call again), CorruptChunkError on a bad magic, checksum or structure, ForeignChunkError
-    on another format version.
+    bytes and call again), CorruptChunkError on a bad magic, checksum or structure, FormatVersionError
+    on a format version this reader does not read (a newer release's: kept in the store).
     """
     need = header_length(prefix)
     if len(prefix) < need:
@@ -155,9 +182,13 @@ def read_header(prefix: Buffer) -> tuple[ChunkHeader, int]:
     try:
         version = _VERSION_DECODER.decode(raw).version
         if version not in READ_VERSIONS:
-            raise ForeignChunkError(f"chunk format version {version}, this reader handles {READ_VERSIONS}")
-        # a header is re-encoded as it was decoded (its MAC is over that): each version its own struct
-        header = (_HEADER_DECODER if version == PLAIN_VERSION else _TILED_DECODER).decode(raw)
+            raise FormatVersionError(f"chunk format version {version}, this reader handles {READ_VERSIONS}")
+        # a header is re-encoded as it was decoded (its MAC is over that): each version and each of
+        # signed and unsigned its own struct
+        plain, signed = _DECODERS[version]
+        header = plain.decode(raw)
+        if header.mac:
+            header = signed.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise CorruptChunkError(f"unparseable chunk header: {e}") from e
     _check_sections(header, need)
@@ -202,7 +233,7 @@ def _check_sections(header: ChunkHeader, header_end: int) -> None:
             raise CorruptChunkError(f"uncompressed section {i} has length {s.length} != raw {s.raw_length}")
         off += s.length
     tile = key_tile(header)
-    if isinstance(header, TiledHeader) and (tile < 1 or header.n_tokens % tile):
+    if isinstance(header, (TiledHeader, SignedTiledHeader)) and (tile < 1 or header.n_tokens % tile):
         raise CorruptChunkError(f"key tiles of {tile} tokens in a chunk of {header.n_tokens}")
 
 
@@ -217,7 +248,7 @@ def _check_spec(header: ChunkHeader, spec: ModelSpec) -> quant.Encoding:
     expect_fields("chunk", header, expect)
     enc = header_encoding(header, spec)
     if key_tile(header) and not enc.native:
-        raise ForeignChunkError(f"key tiles in a chunk of the {enc.name} encoding")
+        raise UnknownLayoutError(f"key tiles in a chunk of the {enc.name} encoding")
     raw = enc.section_bytes(header.n_tokens)
     for i, s in enumerate(header.layers):
         if s.raw_length != raw:
@@ -233,16 +264,17 @@ def check_header(
     n_tokens: int,
     encoding: str = "native",
     seal: Seal | None = None,
-) -> None:
+) -> SectionTags | None:
     """Raise ForeignChunkError unless the chunk is exactly the one asked for, for this model and dtype,
     in the reader's `encoding` (a reader reads its own encoding only: see `docs/tutorial-stores.md`);
-    with a `seal`, UnauthenticatedChunkError first unless the header carries its valid MAC."""
-    if seal is not None:
-        seal.check(header, _ENCODER)
+    with a `seal`, UnauthenticatedChunkError first unless the header carries its valid MAC and a tag
+    for each section. Returns those sections' tags (`codec.seal`; None without a seal)."""
+    tags = None if seal is None else seal.check(header, _ENCODER, len(header.layers))
     expect_fields("chunk", header, {"key": key, "start": start, "n_tokens": n_tokens})
     enc = _check_spec(header, spec)
     if enc.name != encoding:
         raise ForeignChunkError(f"chunk encoding is {enc.name!r}, this reader reads {encoding!r}")
+    return tags
 
 
 def probe_header(

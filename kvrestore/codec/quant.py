@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvrestore.core.errors import ForeignChunkError, InvalidInputError
+from kvrestore.core.errors import ForeignChunkError, InvalidInputError, UnknownLayoutError
 from kvrestore.core.keys import key_space  # chunks of each encoding have keys of their own
 
 # decoders only read through zero-copy views of stored bytes; torch's warning about read-only buffers
@@ -235,17 +235,20 @@ def encoding(name: object, dtype: torch.dtype, num_kv_heads: int, head_dim: int)
 
 
 def from_tag(tag: tuple[str, str, int], dtype: torch.dtype, num_kv_heads: int, head_dim: int) -> Encoding:
-    """The encoding a chunk header names (`Encoding.tag`); ForeignChunkError where this reader does not
-    know it exactly (another name, scales' dtype or group size)."""
+    """The encoding a chunk header names (`Encoding.tag`); UnknownLayoutError where this reader does not
+    know it exactly (another name, scales' dtype or group size: a newer release's), ForeignChunkError
+    where no writer of this model could have written it."""
     name = tag[0]
     if name not in _KINDS:
-        raise ForeignChunkError(f"chunk encoding {name!r} is unknown to this reader")
+        raise UnknownLayoutError(f"chunk encoding {name!r} is unknown to this reader")
     try:
         enc = encoding(name, dtype, num_kv_heads, head_dim)
     except InvalidInputError as e:
         raise ForeignChunkError(str(e)) from None
     if enc.tag != tuple(tag):
-        raise ForeignChunkError(f"chunk encoding {tuple(tag)!r}, this reader decodes {name!r} as {enc.tag!r}")
+        raise UnknownLayoutError(
+            f"chunk encoding {tuple(tag)!r}, this reader decodes {name!r} as {enc.tag!r}"
+        )
     return enc
 
 

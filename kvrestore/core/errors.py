@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping, Sequence
 
 
@@ -42,7 +41,8 @@ class StoreTimeoutError(StoreError, TimeoutError):
 
 
 class UnsupportedURLError(StoreError, ValueError):
-    """`open_store` was given a URL whose scheme no store handles."""
+    """`open_store` was given a URL whose scheme no store handles (a `ValueError`, as an
+    `InvalidInputError` is)."""
 
 
 class ChunkDecodeError(KVRestoreError):
@@ -58,12 +58,27 @@ class TruncatedChunkError(ChunkDecodeError):
 
 
 class ForeignChunkError(ChunkDecodeError):
-    """The chunk belongs to another model, dtype, format version, KV encoding, key or position."""
+    """The object under a chunk's key is another chunk: another model, dtype, shape, KV encoding, key or
+    position than the key names. Every field it names is one the key is derived from, so no reader of
+    any release reads it under this key: it is deleted like damage."""
+
+
+class FormatVersionError(ChunkDecodeError):
+    """The chunk's format version is one this reader does not read (a newer release's, or unknown): a
+    miss, never deleted, so that in a fleet upgraded one server at a time the old servers keep what the
+    new ones save."""
+
+
+class UnknownLayoutError(ChunkDecodeError):
+    """The chunk is laid out in a way this reader does not know (a KV encoding it lacks or decodes
+    otherwise, key tiles in an encoding it reads without them): a newer release's chunk, a miss, never
+    deleted."""
 
 
 class UnauthenticatedChunkError(ChunkDecodeError):
-    """The chunk lacks a valid MAC under this reader's secret (`Restorer(secret=...)`): a miss, never KV,
-    and never deleted, since a writer under another secret may share the store and own the chunk."""
+    """The chunk lacks a valid MAC, or a section its valid tag, under this reader's secret
+    (`Restorer(secret=...)`): a miss, never KV, and never deleted, since a writer under another secret
+    may share the store and own the chunk."""
 
 
 class UnsupportedModelError(KVRestoreError):
@@ -72,29 +87,6 @@ class UnsupportedModelError(KVRestoreError):
 
 class MissingChunkError(ChunkDecodeError):
     """A chunk listed by `contains` was gone when it was read (evicted or deleted meanwhile)."""
-
-
-def check_int(name: str, value: object, minimum: int = 1) -> int:
-    """`value` as an int if it is an integer (not a bool) >= `minimum`, else InvalidInputError naming `name`."""
-    try:
-        n = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        n = None
-    if n is None or n < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise InvalidInputError(f"{name} must be {what}, got {value!r}")
-    return n
-
-
-def check_seconds(name: str, value: object) -> float | None:
-    """`value` as seconds if it is a positive number, None for None (no limit), else InvalidInputError."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:  # NaN fails too
-        raise InvalidInputError(
-            f"{name} must be a positive number of seconds, or None for no limit, got {value!r}"
-        )
-    return float(value)
 
 
 class StageFailedError(KVRestoreError):
@@ -110,10 +102,20 @@ class StageFailedError(KVRestoreError):
 #: faults of a chunk load that turn the chunk into a miss (recomputed) instead of failing the restore
 LOAD_FAULTS = (ChunkDecodeError, StoreError, OSError, TimeoutError)
 #: faults found by checking a chunk's bytes as read (header, sizes, checksums) that prove the object bad:
-#: the only ones for which it is deleted. A missing chunk, one without a valid MAC under this reader's
-#: secret, and a failure to place good bytes (the caller's buffer, a device, a cancelled copy) delete nothing
+#: the only ones for which it is deleted (`proves_damage`)
 DAMAGE_FAULTS = (CorruptChunkError, TruncatedChunkError, ForeignChunkError)
 #: faults of one store call that fail that call only (a tier's miss, one boundary write, one page save)
 STORE_FAULTS = (StoreError, OSError, TimeoutError)
 #: faults of one chunk write that fail that chunk only (`SaveError` once every write has ended)
 WRITE_FAULTS = (StoreError, OSError)
+
+
+def proves_damage(exc: BaseException) -> bool:
+    """Whether a chunk whose read raised `exc` is deleted from the store: the one rule every reader
+    follows. Only bytes proven damaged are (`DAMAGE_FAULTS`: they fail their checks, or are not the
+    chunk their key names); the next save writes a good copy. A chunk that is merely not for this
+    reader stays: another format version (`FormatVersionError`), a layout it does not know
+    (`UnknownLayoutError`), no valid signature under its secret (`UnauthenticatedChunkError`); and so
+    does one that is missing, or whose good bytes could not be placed (the caller's buffer, a device, a
+    cancelled copy)."""
+    return isinstance(exc, DAMAGE_FAULTS)

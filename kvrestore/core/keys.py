@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.settings import check_text
 
 DEFAULT_CHUNK_SIZE = 256
 
@@ -65,14 +66,8 @@ Extra = tuple[int, bytes]
 
 
 def check_namespace(namespace: object, what: str = "namespace") -> str | None:
-    """`namespace` if it is None or a non-empty str, else InvalidInputError."""
-    if namespace is None:
-        return None
-    if not isinstance(namespace, str) or not namespace:
-        raise InvalidInputError(
-            f"{what} must be a non-empty string (a tenant, an adapter) or None, got {namespace!r}"
-        )
-    return namespace
+    """`namespace` if it is None or a non-empty str UTF-8 can encode, else InvalidInputError."""
+    return None if namespace is None else check_text(what, namespace)
 
 
 def key_space(fingerprint: str, encoding: str) -> str:

@@ -57,6 +57,11 @@ def _dense_ids(token_ids: TokenIds) -> torch.Tensor:
         raise InvalidInputError("token_ids is empty: nothing to restore")
     if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
         raise InvalidInputError(f"token_ids must be integers, got {t.dtype}")
+    if t.dtype == torch.uint64:  # ids of 2**63 and more would wrap around to negative int64s
+        wrapped = t.view(torch.int64) < 0
+        if bool(wrapped.any()):
+            bad = int(t.view(torch.int64)[wrapped][0]) + (1 << 64)
+            raise InvalidInputError(f"token id {bad} is outside any vocabulary")
     return t.to(device="cpu", dtype=torch.int64)
 
 

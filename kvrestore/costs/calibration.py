@@ -36,7 +36,18 @@ class Calibration:
         x = math.log(measured_s / predicted_s)
         old = self._log.get(name)
         self._log[name] = x if old is None else (1 - self.weight) * old + self.weight * x
+        self.count(name)
+
+    def count(self, name: str) -> None:
+        """One more run of `name` (the strategy was tried), set against no prediction."""
         self.observations[name] = self.observations.get(name, 0) + 1
+
+    def forget(self) -> None:
+        """Drop every factor (each strategy's prediction is taken as it is again) but keep the counts
+        (which strategies were run): what `Planner.learn` does when the link changes speed, since how a
+        strategy compared with its prediction over one link says little of how it compares over another
+        (lanes sharing a machine interfere by how busy the loads keep it)."""
+        self._log = {}
 
     def factor(self, name: str) -> float:
         x = self._log.get(name, 0.0)

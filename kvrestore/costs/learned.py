@@ -37,8 +37,8 @@ from typing import cast
 import msgspec
 import torch
 
-from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.paths import cache_root
+from kvrestore.core.settings import check_bool_or_path, check_path
 from kvrestore.core.spec import ModelSpec, dtype_name
 from kvrestore.costs.bounds import (
     BYTES,
@@ -114,7 +114,7 @@ def store_name(store: object) -> str:
 def learned_dir() -> Path:
     """$KVRESTORE_LEARNED_DIR, else `learned/` beside the profiles in the cache directory."""
     env = os.environ.get("KVRESTORE_LEARNED_DIR")
-    return Path(env) if env else profile_dir() / "learned"
+    return Path(check_path("KVRESTORE_LEARNED_DIR", env)) if env else profile_dir() / "learned"
 
 
 def learned_path(spec: ModelSpec, device: torch.device | str, store: str) -> Path:
@@ -271,9 +271,9 @@ class CostLearner:
             return None
         if self._fitted is None:
             s = self.state
-            chunk = fit_prefill_cost(s.chunk) if s.chunk else None
-            layer = _fit_layer(s.layer) if s.layer else None
             n_layers = self.spec.num_layers
+            chunk = fit_prefill_cost(s.chunk) if s.chunk else None
+            layer = _fit_layer(s.layer, chunk, n_layers) if s.layer else None
             if chunk is None:  # only layer-wise units seen: a whole prefill is every layer's
                 assert layer is not None
                 chunk = ChunkCost(
@@ -527,20 +527,28 @@ def loading_factor(samples: Sequence[Sequence[float]], compute: ChunkCost) -> fl
     return min(hi, max(lo, statistics.median(ratios)))
 
 
-def _fit_layer(samples: Sequence[Sequence[float]]) -> LayerCost:
-    """``fixed + N per_token + N^2 per_token2`` per layer."""
+def _fit_layer(
+    samples: Sequence[Sequence[float]], chunk: ChunkCost | None = None, n_layers: int = 1
+) -> LayerCost:
+    """``fixed + N per_token + N^2 per_token2`` per layer. From fewer than three prompt lengths the
+    attention term cannot be told from the others (a linear fit of one length would predict a prompt
+    eight times as long eight times as dear, where its attention costs sixty-four times as much): it is
+    then taken from the token-wise units (`chunk`, if any were fitted), whose attention pairs cost
+    alike on either axis, a layer's share of them (1 / `n_layers`), and the rest is fitted per token."""
     rows = [[1.0, n, n * n] for n, _ in samples]
-    return LayerCost(*_fit_terms(rows, [s for _, s in samples], _distinct([(n,) for n, _ in samples])))
+    shapes = _distinct([(n,) for n, _ in samples])
+    if shapes >= 3 or chunk is None or chunk.per_token2_s <= 0:
+        return LayerCost(*_fit_terms(rows, [s for _, s in samples], shapes))
+    per_token2 = chunk.per_token2_s / n_layers
+    _, per_token, _ = _fit_terms(rows, [s - n * n * per_token2 for n, s in samples], 1)
+    return LayerCost(0.0, per_token, per_token2)
 
 
 def check_learn(learn: object) -> bool | Path:
     """`Restorer(learn=...)`: True (persist under the cache directory), False (in memory only) or a
     path to persist at."""
-    if isinstance(learn, bool):
-        return learn
-    if isinstance(learn, (str, os.PathLike)):
-        return Path(learn)
-    raise InvalidInputError(f"learn must be True, False or a path, got {learn!r}")
+    learn = check_bool_or_path("learn", learn)
+    return learn if isinstance(learn, bool) else Path(learn)
 
 
 __all__ = [

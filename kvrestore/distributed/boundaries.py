@@ -13,6 +13,7 @@ from anyio.abc import TaskGroup
 
 from kvrestore import codec
 from kvrestore.backends.base import ComputeBackend
+from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import LOAD_FAULTS, STORE_FAULTS, MissingChunkError, SaveError, StageFailedError
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVCache
@@ -67,7 +68,7 @@ async def save_with_boundaries(
     kv, acts = await anyio.to_thread.run_sync(prefill_with_boundaries, restorer.backend, tokens, layout)
     saved = await restorer.save(tokens, kv)
     written, nbytes = await write_boundaries(
-        restorer.store, restorer.spec, refs, acts, restorer.engine.load_lanes
+        restorer.store, restorer.spec, refs, acts, restorer.engine.load_lanes, restorer.loader.seal
     )
     return BoundarySaveStats(
         len(refs), layout.boundaries, saved.written_chunks, written, nbytes, saved.bytes_written
@@ -80,9 +81,11 @@ async def write_boundaries(
     refs: Sequence[ChunkRef],
     acts: dict[int, torch.Tensor],
     lanes: int = 4,
+    seal: Seal | None = None,
 ) -> tuple[int, int]:
-    """Write each chunk's boundary activation at each layer of `acts` ([N, hidden] each); returns
-    (objects written, bytes). Faults: `SaveError` naming the objects not written, after every write."""
+    """Write each chunk's boundary activation at each layer of `acts` ([N, hidden] each), signed with
+    `seal` where given; returns (objects written, bytes). Faults: `SaveError` naming the objects not
+    written, after every write."""
     limiter = anyio.CapacityLimiter(lanes)
     written: list[str] = []
     failed: dict[str, Exception] = {}
@@ -93,7 +96,7 @@ async def write_boundaries(
         key = codec.boundary_key(ref.key, layer)
         async with limiter:
             blob = codec.encode_boundary(
-                hidden[ref.start : ref.end].contiguous(), spec, ref.key, ref.start, layer
+                hidden[ref.start : ref.end].contiguous(), spec, ref.key, ref.start, layer, seal
             )
             try:
                 await store.put(key, blob)
@@ -139,8 +142,10 @@ class BoundaryReader:
         hidden_size: int,
         wanted: Sequence[bool],
         device: torch.device | str = "cpu",
+        seal: Seal | None = None,
     ) -> None:
         self.store, self.spec, self.refs, self.layer = store, spec, refs, layer
+        self.seal = seal  # where set, an activation without its valid MAC and tag is unusable
         self.hidden_size, self.wanted, self.device = hidden_size, wanted, device
         self._done: dict[int, anyio.Event] = {}
         self._got: dict[int, torch.Tensor | BaseException] = {}
@@ -182,7 +187,7 @@ class BoundaryReader:
             self.bytes_read += len(data)
             self._got[c] = await anyio.to_thread.run_sync(
                 lambda: codec.decode_boundary(
-                    data, self.spec, ref.key, ref.start, ref.n_tokens, self.layer, self.hidden_size
+                    data, self.spec, ref.key, ref.start, ref.n_tokens, self.layer, self.hidden_size, self.seal
                 )
             )
         except LOAD_FAULTS as exc:

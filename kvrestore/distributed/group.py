@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvrestore.core.errors import StageFailedError, check_int, check_seconds
+from kvrestore.core.errors import StageFailedError
+from kvrestore.core.settings import check_int, check_seconds
 from kvrestore.distributed.pipe import world
 
 log = logging.getLogger("kvrestore.distributed")

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrestore.core.errors import InvalidInputError, check_int
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.settings import check_int
 
 
 @dataclass(frozen=True)

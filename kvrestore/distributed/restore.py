@@ -30,6 +30,7 @@ from kvrestore import codec
 from kvrestore.backends.base import ComputeBackend
 from kvrestore.core.errors import InvalidInputError, MissingChunkError, StageFailedError, StoreError
 from kvrestore.core.keys import DEFAULT_CHUNK_SIZE, ChunkRef
+from kvrestore.core.settings import check_instance, check_number
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.trace import Trace
 from kvrestore.distributed.boundaries import BoundaryReader
@@ -100,6 +101,8 @@ class StageRestorer:
         secret: bytes | str | None = None,
     ) -> None:
         """`namespace` and `secret` are a `Restorer`'s: whose chunks, and the key that signs them."""
+        check_instance("layout", layout, StageLayout, "a StageLayout")
+        timeout_s = check_number("timeout_s", timeout_s, positive=True)
         if not dist.is_initialized():
             raise InvalidInputError(
                 "torch.distributed is not initialised: use kvrestore.distributed.spawn or torchrun"
@@ -245,7 +248,14 @@ class StageRestorer:
         shard = sb.empty_shard(len(tokens))
         receives, sends = plan.receives(s), plan.sends(s)
         reader = BoundaryReader(
-            self.store, self.spec, refs, sb.start, sb.hidden_size, plan.wants_boundary(s), sb.device
+            self.store,
+            self.spec,
+            refs,
+            sb.start,
+            sb.hidden_size,
+            plan.wants_boundary(s),
+            sb.device,
+            self.restorer.loader.seal,
         )
 
         def compute(a: int, b: int) -> None:  # on the compute lane's thread
@@ -320,10 +330,11 @@ class StageRestorer:
         dest = shard[:, :, :, ref.start : ref.end]
 
         def place() -> None:
+            seal = self.restorer.loader.seal  # signed: every section's tag checked before it is placed
             if dest.device.type == "cpu":
-                codec.decode_layers(header, sections, self.spec, range(a, b), out=dest)
+                codec.decode_layers(header, sections, self.spec, range(a, b), out=dest, seal=seal)
             else:
-                dest.copy_(codec.decode_layers(header, sections, self.spec, range(a, b)))
+                dest.copy_(codec.decode_layers(header, sections, self.spec, range(a, b), seal=seal))
 
         await anyio.to_thread.run_sync(place)
         return len(head) + len(body)

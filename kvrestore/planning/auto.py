@@ -26,9 +26,10 @@ from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.costs.calibration import Calibration
 from kvrestore.costs.compute import ChunkCost, LayerCost
+from kvrestore.costs.estimates import Estimates, Priors
 from kvrestore.costs.links import LinkCost
 from kvrestore.costs.profile import Profile
-from kvrestore.policies.base import Policy
+from kvrestore.policies.base import Policy, Progress
 from kvrestore.policies.compute_only import ComputeOnly
 from kvrestore.policies.load_only import LoadOnly
 from kvrestore.policies.meeting import LayerTwoPointer, TokenTwoPointer
@@ -59,9 +60,19 @@ class Workload:
         return sum(self.chunk_tokens)
 
 
+#: `Plan.unknown`'s words for what a planner without a link estimate cannot predict
+NO_LINK = "the store's speed is unknown: no load seen yet"
+#: ... and without a cost model
+NO_COMPUTE = "this machine's compute speed is unknown: no compute unit seen yet"
+#: what the two-pointers assume while they are not predicted (the promise every strategy keeps)
+ADAPTS = "it adapts to the speeds it meets, so about the better of computing and loading everything"
+
+
 @dataclass(frozen=True)
 class Plan:
-    """The planner's choice for one restore, with what it predicted for every strategy."""
+    """The planner's choice for one restore, with what it predicted for every strategy, and what it
+    could not predict and why (`unknown`). The words `explain` prints are defined in the glossary of
+    docs/architecture.md."""
 
     choice: Policy
     predicted_s: dict[str, float] = field(default_factory=dict)  # by policy name
@@ -74,6 +85,10 @@ class Plan:
     calibration: dict[str, float] = field(default_factory=dict)
     #: where the cost model came from: a measured profile, or what was learned and from how much
     costs: str = ""
+    #: the strategies not predicted, by name: what the planner does not know yet to predict them
+    unknown: dict[str, str] = field(default_factory=dict)
+    #: bytes/s: the link speed at which loading the whole prompt takes as long as computing it (Tc)
+    balance_bytes_per_s: float | None = None
 
     @cached_property
     def l_delta(self) -> int | None:
@@ -83,23 +98,42 @@ class Plan:
         return self.crossover() if self.crossover is not None else None
 
     def explain(self) -> str:
-        """A few lines a user can read: the predictions, the bound, the crossover, the choice."""
+        """A few lines a user can read: the choice and why, where the costs come from, each strategy's
+        predicted time (or what is missing to predict it), the T* bound, the balance bandwidth and
+        L_delta, where known."""
         lines = [f"chose {self.choice.name}: {self.reason}"]
         if self.costs:
-            lines.append(f"  costs {self.costs}")
+            lines.append(f"  costs: {self.costs}")
+        if self.predicted_s or self.unknown:
+            lines.append("  predicted restore time of each strategy:")
         for name, s in sorted(self.predicted_s.items(), key=lambda kv: kv[1]):
-            mark = " <-" if name == self.choice.name else ""
-            scaled = f"  (x{self.calibration[name]:.2f}, learned)" if name in self.calibration else ""
-            lines.append(f"  {name:<14} {s:8.3f} s{scaled}{mark}")
+            scaled = (
+                f"  (x{self.calibration[name]:.2f} learned: its restores ran that much slower than the model)"
+                if name in self.calibration
+                else ""
+            )
+            lines.append(f"    {name:<14} {s:8.3f} s{scaled}{self._chosen(name)}")
+        for name, why in self.unknown.items():
+            lines.append(f"    {name:<14} {'?':>8}    not predicted: {why}{self._chosen(name)}")
         if self.bound_s is not None:
             lines.append(
-                f"  {'T* bound':<14} {self.bound_s:8.3f} s  (Tc {self.compute_s:.3f} s, Tio {self.load_s:.3f} s)"
+                f"  T* bound {self.bound_s:.3f} s: no split of the work between computing (Tc {self.compute_s:.3f} s) "
+                f"and loading (Tio {self.load_s:.3f} s) can be faster"
+            )
+        if self.balance_bytes_per_s is not None:
+            lines.append(
+                f"  balance bandwidth {self.balance_bytes_per_s / 1e6:.1f} MB/s: over a faster store, loading "
+                "the whole prompt takes less time than computing it"
             )
         if self.l_delta is not None:
             lines.append(
-                f"  L_delta        {self.l_delta} tokens (token-wise from here on, layer-wise below)"
+                f"  L_delta {self.l_delta} tokens: from this prompt length on the token-wise two-pointer is "
+                "predicted no slower than the layer-wise one, over this link"
             )
         return "\n".join(lines)
+
+    def _chosen(self, name: str) -> str:
+        return "  <- chosen" if name == self.choice.name else ""
 
 
 class Auto:
@@ -118,7 +152,15 @@ class Auto:
 
     def __init__(self, candidates: Sequence[Policy] | None = None) -> None:
         if candidates is not None:
+            if isinstance(candidates, (str, bytes)) or not isinstance(candidates, Sequence):
+                raise InvalidInputError(
+                    f"Auto's candidates must be a list of restore policies (or None), got {candidates!r}"
+                )
             candidates = tuple(candidates)
+            if not candidates:
+                raise InvalidInputError(
+                    "Auto's candidates is empty: give it policies to choose from, or None"
+                )
             bad = [p for p in candidates if not isinstance(p, Policy) or isinstance(p, Auto)]
             if bad:
                 raise InvalidInputError(f"Auto's candidates must be restore policies (not Auto), got {bad!r}")
@@ -145,14 +187,9 @@ class Auto:
         faster by that factor: its prediction has not been checked against a restore yet."""
         if not any(work.stored):
             return Plan(ComputeOnly(), reason="nothing of this prompt is stored", costs=costs)
-        if profile is None or link is None:
-            missing = "compute unit" if profile is None else "load"
-            return Plan(
-                explore(work, self.candidates),
-                reason=f"exploring: no {missing} seen yet to predict with (it adapts as it goes, and is learned from)",
-                costs=costs,
-            )
         candidates = self.candidates or (ComputeOnly(), LoadOnly(), TokenTwoPointer(), LayerTwoPointer())
+        if profile is None or link is None:
+            return _exploring(candidates, profile, link, work, self.candidates, costs)
         factors = {p.name: calibration.factor(p.name) if calibration else 1.0 for p in candidates}
         predicted = {p.name: predict(p, profile, link, work) * factors[p.name] for p in candidates}
         choice = _choose(candidates, predicted, calibration, untried_margin)
@@ -179,7 +216,58 @@ class Auto:
             crossover=l_delta,
             calibration={k: v for k, v in factors.items() if v != 1.0},
             costs=costs,
+            balance_bytes_per_s=work.n_tokens * work.kv_bytes_per_token / tc if tc > 0 else None,
         )
+
+
+def _exploring(
+    candidates: Sequence[Policy],
+    profile: Profile | None,
+    link: LinkCost | None,
+    work: Workload,
+    named: Sequence[Policy] | None,
+    costs: str,
+) -> Plan:
+    """The plan of a planner that lacks a cost model or a link estimate: it explores (`explore`), and
+    says what it could predict (compute-only with a cost model, which never reads the store; load-only
+    of a fully stored prompt with a link, which computes nothing) and what it does not know yet to
+    predict the rest (`Plan.unknown`)."""
+    predicted: dict[str, float] = {}
+    unknown: dict[str, str] = {}
+    no_compute = NO_COMPUTE if profile is None else None
+    no_link = NO_LINK if link is None else None
+    tc = None if profile is None else predict(ComputeOnly(), profile, LinkCost(1.0), work)  # (no read)
+    for p in candidates:
+        if p.name == "compute-only":
+            needs = [no_compute]
+        elif p.name == "load-only":
+            needs = [no_link, None if all(work.stored) else no_compute]
+        else:
+            needs = [no_compute, no_link]
+        gaps = [m for m in needs if m]
+        if not gaps and p.name == "compute-only" and tc is not None:
+            predicted[p.name] = tc
+        elif not gaps and p.name == "load-only" and link is not None:
+            predicted[p.name] = predict(p, _NO_COMPUTE, link, work)
+        else:
+            adapts = p.name in ("two-pointer", "layer-wise")
+            unknown[p.name] = "; ".join(gaps or ["not a strategy it predicts"]) + (
+                f"; {ADAPTS}" if adapts else ""
+            )
+    missing = "compute unit" if profile is None else "load"
+    choice = explore(work, named)
+    adapts = choice.name in ("two-pointer", "layer-wise")
+    runs = "a two-pointer, which adapts to the speeds it meets," if adapts else choice.name
+    return Plan(
+        choice,
+        predicted_s=predicted,
+        compute_s=tc,
+        reason=f"exploring: no {missing} seen yet to predict with; it runs {runs} and learns the speeds "
+        "from this restore",
+        costs=costs,
+        unknown=unknown,
+        balance_bytes_per_s=work.n_tokens * work.kv_bytes_per_token / tc if tc else None,
+    )
 
 
 #: predictions this close to the fastest are ties (a simulated clock's difference of a fraction of a
@@ -269,25 +357,45 @@ def predict(policy: Policy, profile: Profile | _Costs, link: LinkCost, work: Wor
 
 
 def _predict_layers(policy: Policy, profile: Profile | _Costs, link: LinkCost, work: Workload) -> float:
-    """The stored prefix by layers (one range read per chunk per layer), then the rest computed."""
+    """The stored prefix by layers (one range read per chunk per layer), then the rest computed; or,
+    where the policy would load every layer before computing one, whole chunks along tokens, as the
+    restore then runs (`restore.layer_wise`)."""
     k = work.stored.index(False) if False in work.stored else len(work.stored)
     if k == 0:  # what the restorer does then: nothing to load along layers
         return predict(ComputeOnly(), profile, link, work)
-    prefix, n = sum(work.chunk_tokens[:k]), work.n_tokens
+    prefix, n, layers = sum(work.chunk_tokens[:k]), work.n_tokens, work.num_layers
     layer_s = profile.layer.seconds(prefix)
-    layer_bytes = prefix * work.kv_bytes_per_token // work.num_layers
+    layer_bytes = prefix * work.kv_bytes_per_token // layers
+    # what the restore tells the policy before it starts (`Planner.layer_priors`)
+    priors = Priors([layer_s] * layers, (work.kv_bytes_per_token / layers / link.bytes_per_s, link.latency_s))
+    if k == len(work.stored) and loads_every_layer_first(policy, prefix, layers, work.load_lanes, priors):
+        return predict(LoadOnly(), profile, link, work)
     result = simulate(
         policy,
-        [prefix] * work.num_layers,
-        [True] * work.num_layers,
+        [prefix] * layers,
+        [True] * layers,
         lambda a, b, _t: (b - a) * layer_s,
-        [layer_bytes] * work.num_layers,
+        [layer_bytes] * layers,
         Link(BandwidthTrace.constant(link.bytes_per_s), latency_s=link.latency_s),
         work.load_lanes,
+        priors=(priors.compute_s, priors.link),
     )
     tail = profile.chunk.seconds(n - prefix, prefix) if n > prefix else 0.0
     # reading the chunks' headers first costs one round trip before the first layer arrives
     return result.makespan + tail + link.latency_s
+
+
+def loads_every_layer_first(
+    policy: Policy, prefix: int, num_layers: int, load_lanes: int, priors: Priors
+) -> bool:
+    """Whether a layer-axis `policy` over a stored prefix of `prefix` tokens, told `priors` (its
+    layers' compute and the link per token of one layer), would start no layer's compute: its loads
+    are predicted to land every layer first. A restore of a whole stored prompt then loads whole
+    chunks along tokens instead (`restore.layer_wise`), and `predict` predicts it so."""
+    if priors.link is None:  # nothing known of the link: a policy that starts no unit waits to see fetches
+        return False
+    asked = Progress([prefix] * num_layers, [True] * num_layers).as_if(free_load_lanes=load_lanes)
+    return policy.decide(asked, Estimates(asked, priors)).compute is None
 
 
 def crossover_length(
@@ -309,6 +417,10 @@ class _Costs(NamedTuple):
 
     chunk: ChunkCost
     layer: LayerCost
+
+
+#: the compute costs of a prediction that computes nothing (load-only of a fully stored prompt)
+_NO_COMPUTE = _Costs(ChunkCost(0.0, 0.0, 0.0), LayerCost(0.0, 0.0, 0.0))
 
 
 @lru_cache(maxsize=256)
@@ -333,7 +445,8 @@ def _all_stored(work: Workload) -> Workload:
 
 
 def _reason(choice: Policy, predicted: dict[str, float]) -> str:
-    best = predicted[choice.name]
+    chosen = predicted[choice.name]
+    fastest = min(predicted, key=lambda name: predicted[name])
     others = ", ".join(f"{name} {s:.3f} s" for name, s in predicted.items() if name != choice.name)
     why = {
         "two-pointer": "both resources, along tokens",
@@ -341,4 +454,8 @@ def _reason(choice: Policy, predicted: dict[str, float]) -> str:
         "compute-only": "the store is too slow to help",
         "load-only": "the store alone is faster than sharing with compute",
     }.get(choice.name, "fastest prediction")
-    return f"{why}: predicted {best:.3f} s against {others}"
+    if chosen > predicted[fastest] * TIE:
+        why = f"tried once: never run here, and predicted close to the fastest, {fastest}"
+    elif fastest != choice.name:
+        why += f" (a tie with {fastest}, within {TIE - 1:.0%}: the simpler strategy)"
+    return f"{why}: predicted {chosen:.3f} s against {others}"

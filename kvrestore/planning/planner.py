@@ -13,8 +13,9 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import anyio.to_thread
 import torch
@@ -22,6 +23,7 @@ import torch
 from kvrestore.backends.base import ComputeBackend
 from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.keys import ChunkRef
+from kvrestore.core.settings import check_path
 from kvrestore.core.spec import dtype_name
 from kvrestore.core.trace import Trace
 from kvrestore.costs.calibration import Calibration
@@ -29,7 +31,7 @@ from kvrestore.costs.learned import CostLearner, check_learn, learned_path
 from kvrestore.costs.links import LinkEstimate
 from kvrestore.costs.profile import Profile, profile_problem
 from kvrestore.planning.auto import PLANNED, Auto, Plan, Workload, explore, predict
-from kvrestore.policies import Policy
+from kvrestore.policies import ComputeOnly, Policy
 from kvrestore.runtime.engine import Engine
 
 log = logging.getLogger("kvrestore.planning")
@@ -71,7 +73,9 @@ def find_profile(backend: ComputeBackend, profile: ProfileArg) -> Profile | None
     if profile is None:
         return Profile.find(spec, backend.device)
     if not isinstance(profile, Profile):
-        profile = Profile.load(profile)
+        if not isinstance(profile, (str, os.PathLike)):
+            raise InvalidInputError(f"profile must be a Profile, a path, None or False, got {profile!r}")
+        profile = Profile.load(check_path("profile", profile))
     problem = profile_problem(profile)
     if problem is not None:
         raise InvalidInputError(f"the profile holds a value no machine has: {problem}")
@@ -81,6 +85,13 @@ def find_profile(backend: ComputeBackend, profile: ProfileArg) -> Profile | None
             f"{spec.name} ({dtype_name(spec.dtype)}, {torch.device(backend.device).type})"
         )
     return profile
+
+
+class Yardstick(NamedTuple):
+    """How a restore is judged after it ran (`Planner.judged`, `Planner.calibrate`)."""
+
+    counted: bool  # a run of its strategy (`Calibration.observations`: the strategy was tried)
+    compared: bool  # also set against the cost model's prediction for it (`Calibration` factors)
 
 
 class Planner:
@@ -123,6 +134,9 @@ class Planner:
         self._unprobed = 0  # restores since the link was last measured by loads
         self._probe: Plan | None = None  # the last plan that probes the link
         self._probing = False  # the restore running now probes it: its loads replace the estimate
+        #: the restore running now showed the link change speed: it ran on a link that was not there (its
+        #: plan and its policy's link prior), so its time is set against no prediction (`calibrate`)
+        self._misled = False
         #: seconds per token of compute, from the units fetches overtook (`_learn_overtaken`): a hint
         #: for the two-pointers' priors only, while the cost model has seen no unit run to its end
         self.overtaken_s_per_token: float | None = None
@@ -159,11 +173,17 @@ class Planner:
         """What `auto` (default `Auto()`) chooses for `refs` given which are `stored`.
 
         What was learned ages: where `Auto` would compute everything although chunks are stored, and the
-        link it judged by was never checked by this restorer's loads (it came from a file) or not for
-        `PROBE_EVERY` restores, the restore probes the link instead: it runs the strategy `Auto` explores
-        with (a two-pointer, which adapts to the speeds it meets and is never much slower than
-        computing), and its loads replace the link estimate. So no link, however wrong, keeps `Auto`
-        from loading for ever."""
+        link it judged by was never checked by this restorer's loads (it came from a file), not for
+        `PROBE_EVERY` restores, or changed speed at the last restore that loaded and was not confirmed
+        since (`LinkEstimate.unconfirmed`), the restore probes the link instead: it runs the strategy
+        `Auto` explores with (a two-pointer, which adapts to the speeds it meets and is never much
+        slower than computing), and its loads replace the link estimate. So does a restore `Auto` would
+        load whole over a link it doubts (`LinkEstimate.doubted`: from a file, or a change not confirmed
+        yet): load-only cannot adapt to a link slower than it was, a two-pointer can. Otherwise compute-only runs
+        with one stored chunk fetched aside (`ComputeOnly(watch=True)`), whose landing (or time in
+        flight without landing) keeps the link measured: a link that got faster is seen by the next
+        plan, not sixteen restores later. So no link, however wrong, keeps `Auto` from loading for
+        ever."""
         work = self.workload(refs, stored)
         plan = (auto or Auto()).plan(
             self.cost_model,
@@ -173,19 +193,32 @@ class Planner:
             costs=self.costs_line(),
             untried_margin=1.0 if self.profile is not None else UNTRIED_MARGIN,
         )
-        stale = self.link.observations == 0 or self._unprobed >= PROBE_EVERY
-        if (
-            plan.choice.name == "compute-only"
-            and plan.predicted_s
-            and stale
-            and (auto is None or auto.candidates is None)
-        ):
-            why = "never checked by a load here" if self.link.observations == 0 else "not checked for a while"
+        alone = plan.choice.name in ("compute-only", "load-only")
+        if not alone or not plan.predicted_s or (auto and auto.candidates):
+            return plan
+        if plan.choice.name == "compute-only":
+            stale = self.link.observations == 0 or self._unprobed >= PROBE_EVERY or self.link.unconfirmed
+        else:  # loading everything over a link that may be far slower than it is thought to be
+            stale = self.link.doubted
+        if stale:
+            if self.link.doubted and self.link.observations == 0:
+                why = "read from what an earlier restorer learned, not checked by a load here yet"
+            elif self.link.observations == 0:
+                why = "never checked by a load here"
+            elif self.link.unconfirmed:
+                why = "it changed speed at the last restore that loaded: checked once more"
+            else:
+                why = "not checked for a while"
             plan = replace(
                 plan, choice=explore(work), reason=f"probing the store's link ({why}); else {plan.reason}"
             )
             self._probe = plan
-        return plan
+            return plan
+        if plan.choice.name != "compute-only":
+            return plan
+        # computing everything: one stored chunk fetched aside keeps the link measured (`watch`)
+        watched = "; one stored chunk is fetched aside meanwhile, to keep measuring the store's link"
+        return replace(plan, choice=ComputeOnly(watch=True), reason=plan.reason + watched)
 
     def workload(self, refs: list[ChunkRef], stored: Sequence[bool]) -> Workload:
         """One restore as the planner sees it."""
@@ -275,51 +308,55 @@ class Planner:
             return min(MAX_MIN_UNIT_TOKENS, math.ceil(fixed * (1 - LAUNCH_SHARE) / LAUNCH_SHARE / per_token))
         return CUDA_MIN_UNIT_TOKENS if torch.device(self.backend.device).type == "cuda" else 0
 
-    def predicted(
-        self, policy: Policy, plan: Plan | None, refs: list[ChunkRef], stored: Sequence[bool]
-    ) -> Callable[[], float] | None:
-        """The cost model's own (uncalibrated) prediction for running `policy`, where there is one to
-        learn from: a cost model, a link estimate, a strategy the planner knows, and an engine whose
-        restore times are their own (`Engine.times_restores_alone`; not a `BatchEngine`), from the costs
-        known now, as a call: it is simulated only once `calibration` is read."""
-        if plan is not None and plan is self._probe:  # predicted with the link it doubts: no yardstick
+    def judged(self, policy: Policy, plan: Plan | None, stored: Sequence[bool]) -> Yardstick:
+        """How the restore about to run `policy` will be judged (`calibrate`): counted as a run of its
+        strategy where it is a strategy the planner knows, something is stored, and the engine times
+        its restores alone (`Engine.times_restores_alone`; not a `BatchEngine`); set against a
+        prediction only where it also runs as a planned restore of that strategy runs: with a cost
+        model and a link to tell its policy (not an exploring restore, which runs without them and
+        waits to see fetches land), and not probing the link (which runs without the link prior)."""
+        if plan is not None and plan is self._probe:
             self._probing = True
-            return None
-        model, link = self.cost_model, self.link.current
-        if model is None or link is None or not self.engine.times_restores_alone:
-            return None
-        if plan is not None and policy.name in plan.predicted_s:
-            seconds = plan.predicted_s[policy.name] / plan.calibration.get(policy.name, 1.0)
-            return lambda: seconds
-        if policy.name not in PLANNED or not any(stored):
-            return None
-        work = self.workload(refs, stored)
-        return lambda: predict(policy, model, link, work)
+        counted = self.engine.times_restores_alone and policy.name in PLANNED and any(stored)
+        informed = self.cost_model is not None and self.link.current is not None and not self._probing
+        return Yardstick(counted, counted and informed)
 
     def calibrate(
         self,
         policy: Policy,
-        predicted: Callable[[], float] | None,
+        judged: Yardstick,
         refs: list[ChunkRef],
         stored: Sequence[bool],
         seconds: float,
         clean: bool,
     ) -> None:
-        """After a restore: set its time against the prediction (a clean one only), count it."""
-        if predicted is None and self.profile is None:
-            # an exploring restore: set against what the costs it just taught predict for it, so the
-            # planner knows how that strategy compares with its model (and that it has run it)
-            predicted = self.predicted(policy, None, refs, stored)
-        if predicted is not None and clean:
+        """After a restore (and after `learn`): count it as a run of its strategy, and set its time
+        against what the cost model predicts for it with the costs and the link as this restore left
+        them (where `judged` says so and it ran clean).
+
+        Not against the prediction the plan made before it ran: where that prediction was off because
+        the link was not what the planner thought (a link that changed speed, one read from a file), the
+        restore's loads have corrected the link by now, and the error was the link's, not the
+        strategy's. A factor learned from it would hold that strategy back (or push it) on every later
+        restore, long after the link estimate was right again. What is left, measured against the
+        corrected costs, is how the strategy itself compares with the model (lanes sharing the
+        machine). A restore whose loads showed the link change speed is set against nothing: its policy
+        decided by the old link, so it did not run as the strategy runs on this one. The prediction is
+        simulated only once `calibration` is read."""
+        model, link = self.cost_model, self.link.current
+        if not (judged.counted and clean):
+            pass
+        elif model is None or link is None or not judged.compared or self._misled:
+            self._calibration.count(policy.name)
+        else:
             restores = self._unsettled.setdefault(policy.name, [])
-            restores.append((predicted, seconds))
+            restores.append((partial(predict, policy, model, link, self.workload(refs, stored)), seconds))
             if len(restores) > UNSETTLED:  # the oldest would weigh nothing after the later ones: counted
                 del restores[0]
-                counts = self._calibration.observations
-                counts[policy.name] = counts.get(policy.name, 0) + 1
+                self._calibration.count(policy.name)
         self.costs.observe_restore()
         self._unprobed += 1
-        self._probing = False
+        self._probing = self._misled = False
 
     def learn(self, trace: Trace, refs: list[ChunkRef], layers_over: int | None = None) -> None:
         """Feed what a restore (or a save's restore) did to the cost model and the link estimate: its
@@ -338,12 +375,20 @@ class Planner:
                 self._learn_overtaken(trace, refs)
         if self._probing:
             self.link.reprobe()
+        changes = self.link.changes
         moved = self.link.observe(trace)
         if moved:
             self._unprobed = 0
             self.silent_s_per_token = None
         elif layers_over is None:
             self._learn_silent(trace, refs)
+            bound = self.silent_s_per_token  # no fetch landed: the link is at most this fast
+            if bound is not None and self.link.at_most(self.stored_bytes_per_token / bound):
+                self._unprobed = 0
+        if self.link.changes > changes:  # the link changed speed: the factors measured over it go
+            self._unsettled.clear()
+            self._calibration.forget()
+            self._misled = True
         self.costs.observe_link(self.link.current, moved)
 
     def _learn_silent(self, trace: Trace, refs: list[ChunkRef]) -> None:

@@ -108,7 +108,7 @@ class SplitChoice:
         return QueuedLoad(key, self.nbytes, self.saved_s) if self.k > 0 else None
 
     def fields(self) -> dict[str, Any]:
-        """The choice as a record (`vllm_stats.emit`): tokens, predictions in seconds, the reason."""
+        """The choice as a record (`integrations.vllm.stats.emit`): tokens, predictions in seconds, the reason."""
         return {
             "k": self.k,
             "n_tokens": self.n_tokens,

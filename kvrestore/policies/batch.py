@@ -42,7 +42,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from kvrestore.core.errors import InvalidInputError, check_int
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.settings import check_int
 from kvrestore.policies.base import ChunkStatus, Decision, Estimates, Policy, Progress
 
 #: Cake's compute budget per step (tokens): two 256-token chunks

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.settings import check_bool, check_choice, check_number
 
 DEVIATIONS = ("kv", "k", "v")
 
@@ -61,18 +62,17 @@ class Blend:
     name = "blend"
 
     def __post_init__(self) -> None:
-        r = self.recompute_ratio
-        if r is not None and not 0.0 <= r <= 1.0:
-            raise InvalidInputError(f"recompute_ratio must be in [0, 1] (or None for auto), got {r!r}")
-        if not 0.0 <= self.min_ratio <= self.max_ratio <= 1.0:
+        if self.recompute_ratio is not None:
+            check_number("recompute_ratio", self.recompute_ratio, 0, 1)  # (None: the controller picks)
+        for name in ("min_ratio", "max_ratio", "spread"):
+            check_number(name, getattr(self, name), 0, 1)
+        check_bool("update_candidates", self.update_candidates)
+        if not self.min_ratio <= self.max_ratio:
             raise InvalidInputError(
                 f"need 0 <= min_ratio <= max_ratio <= 1, got min_ratio={self.min_ratio!r}, "
                 f"max_ratio={self.max_ratio!r}"
             )
-        if not 0.0 <= self.spread <= 1.0:
-            raise InvalidInputError(f"spread must be in [0, 1], got {self.spread!r}")
-        if self.deviation not in DEVIATIONS:
-            raise InvalidInputError(f"deviation must be one of {DEVIATIONS}, got {self.deviation!r}")
+        check_choice("deviation", self.deviation, DEVIATIONS)
 
     @property
     def auto(self) -> bool:

@@ -22,7 +22,7 @@ over); this module only decides.
 
 from __future__ import annotations
 
-from kvrestore.core.errors import check_int
+from kvrestore.core.settings import check_int
 from kvrestore.policies.base import ChunkStatus, Decision, Estimates, Policy, Progress
 
 #: how far past its estimated landing (as a fraction of computing the chunk) a fetch is still awaited
@@ -78,7 +78,7 @@ class LayerTwoPointer(Policy):
 
     def __init__(self, compute_layers: int = DEFAULT_COMPUTE_LAYERS) -> None:
         self.compute_layers = check_int("compute_layers", compute_layers)
-        self._meeting = Meeting(self.compute_layers)
+        self._meeting = Meeting(self.compute_layers, stacked=True)
 
     def __repr__(self) -> str:
         return f"LayerTwoPointer(compute_layers={self.compute_layers})"
@@ -90,13 +90,22 @@ class LayerTwoPointer(Policy):
 class Meeting:
     """The two pointers over units: `unit` units make one compute unit (at least the lane's
     `LaneTraits.min_unit_chunks`); a compute unit is cut short where it would reach a unit being
-    fetched."""
+    fetched.
 
-    def __init__(self, unit: int) -> None:
+    `stacked`: each unit needs the compute lane's output of the one below (layers: only computing gives
+    the hidden states a higher layer reads), so computing a unit above loaded ones runs those again.
+    Where the loads took units below the compute lane's next one (a compute lane that was not given
+    a turn, on a batch engine), the lane then never takes a unit being fetched (it waits for the
+    fetch, which the meeting rule would drop for about one unit's compute, not the many it costs)
+    nor races the last one: the computed units stay a bottom run and the loaded ones the top. A unit
+    whose load failed is computed whatever lies below it."""
+
+    def __init__(self, unit: int, stacked: bool = False) -> None:
         self.unit = unit
+        self.stacked = stacked
 
     def decide(self, progress: Progress, estimates: Estimates) -> Decision:
-        contested = self._contested(progress)
+        contested = None if self._loaded_below(progress) else self._contested(progress)
         if contested is not None:  # the last chunk, stored: fetch it and compute it, the first wins
             return Decision(compute=(contested, contested + 1), loads=(contested,), race=True)
         compute, drop, wake_at, hopeless = self._compute_step(progress, estimates)
@@ -110,6 +119,13 @@ class Meeting:
         if hopeless and not overtake:
             overtake = _probe_aside(progress, free, compute)
         return Decision(compute=compute, loads=loads, drop=drop, wake_at=wake_at, overtake=overtake)
+
+    def _loaded_below(self, p: Progress, a: int | None = None) -> bool:
+        """Whether a `stacked` unit below unit a (default: the compute lane's next) was loaded."""
+        if not self.stacked:
+            return False
+        a = p.done_prefix() if a is None else a
+        return any(p.status[j] is ChunkStatus.LOADED for j in range(min(a, p.n_chunks)))
 
     @staticmethod
     def _contested(p: Progress) -> int | None:
@@ -160,6 +176,8 @@ class Meeting:
             b, drop = _extend(p, e, a, a + 1, a + self._unit_length(p, e, a))
             return *self._unit(p, e, a, b, drop, over_stored=False), False
         # the pointers met: chunk a is being fetched
+        if self._loaded_below(p, a):
+            return None, (), None, False  # computing it would compute the loaded units too: the fetch
         compute_s = e.compute_s(a)
         if compute_s is None:  # nothing computed or learned yet: the least computing it can take
             compute_s = e.floor_s(a)

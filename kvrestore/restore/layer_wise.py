@@ -1,6 +1,14 @@
 """A restore along layers: the stored prefix layer by layer (compute bottom-up, load top-down, as the
 policy decides: CacheFlow's layer-wise two-pointer), then the chunks after it computed token-wise.
 
+A layer-axis policy that, by the restorer's costs, would load every layer before the first could be
+computed (a store far faster than computing) is handed to the token axis: the whole prompt is stored,
+and whole chunks land sooner than the same bytes read layer by layer (one read per chunk, not one per
+chunk and layer), so it loads them along tokens. It keeps the promise every two-pointer keeps (never
+much slower than loading alone). The restore says so: `stats.axis` is "tokens", `stats.policy` stays
+the policy asked for, and `stats.handoff` says why (`WHOLE_CHUNKS`). Where no link is known yet (a
+fresh restorer) nothing predicts that, and the restore runs along layers.
+
 A fault on any layer read (missing, damaged or foreign chunk, store error) fails that layer and every
 later one, which are computed instead: once a chunk is unusable, no layer read that includes it can be
 used.
@@ -13,11 +21,18 @@ import time
 import anyio
 
 from kvrestore.chunkio.layers import ChunkLoadFailed, LayerReader
-from kvrestore.costs.estimates import Estimates, Priors
+from kvrestore.costs.estimates import Priors
+from kvrestore.planning.auto import loads_every_layer_first
 from kvrestore.policies import ComputeOnly, LoadOnly, Policy, Progress
 from kvrestore.restore.compute import LayerCompute, prefill_into
 from kvrestore.restore.results import Job, Parts, RestoreResult, RestoreStats
 from kvrestore.restore.token_wise import restore_tokens
+
+#: `RestoreStats.handoff` of a layer-axis restore handed to the token axis (see the module docstring)
+WHOLE_CHUNKS = (
+    "loaded whole chunks along tokens: the loads were predicted to land every layer before the first "
+    "layer could be computed, and whole chunks land sooner than per-layer reads"
+)
 
 
 async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResult:
@@ -32,12 +47,11 @@ async def restore_layers(parts: Parts, job: Job, policy: Policy) -> RestoreResul
     prior_compute_s, prior_link = parts.planner.layer_priors(prefix)
     priors = Priors(prior_compute_s, prior_link, floor_s=parts.planner.layer_floors(prefix))
     progress = Progress([prefix] * n_layers, [True] * n_layers)
-    whole = k == len(refs) and prior_link is not None  # (no link known: a policy waits to see fetches land)
-    asked = progress.as_if(free_load_lanes=engine.load_lanes)
-    if whole and policy.decide(asked, Estimates(asked, priors)).compute is None:
-        # the loads are predicted to land every layer before the first could be computed: whole chunks
-        # then land sooner still (one read each, not one per layer), so the prompt goes along tokens
-        return await restore_tokens(parts, job, LoadOnly())
+    if k == len(refs) and loads_every_layer_first(policy, prefix, n_layers, engine.load_lanes, priors):
+        # whole chunks land sooner still (one read each, not one per layer): the prompt goes along tokens
+        result = await restore_tokens(parts, job, LoadOnly())
+        result.stats.policy, result.stats.handoff = policy.name, WHOLE_CHUNKS
+        return result
     t0 = time.perf_counter()
     kv = parts.buffer(out, len(tokens))
     reader = LayerReader(

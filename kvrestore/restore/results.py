@@ -24,7 +24,7 @@ from kvrestore.stores.deadline import Deadlines, DeadlineStore
 
 @dataclass
 class RestoreStats:
-    policy: str
+    policy: str  # the policy asked for: the caller's, or the one `Auto` chose
     n_tokens: int
     n_chunks: int
     hit_chunks: int  # chunks the store listed before the restore began
@@ -37,6 +37,10 @@ class RestoreStats:
     axis: str = "tokens"  # "layers": the stored prefix was restored layer by layer (LayerTwoPointer)
     computed_layers: int = 0  # on the layer axis: layers computed / loaded over the stored prefix
     loaded_layers: int = 0
+    #: why the restore ran otherwise than `policy` reads (empty: as it reads): a `LayerTwoPointer`
+    #: predicted to load every layer before computing one loads whole chunks along tokens instead
+    #: (`restore.layer_wise.WHOLE_CHUNKS`), so `axis` is "tokens"
+    handoff: str = ""
 
 
 @dataclass

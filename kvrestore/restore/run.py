@@ -94,7 +94,7 @@ async def restore(
         chosen = plan.choice
         if log.isEnabledFor(logging.DEBUG):  # explain() works out L_delta: dozens of simulations
             log.debug("restore of %d tokens: %s", len(tokens), plan.explain())
-    predicted = planner.predicted(chosen, plan, units.refs, units.stored)
+    judged = planner.judged(chosen, plan, units.stored)
     job = Job(tokens, units.refs, units.stored, errors, on_event, out, units.members)
     result = await run_axis(parts, job, chosen)
     result.stats.seconds = time.perf_counter() - t0
@@ -106,7 +106,7 @@ async def restore(
             result.stats.errors[-1],
         )
     planner.calibrate(
-        chosen, predicted, units.refs, units.stored, result.stats.seconds, clean=not result.stats.errors
+        chosen, judged, units.refs, units.stored, result.stats.seconds, clean=not result.stats.errors
     )
     await planner.keep()
     result.plan = plan

@@ -37,6 +37,7 @@ import anyio.to_thread
 from anyio.abc import TaskGroup
 
 from kvrestore.core.errors import InvalidInputError, UsageError
+from kvrestore.core.settings import check_instance
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.costs.compute import ChunkCost
 from kvrestore.costs.estimates import Estimates
@@ -91,6 +92,12 @@ class BatchEngine(Engine):
         cost: ChunkCost | None = None,
     ) -> None:
         super().__init__(load_lanes)
+        if scheduler is not None:
+            check_instance(
+                "scheduler", scheduler, BatchScheduler, "a BatchScheduler (BatchAware(), FifoLanes()) or None"
+            )
+        if cost is not None:
+            check_instance("cost", cost, ChunkCost, "a ChunkCost or None")
         self.scheduler = scheduler if scheduler is not None else BatchAware()
         self.cost = cost or DEFAULT_COST
         self._live: dict[int, _Live] = {}

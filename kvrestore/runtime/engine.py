@@ -38,7 +38,8 @@ from anyio import CapacityLimiter
 from anyio.abc import TaskGroup
 
 from kvrestore.core.cancel import Unit, run_unit
-from kvrestore.core.errors import LOAD_FAULTS, check_int
+from kvrestore.core.errors import LOAD_FAULTS
+from kvrestore.core.settings import check_int
 from kvrestore.core.streams import load_stream
 from kvrestore.core.trace import Trace, TraceEvent
 from kvrestore.policies.base import Decision

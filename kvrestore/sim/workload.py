@@ -37,6 +37,7 @@ from statistics import NormalDist
 from typing import Literal, Protocol
 
 from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.settings import check_choice, check_int, check_number
 
 Kind = Literal["restore", "prefill", "decode"]
 KINDS: tuple[Kind, ...] = ("restore", "prefill", "decode")
@@ -63,13 +64,11 @@ class Request:
     id: int = 0
 
     def __post_init__(self) -> None:
-        if not _is_real(self.arrival_s) or not math.isfinite(self.arrival_s) or self.arrival_s < 0:
-            raise InvalidInputError(f"arrival_s must be a finite time >= 0, got {self.arrival_s!r}")
-        if self.kind not in KINDS:
-            raise InvalidInputError(f"kind must be one of {KINDS}, got {self.kind!r}")
-        _check_int("prefix_tokens", self.prefix_tokens, 0)
-        _check_int("new_tokens", self.new_tokens, 1)
-        _check_int("id", self.id, 0)
+        check_number("arrival_s", self.arrival_s, 0, finite=True)
+        check_choice("kind", self.kind, KINDS)
+        check_int("prefix_tokens", self.prefix_tokens, 0)
+        check_int("new_tokens", self.new_tokens, 1)
+        check_int("id", self.id, 0)
         if self.kind == "restore" and self.prefix_tokens == 0:
             raise InvalidInputError("a restore request needs a cached prefix: prefix_tokens must be > 0")
         if self.kind == "prefill" and self.prefix_tokens != 0:
@@ -128,10 +127,8 @@ class LogNormalLengths:
 
     def __post_init__(self) -> None:
         _check_bounds(self.low, self.high)
-        if not _is_real(self.median) or not math.isfinite(self.median) or self.median <= 0:
-            raise InvalidInputError(f"median must be a finite number > 0, got {self.median!r}")
-        if not _is_real(self.sigma) or not math.isfinite(self.sigma) or self.sigma <= 0:
-            raise InvalidInputError(f"sigma must be a finite number > 0, got {self.sigma!r}")
+        check_number("median", self.median, positive=True, finite=True)
+        check_number("sigma", self.sigma, positive=True, finite=True)
 
     def _cdf_bounds(self) -> tuple[float, float]:
         mu = math.log(self.median)
@@ -187,9 +184,9 @@ def poisson(
     Inter-arrival times are exponential with mean 1 / rate; each request's kind is drawn with `weights`
     (relative, need not sum to 1) and its lengths from `shapes`. Ids are 0, 1, ... in arrival order.
     """
-    _check_positive("rate_per_s", rate_per_s)
-    _check_nonnegative("duration_s", duration_s)
-    _check_nonnegative("start_s", start_s)
+    check_number("rate_per_s", rate_per_s, positive=True, finite=True)
+    check_number("duration_s", duration_s, 0, finite=True)
+    check_number("start_s", start_s, 0, finite=True)
     if rate_per_s * duration_s > MAX_EXPECTED_REQUESTS:
         raise InvalidInputError(
             f"rate_per_s * duration_s = {rate_per_s * duration_s:.3g} expected requests, more than "
@@ -221,9 +218,9 @@ def burst(
     By default a Cake-style burst: short uncached prompts and decode steps from other users; pass
     `weights` to put cached restores in it too. Ids are 0, 1, ... in arrival order.
     """
-    _check_int("n", n, 0)
-    _check_nonnegative("at_s", at_s)
-    _check_nonnegative("spread_s", spread_s)
+    check_int("n", n, 0)
+    check_number("at_s", at_s, 0, finite=True)
+    check_number("spread_s", spread_s, 0, finite=True)
     if n > MAX_EXPECTED_REQUESTS:
         raise InvalidInputError(f"n = {n} requests, more than {MAX_EXPECTED_REQUESTS}")
     rng = _rng(seed)
@@ -280,8 +277,7 @@ def _kind_table(weights: Mapping[Kind, float]) -> tuple[tuple[Kind, ...], list[f
     if unknown:
         raise InvalidInputError(f"unknown kinds in weights: {unknown}; kinds are {KINDS}")
     for kind, w in weights.items():
-        if not _is_real(w) or not math.isfinite(w) or w < 0:
-            raise InvalidInputError(f"weight of {kind!r} must be a finite number >= 0, got {w!r}")
+        check_number(f"weight of {kind!r}", w, 0, finite=True)
     kinds = tuple(k for k in KINDS if weights.get(k, 0) > 0)
     if not kinds:
         raise InvalidInputError("weights must give at least one kind a positive weight")
@@ -292,30 +288,11 @@ def _kind_table(weights: Mapping[Kind, float]) -> tuple[tuple[Kind, ...], list[f
     return kinds, cum
 
 
-def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidInputError(f"{name} must be an int >= {minimum}, got {value!r}")
-
-
 def _check_bounds(low: int, high: int) -> None:
-    _check_int("low", low, 1)
-    _check_int("high", high, 1)
+    check_int("low", low, 1)
+    check_int("high", high, 1)
     if low > high:
         raise InvalidInputError(f"low must be <= high, got low={low}, high={high}")
-
-
-def _check_positive(name: str, value: float) -> None:
-    if not _is_real(value) or not math.isfinite(value) or value <= 0:
-        raise InvalidInputError(f"{name} must be a finite number > 0, got {value!r}")
-
-
-def _check_nonnegative(name: str, value: float) -> None:
-    if not _is_real(value) or not math.isfinite(value) or value < 0:
-        raise InvalidInputError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 __all__ = [

@@ -25,6 +25,7 @@ back; their objects count from the next listing, or once read.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
@@ -33,7 +34,8 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from kvrestore.core.errors import StoreError, check_int
+from kvrestore.core.errors import StoreError
+from kvrestore.core.settings import check_int
 from kvrestore.stores.base import ChunkStore, check_key, in_order
 from kvrestore.stores.eviction import EvictionPolicy, make_policy
 from kvrestore.stores.shared_dir import SharedDir
@@ -205,10 +207,13 @@ class BoundedStore(WrapperStore):
         self._reserved -= size
 
     async def _start(self) -> None:
-        """On first use, list the store and evict down to the capacity (a restart with a smaller one)."""
+        """On first use, list the store and evict down to the capacity (a restart with a smaller one).
+        A local directory not made yet holds nothing to evict: a read neither makes it nor its lock file."""
         if self._started:
             return
         self._started = True
+        if self.shared is not None and not os.path.isdir(self.shared.root):
+            return
         with contextlib.suppress(StoreError, OSError):  # a read does not fail over bookkeeping
             async with self._exclusive():
                 await self._make_room(0)

@@ -33,7 +33,8 @@ from typing import TypeVar
 
 import anyio
 
-from kvrestore.core.errors import InvalidInputError, StoreTimeoutError, check_seconds
+from kvrestore.core.errors import InvalidInputError, StoreTimeoutError
+from kvrestore.core.settings import check_seconds
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.wrapper import WrapperStore
 

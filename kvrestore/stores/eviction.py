@@ -75,7 +75,9 @@ def make_policy(policy: EvictionPolicy | str | None) -> EvictionPolicy:
         return named[policy.lower()]()
     for method in ("add", "touch", "remove", "victim"):
         if not callable(getattr(policy, method, None)):
-            raise TypeError(f"eviction policy {policy!r} has no {method}() method")
+            raise InvalidInputError(
+                f"eviction must be 'lru', 'fifo', None or an EvictionPolicy; {policy!r} has no {method}() method"
+            )
     return policy
 
 

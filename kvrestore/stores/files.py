@@ -13,6 +13,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.settings import check_text
 from kvrestore.stores.base import is_key
 
 SUFFIX = ".kvc"
@@ -21,7 +22,7 @@ TMP_PREFIX = ".tmp-"
 
 def filesystem_class(url: str) -> type[fsspec.AbstractFileSystem]:
     """The fsspec filesystem class `url` names; refuses a URL with no directory or bucket in it."""
-    protocol, path = fsspec.core.split_protocol(url)
+    protocol, path = fsspec.core.split_protocol(check_text("url", url))
     if not path.strip():  # "file://" would be the current directory, "s3://" no bucket
         raise InvalidInputError(f"store URL {url!r} names no directory or bucket")
     try:

@@ -31,8 +31,10 @@ import anyio.to_thread
 import fsspec
 
 from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.settings import check_bool
 from kvrestore.stores.base import ChunkStore, StoredObject, check_key, mirrors_reads_of
 from kvrestore.stores.files import SUFFIX, TMP_PREFIX, check_range, filesystem_class, is_local, stored_key
+from kvrestore.stores.urls import check_local_url
 
 #: temp files older than this are leftovers of a killed writer (a live one finishes in seconds)
 STALE_TMP_SECONDS = 3600.0
@@ -191,6 +193,9 @@ async def _abandonable(fn: Callable[[], T]) -> T:
 class LocalStore(ChunkStore):
     """ChunkStore in a local directory, e.g. `LocalStore("/var/cache/kv")` or `LocalStore("file:///kv")`.
 
+    The directory is made by the first write that needs it (with its parents), not when the store opens:
+    opening checks only that it could be made, so a store opened and only read leaves nothing behind.
+
     `fsync=True` makes puts durable across power loss at the cost of a disk flush per object (a cache
     rarely needs it). `read_only=True` opens an existing directory without writing to it (no write
     probe, no sweep of dead writers' temp files): it loads, and a put or delete is a `StoreError`, for a
@@ -207,6 +212,7 @@ class LocalStore(ChunkStore):
     ) -> None:
         if not is_local(filesystem_class(url)):
             raise InvalidInputError(f"{url!r} is not a local directory (FsspecStore opens remote URLs)")
+        check_local_url(url, *fsspec.core.split_protocol(url))
         if storage_options:  # a local filesystem would ignore them silently
             raise InvalidInputError(
                 f"a local directory store takes no storage options, got {', '.join(sorted(storage_options))}"
@@ -216,8 +222,8 @@ class LocalStore(ChunkStore):
         except Exception as e:
             raise StoreError(f"cannot open {url!r}: {type(e).__name__}: {e}") from e
         self.name = url
-        self.fsync = fsync
-        self.read_only = bool(read_only)
+        self.fsync = check_bool("fsync", fsync)
+        self.read_only = check_bool("read_only", read_only)
         self.root = self.local_dir = os.path.abspath(root)
         self._listings: dict[str, tuple[int, list[StoredObject]]] = {}  # shard dir: (its mtime, objects)
         self._open()
@@ -228,26 +234,40 @@ class LocalStore(ChunkStore):
         return os.path.join(self.root, key[:2], key + SUFFIX)
 
     def _open(self) -> None:
-        """Create the root, prove it is writable, and sweep temp files left by killed writers (read-only:
-        only check that it is a directory that can be read)."""
+        """Check the root can be used, creating nothing: an existing root is proved writable (a probe
+        file, removed) and swept of temp files left by killed writers; a missing one must be creatable
+        (its nearest existing ancestor a writable directory) and is made by the first write that needs
+        it. Read-only: the root must be a directory that can be read."""
         if self.read_only:
             if not os.path.isdir(self.root) or not os.access(self.root, os.R_OK | os.X_OK):
                 raise StoreError(
                     f"chunk store directory {self.root!r} is not usable read-only (not a readable directory)"
                 )
             return
+        if not os.path.isdir(self.root):
+            self._check_creatable()
+            return
         probe = os.path.join(self.root, f"{TMP_PREFIX}probe-{uuid.uuid4().hex}")
         try:
-            os.makedirs(self.root, exist_ok=True)
             with open(probe, "wb") as f:
                 f.write(b"kvrestore")
             os.remove(probe)
         except OSError as e:
             raise StoreError(
-                f"chunk store directory {self.root!r} is not usable (cannot create or write it): "
-                f"{type(e).__name__}: {e}"
+                f"chunk store directory {self.root!r} is not usable (cannot write it): {type(e).__name__}: {e}"
             ) from e
         self._sweep_temp()
+
+    def _check_creatable(self) -> None:
+        """Refuse a missing root that a write could not create (see `_open`)."""
+        there = self.root
+        while not os.path.lexists(there):
+            there = os.path.dirname(there)
+        if not os.path.isdir(there) or not os.access(there, os.W_OK | os.X_OK):
+            why = "not a directory" if not os.path.isdir(there) else "not a writable directory"
+            raise StoreError(
+                f"chunk store directory {self.root!r} is not usable (cannot create it: {there!r} is {why})"
+            )
 
     def _sweep_temp(self) -> None:
         cutoff = time.time() - STALE_TMP_SECONDS
@@ -348,6 +368,7 @@ class LocalStore(ChunkStore):
         listing that can be trusted (see `_trusted`): a store listed again and again (a shared
         `BoundedStore` lists before every write) pays only for the shards written since."""
         out: list[StoredObject] = []
+        shards: list[str] = []  # none in a root not made yet
         with suppress(OSError), os.scandir(self.root) as top:
             shards = [e.path for e in top if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
         for d in shards:

@@ -7,7 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvrestore.core.errors import InvalidInputError, check_int
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.settings import check_bool, check_int
 from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object, mirrors_reads_of
 from kvrestore.stores.eviction import EvictionPolicy, make_policy
 from kvrestore.stores.files import check_range
@@ -43,7 +44,7 @@ class MemoryStore(ChunkStore):
     ) -> None:
         if capacity_bytes is not None:
             capacity_bytes = check_int("capacity_bytes", capacity_bytes, minimum=0)
-        if pinned and not torch.cuda.is_available():
+        if check_bool("pinned", pinned) and not torch.cuda.is_available():
             raise InvalidInputError("MemoryStore(pinned=True) needs CUDA: page-locked memory is for uploads")
         self.pinned = pinned
         self.capacity_bytes = capacity_bytes

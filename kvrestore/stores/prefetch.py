@@ -25,7 +25,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrestore.core.errors import InvalidInputError, check_int
+from kvrestore.core.settings import check_bool, check_int, check_number
 from kvrestore.stores.background import Background
 from kvrestore.stores.base import ChunkStore, check_key, copy_object
 from kvrestore.stores.wrapper import WrapperStore
@@ -56,8 +56,8 @@ class PrefetchStore(WrapperStore):
         max_age_s: float = 30.0,
     ) -> None:
         max_bytes, depth = check_int("max_bytes", max_bytes), check_int("depth", depth)
-        if not max_age_s > 0:
-            raise InvalidInputError(f"max_age_s must be positive, got {max_age_s!r}")
+        readahead = check_bool("readahead", readahead)
+        max_age_s = check_number("max_age_s", max_age_s, positive=True)
         super().__init__(inner)
         self.max_bytes = max_bytes
         self.depth = depth

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from functools import partial
@@ -29,9 +28,11 @@ import anyio.to_thread
 import fsspec
 
 from kvrestore.core.errors import InvalidInputError, StoreError
+from kvrestore.core.settings import check_bool
 from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object, in_order
 from kvrestore.stores.files import SUFFIX, check_range, filesystem_class, is_local, stored_key
 from kvrestore.stores.local import LocalStore
+from kvrestore.stores.outage import COOLOFF_S, Outage
 
 #: concurrent requests one batch call (contains, get_many, get_ranges) keeps in flight on a remote store
 REMOTE_CONCURRENCY = 32
@@ -104,7 +105,7 @@ class FsspecStore(ChunkStore):
     #: kept for callers that ask a store built from a URL which kind it is
     local = False
     #: seconds a remote store answers "unreachable" without asking after a connection failure
-    unreachable_cooloff_s: float = 2.0
+    unreachable_cooloff_s: float = COOLOFF_S
 
     def __new__(
         cls,
@@ -123,6 +124,7 @@ class FsspecStore(ChunkStore):
         self, url: str, *, fsync: bool = False, create_bucket: bool = False, **storage_options: Any
     ) -> None:
         fs_cls = filesystem_class(url)
+        fsync, create_bucket = check_bool("fsync", fsync), check_bool("create_bucket", create_bucket)
         if is_local(fs_cls):  # a subclass of FsspecStore given a local path
             raise InvalidInputError(f"{url!r} is a local directory: use (or subclass) LocalStore")
         if fs_cls.async_impl:
@@ -134,7 +136,7 @@ class FsspecStore(ChunkStore):
         except Exception as e:
             raise StoreError(f"cannot open {url!r}: {type(e).__name__}: {e}") from e
         self._setup(fs, root, url, fsync)
-        self.create_bucket = bool(create_bucket)
+        self.create_bucket = create_bucket
 
     @classmethod
     def from_filesystem(
@@ -158,8 +160,8 @@ class FsspecStore(ChunkStore):
         self.create_bucket = False
         #: an object store (s3): no directories, and its first path component is a bucket
         self.object_store = hasattr(fs, "_call_s3")
-        self._down_until = 0.0  # monotonic time before which the store does not ask again
-        self._down_reason = ""
+        #: reachability of the server: fails fast for `unreachable_cooloff_s` after it cannot be reached
+        self.outage = Outage(name, self.unreachable_cooloff_s)
         self._session: Any = None
         self._session_loop: Any = None  # the event loop token the session belongs to
         self._session_lock: anyio.Lock | None = None
@@ -216,11 +218,7 @@ class FsspecStore(ChunkStore):
 
     async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """`fs.<method>(...)`: the `_<method>` coroutine on async filesystems, else in a worker thread."""
-        if self._down_until and time.monotonic() < self._down_until:
-            raise StoreError(
-                f"{self.name} is unreachable ({self._down_reason}); asking again in "
-                f"{self._down_until - time.monotonic():.1f} s"
-            )
+        self.outage.check()
         try:
             if self.is_async:
                 await self._ensure_session()
@@ -228,14 +226,15 @@ class FsspecStore(ChunkStore):
             else:
                 out = await anyio.to_thread.run_sync(partial(getattr(self.fs, method), *args, **kwargs))
         except FileNotFoundError:
-            self._down_until = 0.0  # the server answered
+            self.outage.answered()  # the server answered
             raise
         except Exception as e:
             if _unreachable(e):
-                self._down_until = time.monotonic() + self.unreachable_cooloff_s
-                self._down_reason = f"{type(e).__name__}: {e}"
+                self.outage.unreachable(e)
+            elif not _empty_range(e):  # an empty object's ranged read is an answer, not a fault
+                self.outage.refused(e)
             raise
-        self._down_until = 0.0
+        self.outage.answered()
         return out
 
     async def _cat(self, key: str, start: int | None = None, end: int | None = None) -> bytes | None:

@@ -10,7 +10,6 @@ unthrottled (`WrapperStore`).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -19,6 +18,7 @@ import anyio
 
 from kvrestore.core.bandwidth import BandwidthTrace, Link
 from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.settings import check_number
 from kvrestore.stores.base import ChunkStore
 from kvrestore.stores.wrapper import WrapperStore
 
@@ -27,15 +27,6 @@ T = TypeVar("T")
 
 def _length(data: bytes | None) -> int:
     return 0 if data is None else len(data)
-
-
-def _number(name: str, value: object, *, positive: bool) -> float:
-    """`value` as a finite float (> 0 when `positive`, else >= 0), or InvalidInputError naming it."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or (value <= 0 if positive else value < 0):  # type: ignore[operator]
-        want = "a positive finite number" if positive else "a finite number >= 0"
-        raise InvalidInputError(f"{name} must be {want}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
 
 
 class ThrottledStore(WrapperStore):
@@ -56,11 +47,13 @@ class ThrottledStore(WrapperStore):
         if (bytes_per_s is None) == (trace is None):
             raise InvalidInputError("give ThrottledStore exactly one of bytes_per_s or trace")
         if trace is None:
-            trace = BandwidthTrace.constant(_number("bytes_per_s", bytes_per_s, positive=True))
+            trace = BandwidthTrace.constant(
+                check_number("bytes_per_s", bytes_per_s, positive=True, finite=True)
+            )
         elif not isinstance(trace, BandwidthTrace):
             raise InvalidInputError(f"trace must be a BandwidthTrace, got {type(trace).__name__}")
         super().__init__(inner)
-        self.link = Link(trace, _number("latency_s", latency_s, positive=False))
+        self.link = Link(trace, check_number("latency_s", latency_s, 0, finite=True))
         self.name = f"throttled({inner.name})"
         self.reset()
 

@@ -24,7 +24,8 @@ import contextlib
 import copy
 from collections.abc import Callable, Sequence
 
-from kvrestore.core.errors import STORE_FAULTS, InvalidInputError, StoreError, check_int
+from kvrestore.core.errors import STORE_FAULTS, InvalidInputError, StoreError
+from kvrestore.core.settings import check_bool, check_choice, check_instance, check_int
 from kvrestore.stores.base import ChunkStore, StoredObject, check_key, copy_object
 from kvrestore.stores.tier_moves import TierMoves, TierStats
 from kvrestore.stores.wrapper import WrapperStore
@@ -71,14 +72,17 @@ class TieredStore(WrapperStore):
         flush_concurrency: int = 4,
         flush_retries: int = 5,
     ) -> None:
+        if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence):
+            raise InvalidInputError(f"tiers must be a list of ChunkStores, got {tiers!r}")
         tiers = list(tiers)
         if not tiers:
-            raise InvalidInputError("TieredStore needs at least one tier")
+            raise InvalidInputError("TieredStore needs at least one tier: tiers is empty")
         for t in tiers:
-            if not isinstance(t, ChunkStore):
-                raise TypeError(f"every tier must be a ChunkStore, got {type(t).__name__}")
-        if write not in WRITE_MODES:
-            raise InvalidInputError(f"write must be one of {WRITE_MODES}, got {write!r}")
+            check_instance("every tier", t, ChunkStore, "a ChunkStore (tiers)")
+        check_choice("write", write, WRITE_MODES)
+        promote = check_bool("promote", promote)
+        max_dirty_bytes = check_int("max_dirty_bytes", max_dirty_bytes)
+        max_promote_bytes = check_int("max_promote_bytes", max_promote_bytes)
         flush_concurrency = check_int("flush_concurrency", flush_concurrency)
         flush_retries = check_int("flush_retries", flush_retries)
         super().__init__(tiers[0])

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvrestore.core.settings import check_instance
 from kvrestore.stores.base import ChunkStore, StoredObject
 
 #: read methods that must be overridden together (see the module docstring)
@@ -28,8 +29,7 @@ class WrapperStore(ChunkStore):
     """`inner`, with every call passed on unless a subclass changes it."""
 
     def __init__(self, inner: ChunkStore) -> None:
-        if not isinstance(inner, ChunkStore):
-            raise TypeError(f"{type(self).__name__} wraps a ChunkStore, got {type(inner).__name__}")
+        check_instance("inner", inner, ChunkStore, f"a ChunkStore ({type(self).__name__} wraps one)")
         self.inner = inner
         self.name = inner.name
 

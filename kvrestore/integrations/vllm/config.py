@@ -4,7 +4,6 @@ model's fingerprint, without vLLM. The split is `planning.split`'s; the learned 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import os
@@ -19,15 +18,25 @@ import torch
 from kvrestore.chunkio.parts import Layout, engine_layout, tp_sizes
 from kvrestore.codec.header import spec_encoding
 from kvrestore.codec.quant import ENCODINGS, key_space
-from kvrestore.codec.seal import Seal, seal_of, secret_from_env
-from kvrestore.core.errors import InvalidInputError, check_int, check_seconds
+from kvrestore.codec.seal import SECRET_ENV, Seal, seal_of, secret_from_env
+from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.fingerprint import of_checkpoint
 from kvrestore.core.paths import cache_root
-from kvrestore.core.spec import ModelSpec, dtype_name
-from kvrestore.costs.learned import CostLearner
+from kvrestore.core.settings import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_path,
+    check_seconds,
+    check_text,
+)
+from kvrestore.core.spec import ModelSpec
+from kvrestore.costs.learned import CostLearner, learned_dir
 from kvrestore.costs.links import LinkCost
 from kvrestore.integrations.vllm.layouts import LAYOUTS
 from kvrestore.planning.split import SPLITS
-from kvrestore.stores import MemoryStore, ThrottledStore, open_store
+from kvrestore.stores import MemoryStore, ThrottledStore, check_store_url, open_store
 from kvrestore.stores.base import ChunkStore
 
 # -- configuration ----------------------------------------------------------------------------------
@@ -71,24 +80,30 @@ class ConnectorConfig:
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
         extra = dict(extra or {})
         known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(extra) - known)
+        unknown = sorted(set(extra) - known, key=str)
         if unknown:
             raise InvalidInputError(
                 f"unknown kv_connector_extra_config keys {unknown}; KVRestoreConnector takes {sorted(known)}"
             )
         url = extra.get("store_url")
-        if not isinstance(url, str) or not url.strip():
+        if url is None or (isinstance(url, str) and not url.strip()):
             raise InvalidInputError(
                 "kv_connector_extra_config needs store_url, e.g. {'store_url': '/var/cache/kv'} or 's3://bucket/kv'"
             )
+        check_text("store_url", url)  # (what a URL may be is open_store's to say)
         cfg = cls(**extra)
         check_int("chunk_size", cfg.chunk_size)
         check_int("save_queue_bytes", cfg.save_queue_bytes)
-        for name in ("lookup_timeout_s", "load_timeout_s", "retry_after_s"):
+        for name in ("batch", "save", "load"):
+            check_bool(name, getattr(cfg, name))
+        for name in ("lookup_timeout_s", "load_timeout_s"):
             check_seconds(name, getattr(cfg, name))
+        check_number("retry_after_s", cfg.retry_after_s, positive=True, finite=True)
         for name in ("throttle_bytes_per_s", "link_bytes_per_s"):
             if getattr(cfg, name) is not None:
-                check_seconds(name, getattr(cfg, name))  # a positive number
+                check_number(name, getattr(cfg, name), positive=True, finite=True)
+        check_number("throttle_latency_s", cfg.throttle_latency_s, 0, finite=True)
+        check_number("gather_s", cfg.gather_s, 0, 10)
         choices = {
             "compression": ("none", "zstd"),
             "split": SPLITS,
@@ -97,19 +112,32 @@ class ConnectorConfig:
             "layout": (None, *LAYOUTS),
         }
         for name, allowed in choices.items():
-            if getattr(cfg, name) not in allowed:
-                raise InvalidInputError(f"{name} must be one of {allowed}, got {getattr(cfg, name)!r}")
-        g = cfg.gather_s
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g <= 10:  # NaN fails too
-            raise InvalidInputError(f"gather_s must be a number of seconds from 0 to 10, got {g!r}")
-        if not isinstance(cfg.batch, bool):
-            raise InvalidInputError(f"batch must be true or false, got {cfg.batch!r}")
+            check_choice(name, getattr(cfg, name), allowed)
         if not isinstance(cfg.store_options, Mapping):
             raise InvalidInputError(f"store_options must be a dict, got {type(cfg.store_options).__name__}")
+        if cfg.fingerprint is not None:
+            check_text("fingerprint", cfg.fingerprint)
+        if cfg.cost_dir is not None:
+            check_path("cost_dir", cfg.cost_dir)
         if cfg.secret is not None and not isinstance(cfg.secret, str):
             raise InvalidInputError(f"secret must be a string, got {type(cfg.secret).__name__}")
-        seal_of(cfg.secret if cfg.secret is not None else secret_from_env())  # a weak secret: refused now
+        check_environment(cfg.secret)
         return cfg
+
+
+def check_environment(secret: str | None) -> None:
+    """Refuse, by name, the environment variables the connector reads that it could not use: a
+    `KVRESTORE_SECRET` (unless `secret` is given) that is too short or not UTF-8, a
+    `KVRESTORE_CACHE_DIR` or `KVRESTORE_LEARNED_DIR` that is no usable path."""
+    if secret is None and (env := secret_from_env()) is not None:
+        try:
+            seal_of(env)
+        except InvalidInputError as e:
+            raise InvalidInputError(f"{SECRET_ENV}: {e}") from None
+    else:
+        seal_of(secret)  # a weak secret: refused now
+    cache_root()
+    learned_dir()
 
 
 @dataclass(frozen=True)
@@ -235,12 +263,12 @@ def check_shared_memory(config: ConnectorConfig, executor_backend: str | None, w
 
 
 def preflight(config: ConnectorConfig) -> None:
-    """Open a local directory store as the connector will (created and probed for writing, or read-only
-    with ``"save": false``), so one that cannot be used stops the server before vLLM loads the model.
-    Other stores are opened when the connector starts (an S3 bucket is first asked at the first lookup)."""
-    url = config.store_url
-    if "://" not in url or url.startswith("file://"):
-        open_store(url, **{"read_only": not config.save, **dict(config.store_options)})
+    """Check the store URL (a typo, an unknown scheme: a typed error naming the known ones) and open a
+    local directory store as the connector will (probed for writing, or read-only with ``"save":
+    false``), so a store that cannot be used stops the server before vLLM loads the model. Other stores
+    are opened when the connector starts (an S3 bucket is first asked at the first lookup)."""
+    if check_store_url(config.store_url) == "file":
+        open_store(config.store_url, **{"read_only": not config.save, **dict(config.store_options)})
 
 
 # -- the model ---------------------------------------------------------------------------------------
@@ -261,41 +289,15 @@ def model_spec(hf_config: Any, dtype: torch.dtype, fingerprint: str, name: str) 
     )
 
 
-_FP_LOCK = threading.Lock()
-
-
 def checkpoint_fingerprint(
     path: str | os.PathLike, dtype: torch.dtype, cache_dir: str | os.PathLike | None = None
 ) -> str:
-    """The fingerprint `HFBackend.from_pretrained(path, dtype=dtype)` computes, so that vLLM and a
-    `Restorer` over the same checkpoint and dtype share chunk keys. Loading the model to hash a sample of
-    its weights takes seconds; the result is cached by the checkpoint files' sizes and times."""
-    p = Path(path)
-    if not p.is_dir():
+    """The fingerprint `HFBackend.from_pretrained(path, dtype=dtype)` computes (`core.fingerprint`: the
+    checkpoint's weight files, config and dtype), so that vLLM and a `Restorer` over the same checkpoint
+    and dtype share chunk keys. Each weight file is read once; later starts find its digest cached."""
+    if not Path(path).is_dir():
         raise InvalidInputError(
             f"the model {str(path)!r} is not a local checkpoint directory; give kv_connector_extra_config "
             "a 'fingerprint' (e.g. Restorer(...).spec.fingerprint) for a model loaded by name"
         )
-    files = sorted(f for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".json") and f.is_file())
-    stamp = "|".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-    ident = f"{p.resolve()}|{dtype_name(dtype)}|{stamp}"
-    index = cache_root(cache_dir) / "vllm" / "fingerprints.json"
-    with _FP_LOCK:
-        try:
-            known = json.loads(index.read_text())
-        except (OSError, ValueError):
-            known = {}
-        if ident in known:
-            return str(known[ident])
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype, local_files_only=True)
-        fp = ModelSpec.compute_fingerprint(model.config.to_dict(), model.state_dict().items(), dtype)
-        del model
-        known[ident] = fp
-        with contextlib.suppress(OSError):
-            index.parent.mkdir(parents=True, exist_ok=True)
-            tmp = index.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(known))
-            os.replace(tmp, index)
-        return fp
+    return of_checkpoint(path, dtype, cache_dir)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.keys import ChunkRef, Extra, chunk_keys, namespaced
 from kvrestore.integrations.vllm.stats import emit
 
@@ -109,7 +110,10 @@ class RequestKeys:
             raise Unkeyable("its prompt is embeddings, which no token id names")
         if getattr(request, "prompt_token_ids", None) is None:
             raise Unkeyable("it has no prompt token ids")
-        space = namespaced(self.base_space, getattr(request, "cache_salt", None) or None)
+        try:
+            space = namespaced(self.base_space, getattr(request, "cache_salt", None) or None)
+        except InvalidInputError:  # (the salt is a tenant's: not logged)
+            raise Unkeyable("its cache_salt is not a string UTF-8 can encode") from None
         lora = getattr(request, "lora_request", None)
         if lora is not None:
             path = getattr(lora, "lora_path", "") or getattr(lora, "path", "")

@@ -29,7 +29,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvrestore.core.errors import UnsupportedModelError
+from kvrestore.chunkio.parts import engine_layout
+from kvrestore.core.errors import InvalidInputError, UnsupportedModelError
 from kvrestore.integrations.vllm.config import (
     ConnectorConfig,
     ConnectorContext,
@@ -85,15 +86,13 @@ def parallel_sizes(parallel_config: Any, spec: Any) -> tuple[int, int]:
             f"kvrestore's connector does not support data parallel engines (data_parallel_size={dp}); "
             "tensor and pipeline parallel are supported"
         )
-    heads = spec.num_kv_heads
-    if (tp <= heads and heads % tp) or (tp > heads and tp % heads):
+    try:
+        engine_layout(spec, tp, pp)  # the parts its ranks write: vLLM's split of heads and layers
+    except InvalidInputError as exc:
         raise UnsupportedModelError(
-            f"tensor_parallel_size={tp} does not split the model's {heads} KV heads evenly"
-        )
-    if pp > spec.num_layers:
-        raise UnsupportedModelError(
-            f"pipeline_parallel_size={pp} exceeds the model's {spec.num_layers} layers"
-        )
+            f"kvrestore's connector does not support tensor_parallel_size={tp} with "
+            f"pipeline_parallel_size={pp} for this model: {exc}"
+        ) from exc
     return tp, pp
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvrestore.chunkio.pages import blocks_of
-from kvrestore.chunkio.parts import Layout, leading, part_key
+from kvrestore.chunkio.parts import Layout, candidate_keys, leading, stored_layouts
 from kvrestore.core.errors import STORE_FAULTS
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.sync import CallerLoop
@@ -219,7 +219,7 @@ class SchedulerSide:
             return [False] * len(keys), None
         self.counters.add(lookups=1)
         spec, layouts = self.ctx.spec, self.ctx.layouts
-        asked = [part_key(k, p, spec) for k in keys for layout in layouts for p in layout]
+        asked = candidate_keys(spec, keys, layouts)
         try:
             found = self.lookups.contains_sync(asked)  # a local store: no event loop, no thread
             if found is None:
@@ -236,11 +236,7 @@ class SchedulerSide:
                 retry_s=self.lookups.down_for,
             )
             return [False] * len(keys), None
-        there = dict(zip(asked, found, strict=True))
-        each = [
-            next((lo for lo in layouts if all(there[part_key(k, p, spec)] for p in lo)), None) for k in keys
-        ]
-        layout, n = leading(each)
+        layout, n = leading(stored_layouts(spec, keys, layouts, dict(zip(asked, found, strict=True))))
         return [i < n for i in range(len(keys))], layout
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:

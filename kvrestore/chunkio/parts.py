@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -173,8 +173,20 @@ async def find_layouts(
     """For each chunk key, the first of `layouts` (default `reader_layouts`) whose parts are all stored,
     or None: one `contains` call for every candidate part of every key."""
     layouts = reader_layouts(spec) if layouts is None else list(layouts)
-    asked = [part_key(k, p, spec) for k in keys for layout in layouts for p in layout]
-    there = dict(zip(asked, await store.contains(asked), strict=True))
+    asked = candidate_keys(spec, keys, layouts)
+    return stored_layouts(spec, keys, layouts, dict(zip(asked, await store.contains(asked), strict=True)))
+
+
+def candidate_keys(spec: ModelSpec, keys: Sequence[str], layouts: Sequence[Layout]) -> list[str]:
+    """The store keys of every part of every layout of every chunk key: what one lookup asks about."""
+    return [part_key(k, p, spec) for k in keys for layout in layouts for p in layout]
+
+
+def stored_layouts(
+    spec: ModelSpec, keys: Sequence[str], layouts: Sequence[Layout], there: Mapping[str, bool]
+) -> list[Layout | None]:
+    """For each chunk key, the first of `layouts` whose parts are all stored (`there`: the answers for
+    `candidate_keys`), or None."""
     return [next((lo for lo in layouts if all(there[part_key(k, p, spec)] for p in lo)), None) for k in keys]
 
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from kvrestore import codec
 from kvrestore.chunkio.parts import Layout, find_layouts, part_key, read_slice, reader_layouts, whole
+from kvrestore.chunkio.stored import forget
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import ChunkDecodeError, InvalidInputError
 from kvrestore.core.kv import KVChunk
@@ -98,7 +99,7 @@ class PartsView(WrapperStore):
             )  # fmt: skip
         except ChunkDecodeError:
             for pkey in damaged:  # only proven damage deletes: the next save writes the part again
-                await self.inner.delete(pkey)
+                await forget(self.inner, pkey)
             return None  # a missing, damaged or forged part: the chunk is a miss
         data = codec.encode_chunk(KVChunk(header.start, read.kv), self.spec, key, seal=self.seal)
         self._assembled[key] = data

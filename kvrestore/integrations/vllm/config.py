@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrestore.chunkio.parts import Layout, engine_layout, tp_sizes
 from kvrestore.codec.header import spec_encoding
 from kvrestore.codec.quant import ENCODINGS, key_space
 from kvrestore.codec.seal import SECRET_ENV, Seal, seal_of, secret_from_env
@@ -143,12 +144,33 @@ class ConnectorContext:
     block_size: int
     costs: CostLearner
     step_tokens: int | None = None
+    #: vLLM's tensor-parallel size and pipeline-parallel size: each rank saves and loads its part
+    tp: int = 1
+    pp: int = 1
 
     @classmethod
     def make(
-        cls, config: ConnectorConfig, spec: ModelSpec, block_size: int, step_tokens: int | None = None
+        cls,
+        config: ConnectorConfig,
+        spec: ModelSpec,
+        block_size: int,
+        step_tokens: int | None = None,
+        tp: int = 1,
+        pp: int = 1,
     ) -> ConnectorContext:
-        return cls(config, spec, block_size, CostLearner.shared(spec, config.cost_dir), step_tokens)
+        return cls(config, spec, block_size, CostLearner.shared(spec, config.cost_dir), step_tokens, tp, pp)
+
+    @functools.cached_property
+    def layout(self) -> Layout:
+        """The parts this engine's ranks write (`chunkio.parts.engine_layout`)."""
+        return engine_layout(self.spec, self.tp, self.pp)
+
+    @functools.cached_property
+    def layouts(self) -> list[Layout]:
+        """The layouts a lookup finds chunks in: this engine's first, then every tensor-parallel split of
+        the heads over the same stages (whole chunks at pp 1); each rank reads the parts over its heads."""
+        others = [engine_layout(self.spec, tp, self.pp) for tp in tp_sizes(self.spec.num_kv_heads)]
+        return [self.layout] + [lo for lo in others if lo != self.layout]
 
     @property
     def key_space(self) -> str:
@@ -165,10 +187,11 @@ class ConnectorContext:
 
     @property
     def stored_bytes_per_token(self) -> float:
-        """Bytes a load reads per token of a whole chunk, as stored (scales and padding included), in the
-        encoding chunks are saved in and the only one loaded."""
+        """Bytes one rank's load reads per token, as stored (scales and padding included), in the
+        encoding chunks are saved in and the only one loaded: a whole chunk's over the parts of this
+        engine's layout, which its ranks read at once (the link's cost is learned per rank)."""
         encoding = spec_encoding(self.spec, self.config.kv_encoding)
-        return encoding.bytes_per_token(self.config.chunk_size, self.spec.num_layers)
+        return encoding.bytes_per_token(self.config.chunk_size, self.spec.num_layers) / len(self.layout)
 
     @property
     def link_key(self) -> str:

@@ -8,19 +8,22 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from kvrestore.chunkio.parts import Layout
 from kvrestore.core.keys import ChunkRef
 
 
 @dataclass
 class LoadSpec:
     """Load tokens [first, k) of `req_id` (`first`: where vLLM's own prefix cache ends) from `chunks`,
-    the stored chunks that hold them, into its pages `block_ids`."""
+    the stored chunks that hold them, into its pages `block_ids`. `layout`: the parts the chunks are
+    stored as (`chunkio.parts`; None: whole chunks)."""
 
     req_id: str
     chunks: list[ChunkRef]
     k: int
     block_ids: list[int]
     first: int = 0
+    layout: Layout | None = None
 
 
 @dataclass

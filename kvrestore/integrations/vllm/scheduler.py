@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvrestore.chunkio.pages import blocks_of
+from kvrestore.chunkio.parts import Layout, candidate_keys, leading, stored_layouts
 from kvrestore.core.errors import STORE_FAULTS
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.sync import CallerLoop
@@ -54,6 +55,7 @@ class _Request:
     refs: list[ChunkRef]
     stored: list[bool]
     n_tokens: int
+    layout: Layout | None = None  # the parts its leading stored chunks are stored as
     block_ids: list[int] = field(default_factory=list)
     next_save: int = 0  # chunks before this one are saved or not to be saved
     load_k: int = 0
@@ -123,9 +125,8 @@ class SchedulerSide:
                 self._unkeyed.add(request.request_id)
                 self.counters.add(unkeyed_requests=1)
                 return 0, False
-            st = self._reqs[request.request_id] = _Request(
-                refs, self._lookup([r.key for r in refs]), len(tokens)
-            )
+            stored, layout = self._lookup([r.key for r in refs])
+            st = self._reqs[request.request_id] = _Request(refs, stored, len(tokens), layout)
         st.asked = self.passes
         if not self.config.load:
             return 0, False
@@ -209,17 +210,20 @@ class SchedulerSide:
             return []
         return [o for o in self._reqs.values() if o.unplanned and o.asked >= self.passes - 1]
 
-    def _lookup(self, keys: list[str]) -> list[bool]:
-        """Which chunks are stored; all False (recorded, with a warning) if the store does not answer in
-        time, and for `retry_after_s` after that."""
+    def _lookup(self, keys: list[str]) -> tuple[list[bool], Layout | None]:
+        """Which chunks are stored for this engine, and as what parts: the leading chunks whose parts of
+        one layout (`ConnectorContext.layouts`: this engine's first) are all stored, so every rank
+        finds its heads; all False (recorded, with a warning) if the store does not answer in time, and
+        for `retry_after_s` after that."""
         if self.lookups.down_for > 0:
-            return [False] * len(keys)
+            return [False] * len(keys), None
         self.counters.add(lookups=1)
+        spec, layouts = self.ctx.spec, self.ctx.layouts
+        asked = candidate_keys(spec, keys, layouts)
         try:
-            found = self.lookups.contains_sync(keys)  # a local store: no event loop, no thread
-            if found is not None:
-                return found
-            return list(self.loop.call(self.lookups.contains, keys))
+            found = self.lookups.contains_sync(asked)  # a local store: no event loop, no thread
+            if found is None:
+                found = list(self.loop.call(self.lookups.contains, asked))
         except STORE_FAULTS as exc:
             self.lookups.failed()  # a timeout has marked it down already; any other fault does now
             self.counters.add(lookup_failures=1)
@@ -231,7 +235,9 @@ class SchedulerSide:
                 error=f"{type(exc).__name__}: {exc or 'timeout'}",
                 retry_s=self.lookups.down_for,
             )
-            return [False] * len(keys)
+            return [False] * len(keys), None
+        layout, n = leading(stored_layouts(spec, keys, layouts, dict(zip(asked, found, strict=True))))
+        return [i < n for i in range(len(keys))], layout
 
     def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -299,7 +305,7 @@ class SchedulerSide:
             st.need_load = False
             k, first = st.load_k, st.load_from
             chunks = [r for r in st.refs if r.start < k and r.end > first]
-            meta.loads.append(LoadSpec(req_id, chunks, k, list(st.block_ids), first))
+            meta.loads.append(LoadSpec(req_id, chunks, k, list(st.block_ids), first, st.layout))
         if not self.config.save or self.lookups.down_for > 0:
             return  # while the store is down, chunks are not even copied out
         done = computed + n_new

@@ -27,13 +27,17 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
+from kvrestore.chunkio.head_slice import HeadSlice, sliced
 from kvrestore.chunkio.host_pages import HostPages
 from kvrestore.chunkio.layer_load import LayerDest, LayerLoad
-from kvrestore.chunkio.page_dest import PageWrites, RowPages, SectionPages
+from kvrestore.chunkio.page_dest import PageWrites, RowPages, SectionPages, Writes
 from kvrestore.chunkio.pages import PagedCache, blocks_of, copy_out, fp8_layer_scales
+from kvrestore.chunkio.part_loads import PartLoads
+from kvrestore.chunkio.parts import Layout, Part, part_ref, part_spec, rank_part, whole
 from kvrestore.chunkio.pool import StagingPool
 from kvrestore.chunkio.save import ChunkSaver
 from kvrestore.chunkio.transfer import TransferLane
+from kvrestore.codec.header import spec_encoding
 from kvrestore.core.errors import STORE_FAULTS, UnsupportedModelError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.sync import LoopThread
@@ -63,9 +67,13 @@ class WorkerSide:
         store: ChunkStore | None = None,
         io: LoopThread | None = None,
         saver: ChunkSaver | None = None,
+        rank: tuple[int, int] = (0, 0),
     ) -> None:
         self.ctx = ctx
-        self.spec = ctx.spec
+        #: this worker's heads of its stage's layers (`chunkio.parts`), saved by it unless a rank before
+        #: it holds the same replicated heads; its pages hold exactly the part: its spec is the part's
+        self.part, self.writes = rank_part(ctx.spec, ctx.tp, rank[0], ctx.pp, rank[1])
+        self.spec = part_spec(ctx.spec, self.part)
         self.config = c = ctx.config
         self.costs = ctx.costs
         self.block_size = ctx.block_size
@@ -89,7 +97,7 @@ class WorkerSide:
         self._layout = "cpu"
         self.paged: PagedCache | None = None
         self._meta: KVRestoreConnectorMetadata | None = None
-        self._loads: list[tuple[LoadSpec, LayerLoad]] = []
+        self._loads: list[tuple[LoadSpec, LayerLoad | PartLoads]] = []
         self._load_errors: set[int] = set()
         self._failed_chunks: dict[str, set[int]] = {}
         self._loaded: set[str] = set()  # requests whose loads ended since the last report
@@ -186,6 +194,10 @@ class WorkerSide:
         c = self.config
         direct = applies(self.store, self._layout, c.kv_encoding, c.compression) and HostPages.takes(paged)
         for spec in meta.loads:
+            layout = spec.layout or (whole(self.ctx.spec),)
+            if layout != self.ctx.layout:  # stored by an engine of another layout
+                self._cross_load(spec, layout)
+                continue
             dest: LayerDest
             options: dict[str, Any] = {"layers_per_read": 4}
             if direct:  # read on this thread as vLLM asks for each layer, straight into the pages
@@ -199,7 +211,7 @@ class WorkerSide:
             load = LayerLoad(
                 self.spec,
                 self.store,
-                spec.chunks,
+                [part_ref(c, self.part, self.ctx.spec) for c in spec.chunks],
                 spec.k,
                 dest,
                 first=spec.first,
@@ -209,6 +221,52 @@ class WorkerSide:
             )
             load.start(self.io, c.load_timeout_s)
             self._loads.append((spec, load))
+
+    def _cross_load(self, spec: LoadSpec, layout: Layout) -> bool:
+        """Load `spec` from chunks stored in another layout than this engine's: of each stored part over
+        this rank's heads, those heads, into their slice of the pages (`head_slice`). Where a part spans
+        other layers than this rank's, or the pages are fp8, nothing loads: its blocks are load errors,
+        recomputed by vLLM on every rank."""
+        paged, c = self.paged, self.config
+        assert paged is not None
+        (a, b), mine = self.part.heads, self.part
+        loads = []
+        for p in layout:
+            pa, pb = p.heads
+            if pb <= a or pa >= b:
+                continue
+            if p.layers != mine.layers or paged.scales is not None:
+                self._load_errors.update(blocks_of(spec.block_ids, spec.first, spec.k, self.block_size))
+                self._loaded.add(spec.req_id)
+                self.counters.add(load_failures=1)
+                log.warning(
+                    "kvrestore: request %s: chunks stored as %s are not read by this rank",
+                    spec.req_id,
+                    layout,
+                )
+                return False
+            ha, hb = max(a, pa), min(b, pb)
+            writes: Writes = PageWrites(sliced(paged, (ha - a, hb - a)), spec.block_ids, self._load_stream)
+            if (pa, pb) != (ha, hb):  # the part holds more heads than this rank: cut to ours
+                native = spec_encoding(part_spec(self.ctx.spec, Part((ha, hb), p.layers)))
+                writes = HeadSlice(writes, (ha - pa, hb - pa), native)
+            loads.append(
+                LayerLoad(
+                    part_spec(self.ctx.spec, p),
+                    self.store,
+                    [part_ref(r, p, self.ctx.spec) for r in spec.chunks],
+                    spec.k,
+                    SectionPages(writes),
+                    first=spec.first,
+                    encoding=c.kv_encoding,
+                    seal=self.ctx.seal,
+                    layers_per_read=4,
+                )
+            )
+        load = PartLoads(loads)
+        load.start(self.io, c.load_timeout_s)
+        self._loads.append((spec, load))
+        return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         layer = self._layer_of.get(layer_name)
@@ -272,7 +330,9 @@ class WorkerSide:
             if bad:
                 failed.add(spec.req_id)
                 self._load_errors.update(bad)
-                self._failed_chunks.setdefault(spec.req_id, set()).update(spec.chunks[j].index for j in load.failed)
+                self._failed_chunks.setdefault(spec.req_id, set()).update(
+                    spec.chunks[j].index for j in load.failed
+                )
                 first = min(a for a, _ in ranges)
                 self.counters.add(
                     load_failures=1, failed_chunks=len(load.failed), recomputed_tokens=spec.k - first
@@ -315,8 +375,10 @@ class WorkerSide:
         reuse the pages) and hand it to the saver."""
         paged = self.paged
         assert paged is not None
+        if not self.writes:  # a replicated head: the first rank that holds it writes it
+            return
         views = list(zip(paged.k, paged.v, strict=True))
-        for c in spec.chunks:
+        for c in (part_ref(r, self.part, self.ctx.spec) for r in spec.chunks):
             nbytes = self.spec.kv_bytes_per_token * (c.end - c.start)
             if not self.saver.reserve(c.key, nbytes):  # dropped: not even copied out
                 continue
@@ -356,4 +418,3 @@ class WorkerSide:
         self.io.close()
         if self._lane is not None:
             self._lane.pool.close()
-

@@ -50,7 +50,7 @@ def serve(model: Path, store: dict, preimages: Path | None = None) -> Served:
     assert proc.returncode == 0, f"vLLM exited with {proc.returncode}:\n{proc.stderr[-4000:]}"
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"tokens"')]
     (last,) = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"records"')]
-    return Served({r["offset"]: r for r in rows}, last["records"], last["metrics"], proc.stderr)
+    return Served({r["offset"]: r for r in rows}, rows, last["records"], last["metrics"], proc.stderr)
 
 
 @pytest.fixture(scope="module")

@@ -34,26 +34,37 @@ from .test_two_pointer import ATOL, full_prefill
 
 class HeldCompute:
     """A backend whose compute units wait, layer boundary by layer boundary, until `release` is set:
-    a compute lane far slower than any fetch, without a clock. Everything else is the inner backend's."""
+    a compute lane far slower than any fetch, without a clock. Both ways of computing are held: in place
+    (`prefill_into`, whose early stops are counted) and apart (`prefill_chunk`, a unit racing a fetch,
+    which the policy may start whatever the timing), so nothing is computed to its end before `release`.
+    Everything else is the inner backend's."""
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.release = threading.Event()
-        self.running = threading.Event()  # set once a unit has passed its first checkpoint
-        self.stopped_early = 0
+        self.running = threading.Event()  # set once a unit in place has passed its first checkpoint
+        self.stopped_early = 0  # units in place stopped before `release`
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
+    def _hold(self, running: threading.Event | None) -> None:
+        while not self.release.wait(0.001):
+            checkpoint()  # what the model does before each of its layers
+            if running is not None:
+                running.set()
+
     def prefill_into(self, tokens: torch.Tensor, cache: torch.Tensor, start: int) -> None:
         try:
-            while not self.release.wait(0.001):
-                checkpoint()  # what the model does before each of its layers
-                self.running.set()
+            self._hold(self.running)
         except BaseException:
             self.stopped_early += 1
             raise
         self.inner.prefill_into(tokens, cache, start)
+
+    def prefill_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        self._hold(None)
+        return self.inner.prefill_chunk(*args, **kwargs)
 
 
 def _chunks_applied(trace) -> list[int]:

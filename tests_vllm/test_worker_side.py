@@ -17,6 +17,7 @@ from kvrestore.integrations.vllm.config import ConnectorConfig, ConnectorContext
 from kvrestore.integrations.vllm.meta import KVRestoreConnectorMetadata, LoadSpec, SaveSpec
 from kvrestore.integrations.vllm.scheduler import SchedulerSide
 from kvrestore.integrations.vllm.worker import WorkerSide
+from kvrestore.planning.link_queue import carried
 from kvrestore.stores import MemoryStore
 
 L, H, D, BLOCK, N_BLOCKS, CHUNK = 2, 2, 4, 8, 16, 16
@@ -38,6 +39,19 @@ class Saver:
 
     def flush(self, timeout: float | None = None) -> bool:
         return True
+
+    def finish(self, timeout: float | None = None) -> None:
+        pass
+
+    def take_counts(self) -> dict[str, int]:
+        now = {
+            "saved_chunks": self.written,
+            "saved_bytes": self.written_bytes,
+            "dropped_chunks": self.dropped,
+            "failed_saves": self.failed,
+        }
+        seen, self.seen = getattr(self, "seen", {}), now
+        return {name: n - seen.get(name, 0) for name, n in now.items()}
 
 
 def worker(store: MemoryStore) -> WorkerSide:
@@ -417,9 +431,9 @@ def test_each_split_knows_the_room_the_step_has_left():
         assert cost is not None
         n_new = {r: side._reqs[r].choice.step_new_tokens for r in planned}  # type: ignore[union-attr]
         steps = [(r, n_new[r], planned[r]) for r in planned]
-        meta = KVRestoreConnectorMetadata()
-        meta.steps.extend(steps)
-        carry_s, carry_tokens = side._running(meta)
+        # what the step's requests carry into the next one, as `build_connector_meta` counts it
+        running = [(400, computed + n) for _, n, computed in steps]
+        carry_s, carry_tokens = carried(running, cost, side.ctx.step_tokens)
         rests = {r: 400 - planned[r] - n_new[r] for r in planned}
         assert carry_tokens == sum(n if n > 0 else 1 for n in rests.values())
         expected = sum(
@@ -515,6 +529,39 @@ def test_requests_arriving_together_are_gathered_and_planned_as_one_pass(monkeyp
         assert alone_side.get_num_new_matched_tokens(_Request("a", prompts["a"]), 0)[0] is not None  # type: ignore[arg-type]
     finally:
         alone_side.shutdown()
+
+
+def test_a_gathering_closes_for_every_request_of_a_pass_at_once(monkeypatch):
+    """The window of `gather_s` is judged once per scheduling pass (at its first question): a pass whose
+    questions straddle the window's end (a host that stalls between them) answers all of them the same,
+    so the requests gathered together are planned in one pass, never the later one alone first."""
+    from kvrestore.integrations.vllm import scheduler as vllm_scheduler
+
+    clock = [100.0]
+    monkeypatch.setattr(vllm_scheduler.time, "monotonic", lambda: clock[0])
+    store = MemoryStore()
+    prompts = {r: [1000 * i + t for t in range(400)] for i, r in enumerate("ab")}
+    side = _costed_side(store, True, step_tokens=450, gather_s=0.05)
+    try:
+        for ref in (ref for t in prompts.values() for ref in chunk_keys(t, side.ctx.key_space, 16)):
+            side.loop.call(store.put, ref.key, b"x")
+
+        def ask(r: str) -> int | None:
+            return side.get_num_new_matched_tokens(_Request(r, prompts[r]), 0)[0]  # type: ignore[arg-type]
+
+        assert ask("a") is None and ask("b") is None  # both gathered
+        side.build_connector_meta(_output(side, [], {}))  # type: ignore[arg-type]
+        clock[0] += 0.04
+        assert ask("a") is None  # within the window
+        clock[0] += 0.02  # the host stalls: the window ends between the pass's two questions
+        assert ask("b") is None  # the pass's time is its first question's: still gathering
+        side.build_connector_meta(_output(side, [], {}))  # type: ignore[arg-type]
+        clock[0] += 0.01
+        ka, kb = ask("a"), ask("b")  # the next pass plans both, a knowing b comes after it
+        a = side._reqs["a"].choice
+        assert ka is not None and kb is not None and a is not None and "1 request after it" in a.reason
+    finally:
+        side.shutdown()
 
 
 def test_loads_that_share_a_step_are_one_sample_of_the_link_and_reported_finished():

@@ -111,6 +111,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Request] = {}
         self._unkeyed: set[str] = set()  # requests neither loaded nor saved (`keys.Unkeyable`)
         self.passes = 0  # scheduling passes (`build_connector_meta` ends one)
+        self._timed_pass, self._pass_at = -1, 0.0  # the pass `_pass_time` read the clock in, and when
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -193,7 +194,7 @@ class SchedulerSide:
         g = self.config.gather_s
         if not (self.config.batch and g > 0 and self.config.split == "planned"):
             return False
-        now = time.monotonic()
+        now = self._pass_time()
         if st.gathered_at is None:
             if st.choice is not None or st.waited or bytes_ahead > 0 or compute_ahead_s > g:
                 return False
@@ -202,6 +203,13 @@ class SchedulerSide:
             st.gathered = now - st.gathered_at < g
             return st.gathered
         return st.unplanned and now - st.gathered_at < g
+
+    def _pass_time(self) -> float:
+        """The time of this scheduling pass, read at its first question: a gathering's window closes for
+        every request of one pass at once, however long the pass takes between its questions."""
+        if self._timed_pass != self.passes:
+            self._timed_pass, self._pass_at = self.passes, time.monotonic()
+        return self._pass_at
 
     def _gathering(self) -> list[_Request]:
         """The gathered requests not planned yet that vLLM still asks about (in this pass or the last:

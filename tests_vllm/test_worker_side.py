@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -455,6 +456,28 @@ def test_each_split_knows_the_room_the_step_has_left():
         side.shutdown()
 
 
+def _gathering(monkeypatch: pytest.MonkeyPatch) -> tuple[SchedulerSide, list[float], dict, Any, Any]:
+    """A scheduler side that gathers for 0.05 s on a clock the test moves (`clock[0]`), with two stored
+    400-token prompts "a" and "b" (`prompts`); `ask(r)` asks it about prompt r, `end_pass()` ends a
+    scheduling pass that scheduled nothing."""
+    from kvrestore.integrations.vllm import scheduler as vllm_scheduler
+
+    clock = [100.0]
+    monkeypatch.setattr(vllm_scheduler.time, "monotonic", lambda: clock[0])
+    prompts = {r: [1000 * i + t for t in range(400)] for i, r in enumerate("ab")}
+    side = _costed_side(MemoryStore(), True, step_tokens=450, gather_s=0.05)
+    for ref in (ref for t in prompts.values() for ref in chunk_keys(t, side.ctx.key_space, 16)):
+        side.loop.call(side.store.put, ref.key, b"x")
+
+    def ask(r: str) -> int | None:
+        return side.get_num_new_matched_tokens(_Request(r, prompts[r]), 0)[0]  # type: ignore[arg-type]
+
+    def end_pass() -> None:
+        side.build_connector_meta(_output(side, [], {}))  # type: ignore[arg-type]
+
+    return side, clock, prompts, ask, end_pass
+
+
 def test_requests_arriving_together_are_gathered_and_planned_as_one_pass(monkeypatch):
     """On an idle engine, new requests are answered "ask again" (None) for `gather_s`, so the ones
     arriving together are all known when the first is planned: it plans with the others after it
@@ -464,21 +487,9 @@ def test_requests_arriving_together_are_gathered_and_planned_as_one_pass(monkeyp
     from kvrestore.integrations.vllm import scheduler as vllm_scheduler
     from kvrestore.planning.split import Follower, pass_end_s
 
-    clock = [100.0]
-    monkeypatch.setattr(vllm_scheduler.time, "monotonic", lambda: clock[0])
-    store = MemoryStore()
-    prompts = {r: [1000 * i + t for t in range(400)] for i, r in enumerate("ab")}
-    side = _costed_side(store, True, step_tokens=450, gather_s=0.05)
+    side, clock, prompts, ask, end_pass = _gathering(monkeypatch)
+    store = side.store
     try:
-        for ref in (ref for t in prompts.values() for ref in chunk_keys(t, side.ctx.key_space, 16)):
-            side.loop.call(store.put, ref.key, b"x")
-
-        def ask(r: str) -> int | None:
-            return side.get_num_new_matched_tokens(_Request(r, prompts[r]), 0)[0]  # type: ignore[arg-type]
-
-        def end_pass() -> None:
-            side.build_connector_meta(_output(side, [], {}))  # type: ignore[arg-type]
-
         assert ask("a") is None  # gathered
         end_pass()
         clock[0] += 0.03
@@ -535,27 +546,15 @@ def test_a_gathering_closes_for_every_request_of_a_pass_at_once(monkeypatch):
     """The window of `gather_s` is judged once per scheduling pass (at its first question): a pass whose
     questions straddle the window's end (a host that stalls between them) answers all of them the same,
     so the requests gathered together are planned in one pass, never the later one alone first."""
-    from kvrestore.integrations.vllm import scheduler as vllm_scheduler
-
-    clock = [100.0]
-    monkeypatch.setattr(vllm_scheduler.time, "monotonic", lambda: clock[0])
-    store = MemoryStore()
-    prompts = {r: [1000 * i + t for t in range(400)] for i, r in enumerate("ab")}
-    side = _costed_side(store, True, step_tokens=450, gather_s=0.05)
+    side, clock, _, ask, end_pass = _gathering(monkeypatch)
     try:
-        for ref in (ref for t in prompts.values() for ref in chunk_keys(t, side.ctx.key_space, 16)):
-            side.loop.call(store.put, ref.key, b"x")
-
-        def ask(r: str) -> int | None:
-            return side.get_num_new_matched_tokens(_Request(r, prompts[r]), 0)[0]  # type: ignore[arg-type]
-
         assert ask("a") is None and ask("b") is None  # both gathered
-        side.build_connector_meta(_output(side, [], {}))  # type: ignore[arg-type]
+        end_pass()
         clock[0] += 0.04
         assert ask("a") is None  # within the window
         clock[0] += 0.02  # the host stalls: the window ends between the pass's two questions
         assert ask("b") is None  # the pass's time is its first question's: still gathering
-        side.build_connector_meta(_output(side, [], {}))  # type: ignore[arg-type]
+        end_pass()
         clock[0] += 0.01
         ka, kb = ask("a"), ask("b")  # the next pass plans both, a knowing b comes after it
         a = side._reqs["a"].choice

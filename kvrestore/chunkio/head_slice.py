@@ -1,10 +1,13 @@
-"""A rank's share of a chunk as a destination: the heads of a part that a rank's pages hold.
+"""A rank's share of a chunk as a destination: the heads and layers of a stored part that a rank's pages
+hold.
 
 A reader of another layout than the writer's (`chunkio.parts`) reads each stored part that overlaps its
-heads. Where the part holds some of the rank's heads (tp 1 reading tp 2's parts), its layers go into
-those heads' slice of the pages (`sliced`: views, nothing copied). Where it holds more heads than the
+heads and layers. Where the part holds some of the rank's heads (tp 1 reading tp 2's parts), its layers go
+into those heads' slice of the pages (`sliced`: views, nothing copied). Where it holds more heads than the
 rank (tp 2 reading tp 1's whole chunks), each layer's KV is cut to the rank's heads before it goes into
-the pages (`HeadSlice`, around the pages' `Writes`).
+the pages (`HeadSlice`, around the pages' `Writes`). Where the part's layers are numbered from another
+first layer than the rank's (a pipeline stage reading whole chunks, or whole layers reading a stage's
+part), each layer goes to the page layer of the same model layer (`LayerShift`).
 """
 
 from __future__ import annotations
@@ -42,3 +45,17 @@ class HeadSlice:
 
     def flush(self, layer: int) -> None:
         self.writes.flush(layer)
+
+
+class LayerShift:
+    """`writes` of the pages' layer `layer + shift` for the part's layer `layer`."""
+
+    def __init__(self, writes: Writes, shift: int) -> None:
+        self.writes, self.shift = writes, shift
+        self.queues = writes.queues
+
+    def put(self, layer: int, pieces: list[Piece]) -> None:
+        self.writes.put(layer + self.shift, pieces)
+
+    def flush(self, layer: int) -> None:
+        self.writes.flush(layer + self.shift)

@@ -1,6 +1,7 @@
 """A rank's share of chunks stored in another layout than its own (`chunkio.part_loads.share_loads`): of
 each stored part over the rank's heads and layers, those, into the rank's pages, for every writer and
-reader among tp 1, tp 2, pp 2 and tp 2 x pp 2 (2 KV heads, 4 layers); a stage reads its layers only."""
+reader among tp 1, tp 2, pp 2 and tp 2 x pp 2 (2 KV heads, 4 layers; tp 4 reads too); a stage reads its
+layers only."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kvrestore.stores import MemoryStore
 L, H, D, CHUNK, N, BS = 4, 2, 64, 64, 3, 16
 SPEC = ModelSpec("tiny", L, H, D, 100, torch.float32, fingerprint="ab" * 16)
 ENGINES = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, pp)
+READERS = [*ENGINES, (4, 1), (4, 2)]  # tp 4: each of the 2 heads on two ranks (what tp 2 writes)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,7 @@ def load_share(io, store, mine: Part, layout: Layout, first: int = 0, k: int = N
 
 
 @pytest.mark.parametrize("writer", ENGINES, ids=lambda e: f"w-tp{e[0]}pp{e[1]}")
-@pytest.mark.parametrize("reader", ENGINES, ids=lambda e: f"r-tp{e[0]}pp{e[1]}")
+@pytest.mark.parametrize("reader", READERS, ids=lambda e: f"r-tp{e[0]}pp{e[1]}")
 def test_every_rank_reads_exactly_its_heads_and_layers_from_any_layout(io, kv, writer, reader):
     layout = engine_layout(SPEC, *writer)
     store = stored(kv, layout)

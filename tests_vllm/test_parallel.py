@@ -122,9 +122,7 @@ def test_what_tp1_saved_serves_tp2(tiny, saved_tp1, alone_tp2):
     assert_same_generation(run.results[0], alone_tp2.results[0])
 
 
-@pytest.mark.parametrize(
-    "saved", ["saved_tp2", pytest.param("saved_pp2", marks=runs_pp)], ids=["tp2", "pp2"]
-)
+@pytest.mark.parametrize("saved", ["saved_tp2", pytest.param("saved_pp2", marks=runs_pp)], ids=["tp2", "pp2"])
 def test_a_restorer_reads_chunks_saved_in_parts(saved, prompt_refs, request):
     from kvrestore.chunkio.parts import engine_layout, reader_layouts
     from kvrestore.chunkio.parts_view import PartsView
@@ -146,10 +144,11 @@ def test_a_restorer_reads_chunks_saved_in_parts(saved, prompt_refs, request):
     assert (loaded.kv.data - computed.kv.data).abs().max().item() < 1e-2
 
 
-def test_a_damaged_part_is_recomputed_on_every_rank(tiny, saved_tp2, prompt_refs, alone_tp2, tmp_path):
-    """One rank's part of one chunk is damaged: that rank's load fails those blocks, vLLM joins every
-    worker's load errors and recomputes them on both ranks: the tokens are vLLM's own; the part is
-    deleted and saved again."""
+@pytest.mark.parametrize("engine", ["tp", pytest.param("pp", marks=runs_pp)])
+def test_a_damaged_part_is_recomputed_on_every_rank(tiny, prompt_refs, tmp_path, request, engine):
+    """One rank's part of one chunk is damaged (the second head's at tp 2, the second stage's layers at
+    pp 2): that rank's load fails those blocks, vLLM joins every worker's load errors and recomputes them
+    on every rank: the tokens are vLLM's own; the part is deleted and saved again."""
     import shutil
 
     import anyio
@@ -157,19 +156,20 @@ def test_a_damaged_part_is_recomputed_on_every_rank(tiny, saved_tp2, prompt_refs
     from kvrestore.chunkio.parts import engine_layout, part_key
     from kvrestore.stores import open_store
 
+    saved, alone = (request.getfixturevalue(f"{what}_{engine}2") for what in ("saved", "alone"))
     backend, _, refs = prompt_refs
     spec = backend.spec
     copy = tmp_path / "kv"
-    shutil.copytree(saved_tp2["store_url"], copy)
+    shutil.copytree(saved["store_url"], copy)
     store = open_store(str(copy))
-    damaged = part_key(refs[3].key, engine_layout(spec, tp=2)[1], spec)
+    damaged = part_key(refs[3].key, engine_layout(spec, **{engine: 2})[1], spec)
     blob = bytearray(anyio.run(lambda: store.get(damaged)))
     blob[-7] ^= 1
     anyio.run(lambda: store.put(damaged, bytes(blob)))
-    run = serve(tiny, extra={**saved_tp2, "store_url": str(copy), **LOAD_ALL}, args=["--tp", "2"], env=TP2)
+    run = serve(tiny, extra={**saved, "store_url": str(copy), **LOAD_ALL}, args=[f"--{engine}", "2"], env=TP2)
     if VLLM >= (0, 32):  # vLLM 0.26's stats leave out the step whose blocks did not load
         assert run.metrics["load_failures"] >= 1, run.log[-3000:]
-    assert_same_generation(run.results[0], alone_tp2.results[0])
+    assert_same_generation(run.results[0], alone.results[0])
     # proven damaged: deleted, and written again once recomputed
     assert anyio.run(lambda: store.get(damaged)) not in (None, bytes(blob))
 

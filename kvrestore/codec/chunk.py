@@ -34,7 +34,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import msgspec
-import numpy as np
 import torch
 import zstandard
 
@@ -51,15 +50,19 @@ from kvrestore.codec.header import (
     BODY_ALIGN,
     COMPRESSIONS,
     FORMAT_VERSION,
+    HEAD_SUM,
     HEADER_PROBE,
     MAGIC,
     PLAIN_VERSION,
     PREFIX_SIZE,
     READ_VERSIONS,
+    TILED_VERSION,
     Buffer,
     ChunkHeader,
+    HeadsHeader,
     LayerSection,
     SignedHeader,
+    SignedHeadsHeader,
     SignedTiledHeader,
     TiledHeader,
     _check_spec,
@@ -78,7 +81,8 @@ from kvrestore.codec.header import (
     span_sections,
     spec_encoding,
 )
-from kvrestore.codec.layout import INT_OF_SIZE, place_host_rows, place_rows, tile_keys
+from kvrestore.codec.heads import head_parts, head_sums, wants_head_checks
+from kvrestore.codec.layout import byte_tensor, copy_bytes, place_rows, tile_keys
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import Seal, section_tag
 from kvrestore.core.errors import (
@@ -103,12 +107,15 @@ def encode_chunk(
     encoding: str = "native",
     seal: Seal | None = None,
     key_tile: int = 0,
+    head_checks: bool = True,
 ) -> bytes:
     """Serialise `chunk` (data [L, 2, H, T, D] in `spec.dtype`) for storage under `key`, its sections
     in `encoding` (`quant.ENCODINGS`; encoded where the KV lies, e.g. on its GPU), its header signed
     with `seal` where given (`codec.seal`). With `key_tile` (native only, dividing T) the keys are
-    stored in tiles of that many tokens, column-major in each (`codec.layout`: a format-5 chunk);
-    without, the chunk is format 4, as every reader reads it.
+    stored in tiles of that many tokens, column-major in each (`codec.layout`). Native, uncompressed
+    and of more than one head, the chunk carries per-head checks (`codec.heads`: format 6) unless
+    `head_checks` is False; without either it is format 4 as every reader reads it, with tiles only
+    format 5.
 
     Native and uncompressed, the tensor bytes are copied exactly once (into the returned object).
     """
@@ -131,7 +138,8 @@ def encode_chunk(
     if key_tile:
         dense = tile_keys(dense, key_tile)
     n_tokens = int(data.shape[3])
-    return _frame(dense, chunk.start, n_tokens, spec, key, enc, compression, level, seal, key_tile)
+    heads = head_checks and wants_head_checks(H, enc.native, compression)
+    return _frame(dense, chunk.start, n_tokens, spec, key, enc, compression, level, seal, key_tile, heads)
 
 
 def encode_sections(
@@ -173,9 +181,11 @@ def _frame(
     level: int,
     seal: Seal | None,
     tile: int = 0,
+    heads: bool = False,
 ) -> bytes:
     """The stored object for `dense`, the chunk's sections ([L, ...] contiguous, any device), its keys in
-    tiles of `tile` tokens where not 0 (`TiledHeader`)."""
+    tiles of `tile` tokens where not 0 (`TiledHeader`), with per-head checks where `heads`
+    (`HeadsHeader`: native, uncompressed)."""
     L, D = spec.num_layers, spec.head_dim
     if not enc.native or device_checkable(D * dense.element_size()):
         dsums = [as_signed(int(x)) for x in device_checksums(dense).tolist()]  # where the KV is
@@ -192,7 +202,9 @@ def _frame(
         payloads = [rows[i].data for i in range(L)]
     lengths = [memoryview(p).nbytes for p in payloads]
     sums = [host_checksum(p) for p in payloads]
-    salt, tags = seal.tag_sections(payloads) if seal is not None else (b"", b"")
+    per_head = head_parts(rows, spec.num_kv_heads) if heads else []
+    salt, tags, head_tags = seal.tag_chunk(payloads, per_head) if seal is not None else (b"", b"", b"")
+    hsums = head_sums(per_head) if heads else b""
 
     def header_for(body_start: int) -> bytes:
         sections, off = [], body_start
@@ -213,13 +225,21 @@ def _frame(
             layers=sections,
             encoding=enc.tag,
         )
-        if tile:
+        extra: dict[str, object] = {}
+        if heads:
             fields = {**msgspec.structs.asdict(header), "version": FORMAT_VERSION}
+            header = HeadsHeader(**fields, key_tile=tile, head_sums=hsums)
+            signed: type[ChunkHeader] = SignedHeadsHeader
+            extra = {"head_tags": head_tags}
+        elif tile:
+            fields = {**msgspec.structs.asdict(header), "version": TILED_VERSION}
             header = TiledHeader(**fields, key_tile=tile)
+            signed = SignedTiledHeader
+        else:
+            signed = SignedHeader
         if seal is None:  # byte for byte the header of a release without signatures
             return _ENCODER.encode(header)
-        signed = SignedTiledHeader if tile else SignedHeader
-        header = signed(**msgspec.structs.asdict(header), salt=salt, tags=tags)
+        header = signed(**msgspec.structs.asdict(header), salt=salt, tags=tags, **extra)
         # the MAC has a fixed size: the header's length is the same whatever the MAC
         return seal.sign(header, _ENCODER)
 
@@ -288,28 +308,6 @@ def check_section(
         raise CorruptChunkError(f"layer {layer}: section checksum mismatch")
     if seal is not None:
         raise UnauthenticatedChunkError(f"layer {layer}: section tag does not match this reader's secret")
-
-
-def byte_tensor(data: Buffer) -> torch.Tensor:
-    """A host uint8 tensor over `data`: a view, or a copy where the bytes are read-only (torch refuses
-    to view read-only memory without a warning)."""
-    view = memoryview(data)
-    return torch.frombuffer(view if not view.readonly else bytearray(view), dtype=torch.uint8)
-
-
-def copy_bytes(dst: torch.Tensor, data: Buffer, key_tile: int = 0) -> None:
-    """Copy raw tensor bytes (`dst`'s dtype and shape, C order) into `dst`, which may be strided; with
-    `key_tile`, `data` is sections (`dst`: ``[..., 2, H, T, D]``) whose keys are stored in tiles
-    (`codec.layout`), turned row-major on the way.
-
-    One copy, outside the GIL, from the bytes as they are, read-only ones included (a store's `bytes`):
-    on the CPU through numpy views of both sides; elsewhere through a host tensor over the bytes.
-    """
-    if dst.device.type == "cpu":
-        host = dst.view(INT_OF_SIZE[dst.element_size()]).numpy()  # any KV dtype, bfloat16 included
-        place_host_rows(host, np.frombuffer(data, host.dtype).reshape(dst.shape), key_tile)
-        return
-    place_rows(dst, byte_tensor(data).view(dst.dtype).view(dst.shape), key_tile)
 
 
 def decode_layers(
@@ -424,7 +422,11 @@ __all__ = [
     "COMPRESSIONS",
     "ChunkHeader",
     "FORMAT_VERSION",
+    "HEAD_SUM",
     "HEADER_PROBE",
+    "HeadsHeader",
+    "SignedHeadsHeader",
+    "TILED_VERSION",
     "LayerSection",
     "MAGIC",
     "PLAIN_VERSION",

@@ -17,25 +17,31 @@ from typing import Literal
 import msgspec
 
 from kvrestore.codec import quant
-from kvrestore.codec.seal import Seal, SectionTags
+from kvrestore.codec.seal import TAG_SIZE, Seal, SectionTags
 from kvrestore.core.errors import (
     CorruptChunkError,
     ForeignChunkError,
     FormatVersionError,
     TruncatedChunkError,
+    UnauthenticatedChunkError,
     UnknownLayoutError,
 )
 from kvrestore.core.spec import ModelSpec, dtype_name
 
 MAGIC = b"KVRC"
-#: 5: the writer's key layout (`TiledHeader.key_tile`); 4: KV encodings; 3: a device checksum per
-#: section; 2: xxh3-64 section checksums
-FORMAT_VERSION = 5
-#: the version of a chunk written without a key layout of its own: format 4 as it was, byte for byte,
-#: so every reader of format 4 still reads it (and a format-4 reader takes a tiled chunk for foreign)
+#: 6: per-head checks (`HeadsHeader`: a reader of some heads reads only theirs); 5: the writer's key
+#: layout (`TiledHeader.key_tile`); 4: KV encodings; 3: a device checksum per section; 2: xxh3-64
+#: section checksums
+FORMAT_VERSION = 6
+#: the version of a chunk written with its keys in tiles and no per-head checks: format 5 as it was
+TILED_VERSION = 5
+#: the version of a chunk written with neither: format 4 as it was, byte for byte, so every reader of
+#: format 4 still reads it (and a format-4 reader takes a tiled chunk for foreign)
 PLAIN_VERSION = 4
-READ_VERSIONS = (PLAIN_VERSION, FORMAT_VERSION)
+READ_VERSIONS = (PLAIN_VERSION, TILED_VERSION, FORMAT_VERSION)
 HEADER_PROBE = 4096
+#: bytes of one (layer, head)'s xxh3-64 in a format-6 header (`HeadsHeader.head_sums`)
+HEAD_SUM = 8
 COMPRESSIONS = ("none", "zstd")
 
 _PREFIX = struct.Struct("<4sII")  # magic, header length, header crc32
@@ -109,10 +115,31 @@ class SignedTiledHeader(ChunkHeader, frozen=True, kw_only=True):
     tags: bytes = b""
 
 
+class HeadsHeader(ChunkHeader, frozen=True, kw_only=True):
+    """The header of a format-6 chunk: a native, uncompressed one of more than one head whose writer
+    checked each head of each section on its own (`codec.heads`): `head_sums`, the xxh3-64 of each
+    (layer, head)'s keys then values as stored, little-endian u64s in layer-major order; `key_tile` as
+    in `TiledHeader`, 0 where the keys are row-major."""
+
+    key_tile: int = 0
+    head_sums: bytes = b""
+
+
+class SignedHeadsHeader(ChunkHeader, frozen=True, kw_only=True):
+    """`HeadsHeader` signed (`codec.seal`): its fields, the salt and section tags of `SignedHeader`, and
+    each (layer, head)'s GMAC tag (`head_tags`, 16 bytes each, in the order of `head_sums`)."""
+
+    key_tile: int = 0
+    head_sums: bytes = b""
+    salt: bytes = b""
+    tags: bytes = b""
+    head_tags: bytes = b""
+
+
 def key_tile(header: ChunkHeader) -> int:
-    """The tokens of the writer's key tiles (`TiledHeader`), or 0: keys row-major, as in every format-4
-    chunk."""
-    return header.key_tile if isinstance(header, (TiledHeader, SignedTiledHeader)) else 0
+    """The tokens of the writer's key tiles (`TiledHeader`, `HeadsHeader`), or 0: keys row-major, as in
+    every format-4 chunk."""
+    return int(getattr(header, "key_tile", 0))
 
 
 class _Versioned(msgspec.Struct):
@@ -125,7 +152,8 @@ _ENCODER = msgspec.msgpack.Encoder()
 #: per version: the decoder of an unsigned header, and of a signed one
 _DECODERS: dict[int, tuple[msgspec.msgpack.Decoder, msgspec.msgpack.Decoder]] = {
     PLAIN_VERSION: (msgspec.msgpack.Decoder(ChunkHeader), msgspec.msgpack.Decoder(SignedHeader)),
-    FORMAT_VERSION: (msgspec.msgpack.Decoder(TiledHeader), msgspec.msgpack.Decoder(SignedTiledHeader)),
+    TILED_VERSION: (msgspec.msgpack.Decoder(TiledHeader), msgspec.msgpack.Decoder(SignedTiledHeader)),
+    FORMAT_VERSION: (msgspec.msgpack.Decoder(HeadsHeader), msgspec.msgpack.Decoder(SignedHeadsHeader)),
 }
 _VERSION_DECODER = msgspec.msgpack.Decoder(_Versioned)
 
@@ -233,8 +261,17 @@ def _check_sections(header: ChunkHeader, header_end: int) -> None:
             raise CorruptChunkError(f"uncompressed section {i} has length {s.length} != raw {s.raw_length}")
         off += s.length
     tile = key_tile(header)
-    if isinstance(header, (TiledHeader, SignedTiledHeader)) and (tile < 1 or header.n_tokens % tile):
+    least = 1 if header.version == TILED_VERSION else 0
+    if tile < least or (tile and header.n_tokens % tile):
         raise CorruptChunkError(f"key tiles of {tile} tokens in a chunk of {header.n_tokens}")
+    sums = len(getattr(header, "head_sums", b""))
+    if header.version == FORMAT_VERSION and (
+        header.compression != "none" or sums != HEAD_SUM * header.num_layers * header.num_kv_heads
+    ):
+        raise CorruptChunkError(
+            f"{sums} bytes of head checksums for {header.num_layers} layers of {header.num_kv_heads} "
+            f"heads, {header.compression} sections"
+        )
 
 
 def _check_spec(header: ChunkHeader, spec: ModelSpec) -> quant.Encoding:
@@ -247,8 +284,8 @@ def _check_spec(header: ChunkHeader, spec: ModelSpec) -> quant.Encoding:
     }
     expect_fields("chunk", header, expect)
     enc = header_encoding(header, spec)
-    if key_tile(header) and not enc.native:
-        raise UnknownLayoutError(f"key tiles in a chunk of the {enc.name} encoding")
+    if (key_tile(header) or header.version == FORMAT_VERSION) and not enc.native:
+        raise UnknownLayoutError(f"key tiles or head checks in a chunk of the {enc.name} encoding")
     raw = enc.section_bytes(header.n_tokens)
     for i, s in enumerate(header.layers):
         if s.raw_length != raw:
@@ -270,6 +307,10 @@ def check_header(
     with a `seal`, UnauthenticatedChunkError first unless the header carries its valid MAC and a tag
     for each section. Returns those sections' tags (`codec.seal`; None without a seal)."""
     tags = None if seal is None else seal.check(header, _ENCODER, len(header.layers))
+    if tags is not None and len(getattr(header, "head_tags", b"")) * HEAD_SUM != TAG_SIZE * len(
+        getattr(header, "head_sums", b"")
+    ):
+        raise UnauthenticatedChunkError("chunk has head checksums without a tag for each head")
     expect_fields("chunk", header, {"key": key, "start": start, "n_tokens": n_tokens})
     enc = _check_spec(header, spec)
     if enc.name != encoding:

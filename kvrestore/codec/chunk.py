@@ -225,21 +225,26 @@ def _frame(
             layers=sections,
             encoding=enc.tag,
         )
-        extra: dict[str, object] = {}
-        if heads:
-            fields = {**msgspec.structs.asdict(header), "version": FORMAT_VERSION}
-            header = HeadsHeader(**fields, key_tile=tile, head_sums=hsums)
-            signed: type[ChunkHeader] = SignedHeadsHeader
-            extra = {"head_tags": head_tags}
-        elif tile:
-            fields = {**msgspec.structs.asdict(header), "version": TILED_VERSION}
-            header = TiledHeader(**fields, key_tile=tile)
-            signed = SignedTiledHeader
-        else:
-            signed = SignedHeader
-        if seal is None:  # byte for byte the header of a release without signatures
+        fields = msgspec.structs.asdict(header)
+        if seal is None:  # formats 4 and 5: byte for byte the header of a release without signatures
+            if heads:
+                header = HeadsHeader(**{**fields, "version": FORMAT_VERSION}, key_tile=tile, head_sums=hsums)
+            elif tile:
+                header = TiledHeader(**{**fields, "version": TILED_VERSION}, key_tile=tile)
             return _ENCODER.encode(header)
-        header = signed(**msgspec.structs.asdict(header), salt=salt, tags=tags, **extra)
+        if heads:
+            header = SignedHeadsHeader(
+                **{**fields, "version": FORMAT_VERSION},
+                key_tile=tile,
+                head_sums=hsums,
+                salt=salt,
+                tags=tags,
+                head_tags=head_tags,
+            )
+        elif tile:
+            header = SignedTiledHeader(**{**fields, "version": TILED_VERSION}, key_tile=tile, salt=salt, tags=tags)
+        else:
+            header = SignedHeader(**fields, salt=salt, tags=tags)
         # the MAC has a fixed size: the header's length is the same whatever the MAC
         return seal.sign(header, _ENCODER)
 

@@ -89,7 +89,9 @@ def join_heads(header: ChunkHeader, layers: Sequence[int], heads: Span, parts: S
     return b"".join(parts)
 
 
-def head_sections(header: ChunkHeader, layers: Sequence[int], heads: Span, span: Buffer) -> dict[int, memoryview]:
+def head_sections(
+    header: ChunkHeader, layers: Sequence[int], heads: Span, span: Buffer
+) -> dict[int, memoryview]:
     """Each layer's section of heads [a, b) within `span` (`join_heads`): keys, then values."""
     a, b = _check_heads_span(header, heads)
     size = 2 * (b - a) * head_bytes(header)
@@ -99,7 +101,9 @@ def head_sections(header: ChunkHeader, layers: Sequence[int], heads: Span, span:
     return {i: mv[j * size : (j + 1) * size] for j, i in enumerate(layers)}
 
 
-def check_heads(header: ChunkHeader, layer: int, heads: Span, stored: Buffer, seal: Seal | None = None) -> None:
+def check_heads(
+    header: ChunkHeader, layer: int, heads: Span, stored: Buffer, seal: Seal | None = None
+) -> None:
     """Verify heads [a, b) of section `layer` (`stored`: their keys then their values, as
     `head_sections` gives them) before any byte is used: each head against its xxh3-64, or with a `seal`
     its GMAC tag (the header must have passed `check_header` under the same seal). As `check_section`:
@@ -122,7 +126,9 @@ def check_heads(header: ChunkHeader, layer: int, heads: Span, stored: Buffer, se
         if host_checksum_parts(parts) != int(sums[layer * H + h]):
             raise CorruptChunkError(f"layer {layer} head {h}: checksum mismatch")
         if seal is not None:
-            raise UnauthenticatedChunkError(f"layer {layer} head {h}: tag does not match this reader's secret")
+            raise UnauthenticatedChunkError(
+                f"layer {layer} head {h}: tag does not match this reader's secret"
+            )
 
 
 def decode_heads(
@@ -143,7 +149,9 @@ def decode_heads(
     if out is None:
         out = torch.empty(shape, dtype=spec.dtype)
     elif tuple(out.shape) != shape or out.dtype != spec.dtype or out.device.type != "cpu":
-        raise InvalidInputError(f"out is {tuple(out.shape)} {out.dtype} on {out.device}, need {shape} {spec.dtype} on cpu")
+        raise InvalidInputError(
+            f"out is {tuple(out.shape)} {out.dtype} on {out.device}, need {shape} {spec.dtype} on cpu"
+        )
     for j, i in enumerate(layers):
         check_heads(header, i, heads, sections[i], seal)
         copy_bytes(out[j], sections[i], key_tile(header))
@@ -156,7 +164,8 @@ def head_parts(rows: np.ndarray, num_kv_heads: int) -> list[list[list[memoryview
     n = rows.shape[1] // (2 * num_kv_heads)
     H = num_kv_heads
     return [
-        [[row[h * n : (h + 1) * n].data, row[(H + h) * n : (H + h + 1) * n].data] for h in range(H)] for row in rows
+        [[row[h * n : (h + 1) * n].data, row[(H + h) * n : (H + h + 1) * n].data] for h in range(H)]
+        for row in rows
     ]
 
 

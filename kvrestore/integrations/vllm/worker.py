@@ -27,17 +27,16 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvrestore.chunkio.head_slice import HeadSlice, sliced
+from kvrestore.chunkio.head_slice import sliced
 from kvrestore.chunkio.host_pages import HostPages
 from kvrestore.chunkio.layer_load import LayerDest, LayerLoad
-from kvrestore.chunkio.page_dest import PageWrites, RowPages, SectionPages, Writes
+from kvrestore.chunkio.page_dest import PageWrites, RowPages, SectionPages
 from kvrestore.chunkio.pages import PagedCache, blocks_of, copy_out, fp8_layer_scales
 from kvrestore.chunkio.part_loads import PartLoads
-from kvrestore.chunkio.parts import Layout, Part, part_ref, part_spec, rank_part, whole
+from kvrestore.chunkio.parts import Layout, part_ref, part_spec, rank_part, whole
 from kvrestore.chunkio.pool import StagingPool
 from kvrestore.chunkio.save import ChunkSaver
 from kvrestore.chunkio.transfer import TransferLane
-from kvrestore.codec.header import spec_encoding
 from kvrestore.core.errors import STORE_FAULTS, UnsupportedModelError
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.sync import LoopThread
@@ -224,7 +223,8 @@ class WorkerSide:
 
     def _cross_load(self, spec: LoadSpec, layout: Layout) -> bool:
         """Load `spec` from chunks stored in another layout than this engine's: of each stored part over
-        this rank's heads, those heads, into their slice of the pages (`head_slice`). Where a part spans
+        this rank's heads, those heads (only their bytes read where the part has per-head checks:
+        `SectionPages` with `heads`), into their slice of the pages (`head_slice`). Where a part spans
         other layers than this rank's, or the pages are fp8, nothing loads: its blocks are load errors,
         recomputed by vLLM on every rank."""
         paged, c = self.paged, self.config
@@ -246,17 +246,16 @@ class WorkerSide:
                 )
                 return False
             ha, hb = max(a, pa), min(b, pb)
-            writes: Writes = PageWrites(sliced(paged, (ha - a, hb - a)), spec.block_ids, self._load_stream)
-            if (pa, pb) != (ha, hb):  # the part holds more heads than this rank: cut to ours
-                native = spec_encoding(part_spec(self.ctx.spec, Part((ha, hb), p.layers)))
-                writes = HeadSlice(writes, (ha - pa, hb - pa), native)
+            writes = PageWrites(sliced(paged, (ha - a, hb - a)), spec.block_ids, self._load_stream)
+            # where the part holds more heads than this rank, ours only: read by head where it can be
+            heads = (ha - pa, hb - pa) if (pa, pb) != (ha, hb) else None
             loads.append(
                 LayerLoad(
                     part_spec(self.ctx.spec, p),
                     self.store,
                     [part_ref(r, p, self.ctx.spec) for r in spec.chunks],
                     spec.k,
-                    SectionPages(writes),
+                    SectionPages(writes, heads),
                     first=spec.first,
                     encoding=c.kv_encoding,
                     seal=self.ctx.seal,

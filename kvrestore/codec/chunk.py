@@ -18,9 +18,14 @@ offset, stored length, raw length and xxh3-64 checksum, so
   MAC (`SignedHeader`), and a reader with the secret checks a section's tag (`check_section`) where a
   reader without one checks its xxh3-64: checksums catch damage, the tags forgery.
 
-Format 5 added the writer's key layout (`TiledHeader.key_tile`, `codec.layout`: keys stored as vLLM's
-CPU pages keep them, converted on read by every other reader); a chunk without one is still written as
-format 4, byte for byte, and read by both. Format 4 added the encodings (the header names one,
+Format 6 added per-head checks (`HeadsHeader`, `codec.heads`): for each (layer, head), the xxh3-64 of
+that head's keys then values as stored, and with a secret their GMAC tag, so a reader of some heads (a
+tensor-parallel rank reading a chunk of more heads) range-reads only their bytes, two ranges a layer,
+and verifies each head on its own. It is written where a reader can use it: native, uncompressed
+sections of more than one head (keys in tiles or not). Format 5 added the writer's key layout
+(`TiledHeader.key_tile`, `codec.layout`: keys stored as vLLM's CPU pages keep them, converted on read by
+every other reader). A chunk with neither is still written as format 4, byte for byte, with tiles only
+as format 5, and every reader reads all three. Format 4 added the encodings (the header names one,
 `ChunkHeader.encoding`; both checksums cover the encoded bytes as stored), format 3 the device
 checksum. A chunk of a format this reader does not read, older or newer, is a clean miss
 (`FormatVersionError`), recomputed, and left in the store for the releases that read it.

@@ -651,7 +651,7 @@ def test_a_tp2_rank_reads_only_its_head_of_whole_chunks(head_checks):
         )
         for r in refs
     ]
-    for r, blob in zip(refs, blobs):
+    for r, blob in zip(refs, blobs, strict=True):
         side.io.call(store.put, r.key, blob)
     meta = KVRestoreConnectorMetadata()
     meta.loads.append(LoadSpec("a", refs, n, list(range(8)), layout=(whole(spec),)))

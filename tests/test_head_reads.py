@@ -81,6 +81,11 @@ def _read(store, heads, seal=None, damaged=None) -> SliceRead:
     )
 
 
+def _kv_bytes(blob: bytes) -> int:
+    """The bytes of a chunk's sections (all of its KV)."""
+    return len(blob) - codec.read_header(blob)[0].layers[0].offset
+
+
 def _head_range(blob: bytes, layer: int, head: int, half: int = 0) -> tuple[int, int]:
     """Where head `head`'s keys (`half` 0) or values (1) of `layer` lie in `blob`."""
     header, _ = codec.read_header(blob)
@@ -129,6 +134,18 @@ def test_a_head_tag_binds_the_layer_and_the_head():
     assert len(seen) == 5
 
 
+def test_a_big_models_header_still_fits_the_probe_signed():
+    """The per-head checks lie in a table after the header: 19 KB of them for 80 layers of 8 heads, signed,
+    and the header a reader of whole sections reads first is as small as a format-4 one."""
+    spec = ModelSpec("big", 80, 8, 128, 100, torch.float16, "ab" * 16)
+    data = torch.zeros(80, 2, 8, 16, 128, dtype=torch.float16)
+    blob = codec.encode_chunk(KVChunk(0, data), spec, KEYS[0], seal=SECRET)
+    header, end = codec.read_header(blob)
+    assert header.version == 6 and end <= codec.HEADER_PROBE
+    lo, hi = codec.head_table_span(header)
+    assert lo == codec.body_start_after(end) and hi - lo >= 80 * 8 * 24
+
+
 # -- bytes read ------------------------------------------------------------------------------------------
 
 
@@ -146,7 +163,7 @@ def test_a_tp2_rank_reads_only_its_heads_of_a_whole_chunk(signed, tile):
         assert torch.equal(got.kv, kv[:, :, rank : rank + 1, :T])
         # the header probe, then exactly the rank's heads: half the chunk's KV
         assert got.bytes_read == store.read == codec.HEADER_PROBE + share
-        assert share * 2 == len(blob) - codec.body_start_after(codec.read_header(blob)[1])
+        assert share * 2 == _kv_bytes(blob)
 
 
 @pytest.mark.parametrize("old", ["format 4", "format 5"])
@@ -176,6 +193,30 @@ def test_damage_in_one_head_fails_its_readers_only():
     assert damaged == [KEYS[0]]  # proven damage: the caller deletes it
 
 
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_damaged_or_forged_head_table_fails_a_reader_by_head_only(monkeypatch, signed):
+    """The head table is checked before its sums or tags are used: a flipped byte is damage; rewritten
+    under a seal to keep its xxh3-64 (new sums for forged heads), its tag refuses it. A reader of every
+    head never reads it."""
+    preimages = SecondPreimages(monkeypatch)
+    seal = SECRET if signed else None
+    kv = _prompt()
+    genuine = _blob(kv, seal=seal)
+    header, _ = codec.read_header(genuine)
+    lo, hi = codec.head_table_span(header)
+    table = bytearray(genuine[lo:hi])
+    table[3] ^= 0x40  # head 0 of layer 0's sum
+    damaged = genuine[:lo] + bytes(table) + genuine[hi:]
+    store = _store({KEYS[0]: damaged})
+    assert torch.equal(_read(store, (0, 2), seal).kv, kv[:, :, :, :T])  # whole: the table is not read
+    with pytest.raises(CorruptChunkError, match="head table"):
+        _read(store, (1, 2), seal)
+    if signed:
+        preimages.keep(bytes(table), header.head_sum)  # type: ignore[attr-defined]
+        with pytest.raises(UnauthenticatedChunkError, match="head table"):
+            _read(store, (1, 2), seal)
+
+
 def _forged(blob: bytes, preimages: SecondPreimages, layer: int, head: int, bytes_from: bytes) -> bytes:
     """`blob` with head `head` of `layer` holding `bytes_from` (its keys then values), the header kept, and
     the reader's xxh3-64 of the forged head made the genuine one's (`SecondPreimages`)."""
@@ -183,8 +224,9 @@ def _forged(blob: bytes, preimages: SecondPreimages, layer: int, head: int, byte
     out = bytearray(blob)
     (ka, kb), (va, vb) = _head_range(blob, layer, head, 0), _head_range(blob, layer, head, 1)
     out[ka:kb], out[va:vb] = bytes_from[:HEAD], bytes_from[HEAD:]
-    sums = memoryview(header.head_sums).cast("Q")  # type: ignore[attr-defined]
-    preimages.keep(bytes_from, sums[layer * SPEC.num_kv_heads + head])
+    lo, hi = codec.head_table_span(header)
+    sums = codec.read_head_checks(header, blob[lo:hi]).sums  # the table is read without the secret
+    preimages.keep(bytes_from, int(sums[layer * SPEC.num_kv_heads + head]))
     return bytes(out)
 
 
@@ -259,7 +301,7 @@ def test_a_tp2_rank_loads_its_half_of_whole_chunks_into_its_pages(tile, head_che
             got = gather_chunk(caches, "cpu", block_ids, 0, k, 1, SPEC.head_dim)
             assert torch.equal(got, kv[:, :, rank : rank + 1, :k])
             share = 3 * SPEC.num_layers * 2 * HEAD
-            body = sum(len(b) - codec.body_start_after(codec.read_header(b)[1]) for b in blobs.values())
+            body = sum(_kv_bytes(b) for b in blobs.values())
             assert body == 2 * share
             want = 3 * codec.HEADER_PROBE + (share if head_checks else body)
             assert load.bytes_read == store.read == want
@@ -320,7 +362,7 @@ def test_an_encoded_chunk_is_read_whole_and_cut_to_the_ranks_head():
         load.start(io, 10.0)
         assert all(load.wait(layer) for layer in range(SPEC.num_layers))
         load.future.result(timeout=10)
-        body = len(blob) - codec.body_start_after(codec.read_header(blob)[1])
+        body = _kv_bytes(blob)
         assert not load.failed and load.bytes_read == store.read == codec.HEADER_PROBE + body
         want = codec.decode_chunk(blob, SPEC, KEYS[0], 0, T, encoding="int8").data[:, :, 1:2]
         assert torch.equal(gather_chunk(caches, "cpu", block_ids, 0, T, 1, SPEC.head_dim), want)

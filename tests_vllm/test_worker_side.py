@@ -662,7 +662,7 @@ def test_a_tp2_rank_reads_only_its_head_of_whole_chunks(head_checks):
             pages = side._caches[layer][:, :8].reshape(2, n, 1, 64).transpose(1, 2)
             assert torch.equal(pages, kv[layer, :, 1:2])
         share = len(refs) * 2 * 2 * chunk * 64 * 4  # its head's keys and values of each layer and chunk
-        body = sum(len(b) - codec.body_start_after(codec.read_header(b)[1]) for b in blobs)
+        body = sum(len(b) - codec.read_header(b)[0].layers[0].offset for b in blobs)  # the sections
         assert body == 2 * share
         loaded = side.take_counts()["loaded_bytes"]
         assert loaded == len(refs) * codec.HEADER_PROBE + (share if head_checks else body)

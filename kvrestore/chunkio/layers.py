@@ -92,6 +92,8 @@ class LayerReader:
         self.errors: list[str] = []
         self.why: dict[int, str] = {}  # every chunk not read any more: why (noted in `errors` or not)
         self.damaged: list[str] = []  # keys the blocking face found damaged: to forget
+        #: the verified per-head checks of each chunk read by head (`by_head`)
+        self.head_checks: dict[int, codec.HeadChecks] = {}
         self.bytes_read = 0
         # Deferred checks (`chunkio.deferred`): None means on a CUDA cache only; True runs the device
         # path on a CPU cache too (tests of the same code, without streams). At most `ahead` layers
@@ -248,11 +250,12 @@ class LayerReader:
             header = codec.probe_header(
                 head, self.spec, chunk.key, chunk.start, chunk.n_tokens, self.encoding.name, self.seal
             )
+            table = await self._open_heads(j, header, head)
         except LOAD_FAULTS as exc:
             # a chunk gone before the restore reads it is a plain miss; anything else is worth reporting
             await self._fault(j, exc, note=not isinstance(exc, MissingChunkError))
             return
-        self.bytes_read += len(head)
+        self.bytes_read += len(head) + table
         self.headers[j] = header
 
     def _place_all(
@@ -273,10 +276,20 @@ class LayerReader:
 
     def by_head(self, j: int) -> bool:
         """Whether chunk j is read by head: the destination takes some of its heads (`dest.heads`) and
-        the chunk has per-head checks (`codec.heads`); its span of a read is then those heads' keys and
-        values of each layer (`codec.head_sections`), else its sections whole."""
-        header = self.headers[j]
-        return self.heads not in (None, (0, header.num_kv_heads)) and codec.head_checked(header)
+        the chunk has per-head checks (`codec.heads`, read and verified at `open`); its span of a read
+        is then those heads' keys and values of each layer (`codec.head_sections`), else its sections
+        whole."""
+        return j in self.head_checks
+
+    async def _open_heads(self, j: int, header: codec.ChunkHeader, head: bytes) -> int:
+        """Where chunk j is to be read by head (`by_head`), read and verify its head table (from the
+        header probe where it holds it); the bytes read for it."""
+        if self.heads in (None, (0, header.num_kv_heads)) or not codec.head_checked(header):
+            return 0
+        lo, hi = codec.head_table_span(header)
+        table = head[lo:hi] if hi <= len(head) else await self._get(self.chunks[j].key, lo, hi)
+        self.head_checks[j] = codec.read_head_checks(header, table, self.seal)
+        return 0 if hi <= len(head) else len(table)
 
     async def _fetch(self, j: int, layers: range) -> bytes:
         """Chunk j's span of `layers`: its sections (one range read), or read by head, two ranges a layer

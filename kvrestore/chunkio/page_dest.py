@@ -187,12 +187,12 @@ class KeptSections(CacheRows):
         assert self.heads is not None
         header, spec, (a, b) = reader.headers[j], reader.spec, self.heads
         shape = (2, b - a, header.n_tokens, spec.head_dim)
+        checks = reader.head_checks[j]
         for layer, stored in codec.head_sections(header, layers, self.heads, data).items():
             if codec.key_tile(header):
-                got = codec.decode_heads(header, {layer: stored}, spec, self.heads, [layer], seal=reader.seal)
-                self.sections[j, layer] = got[0]
+                self.sections[j, layer] = codec.decode_heads(checks, {layer: stored}, spec, self.heads, [layer])[0]
                 continue
-            codec.check_heads(header, layer, self.heads, stored, reader.seal)
+            codec.check_heads(checks, layer, self.heads, stored)
             with warnings.catch_warnings():  # read-only bytes: nothing writes through the view
                 warnings.simplefilter("ignore", UserWarning)
                 flat = torch.frombuffer(stored, dtype=torch.uint8)

@@ -323,13 +323,18 @@ async def _read_part(
     header = codec.probe_header(head, sub, pkey, start, n_tokens, encoding, seal)
     local = range(layers[0] - pl0, layers[1] - pl0)
     if heads != (0, sub.num_kv_heads) and codec.head_checked(header):
+        lo, hi = codec.head_table_span(header)
+        probed = hi <= len(head)  # the table, where the header probe holds it, is not read again
         ranges = codec.head_ranges(header, local, heads)
-        got = await store.get_ranges(pkey, ranges)
-        if any(g is None for g in got):
+        got = await store.get_ranges(pkey, ranges if probed else [(lo, hi), *ranges])
+        parts = [g for g in got if g is not None]
+        if len(parts) < len(got):
             raise MissingChunkError(f"part {pkey[:12]} is not in the store")
-        span = codec.join_heads(header, local, heads, [g for g in got if g is not None])
-        sections = codec.head_sections(header, local, heads, span)
-        return codec.decode_heads(header, sections, sub, heads, list(local), seal=seal), len(head) + len(span)
+        nbytes = len(head) + sum(len(p) for p in parts)
+        table = head[lo:hi] if probed else parts.pop(0)
+        checks = codec.read_head_checks(header, table, seal)
+        sections = codec.head_sections(header, local, heads, codec.join_heads(header, local, heads, parts))
+        return codec.decode_heads(checks, sections, sub, heads, list(local)), nbytes
     lo, hi = codec.layer_span(header, local)
     span, nbytes = head[lo:hi], len(head)  # what the header probe already holds is not read again
     if lo + len(span) < hi:

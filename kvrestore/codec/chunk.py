@@ -18,10 +18,12 @@ offset, stored length, raw length and xxh3-64 checksum, so
   MAC (`SignedHeader`), and a reader with the secret checks a section's tag (`check_section`) where a
   reader without one checks its xxh3-64: checksums catch damage, the tags forgery.
 
-Format 6 added per-head checks (`HeadsHeader`, `codec.heads`): for each (layer, head), the xxh3-64 of
-that head's keys then values as stored, and with a secret their GMAC tag, so a reader of some heads (a
-tensor-parallel rank reading a chunk of more heads) range-reads only their bytes, two ranges a layer,
-and verifies each head on its own. It is written where a reader can use it: native, uncompressed
+Format 6 added per-head checks (`HeadsHeader`, `codec.heads`): a head table between the header's
+padding and the first section (the header holds its xxh3-64 and, signed, its tag) with, for each
+(layer, head), the xxh3-64 of that head's keys then values as stored, and with a secret their GMAC tag,
+so a reader of some heads (a tensor-parallel rank reading a chunk of more heads) reads the table and
+range-reads only their bytes, two ranges a layer, and verifies each head on its own; every other reader
+skips the table. It is written where a reader can use it: native, uncompressed
 sections of more than one head (keys in tiles or not). Format 5 added the writer's key layout
 (`TiledHeader.key_tile`, `codec.layout`: keys stored as vLLM's CPU pages keep them, converted on read by
 every other reader). A chunk with neither is still written as format 4, byte for byte, with tiles only
@@ -55,7 +57,6 @@ from kvrestore.codec.header import (
     BODY_ALIGN,
     COMPRESSIONS,
     FORMAT_VERSION,
-    HEAD_SUM,
     HEADER_PROBE,
     MAGIC,
     PLAIN_VERSION,
@@ -76,6 +77,7 @@ from kvrestore.codec.header import (
     body_start_after,
     check_header,
     frame,
+    head_table_span,
     header_encoding,
     header_length,
     key_tile,
@@ -86,7 +88,14 @@ from kvrestore.codec.header import (
     span_sections,
     spec_encoding,
 )
-from kvrestore.codec.heads import head_parts, head_sums, wants_head_checks
+from kvrestore.codec.heads import (
+    head_checked,
+    head_parts,
+    head_sums,
+    head_table,
+    read_head_checks,
+    wants_head_checks,
+)
 from kvrestore.codec.layout import byte_tensor, copy_bytes, place_rows, tile_keys
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import Seal, section_tag
@@ -209,10 +218,12 @@ def _frame(
     sums = [host_checksum(p) for p in payloads]
     per_head = head_parts(rows, spec.num_kv_heads) if heads else []
     salt, tags, head_tags = seal.tag_chunk(payloads, per_head) if seal is not None else (b"", b"", b"")
-    hsums = head_sums(per_head) if heads else b""
+    table = head_table(head_sums(per_head), head_tags) if heads else b""  # before the sections
+    table_sum = host_checksum(table) if heads else 0
+    table_tag = seal.sections(salt).table_tag(table) if heads and seal is not None else b""
 
     def header_for(body_start: int) -> bytes:
-        sections, off = [], body_start
+        sections, off = [], body_start + len(table)
         for n, c, d in zip(lengths, sums, dsums, strict=True):
             sections.append(LayerSection(off, n, raw_len, c, d))
             off += n
@@ -233,7 +244,7 @@ def _frame(
         fields = msgspec.structs.asdict(header)
         if seal is None:  # formats 4 and 5: byte for byte the header of a release without signatures
             if heads:
-                header = HeadsHeader(**{**fields, "version": FORMAT_VERSION}, key_tile=tile, head_sums=hsums)
+                header = HeadsHeader(**{**fields, "version": FORMAT_VERSION}, key_tile=tile, head_sum=table_sum)
             elif tile:
                 header = TiledHeader(**{**fields, "version": TILED_VERSION}, key_tile=tile)
             return _ENCODER.encode(header)
@@ -241,10 +252,10 @@ def _frame(
             header = SignedHeadsHeader(
                 **{**fields, "version": FORMAT_VERSION},
                 key_tile=tile,
-                head_sums=hsums,
+                head_sum=table_sum,
                 salt=salt,
                 tags=tags,
-                head_tags=head_tags,
+                head_tag=table_tag,
             )
         elif tile:
             header = SignedTiledHeader(**{**fields, "version": TILED_VERSION}, key_tile=tile, salt=salt, tags=tags)
@@ -253,7 +264,7 @@ def _frame(
         # the MAC has a fixed size: the header's length is the same whatever the MAC
         return seal.sign(header, _ENCODER)
 
-    return frame(MAGIC, header_for, payloads)
+    return frame(MAGIC, header_for, [table, *payloads] if heads else payloads)
 
 
 # -- decode ---------------------------------------------------------------------------------------
@@ -368,14 +379,17 @@ def check_object(
     seal: Seal | None = None,
 ) -> ChunkHeader:
     """The checked header of a whole stored object: the chunk asked for, of this model and `encoding`,
-    signed under `seal` where given, complete, its padding zero. The sections are not verified yet
-    (`verify_sections`, or a device checksum)."""
+    signed under `seal` where given, complete, its padding zero, its head table (format 6) verified.
+    The sections are not verified yet (`verify_sections`, or a device checksum)."""
     header = probe_header(data, spec, key, start, n_tokens, encoding, seal)
     end = header.end if header.layers else header_length(data)
     if len(data) < end:
         raise TruncatedChunkError(f"object is {len(data)} bytes, header says {end}")
     if len(data) > end:
         raise CorruptChunkError(f"object is {len(data)} bytes, {len(data) - end} past the last section")
+    if head_checked(header):  # unused by a whole read, but every byte of the object is checked
+        lo, hi = head_table_span(header)
+        read_head_checks(header, memoryview(data)[lo:hi], seal)
     return header
 
 
@@ -432,7 +446,6 @@ __all__ = [
     "COMPRESSIONS",
     "ChunkHeader",
     "FORMAT_VERSION",
-    "HEAD_SUM",
     "HEADER_PROBE",
     "HeadsHeader",
     "SignedHeadsHeader",

@@ -40,7 +40,7 @@ TILED_VERSION = 5
 PLAIN_VERSION = 4
 READ_VERSIONS = (PLAIN_VERSION, TILED_VERSION, FORMAT_VERSION)
 HEADER_PROBE = 4096
-#: bytes of one (layer, head)'s xxh3-64 in a format-6 header (`HeadsHeader.head_sums`)
+#: bytes of one (layer, head)'s xxh3-64 in a format-6 chunk's head table (`head_table_span`)
 HEAD_SUM = 8
 COMPRESSIONS = ("none", "zstd")
 
@@ -117,23 +117,36 @@ class SignedTiledHeader(ChunkHeader, frozen=True, kw_only=True):
 
 class HeadsHeader(ChunkHeader, frozen=True, kw_only=True):
     """The header of a format-6 chunk: a native, uncompressed one of more than one head whose writer
-    checked each head of each section on its own (`codec.heads`): `head_sums`, the xxh3-64 of each
-    (layer, head)'s keys then values as stored, little-endian u64s in layer-major order; `key_tile` as
-    in `TiledHeader`, 0 where the keys are row-major."""
+    checked each head of each section on its own (`codec.heads`). The checks are a *head table* between
+    the header's padding and the first section (`head_table_span`), so that the header stays as small
+    as a format-4 one (within `HEADER_PROBE`) for the readers that never use them; the header holds the
+    table's xxh3-64 (`head_sum`). `key_tile` as in `TiledHeader`, 0 where the keys are row-major."""
 
     key_tile: int = 0
-    head_sums: bytes = b""
+    head_sum: int = 0
 
 
 class SignedHeadsHeader(ChunkHeader, frozen=True, kw_only=True):
     """`HeadsHeader` signed (`codec.seal`): its fields, the salt and section tags of `SignedHeader`, and
-    each (layer, head)'s GMAC tag (`head_tags`, 16 bytes each, in the order of `head_sums`)."""
+    the head table's GMAC tag (`head_tag`; the table then holds each head's tag as well)."""
 
     key_tile: int = 0
-    head_sums: bytes = b""
+    head_sum: int = 0
     salt: bytes = b""
     tags: bytes = b""
-    head_tags: bytes = b""
+    head_tag: bytes = b""
+
+
+def head_table_span(header: ChunkHeader) -> tuple[int, int]:
+    """Where a format-6 chunk's head table lies, [start, end): right before its first section, each
+    (layer, head)'s xxh3-64 (`HEAD_SUM` bytes) and, signed, its GMAC tag (`TAG_SIZE`), zero-padded to
+    `BODY_ALIGN`; (0, 0) in any other chunk."""
+    if header.version != FORMAT_VERSION or not header.layers:
+        return 0, 0
+    per_head = HEAD_SUM + (TAG_SIZE if header.mac else 0)
+    size = -(-per_head * header.num_layers * header.num_kv_heads // BODY_ALIGN) * BODY_ALIGN
+    end = header.layers[0].offset
+    return end - size, end
 
 
 def key_tile(header: ChunkHeader) -> int:
@@ -253,7 +266,8 @@ def _check_sections(header: ChunkHeader, header_end: int) -> None:
     sizes."""
     if len(header.layers) != header.num_layers:
         raise CorruptChunkError(f"header lists {len(header.layers)} sections for {header.num_layers} layers")
-    off = body_start_after(header_end)
+    table = head_table_span(header)
+    off = body_start_after(header_end) + table[1] - table[0]
     for i, s in enumerate(header.layers):
         if s.offset != off or s.length < 0 or s.raw_length < 0:
             raise CorruptChunkError(f"section {i} at {s.offset}+{s.length} does not follow byte {off}")
@@ -264,14 +278,8 @@ def _check_sections(header: ChunkHeader, header_end: int) -> None:
     least = 1 if header.version == TILED_VERSION else 0
     if tile < least or (tile and header.n_tokens % tile):
         raise CorruptChunkError(f"key tiles of {tile} tokens in a chunk of {header.n_tokens}")
-    sums = len(getattr(header, "head_sums", b""))
-    if header.version == FORMAT_VERSION and (
-        header.compression != "none" or sums != HEAD_SUM * header.num_layers * header.num_kv_heads
-    ):
-        raise CorruptChunkError(
-            f"{sums} bytes of head checksums for {header.num_layers} layers of {header.num_kv_heads} "
-            f"heads, {header.compression} sections"
-        )
+    if header.version == FORMAT_VERSION and header.compression != "none":
+        raise CorruptChunkError(f"head checks of {header.compression} sections")
 
 
 def _check_spec(header: ChunkHeader, spec: ModelSpec) -> quant.Encoding:
@@ -307,10 +315,8 @@ def check_header(
     with a `seal`, UnauthenticatedChunkError first unless the header carries its valid MAC and a tag
     for each section. Returns those sections' tags (`codec.seal`; None without a seal)."""
     tags = None if seal is None else seal.check(header, _ENCODER, len(header.layers))
-    if tags is not None and len(getattr(header, "head_tags", b"")) * HEAD_SUM != TAG_SIZE * len(
-        getattr(header, "head_sums", b"")
-    ):
-        raise UnauthenticatedChunkError("chunk has head checksums without a tag for each head")
+    if tags is not None and header.version == FORMAT_VERSION and len(getattr(header, "head_tag", b"")) != TAG_SIZE:
+        raise UnauthenticatedChunkError("chunk has head checks without their tag")
     expect_fields("chunk", header, {"key": key, "start": start, "n_tokens": n_tokens})
     enc = _check_spec(header, spec)
     if enc.name != encoding:
@@ -333,7 +339,7 @@ def probe_header(
     as `head` holds it. What every reader that reads a chunk's sections by range checks first."""
     header, header_end = read_header(head)
     check_header(header, spec, key, start, n_tokens, encoding, seal)
-    body = header.layers[0].offset if header.layers else header_end
+    body = body_start_after(header_end) if header.layers else header_end  # a head table's start
     if any(memoryview(head)[header_end : min(body, len(head))]):
         raise CorruptChunkError("nonzero padding between header and sections")
     return header

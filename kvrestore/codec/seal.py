@@ -16,7 +16,9 @@ both before a byte of a section reaches a KV buffer or a page:
 * **each head of a section** (format 6, `codec.heads`): a GMAC tag over that head's keys then values as
   stored, under the same chunk key, with a nonce of its own (1, the layer, the head: `_head_nonce`;
   a section's nonces start with 0). A head's bytes checked by its tag are bound to the secret, the
-  chunk (its salt), the layer and the head: another chunk's, layer's or head's bytes fail it.
+  chunk (its salt), the layer and the head: another chunk's, layer's or head's bytes fail it. The
+  head tags lie in the chunk's head table, which has a GMAC tag of its own (nonce 2, 0, ...) in the
+  header.
 * **the header**: keyed BLAKE2b over its msgpack bytes with an empty `mac` field. The header holds the
   key (so the prompt and its namespace), the model's fingerprint, the position, the shapes, the
   encoding, the salt and every section's tag, so the MAC binds every section to its place.
@@ -75,6 +77,10 @@ def _head_nonce(layer: int, head: int) -> bytes:
     return b"\x01" + layer.to_bytes(7, "big") + head.to_bytes(4, "big")
 
 
+#: the GCM nonce of a chunk's head table (format 6): never a section's or a head's
+_TABLE_NONCE = b"\x02" + bytes(11)
+
+
 class SectionTags:
     """The GMAC tags of one chunk's sections under the key derived from its salt (`Seal.sections`)."""
 
@@ -93,9 +99,17 @@ class SectionTags:
         """The tag of head `head` of section `layer` holding `data` (its keys' bytes, then its values')."""
         return self._gmac(_head_nonce(layer, head), data)
 
+    def table_tag(self, table: Buffer) -> bytes:
+        """The tag of the chunk's head table (format 6: each head's checksum and tag)."""
+        return self._gmac(_TABLE_NONCE, table)
+
     def matches(self, index: int, data: Buffer | Sequence[Buffer], want: bytes) -> bool:
         """Whether section `index`'s bytes have the tag `want` (compared in constant time)."""
         return hmac.compare_digest(self.tag(index, data), want)
+
+    def matches_table(self, table: Buffer, want: bytes) -> bool:
+        """Whether a chunk's head table has the tag `want` (constant time)."""
+        return hmac.compare_digest(self.table_tag(table), want)
 
     def head_matches(self, layer: int, head: int, data: Sequence[Buffer], want: bytes) -> bool:
         """Whether head `head` of section `layer` holds bytes with the tag `want` (constant time)."""
@@ -191,13 +205,6 @@ def section_tag(header: msgspec.Struct, index: int) -> bytes:
     return bytes(tags[index * TAG_SIZE : (index + 1) * TAG_SIZE])
 
 
-def head_tag(header: msgspec.Struct, layer: int, head: int) -> bytes:
-    """The tag of head `head` of section `layer` in a signed format-6 header (`head_tags`), or b"" in an
-    unsigned one."""
-    at = (layer * int(getattr(header, "num_kv_heads", 0)) + head) * TAG_SIZE
-    return bytes(getattr(header, "head_tags", b"")[at : at + TAG_SIZE])
-
-
 def seal_of(secret: bytes | str | Seal | None) -> Seal | None:
     """A `Seal` for `secret` (None: chunks are neither signed nor checked)."""
     if secret is None or isinstance(secret, Seal):
@@ -219,6 +226,5 @@ __all__ = [
     "SectionTags",
     "seal_of",
     "secret_from_env",
-    "head_tag",
     "section_tag",
 ]

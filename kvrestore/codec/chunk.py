@@ -2,7 +2,8 @@
 
 Layout::
 
-    b"KVRC" | u32 LE header length | u32 LE crc32(header) | header (msgpack ChunkHeader) | sections
+    b"KVRC" | u32 LE header length | u32 LE crc32(header) | header (msgpack ChunkHeader)
+        | head table (format 6 only) | sections
 
 There is one section per layer holding that layer's K then V: in the native encoding the raw
 little-endian bytes of the [2, H, T, D] tensor (C order), in a quantized one (`quant`: int8, fp8,
@@ -12,8 +13,9 @@ offset, stored length, raw length and xxh3-64 checksum, so
 * one layer of one chunk is exactly one range read (`layer_ranges` + `decode_layers`), and
 * every byte of the object is covered by a check: magic, header crc32, two checksums per section
   (`checksums`: xxh3-64 of the stored bytes for a host reader, a weighted int64 sum of the raw bytes
-  for a reader that uploads the section to a GPU first and verifies it there), and the object must end
-  exactly where the last section ends. A damaged chunk is always reported, never decoded wrongly.
+  for a reader that uploads the section to a GPU first and verifies it there), the head table (format 6)
+  by its xxh3-64 in the header, and the object must end exactly where the last section ends. A damaged
+  chunk is always reported, never decoded wrongly.
 * with a secret (`seal`), the header also holds a salt and every section's GMAC tag under its keyed
   MAC (`SignedHeader`), and a reader with the secret checks a section's tag (`check_section`) where a
   reader without one checks its xxh3-64: checksums catch damage, the tags forgery.
@@ -22,9 +24,9 @@ Format 6 added per-head checks (`HeadsHeader`, `codec.heads`): a head table betw
 padding and the first section (the header holds its xxh3-64 and, signed, its tag) with, for each
 (layer, head), the xxh3-64 of that head's keys then values as stored, and with a secret their GMAC tag,
 so a reader of some heads (a tensor-parallel rank reading a chunk of more heads) reads the table and
-range-reads only their bytes, two ranges a layer, and verifies each head on its own; every other reader
-skips the table. It is written where a reader can use it: native, uncompressed
-sections of more than one head (keys in tiles or not). Format 5 added the writer's key layout
+range-reads only their bytes, two ranges a layer, and verifies each head on its own; a whole-object read
+checks the table, every other reader skips it. It is written where a reader can use it: native,
+uncompressed sections of more than one head (keys in tiles or not). Format 5 added the writer's key layout
 (`TiledHeader.key_tile`, `codec.layout`: keys stored as vLLM's CPU pages keep them, converted on read by
 every other reader). A chunk with neither is still written as format 4, byte for byte, with tiles only
 as format 5, and every reader reads all three. Format 4 added the encodings (the header names one,

@@ -73,11 +73,12 @@ test-vllm-032: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m ruff check tests_vllm
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests_vllm
 
-# lean on 0.26 (CI's time): the connector's story end to end, its worker side, and the GPU tests (the GPU
-# host's vLLM is 0.26; skipped without CUDA); the tutorial and the benchmark's smoke run on 0.32 only
+# lean on 0.26 (CI's time): the connector's story end to end, its worker side, many workers (pipeline
+# parallel runs on 0.26's CPU backend only), and the GPU tests (the GPU host's vLLM is 0.26; skipped
+# without CUDA); the tutorial and the benchmark's smoke run on 0.32 only
 test-vllm-026: $(VLLM026_VENV)/.installed
 	$(VLLM026_PY) -m pytest -q -p no:cacheprovider tests_vllm/test_connector.py tests_vllm/test_worker_side.py \
-		tests_vllm/test_gpu.py
+		tests_vllm/test_parallel.py tests_vllm/test_gpu.py
 
 demo: install
 	$(VENV)/bin/kvrestore demo

@@ -62,7 +62,8 @@ class LayerDest(Destination, Protocol):
 
 class LayerLoad:
     """Tokens [first, k) of a prompt's stored `chunks` (which must cover them, in order; those holding
-    none of them are left out) into `dest`, layer by layer (module doc). `rows`: where a read lands for a destination that takes it from there
+    none of them are left out) into `dest`, layer by layer (module doc): every layer of the chunks, or
+    `layers` of them (a pipeline stage's share of whole chunks). `rows`: where a read lands for a destination that takes it from there
     (a device buffer of one read's layers, from the first chunk's first token: `page_dest.RowPages`);
     `reader_options`: the rest of `LayerReader`'s. Counts the chunks that did not load (`failed`, indices
     into `chunks`) and why (`errors`), the bytes read, and the seconds the reads took (`seconds`, once
@@ -82,18 +83,22 @@ class LayerLoad:
         encoding: str = "native",
         seal: Seal | None = None,
         rows: KVCache | None = None,
+        layers: range | None = None,
         **reader_options: Any,
     ) -> None:
         chunks = [c for c in chunks if c.start < k and c.end > first]  # those that hold [first, k)
         if not chunks or not chunks[0].start <= first < k <= chunks[-1].end:
             raise InvalidInputError(f"chunks must cover tokens [{first}, {k}), first < k")
+        self.layers = range(spec.num_layers) if layers is None else layers
+        if not (0 <= self.layers.start < self.layers.stop <= spec.num_layers and self.layers.step == 1):
+            raise InvalidInputError(f"layers {self.layers} are not some of the chunks' {spec.num_layers}")
         self.spec, self.store, self.chunks, self.k, self.first, self.dest = spec, store, chunks, k, first, dest
         base = chunks[0].start  # where `rows` begins
         placed = [ChunkRef(c.index, c.start, c.end, c.key, at=c.start - base) for c in chunks]
         self.reader = LayerReader(spec, store, placed, dest=dest, encoding=encoding, seal=seal, **reader_options)
         self.rows = rows if rows is not None else KVCache.empty(spec, 0)
         self.here = isinstance(dest, Lands)  # read on the engine's thread, in `wait`
-        self.plan = read_plan(0, spec.num_layers, layers_per_read)
+        self.plan = read_plan(self.layers.start, self.layers.stop, layers_per_read)
         self.failed: set[int] = set()
         self.errors: list[str] = []
         self.bytes_read = 0
@@ -153,7 +158,11 @@ class LayerLoad:
         with self._lock:
             if not self.cancelled:
                 self.cancelled = True
-                done = self._next == len(self.plan) if self.here else all(e.is_set() for e in self._events)
+                done = (
+                    self._next == len(self.plan)
+                    if self.here
+                    else all(self._events[layer].is_set() for layer in self.layers)
+                )
                 if not done:
                     self._fail(range(len(self.chunks)), [why])
         if self.future is not None:
@@ -196,7 +205,7 @@ class LayerLoad:
             with self._lock:
                 if not self.cancelled and upto > self.first:
                     self.dest.ready(self, i, layer, upto)
-            if layer == self.spec.num_layers - 1:  # set before the wake-up: read once all is placed
+            if layer == self.layers[-1]:  # set before the wake-up: read once all is placed
                 self.bytes_read = self.reader.bytes_read
                 if not self.here:
                     self.seconds = time.perf_counter() - self._t0

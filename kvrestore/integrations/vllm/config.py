@@ -13,7 +13,7 @@ from kvrestore.chunkio.parts import Layout, engine_layout, tp_sizes
 from kvrestore.codec.header import spec_encoding
 from kvrestore.codec.quant import ENCODINGS, key_space
 from kvrestore.codec.seal import SECRET_ENV, Seal, seal_of, secret_from_env
-from kvrestore.core.errors import InvalidInputError
+from kvrestore.core.errors import InvalidInputError, UnsupportedModelError
 from kvrestore.core.paths import cache_root
 from kvrestore.core.settings import (
     check_bool,
@@ -60,7 +60,10 @@ class ConnectorConfig:
     on_load_error: str = "recompute"  # vLLM's kv_load_failure_policy the connector sets
     throttle_bytes_per_s: float | None = None  # read the store through a ThrottledStore (benchmarks)
     throttle_latency_s: float = 0.0
-    link_bytes_per_s: float | None = None  # a prior for the link until loads have measured it
+    #: priors for the link until loads have measured it: what one rank's reads get (a rank's link), and
+    #: what the ranks on one host share (its NIC or disk); a rank plans with the smaller of the two
+    link_bytes_per_s: float | None = None
+    host_link_bytes_per_s: float | None = None
     fingerprint: str | None = None  # default: computed from the checkpoint's weights and dtype
     cost_dir: str | None = None  # where learned costs persist (default: the kvrestore cache dir)
     layout: str | None = None  # vLLM's paged layout (`layouts.LAYOUTS`); default: from the device
@@ -92,7 +95,7 @@ class ConnectorConfig:
         for name in ("lookup_timeout_s", "load_timeout_s"):
             check_seconds(name, getattr(cfg, name))
         check_number("retry_after_s", cfg.retry_after_s, positive=True, finite=True)
-        for name in ("throttle_bytes_per_s", "link_bytes_per_s"):
+        for name in ("throttle_bytes_per_s", "link_bytes_per_s", "host_link_bytes_per_s"):
             if getattr(cfg, name) is not None:
                 check_number(name, getattr(cfg, name), positive=True, finite=True)
         check_number("throttle_latency_s", cfg.throttle_latency_s, 0, finite=True)
@@ -147,6 +150,8 @@ class ConnectorContext:
     #: vLLM's tensor-parallel size and pipeline-parallel size: each rank saves and loads its part
     tp: int = 1
     pp: int = 1
+    #: the engine's ranks on one host: they load at once, over the host's link (`prior_link`)
+    host_ranks: int = 1
 
     @classmethod
     def make(
@@ -157,8 +162,10 @@ class ConnectorContext:
         step_tokens: int | None = None,
         tp: int = 1,
         pp: int = 1,
+        host_ranks: int = 1,
     ) -> ConnectorContext:
-        return cls(config, spec, block_size, CostLearner.shared(spec, config.cost_dir), step_tokens, tp, pp)
+        costs = CostLearner.shared(spec, config.cost_dir)
+        return cls(config, spec, block_size, costs, step_tokens, tp, pp, host_ranks)
 
     @functools.cached_property
     def layout(self) -> Layout:
@@ -168,8 +175,12 @@ class ConnectorContext:
     @functools.cached_property
     def layouts(self) -> list[Layout]:
         """The layouts a lookup finds chunks in: this engine's first, then every tensor-parallel split of
-        the heads over the same stages (whole chunks at pp 1); each rank reads the parts over its heads."""
-        others = [engine_layout(self.spec, tp, self.pp) for tp in tp_sizes(self.spec.num_kv_heads)]
+        the heads over the same stages, then (for a pipeline-parallel engine) over no stages: whole chunks
+        first. Each rank reads the parts over its heads and layers (`part_loads.share_loads`). An engine
+        without stages does not look for the parts of a pipeline split."""
+        stages = [self.pp] if self.pp == 1 else [self.pp, 1]
+        tps = tp_sizes(self.spec.num_kv_heads)
+        others = [engine_layout(self.spec, tp, pp) for pp in stages for tp in tps]
         return [self.layout] + [lo for lo in others if lo != self.layout]
 
     @property
@@ -195,10 +206,12 @@ class ConnectorContext:
 
     @property
     def link_key(self) -> str:
-        """The store's link as the costs know it: its URL, and the throttle if one is set."""
+        """The store's link as the costs know it: its URL, the throttle if one is set, and how many ranks
+        of a host load at once (a rank's share of the host's link is learned apart for each)."""
         c = self.config
         t = c.throttle_bytes_per_s
-        return c.store_url + (f"@{t:.0f}B/s+{c.throttle_latency_s}s" if t else "")
+        key = c.store_url + (f"@{t:.0f}B/s+{c.throttle_latency_s}s" if t else "")
+        return key + (f"|{self.host_ranks} ranks" if self.host_ranks > 1 else "")
 
     def open_store(self) -> ChunkStore:
         """The store (through a `ThrottledStore` if `throttle_bytes_per_s` is set); read-only, never even
@@ -216,10 +229,38 @@ class ConnectorContext:
         return store
 
     def prior_link(self) -> LinkCost | None:
-        """The link as configured (`link_bytes_per_s`, or the throttle), until loads have measured it."""
+        """A rank's link as configured, until loads have measured it: its own (`link_bytes_per_s`, or
+        the throttle, which each rank's reads go through), or its share of the host's
+        (`host_link_bytes_per_s` over the host's ranks, which load at once), whichever is smaller."""
         c = self.config
-        bw = c.link_bytes_per_s or c.throttle_bytes_per_s
-        return LinkCost(bw, c.throttle_latency_s) if bw else None
+        own = c.link_bytes_per_s or c.throttle_bytes_per_s
+        host = c.host_link_bytes_per_s / self.host_ranks if c.host_link_bytes_per_s else None
+        bws = [bw for bw in (own, host) if bw]
+        return LinkCost(min(bws), c.throttle_latency_s) if bws else None
+
+
+def parallel_sizes(parallel_config: Any, spec: ModelSpec) -> tuple[int, int, int]:
+    """vLLM's tensor- and pipeline-parallel sizes and its ranks on one host, checked against what the
+    connector supports: each rank saves and loads its own KV heads of its stage's layers
+    (`chunkio.parts`). Data parallel engines (several schedulers) are refused by name, as are sizes that
+    do not split the model's KV heads or layers."""
+    tp = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
+    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+    dp = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
+    if dp > 1:
+        raise UnsupportedModelError(
+            f"kvrestore's connector does not support data parallel engines (data_parallel_size={dp}); "
+            "tensor and pipeline parallel are supported"
+        )
+    try:
+        engine_layout(spec, tp, pp)  # the parts its ranks write: vLLM's split of heads and layers
+    except InvalidInputError as exc:
+        raise UnsupportedModelError(
+            f"kvrestore's connector does not support tensor_parallel_size={tp} with "
+            f"pipeline_parallel_size={pp} for this model: {exc}"
+        ) from exc
+    nodes = int(getattr(parallel_config, "nnodes", 1) or 1)
+    return tp, pp, max(1, tp * pp // nodes)
 
 
 def check_shared_memory(config: ConnectorConfig, executor_backend: str | None, world_size: int = 1) -> None:

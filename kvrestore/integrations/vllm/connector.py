@@ -29,14 +29,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from kvrestore.chunkio.parts import engine_layout
-from kvrestore.core.errors import InvalidInputError, UnsupportedModelError
+from kvrestore.core.errors import UnsupportedModelError
 from kvrestore.core.fingerprint import of_checkpoint
 from kvrestore.core.spec import ModelSpec
 from kvrestore.integrations.vllm.config import (
     ConnectorConfig,
     ConnectorContext,
     check_shared_memory,
+    parallel_sizes,
     preflight,
 )
 from kvrestore.integrations.vllm.meta import KVRestoreConnectorMetadata
@@ -72,28 +72,6 @@ def step_tokens(scheduler_config: Any) -> int | None:
         return None
     budget = getattr(scheduler_config, "max_num_scheduled_tokens", None)
     return int(budget or scheduler_config.max_num_batched_tokens)
-
-
-def parallel_sizes(parallel_config: Any, spec: Any) -> tuple[int, int]:
-    """vLLM's tensor- and pipeline-parallel sizes, checked against what the connector supports: each rank
-    saves and loads its own KV heads of its stage's layers (`chunkio.parts`). Data parallel engines
-    (several schedulers) are refused by name."""
-    tp = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
-    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
-    dp = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
-    if dp > 1:
-        raise UnsupportedModelError(
-            f"kvrestore's connector does not support data parallel engines (data_parallel_size={dp}); "
-            "tensor and pipeline parallel are supported"
-        )
-    try:
-        engine_layout(spec, tp, pp)  # the parts its ranks write: vLLM's split of heads and layers
-    except InvalidInputError as exc:
-        raise UnsupportedModelError(
-            f"kvrestore's connector does not support tensor_parallel_size={tp} with "
-            f"pipeline_parallel_size={pp} for this model: {exc}"
-        ) from exc
-    return tp, pp
 
 
 def parallel_rank(tp: int, pp: int) -> tuple[int, int]:
@@ -179,7 +157,7 @@ class KVRestoreConnector(KVConnectorBase_V1):
             )
         fp = config.fingerprint or of_checkpoint(mc.model, mc.dtype)  # as HFBackend.from_pretrained's
         spec = ModelSpec.from_hf_config(mc.hf_config, mc.dtype, fp, name=str(mc.model))
-        tp, pp = parallel_sizes(vllm_config.parallel_config, spec)
+        tp, pp, host_ranks = parallel_sizes(vllm_config.parallel_config, spec)
         self.ctx = ConnectorContext.make(
             config,
             spec,
@@ -187,6 +165,7 @@ class KVRestoreConnector(KVConnectorBase_V1):
             step_tokens(vllm_config.scheduler_config),
             tp,
             pp,
+            host_ranks,
         )
         self.config, self.spec = config, spec
         self.scheduler: SchedulerSide | None = None

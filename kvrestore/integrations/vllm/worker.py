@@ -27,12 +27,11 @@ from typing import Any
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
-from kvrestore.chunkio.head_slice import sliced
 from kvrestore.chunkio.host_pages import HostPages
 from kvrestore.chunkio.layer_load import LayerDest, LayerLoad
 from kvrestore.chunkio.page_dest import PageWrites, RowPages, SectionPages
 from kvrestore.chunkio.pages import PagedCache, blocks_of, copy_out, fp8_layer_scales
-from kvrestore.chunkio.part_loads import PartLoads
+from kvrestore.chunkio.part_loads import PartLoads, share_loads
 from kvrestore.chunkio.parts import Layout, part_ref, part_spec, rank_part, whole
 from kvrestore.chunkio.pool import StagingPool
 from kvrestore.chunkio.save import ChunkSaver
@@ -223,46 +222,32 @@ class WorkerSide:
 
     def _cross_load(self, spec: LoadSpec, layout: Layout) -> bool:
         """Load `spec` from chunks stored in another layout than this engine's: of each stored part over
-        this rank's heads, those heads (only their bytes read where the part has per-head checks:
-        `SectionPages` with `heads`), into their slice of the pages (`head_slice`). Where a part spans
-        other layers than this rank's, or the pages are fp8, nothing loads: its blocks are load errors,
-        recomputed by vLLM on every rank."""
+        this rank's heads and layers, those (`part_loads.share_loads`). Into fp8 pages nothing loads: its
+        blocks are load errors, recomputed by vLLM on every rank."""
         paged, c = self.paged, self.config
         assert paged is not None
-        (a, b), mine = self.part.heads, self.part
-        loads = []
-        for p in layout:
-            pa, pb = p.heads
-            if pb <= a or pa >= b:
-                continue
-            if p.layers != mine.layers or paged.scales is not None:
-                self._load_errors.update(blocks_of(spec.block_ids, spec.first, spec.k, self.block_size))
-                self._loaded.add(spec.req_id)
-                self.counters.add(load_failures=1)
-                log.warning(
-                    "kvrestore: request %s: chunks stored as %s are not read by this rank",
-                    spec.req_id,
-                    layout,
-                )
-                return False
-            ha, hb = max(a, pa), min(b, pb)
-            writes = PageWrites(sliced(paged, (ha - a, hb - a)), spec.block_ids, self._load_stream)
-            # where the part holds more heads than this rank, ours only: read by head where it can be
-            heads = (ha - pa, hb - pa) if (pa, pb) != (ha, hb) else None
-            loads.append(
-                LayerLoad(
-                    part_spec(self.ctx.spec, p),
-                    self.store,
-                    [part_ref(r, p, self.ctx.spec) for r in spec.chunks],
-                    spec.k,
-                    SectionPages(writes, heads),
-                    first=spec.first,
-                    encoding=c.kv_encoding,
-                    seal=self.ctx.seal,
-                    layers_per_read=4,
-                )
+        if paged.scales is not None:
+            self._load_errors.update(blocks_of(spec.block_ids, spec.first, spec.k, self.block_size))
+            self._loaded.add(spec.req_id)
+            self.counters.add(load_failures=1)
+            log.warning(
+                "kvrestore: request %s: chunks stored as %s are not read into fp8 pages", spec.req_id, layout
             )
-        load = PartLoads(loads)
+            return False
+        load = share_loads(
+            self.ctx.spec,
+            self.part,
+            layout,
+            self.store,
+            spec.chunks,
+            spec.k,
+            paged,
+            lambda pages: PageWrites(pages, spec.block_ids, self._load_stream),
+            first=spec.first,
+            encoding=c.kv_encoding,
+            seal=self.ctx.seal,
+            layers_per_read=4,
+        )
         load.start(self.io, c.load_timeout_s)
         self._loads.append((spec, load))
         return True

@@ -1,8 +1,8 @@
 """The framing of a stored chunk: its constants, its msgpack header, and reading and checking that header.
 
 An object starts with `MAGIC`, the header's length and the header's crc32 (`PREFIX_SIZE` bytes), then the
-header (`ChunkHeader`: whose chunk, its shapes and dtype, and each layer's `LayerSection`), then the
-sections from `body_start_after(header end)`. `codec.chunk` encodes and decodes whole chunks with it;
+header (`ChunkHeader`: whose chunk, its shapes and dtype, and each layer's `LayerSection`), then from
+`body_start_after(header end)` a format-6 chunk's head table (`head_table_span`), then the sections. `codec.chunk` encodes and decodes whole chunks with it;
 `codec.boundary` frames boundary activations the same way.
 """
 

@@ -165,8 +165,8 @@ class Seal:
         self, payloads: Sequence[Buffer], heads: Sequence[Sequence[Sequence[Buffer]]] = ()
     ) -> tuple[bytes, bytes, bytes]:
         """`tag_sections`, and under the same salt the tags of each section's heads (`heads[layer][h]`:
-        that head's keys and values as stored), one after another: a signed format-6 header's
-        `head_tags` (b"" without heads)."""
+        that head's keys and values as stored), one after another: what a signed format-6 chunk's head
+        table holds after the heads' checksums (b"" without heads)."""
         salt = os.urandom(SALT_SIZE)
         tags = self.sections(salt)
         section_tags = b"".join(tags.tag(i, p) for i, p in enumerate(payloads))

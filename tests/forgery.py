@@ -4,8 +4,8 @@ MAC valid, kept byte for byte; the sections rewritten so that every non-keyed ch
 * The device sum is linear modulo 2**64 with odd weights (`codec.checksums`), so a real second preimage
   is two words: add d to word a, and subtract d * w[a] / w[b] (w[b] is odd: invertible) from word b.
 * xxh3-64 second preimages take the issue's attacker about a millisecond a section; here an attacker
-  with perfect ones is simulated (`SecondPreimages`): the reader's xxh3 of a forged section returns the
-  genuine section's. A reader without a secret then takes every uncompressed forgery for the genuine
+  with perfect ones is simulated (`SecondPreimages`): the reader's xxh3 of a forged section (or of a
+  forged head's keys and values, format 6) returns the genuine one's. A reader without a secret then takes every uncompressed forgery for the genuine
   chunk (`tests/test_forgery.py` shows it), so the section tag is the only thing standing.
 """
 
@@ -49,6 +49,7 @@ class SecondPreimages:
             return real(data) if got is None else got
 
         monkeypatch.setattr(codec.chunk, "host_checksum_parts", parts_sum)
+        monkeypatch.setattr(codec.heads, "host_checksum_parts", parts_sum)  # a head's (format 6)
         monkeypatch.setattr(codec.boundary, "host_checksum", one_sum)
 
     def keep(self, forged: bytes | memoryview, checksum: int) -> None:

@@ -57,7 +57,9 @@ def test_a_tiled_section_holds_each_page_of_keys_column_major_and_the_values_as_
 
 def test_a_chunk_without_a_layout_is_format_4_byte_for_byte():
     kv = _prompt(1)
-    blob = _blob(kv, 0, 0)
+    tiled, _ = codec.read_header(_blob(kv, 0, 8, head_checks=False))
+    assert (tiled.version, codec.key_tile(tiled)) == (codec.TILED_VERSION, 8)  # format 5 as it was
+    blob = _blob(kv, 0, 0, head_checks=False)
     header, _ = codec.read_header(blob)
     assert header.version == codec.PLAIN_VERSION and codec.key_tile(header) == 0
     assert type(header) is codec.ChunkHeader and "key_tile" not in codec.chunk._ENCODER.encode(header).decode(

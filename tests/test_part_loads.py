@@ -112,3 +112,17 @@ def test_a_damaged_part_fails_its_chunk_on_the_rank_that_reads_it(io, kv):
     load, _, _ = load_share(io, store, whole, layout)
     assert load.failed_ranges() == [(CHUNK, 2 * CHUNK)]
     assert anyio.run(store.get, key) is None  # proven damage: deleted, as every reader does
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tp2_rank_reads_only_its_head_of_whole_chunks(io, kv, rank):
+    """Whole chunks carry per-head checks (format 6): a tp-2 rank reads each one's header probe and its
+    head's keys and values, half the KV, exactly (`tests/test_head_reads.py` for the checks)."""
+    store = stored(kv, engine_layout(SPEC))
+    mine, _ = rank_part(SPEC, tp=2, rank=rank)
+    load, paged, placed = load_share(io, store, mine, engine_layout(SPEC))
+    assert all(placed) and not load.failed, load.errors
+    got = gather(list(zip(paged.k, paged.v, strict=True)), BLOCK_IDS, 0, N * CHUNK)
+    assert torch.equal(got, kv[:, :, rank : rank + 1])
+    share = N * L * 2 * CHUNK * D * 4  # its head of every layer of every chunk, fp32
+    assert load.bytes_read == share + N * codec.HEADER_PROBE

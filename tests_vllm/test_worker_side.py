@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvrestore import codec
+from kvrestore.chunkio.parts import whole
 from kvrestore.core.errors import StoreError
 from kvrestore.core.keys import chunk_keys
 from kvrestore.core.kv import KVChunk
@@ -623,5 +624,47 @@ def test_a_step_of_several_requests_is_learned_as_one_pass():
         loading.steps.extend([("d", 16, 16), ("e", 24, 0)])
         step(side, loading)
         assert len(side.costs.state.passes) == 1 and side.costs.state.steps == []
+    finally:
+        side.io.close()
+
+
+@pytest.mark.parametrize("head_checks", [True, False])
+def test_a_tp2_rank_reads_only_its_head_of_whole_chunks(head_checks):
+    """Rank 1 of a tp-2 engine over chunks a tp-1 engine (or a `Restorer`) saved whole: its cross-layout
+    load reads each chunk's header probe and, where the chunk has per-head checks (format 6), only its
+    head's keys and values, half the KV, each head verified; a format-4 chunk whole per layer. Its
+    pages hold its head's KV either way."""
+    spec = ModelSpec("m", 2, 2, 64, 100, torch.float32, "f" * 32)
+    chunk, block, n = 64, 16, 128
+    config = ConnectorConfig.from_extra({"store_url": "memory://"})
+    ctx = ConnectorContext(config, spec, block, CostLearner(spec), tp=2)
+    store = MemoryStore()
+    side = WorkerSide(ctx, store=store, saver=Saver(), rank=(1, 0))  # type: ignore[arg-type]
+    side.register_kv_caches(
+        {f"model.layers.{i}.self_attn.attn": torch.zeros(2, 16, block, 1, 64) for i in range(2)}
+    )
+    refs = chunk_keys(list(range(n)), spec.fingerprint, chunk)
+    kv = torch.randn(2, 2, 2, n, 64)
+    blobs = [
+        codec.encode_chunk(
+            KVChunk(r.start, kv[:, :, :, r.start : r.end].clone()), spec, r.key, head_checks=head_checks
+        )
+        for r in refs
+    ]
+    for r, blob in zip(refs, blobs, strict=True):
+        side.io.call(store.put, r.key, blob)
+    meta = KVRestoreConnectorMetadata()
+    meta.loads.append(LoadSpec("a", refs, n, list(range(8)), layout=(whole(spec),)))
+    try:
+        step(side, meta)
+        assert side.get_block_ids_with_load_errors() == set()
+        for layer in range(2):  # flash_attn pages: [2, blocks, block_size, 1, D]; blocks 0-7
+            pages = side._caches[layer][:, :8].reshape(2, n, 1, 64).transpose(1, 2)
+            assert torch.equal(pages, kv[layer, :, 1:2])
+        share = len(refs) * 2 * 2 * chunk * 64 * 4  # its head's keys and values of each layer and chunk
+        body = sum(len(b) - codec.read_header(b)[0].layers[0].offset for b in blobs)  # the sections
+        assert body == 2 * share
+        loaded = side.take_counts()["loaded_bytes"]
+        assert loaded == len(refs) * codec.HEADER_PROBE + (share if head_checks else body)
     finally:
         side.io.close()

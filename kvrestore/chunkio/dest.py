@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 
 
 class Destination(Protocol):
-    """What a `LayerReader` places sections through."""
+    """What a `LayerReader` places sections through. One that has a `heads` attribute, a span [a, b),
+    takes only those heads of each chunk (`page_dest.KeptSections`): the reader then reads only their
+    bytes of a chunk with per-head checks (`LayerReader.by_head`), and hands them to `place` as the
+    native sections of b - a heads, each head to be verified there (`codec.check_heads`)."""
 
     def rows(self, layers: range, start: int, n_tokens: int, kv: KVCache) -> torch.Tensor:
         """Tokens [start, start + n_tokens) of `layers` in `kv`: ``[len(layers), 2, H, n, D]``."""

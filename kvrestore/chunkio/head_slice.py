@@ -4,8 +4,9 @@ hold.
 A reader of another layout than the writer's (`chunkio.parts`) reads each stored part that overlaps its
 heads and layers. Where the part holds some of the rank's heads (tp 1 reading tp 2's parts), its layers go
 into those heads' slice of the pages (`sliced`: views, nothing copied). Where it holds more heads than the
-rank (tp 2 reading tp 1's whole chunks), each layer's KV is cut to the rank's heads before it goes into
-the pages (`HeadSlice`, around the pages' `Writes`). Where the part's layers are numbered from another
+rank (tp 2 reading tp 1's whole chunks), the destination takes the rank's heads only
+(`page_dest.KeptSections` with `heads`): of a chunk with per-head checks (format 6, `codec.heads`) the
+reader reads just their bytes, each head verified; of another, the sections whole, cut to the heads. Where the part's layers are numbered from another
 first layer than the rank's (a pipeline stage reading whole chunks, or whole layers reading a stage's
 part), each layer goes to the page layer of the same model layer (`LayerShift`).
 """
@@ -16,7 +17,6 @@ import dataclasses
 
 from kvrestore.chunkio.page_dest import Piece, Writes
 from kvrestore.chunkio.pages import PagedCache
-from kvrestore.codec.quant import Encoding
 
 Span = tuple[int, int]
 
@@ -25,26 +25,6 @@ def sliced(paged: PagedCache, heads: Span) -> PagedCache:
     """`paged` with only heads [a, b) of each layer (strided views of the same pages)."""
     a, b = heads
     return dataclasses.replace(paged, k=[k[:, a:b] for k in paged.k], v=[v[:, a:b] for v in paged.v])
-
-
-class HeadSlice:
-    """`writes`, given each piece's KV heads [a, b) only (native pieces: a view of the bytes read;
-    encoded ones decoded first)."""
-
-    def __init__(self, writes: Writes, heads: Span, encoding: Encoding) -> None:
-        self.writes, self.heads, self.encoding = writes, heads, encoding
-        self.queues = writes.queues
-
-    def put(self, layer: int, pieces: list[Piece]) -> None:
-        a, b = self.heads
-        cut = []
-        for p in pieces:
-            kv = p.kv()[:, a:b]  # [2, h, n_tokens, D]
-            cut.append(Piece(p.start, p.n_tokens, kv, self.encoding, p.n_tokens))
-        self.writes.put(layer, cut)
-
-    def flush(self, layer: int) -> None:
-        self.writes.flush(layer)
 
 
 class LayerShift:

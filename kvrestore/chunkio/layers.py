@@ -14,6 +14,11 @@ not be used. Either way the fault is noted in `errors`, a damaged object is dele
 served again (`stored.forget`), and nothing unverified reaches the cache -- except with deferred checks
 (`chunkio.deferred`), for a caller that keeps the cache to itself until `verify` has passed.
 
+A destination that takes some heads of each chunk (`dest.heads`: a tensor-parallel rank reading a chunk
+of more heads) gets, of a chunk with per-head checks (format 6, `codec.heads`), only those heads' bytes:
+two range reads a layer, each head verified by the destination before use; of any other chunk the
+sections whole, as ever. This is the host path only: the device path verifies whole sections.
+
 A destination that lands bytes where they are used (`dest.Lands`: an engine's host pages) is read by
 the blocking face, `open_sync` and `read_layers_sync`, on the caller's thread, from a store that reads
 without the event loop: one scatter read per chunk and read, each section verified where it landed.
@@ -40,6 +45,7 @@ from kvrestore.core.errors import (
     LOAD_FAULTS,
     ChunkDecodeError,
     CorruptChunkError,
+    InvalidInputError,
     MissingChunkError,
     TruncatedChunkError,
     proves_damage,
@@ -72,6 +78,8 @@ class LayerReader:
     ) -> None:
         self.spec = spec
         self.dest: Destination = dest or CacheRows()  # where the verified sections go
+        #: the heads [a, b) of each chunk the destination takes, where it takes some only (`dest`)
+        self.heads: tuple[int, int] | None = getattr(self.dest, "heads", None)
         self.seal = seal  # where set, every header's MAC is checked before its sections are read
         self.encoding = codec.spec_encoding(spec, encoding)  # the one it reads: another is foreign
         self.store = store
@@ -84,6 +92,8 @@ class LayerReader:
         self.errors: list[str] = []
         self.why: dict[int, str] = {}  # every chunk not read any more: why (noted in `errors` or not)
         self.damaged: list[str] = []  # keys the blocking face found damaged: to forget
+        #: the verified per-head checks of each chunk read by head (`by_head`)
+        self.head_checks: dict[int, codec.HeadChecks] = {}
         self.bytes_read = 0
         # Deferred checks (`chunkio.deferred`): None means on a CUDA cache only; True runs the device
         # path on a CPU cache too (tests of the same code, without streams). At most `ahead` layers
@@ -136,6 +146,8 @@ class LayerReader:
         missing or damaged is named in `ChunkLoadFailed`; its rows of `layers` are then not to be used
         (they may hold part of what was read)."""
         device_path = kv.data.device.type == "cuda" or bool(self.defer_checks) or self.device_path
+        if device_path and self.heads is not None:
+            raise InvalidInputError("a destination of some heads is read on the host path only")
         js = [j for j in self.headers if j not in self.dropped]
         sections: dict[int, bytes | memoryview | None] = dict.fromkeys(js)
         failed: list[int] = []
@@ -144,9 +156,7 @@ class LayerReader:
 
             async def fetch(j: int) -> None:
                 try:
-                    sections[j] = await self._get(
-                        self.chunks[j].key, *codec.layer_span(self.headers[j], layers)
-                    )
+                    sections[j] = await self._fetch(j, layers)
                 except LOAD_FAULTS as exc:
                     await self._fault(j, exc, where)
                     failed.append(j)
@@ -158,9 +168,7 @@ class LayerReader:
         for j, exc in bad:
             await self._fault(j, exc, where)
             failed.append(j)
-        total = sum(
-            b - a for a, b in (codec.layer_span(self.headers[j], layers) for j in sections if j not in failed)
-        )
+        total = sum(self._span_bytes(j, layers) for j in sections if j not in failed)
         self.bytes_read += total
         if failed:
             raise ChunkLoadFailed(sorted(failed), self.errors[-1])
@@ -242,11 +250,12 @@ class LayerReader:
             header = codec.probe_header(
                 head, self.spec, chunk.key, chunk.start, chunk.n_tokens, self.encoding.name, self.seal
             )
+            table = await self._open_heads(j, header, head)
         except LOAD_FAULTS as exc:
             # a chunk gone before the restore reads it is a plain miss; anything else is worth reporting
             await self._fault(j, exc, note=not isinstance(exc, MissingChunkError))
             return
-        self.bytes_read += len(head)
+        self.bytes_read += len(head) + table
         self.headers[j] = header
 
     def _place_all(
@@ -264,6 +273,45 @@ class LayerReader:
                 bad.append((j, exc))
         self.dest.placed(self, layers, placed, kv)
         return bad
+
+    def by_head(self, j: int) -> bool:
+        """Whether chunk j is read by head: the destination takes some of its heads (`dest.heads`) and
+        the chunk has per-head checks (`codec.heads`, read and verified at `open`); its span of a read
+        is then those heads' keys and values of each layer (`codec.head_sections`), else its sections
+        whole."""
+        return j in self.head_checks
+
+    async def _open_heads(self, j: int, header: codec.ChunkHeader, head: bytes) -> int:
+        """Where chunk j is to be read by head (`by_head`), read and verify its head table (from the
+        header probe where it holds it); the bytes read for it."""
+        if self.heads in (None, (0, header.num_kv_heads)) or not codec.head_checked(header):
+            return 0
+        lo, hi = codec.head_table_span(header)
+        table = head[lo:hi] if hi <= len(head) else await self._get(self.chunks[j].key, lo, hi)
+        self.head_checks[j] = codec.read_head_checks(header, table, self.seal)
+        return 0 if hi <= len(head) else len(table)
+
+    async def _fetch(self, j: int, layers: range) -> bytes:
+        """Chunk j's span of `layers`: its sections (one range read), or read by head, two ranges a layer
+        (`by_head`, in one `get_ranges`)."""
+        header, key = self.headers[j], self.chunks[j].key
+        if not self.by_head(j):
+            return await self._get(key, *codec.layer_span(header, layers))
+        assert self.heads is not None
+        got = await self.store.get_ranges(key, codec.head_ranges(header, layers, self.heads))
+        parts = [g for g in got if g is not None]
+        if len(parts) < len(got):
+            raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
+        return codec.join_heads(header, layers, self.heads, parts)
+
+    def _span_bytes(self, j: int, layers: range) -> int:
+        """The bytes `_fetch` reads of chunk j for `layers`."""
+        header = self.headers[j]
+        if self.by_head(j):
+            assert self.heads is not None
+            return sum(b - a for a, b in codec.head_ranges(header, layers, self.heads))
+        a, b = codec.layer_span(header, layers)
+        return b - a
 
     async def _get(self, key: str, start: int, end: int) -> bytes:
         data = await self.store.get_range(key, start, end)

@@ -4,7 +4,8 @@ the request's pages (`pages.PagedCache`) as soon as the read has verified it.
 * `SectionPages`: the host path. The reader keeps each verified section as read (`KeptSections`: a
   view of the bytes where stored uncompressed and native, else decoded), and each layer goes into the
   pages, a `Piece` per chunk, decoded where the pages are (an fp8 cache's quantized with its
-  scales, `pages.fp8_values`).
+  scales, `pages.fp8_values`). With `heads` it takes some heads of each chunk only (a tensor-parallel
+  rank's of a chunk of more heads), read by head where the chunk has per-head checks.
 * `RowPages`: the device path. A read lands checked in a device buffer of its layers (the reader's
   `CacheRows(per_read=True)`), and each layer's rows go into the pages with one indexed copy for K and
   one for V.
@@ -19,6 +20,7 @@ queued for it: no thread of ours copies beside the engine's compute threads.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from collections.abc import Sequence
@@ -135,11 +137,18 @@ class KeptSections(CacheRows):
     """A `LayerReader` destination that keeps each verified section instead of copying it into a cache:
     an uncompressed one, checked against its checksum, as a tensor over the bytes read; a compressed
     one, or one whose keys are stored in tiles (`codec.layout`), decoded into a tensor of its own. Each
-    read's sections replace the last's."""
+    read's sections replace the last's.
 
-    def __init__(self) -> None:
+    With `heads` [a, b) it takes those heads of each chunk only (a tensor-parallel rank's of a chunk of
+    more heads: `dest.Destination`): of a chunk with per-head checks the reader reads just their bytes,
+    each head verified here (`codec.check_heads`); of another, the sections whole, verified, and each
+    piece is cut to the heads (native: a view; encoded: decoded on the host first)."""
+
+    def __init__(self, heads: tuple[int, int] | None = None) -> None:
         super().__init__()
-        #: (chunk, layer) -> its section: the KV ``[2, H, T, D]``, or (encoded) its bytes as stored
+        self.heads = heads
+        #: (chunk, layer) -> its section: the KV ``[2, H, T, D]`` (H: `heads`' where read by head), or
+        #: (encoded) its bytes as stored
         self.sections: dict[tuple[int, int], torch.Tensor] = {}
         self._read: range | None = None
 
@@ -148,6 +157,9 @@ class KeptSections(CacheRows):
     ) -> None:
         if layers != self._read:  # a new read: the last one's were placed
             self.sections, self._read = {}, layers
+        if reader.by_head(j):
+            self._place_heads(reader, layers, j, data)
+            return
         header, spec, enc = reader.headers[j], reader.spec, reader.encoding
         shape = (2, spec.num_kv_heads, header.n_tokens, spec.head_dim)
         raw = enc.section_bytes(header.n_tokens)
@@ -169,6 +181,23 @@ class KeptSections(CacheRows):
                 flat = torch.frombuffer(stored, dtype=torch.uint8)
             self.sections[j, layer] = flat.view(spec.dtype).view(shape) if enc.native else flat
 
+    def _place_heads(self, reader: LayerReader, layers: range, j: int, data: bytes | memoryview) -> None:
+        """Keep chunk j's sections of `heads` (`data`: their bytes, `codec.head_sections`), each head
+        verified first: untiled, as a tensor over the bytes read; tiled, decoded into one of its own."""
+        assert self.heads is not None
+        header, spec, (a, b) = reader.headers[j], reader.spec, self.heads
+        shape = (2, b - a, header.n_tokens, spec.head_dim)
+        checks = reader.head_checks[j]
+        for layer, stored in codec.head_sections(header, layers, self.heads, data).items():
+            if codec.key_tile(header):
+                self.sections[j, layer] = codec.decode_heads(checks, {layer: stored}, spec, self.heads, [layer])[0]
+                continue
+            codec.check_heads(checks, layer, self.heads, stored)
+            with warnings.catch_warnings():  # read-only bytes: nothing writes through the view
+                warnings.simplefilter("ignore", UserWarning)
+                flat = torch.frombuffer(stored, dtype=torch.uint8)
+            self.sections[j, layer] = flat.view(spec.dtype).view(shape)
+
     def pieces(self, load: LayerLoad, layer: int, upto: int) -> list[Piece]:
         """Tokens [load.first, upto) of `layer`, a `Piece` per chunk, as read."""
         reader = load.reader
@@ -186,14 +215,21 @@ class KeptSections(CacheRows):
         data = self.sections[j, layer]
         encoded = data.dtype == torch.uint8 and not reader.encoding.native  # else KV: native or decoded
         enc = reader.encoding if encoded else codec.spec_encoding(reader.spec)
-        return Piece(start, n_tokens, data, enc, reader.headers[j].n_tokens, skip)
+        piece = Piece(start, n_tokens, data, enc, reader.headers[j].n_tokens, skip)
+        if self.heads is None:
+            return piece
+        a, b = self.heads
+        ours = codec.spec_encoding(dataclasses.replace(reader.spec, num_kv_heads=b - a))
+        if not encoded and data.shape[1] == b - a:  # read by head: the heads' KV only
+            return piece._replace(encoding=ours)
+        return Piece(start, n_tokens, piece.kv()[:, a:b], ours, n_tokens)  # cut: a view where native
 
 
 class SectionPages(KeptSections):
     """The pages, from the sections a read kept (module doc): the host path of a layer load."""
 
-    def __init__(self, writes: Writes) -> None:
-        super().__init__()
+    def __init__(self, writes: Writes, heads: tuple[int, int] | None = None) -> None:
+        super().__init__(heads)
         self.writes = writes
 
     def ready(self, load: LayerLoad, i: int, layer: int, upto: int) -> None:

@@ -12,12 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrestore.chunkio.head_slice import HeadSlice, LayerShift, sliced
+from kvrestore.chunkio.head_slice import LayerShift, sliced
 from kvrestore.chunkio.layer_load import LayerLoad
 from kvrestore.chunkio.page_dest import SectionPages, Writes
 from kvrestore.chunkio.pages import PagedCache
 from kvrestore.chunkio.parts import Layout, Part, part_ref, part_spec
-from kvrestore.codec.header import spec_encoding
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import LoopThread
@@ -92,7 +91,8 @@ def share_loads(
     """The load of part `mine` of `chunks` (tokens [first, k), `LayerLoad`'s `options`) from their parts
     stored as `layout`, into `paged` (the rank's pages: `mine`'s heads and layers), through the `writes`
     made for a view of them: of each stored part that overlaps `mine`, the overlap's layers only, into
-    its heads' slice of the pages (`sliced`), cut to them where the part holds more heads (`HeadSlice`),
+    its heads' slice of the pages (`sliced`), cut to them where the part holds more heads (`SectionPages`
+    with `heads`: read by head where the part has per-head checks),
     each layer to the page layer of the same model layer (`LayerShift`)."""
     (a, b), (m0, m1) = mine.heads, mine.layers
     shares = []
@@ -102,15 +102,14 @@ def share_loads(
         if ha >= hb or la >= lb:
             continue
         out: Writes = writes(sliced(paged, (ha - a, hb - a)))
-        if (pa, pb) != (ha, hb):  # the part holds more heads than the rank: cut to its
-            out = HeadSlice(
-                out, (ha - pa, hb - pa), spec_encoding(part_spec(model, Part((ha, hb), p.layers)))
-            )
+        # where the part holds more heads than the rank, its only: just their bytes where the part has
+        # per-head checks (`SectionPages` with `heads`), else its sections whole, cut to them
+        heads = (ha - pa, hb - pa) if (pa, pb) != (ha, hb) else None
         if p0 != m0:  # the part's layer l is the model's p0 + l, the rank's p0 + l - m0
             out = LayerShift(out, p0 - m0)
         refs = [part_ref(c, p, model) for c in chunks]
         load = LayerLoad(
-            part_spec(model, p), store, refs, k, SectionPages(out), layers=range(la - p0, lb - p0), **options
+            part_spec(model, p), store, refs, k, SectionPages(out, heads), layers=range(la - p0, lb - p0), **options
         )
         shares.append(Share(load, range(la - m0, lb - m0), m0 - p0))
     return PartLoads(shares)

@@ -17,9 +17,11 @@ the heads evenly (`reader_layouts`), then any layouts the caller names (a pipeli
 
 A reader that needs heads [a, b) and layers [l0, l1) (`read_slice`) reads, of each part that overlaps
 them, the header and then the sections of the layers it needs in one range read; each section is
-verified before use. A part holding exactly the reader's heads is read with no byte to spare; a
-part holding more heads (tp 2 reading tp 1's whole chunks) is read whole per layer, since a section's
-checksum covers all its heads.
+verified before use. A part holding exactly the reader's heads is read with no byte to spare. A part
+holding more heads (tp 2 reading tp 1's whole chunks) is read by head where it carries per-head checks
+(format 6, `codec.heads`): of each layer, the reader's heads' keys and values, two ranges, each head
+verified on its own (with a seal, against its tag). A part without them (formats 4 and 5, quantized or
+compressed sections) is read whole per layer, since a section's checks cover all its heads.
 """
 
 from __future__ import annotations
@@ -286,16 +288,17 @@ async def read_slice(
         raise InvalidInputError(f"layout {layout} does not cover heads [{a}, {b}) of layers [{l0}, {l1})")
     nbytes = 0
     for part, ha, hb, la, lb in reads:
-        pkey = part_key(key, part, spec)
+        pkey, pa = part_key(key, part, spec), part.heads[0]
         try:
-            kv, n = await _read_part(store, spec, pkey, part, start, n_tokens, (la, lb), encoding, seal)
+            kv, n = await _read_part(
+                store, spec, pkey, part, start, n_tokens, (la, lb), (ha - pa, hb - pa), encoding, seal
+            )
         except ChunkDecodeError as exc:
             if damaged is not None and proves_damage(exc):
                 damaged.append(pkey)
             raise
         nbytes += n
-        pa = part.heads[0]
-        out[la - l0 : lb - l0, :, ha - a : hb - a] = kv[:, :, ha - pa : hb - pa]
+        out[la - l0 : lb - l0, :, ha - a : hb - a] = kv
     return SliceRead(out, nbytes)
 
 
@@ -307,16 +310,31 @@ async def _read_part(
     start: int,
     n_tokens: int,
     layers: Span,
+    heads: Span,
     encoding: str,
     seal: Seal | None,
 ) -> tuple[torch.Tensor, int]:
-    """Layers [layers) of the stored `part` (under `pkey`), verified, and the bytes read for them."""
+    """Heads [heads) (of the part's) of layers [layers) of the stored `part` (under `pkey`), verified,
+    and the bytes read for them: by head where the part holds more heads and has per-head checks."""
     sub, pl0 = part_spec(spec, part), part.layers[0]
     head = await _get(store, pkey, 0, codec.HEADER_PROBE)
     if len(head) >= codec.PREFIX_SIZE and codec.header_length(head) > len(head):
         head = await _get(store, pkey, 0, codec.header_length(head))
     header = codec.probe_header(head, sub, pkey, start, n_tokens, encoding, seal)
     local = range(layers[0] - pl0, layers[1] - pl0)
+    if heads != (0, sub.num_kv_heads) and codec.head_checked(header):
+        lo, hi = codec.head_table_span(header)
+        probed = hi <= len(head)  # the table, where the header probe holds it, is not read again
+        ranges = codec.head_ranges(header, local, heads)
+        got = await store.get_ranges(pkey, ranges if probed else [(lo, hi), *ranges])
+        parts = [g for g in got if g is not None]
+        if len(parts) < len(got):
+            raise MissingChunkError(f"part {pkey[:12]} is not in the store")
+        nbytes = len(head) + sum(len(p) for p in parts)
+        table = head[lo:hi] if probed else parts.pop(0)
+        checks = codec.read_head_checks(header, table, seal)
+        sections = codec.head_sections(header, local, heads, codec.join_heads(header, local, heads, parts))
+        return codec.decode_heads(checks, sections, sub, heads, list(local)), nbytes
     lo, hi = codec.layer_span(header, local)
     span, nbytes = head[lo:hi], len(head)  # what the header probe already holds is not read again
     if lo + len(span) < hi:
@@ -326,7 +344,8 @@ async def _read_part(
     if len(span) != hi - lo:
         raise TruncatedChunkError(f"part {pkey[:12]}: read {len(span)} of {hi - lo} bytes")
     sections = codec.span_sections(header, local, span)
-    return codec.decode_layers(header, sections, sub, list(local), seal=seal), nbytes
+    kv = codec.decode_layers(header, sections, sub, list(local), seal=seal)
+    return kv[:, :, heads[0] : heads[1]], nbytes
 
 
 async def _get(store: ChunkStore, key: str, start: int, end: int) -> bytes:

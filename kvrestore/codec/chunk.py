@@ -2,7 +2,8 @@
 
 Layout::
 
-    b"KVRC" | u32 LE header length | u32 LE crc32(header) | header (msgpack ChunkHeader) | sections
+    b"KVRC" | u32 LE header length | u32 LE crc32(header) | header (msgpack ChunkHeader)
+        | head table (format 6 only) | sections
 
 There is one section per layer holding that layer's K then V: in the native encoding the raw
 little-endian bytes of the [2, H, T, D] tensor (C order), in a quantized one (`quant`: int8, fp8,
@@ -12,15 +13,23 @@ offset, stored length, raw length and xxh3-64 checksum, so
 * one layer of one chunk is exactly one range read (`layer_ranges` + `decode_layers`), and
 * every byte of the object is covered by a check: magic, header crc32, two checksums per section
   (`checksums`: xxh3-64 of the stored bytes for a host reader, a weighted int64 sum of the raw bytes
-  for a reader that uploads the section to a GPU first and verifies it there), and the object must end
-  exactly where the last section ends. A damaged chunk is always reported, never decoded wrongly.
+  for a reader that uploads the section to a GPU first and verifies it there), the head table (format 6)
+  by its xxh3-64 in the header, and the object must end exactly where the last section ends. A damaged
+  chunk is always reported, never decoded wrongly.
 * with a secret (`seal`), the header also holds a salt and every section's GMAC tag under its keyed
   MAC (`SignedHeader`), and a reader with the secret checks a section's tag (`check_section`) where a
   reader without one checks its xxh3-64: checksums catch damage, the tags forgery.
 
-Format 5 added the writer's key layout (`TiledHeader.key_tile`, `codec.layout`: keys stored as vLLM's
-CPU pages keep them, converted on read by every other reader); a chunk without one is still written as
-format 4, byte for byte, and read by both. Format 4 added the encodings (the header names one,
+Format 6 added per-head checks (`HeadsHeader`, `codec.heads`): a head table between the header's
+padding and the first section (the header holds its xxh3-64 and, signed, its tag) with, for each
+(layer, head), the xxh3-64 of that head's keys then values as stored, and with a secret their GMAC tag,
+so a reader of some heads (a tensor-parallel rank reading a chunk of more heads) reads the table and
+range-reads only their bytes, two ranges a layer, and verifies each head on its own; a whole-object read
+checks the table, every other reader skips it. It is written where a reader can use it: native,
+uncompressed sections of more than one head (keys in tiles or not). Format 5 added the writer's key layout
+(`TiledHeader.key_tile`, `codec.layout`: keys stored as vLLM's CPU pages keep them, converted on read by
+every other reader). A chunk with neither is still written as format 4, byte for byte, with tiles only
+as format 5, and every reader reads all three. Format 4 added the encodings (the header names one,
 `ChunkHeader.encoding`; both checksums cover the encoded bytes as stored), format 3 the device
 checksum. A chunk of a format this reader does not read, older or newer, is a clean miss
 (`FormatVersionError`), recomputed, and left in the store for the releases that read it.
@@ -34,7 +43,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import msgspec
-import numpy as np
 import torch
 import zstandard
 
@@ -56,10 +64,13 @@ from kvrestore.codec.header import (
     PLAIN_VERSION,
     PREFIX_SIZE,
     READ_VERSIONS,
+    TILED_VERSION,
     Buffer,
     ChunkHeader,
+    HeadsHeader,
     LayerSection,
     SignedHeader,
+    SignedHeadsHeader,
     SignedTiledHeader,
     TiledHeader,
     _check_spec,
@@ -68,6 +79,7 @@ from kvrestore.codec.header import (
     body_start_after,
     check_header,
     frame,
+    head_table_span,
     header_encoding,
     header_length,
     key_tile,
@@ -78,7 +90,15 @@ from kvrestore.codec.header import (
     span_sections,
     spec_encoding,
 )
-from kvrestore.codec.layout import INT_OF_SIZE, place_host_rows, place_rows, tile_keys
+from kvrestore.codec.heads import (
+    head_checked,
+    head_parts,
+    head_sums,
+    head_table,
+    read_head_checks,
+    wants_head_checks,
+)
+from kvrestore.codec.layout import byte_tensor, copy_bytes, place_rows, tile_keys
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import Seal, section_tag
 from kvrestore.core.errors import (
@@ -103,12 +123,15 @@ def encode_chunk(
     encoding: str = "native",
     seal: Seal | None = None,
     key_tile: int = 0,
+    head_checks: bool = True,
 ) -> bytes:
     """Serialise `chunk` (data [L, 2, H, T, D] in `spec.dtype`) for storage under `key`, its sections
     in `encoding` (`quant.ENCODINGS`; encoded where the KV lies, e.g. on its GPU), its header signed
     with `seal` where given (`codec.seal`). With `key_tile` (native only, dividing T) the keys are
-    stored in tiles of that many tokens, column-major in each (`codec.layout`: a format-5 chunk);
-    without, the chunk is format 4, as every reader reads it.
+    stored in tiles of that many tokens, column-major in each (`codec.layout`). Native, uncompressed
+    and of more than one head, the chunk carries per-head checks (`codec.heads`: format 6) unless
+    `head_checks` is False; without either it is format 4 as every reader reads it, with tiles only
+    format 5.
 
     Native and uncompressed, the tensor bytes are copied exactly once (into the returned object).
     """
@@ -131,7 +154,8 @@ def encode_chunk(
     if key_tile:
         dense = tile_keys(dense, key_tile)
     n_tokens = int(data.shape[3])
-    return _frame(dense, chunk.start, n_tokens, spec, key, enc, compression, level, seal, key_tile)
+    heads = head_checks and wants_head_checks(H, enc.native, compression)
+    return _frame(dense, chunk.start, n_tokens, spec, key, enc, compression, level, seal, key_tile, heads)
 
 
 def encode_sections(
@@ -173,9 +197,11 @@ def _frame(
     level: int,
     seal: Seal | None,
     tile: int = 0,
+    heads: bool = False,
 ) -> bytes:
     """The stored object for `dense`, the chunk's sections ([L, ...] contiguous, any device), its keys in
-    tiles of `tile` tokens where not 0 (`TiledHeader`)."""
+    tiles of `tile` tokens where not 0 (`TiledHeader`), with per-head checks where `heads`
+    (`HeadsHeader`: native, uncompressed)."""
     L, D = spec.num_layers, spec.head_dim
     if not enc.native or device_checkable(D * dense.element_size()):
         dsums = [as_signed(int(x)) for x in device_checksums(dense).tolist()]  # where the KV is
@@ -192,10 +218,14 @@ def _frame(
         payloads = [rows[i].data for i in range(L)]
     lengths = [memoryview(p).nbytes for p in payloads]
     sums = [host_checksum(p) for p in payloads]
-    salt, tags = seal.tag_sections(payloads) if seal is not None else (b"", b"")
+    per_head = head_parts(rows, spec.num_kv_heads) if heads else []
+    salt, tags, head_tags = seal.tag_chunk(payloads, per_head) if seal is not None else (b"", b"", b"")
+    table = head_table(head_sums(per_head), head_tags) if heads else b""  # before the sections
+    table_sum = host_checksum(table) if heads else 0
+    table_tag = seal.sections(salt).table_tag(table) if heads and seal is not None else b""
 
     def header_for(body_start: int) -> bytes:
-        sections, off = [], body_start
+        sections, off = [], body_start + len(table)
         for n, c, d in zip(lengths, sums, dsums, strict=True):
             sections.append(LayerSection(off, n, raw_len, c, d))
             off += n
@@ -213,17 +243,30 @@ def _frame(
             layers=sections,
             encoding=enc.tag,
         )
-        if tile:
-            fields = {**msgspec.structs.asdict(header), "version": FORMAT_VERSION}
-            header = TiledHeader(**fields, key_tile=tile)
-        if seal is None:  # byte for byte the header of a release without signatures
+        fields = msgspec.structs.asdict(header)
+        if seal is None:  # formats 4 and 5: byte for byte the header of a release without signatures
+            if heads:
+                header = HeadsHeader(**{**fields, "version": FORMAT_VERSION}, key_tile=tile, head_sum=table_sum)
+            elif tile:
+                header = TiledHeader(**{**fields, "version": TILED_VERSION}, key_tile=tile)
             return _ENCODER.encode(header)
-        signed = SignedTiledHeader if tile else SignedHeader
-        header = signed(**msgspec.structs.asdict(header), salt=salt, tags=tags)
+        if heads:
+            header = SignedHeadsHeader(
+                **{**fields, "version": FORMAT_VERSION},
+                key_tile=tile,
+                head_sum=table_sum,
+                salt=salt,
+                tags=tags,
+                head_tag=table_tag,
+            )
+        elif tile:
+            header = SignedTiledHeader(**{**fields, "version": TILED_VERSION}, key_tile=tile, salt=salt, tags=tags)
+        else:
+            header = SignedHeader(**fields, salt=salt, tags=tags)
         # the MAC has a fixed size: the header's length is the same whatever the MAC
         return seal.sign(header, _ENCODER)
 
-    return frame(MAGIC, header_for, payloads)
+    return frame(MAGIC, header_for, [table, *payloads] if heads else payloads)
 
 
 # -- decode ---------------------------------------------------------------------------------------
@@ -290,28 +333,6 @@ def check_section(
         raise UnauthenticatedChunkError(f"layer {layer}: section tag does not match this reader's secret")
 
 
-def byte_tensor(data: Buffer) -> torch.Tensor:
-    """A host uint8 tensor over `data`: a view, or a copy where the bytes are read-only (torch refuses
-    to view read-only memory without a warning)."""
-    view = memoryview(data)
-    return torch.frombuffer(view if not view.readonly else bytearray(view), dtype=torch.uint8)
-
-
-def copy_bytes(dst: torch.Tensor, data: Buffer, key_tile: int = 0) -> None:
-    """Copy raw tensor bytes (`dst`'s dtype and shape, C order) into `dst`, which may be strided; with
-    `key_tile`, `data` is sections (`dst`: ``[..., 2, H, T, D]``) whose keys are stored in tiles
-    (`codec.layout`), turned row-major on the way.
-
-    One copy, outside the GIL, from the bytes as they are, read-only ones included (a store's `bytes`):
-    on the CPU through numpy views of both sides; elsewhere through a host tensor over the bytes.
-    """
-    if dst.device.type == "cpu":
-        host = dst.view(INT_OF_SIZE[dst.element_size()]).numpy()  # any KV dtype, bfloat16 included
-        place_host_rows(host, np.frombuffer(data, host.dtype).reshape(dst.shape), key_tile)
-        return
-    place_rows(dst, byte_tensor(data).view(dst.dtype).view(dst.shape), key_tile)
-
-
 def decode_layers(
     header: ChunkHeader,
     sections: Mapping[int, Buffer],
@@ -360,14 +381,17 @@ def check_object(
     seal: Seal | None = None,
 ) -> ChunkHeader:
     """The checked header of a whole stored object: the chunk asked for, of this model and `encoding`,
-    signed under `seal` where given, complete, its padding zero. The sections are not verified yet
-    (`verify_sections`, or a device checksum)."""
+    signed under `seal` where given, complete, its padding zero, its head table (format 6) verified.
+    The sections are not verified yet (`verify_sections`, or a device checksum)."""
     header = probe_header(data, spec, key, start, n_tokens, encoding, seal)
     end = header.end if header.layers else header_length(data)
     if len(data) < end:
         raise TruncatedChunkError(f"object is {len(data)} bytes, header says {end}")
     if len(data) > end:
         raise CorruptChunkError(f"object is {len(data)} bytes, {len(data) - end} past the last section")
+    if head_checked(header):  # unused by a whole read, but every byte of the object is checked
+        lo, hi = head_table_span(header)
+        read_head_checks(header, memoryview(data)[lo:hi], seal)
     return header
 
 
@@ -425,6 +449,9 @@ __all__ = [
     "ChunkHeader",
     "FORMAT_VERSION",
     "HEADER_PROBE",
+    "HeadsHeader",
+    "SignedHeadsHeader",
+    "TILED_VERSION",
     "LayerSection",
     "MAGIC",
     "PLAIN_VERSION",

@@ -1,8 +1,8 @@
 """The framing of a stored chunk: its constants, its msgpack header, and reading and checking that header.
 
 An object starts with `MAGIC`, the header's length and the header's crc32 (`PREFIX_SIZE` bytes), then the
-header (`ChunkHeader`: whose chunk, its shapes and dtype, and each layer's `LayerSection`), then the
-sections from `body_start_after(header end)`. `codec.chunk` encodes and decodes whole chunks with it;
+header (`ChunkHeader`: whose chunk, its shapes and dtype, and each layer's `LayerSection`), then from
+`body_start_after(header end)` a format-6 chunk's head table (`head_table_span`), then the sections. `codec.chunk` encodes and decodes whole chunks with it;
 `codec.boundary` frames boundary activations the same way.
 """
 
@@ -17,25 +17,31 @@ from typing import Literal
 import msgspec
 
 from kvrestore.codec import quant
-from kvrestore.codec.seal import Seal, SectionTags
+from kvrestore.codec.seal import TAG_SIZE, Seal, SectionTags
 from kvrestore.core.errors import (
     CorruptChunkError,
     ForeignChunkError,
     FormatVersionError,
     TruncatedChunkError,
+    UnauthenticatedChunkError,
     UnknownLayoutError,
 )
 from kvrestore.core.spec import ModelSpec, dtype_name
 
 MAGIC = b"KVRC"
-#: 5: the writer's key layout (`TiledHeader.key_tile`); 4: KV encodings; 3: a device checksum per
-#: section; 2: xxh3-64 section checksums
-FORMAT_VERSION = 5
-#: the version of a chunk written without a key layout of its own: format 4 as it was, byte for byte,
-#: so every reader of format 4 still reads it (and a format-4 reader takes a tiled chunk for foreign)
+#: 6: per-head checks (`HeadsHeader`: a reader of some heads reads only theirs); 5: the writer's key
+#: layout (`TiledHeader.key_tile`); 4: KV encodings; 3: a device checksum per section; 2: xxh3-64
+#: section checksums
+FORMAT_VERSION = 6
+#: the version of a chunk written with its keys in tiles and no per-head checks: format 5 as it was
+TILED_VERSION = 5
+#: the version of a chunk written with neither: format 4 as it was, byte for byte, so every reader of
+#: format 4 still reads it (and a format-4 reader takes a tiled chunk for foreign)
 PLAIN_VERSION = 4
-READ_VERSIONS = (PLAIN_VERSION, FORMAT_VERSION)
+READ_VERSIONS = (PLAIN_VERSION, TILED_VERSION, FORMAT_VERSION)
 HEADER_PROBE = 4096
+#: bytes of one (layer, head)'s xxh3-64 in a format-6 chunk's head table (`head_table_span`)
+HEAD_SUM = 8
 COMPRESSIONS = ("none", "zstd")
 
 _PREFIX = struct.Struct("<4sII")  # magic, header length, header crc32
@@ -109,10 +115,44 @@ class SignedTiledHeader(ChunkHeader, frozen=True, kw_only=True):
     tags: bytes = b""
 
 
+class HeadsHeader(ChunkHeader, frozen=True, kw_only=True):
+    """The header of a format-6 chunk: a native, uncompressed one of more than one head whose writer
+    checked each head of each section on its own (`codec.heads`). The checks are a *head table* between
+    the header's padding and the first section (`head_table_span`), so that the header stays as small
+    as a format-4 one (within `HEADER_PROBE`) for the readers that never use them; the header holds the
+    table's xxh3-64 (`head_sum`). `key_tile` as in `TiledHeader`, 0 where the keys are row-major."""
+
+    key_tile: int = 0
+    head_sum: int = 0
+
+
+class SignedHeadsHeader(ChunkHeader, frozen=True, kw_only=True):
+    """`HeadsHeader` signed (`codec.seal`): its fields, the salt and section tags of `SignedHeader`, and
+    the head table's GMAC tag (`head_tag`; the table then holds each head's tag as well)."""
+
+    key_tile: int = 0
+    head_sum: int = 0
+    salt: bytes = b""
+    tags: bytes = b""
+    head_tag: bytes = b""
+
+
+def head_table_span(header: ChunkHeader) -> tuple[int, int]:
+    """Where a format-6 chunk's head table lies, [start, end): right before its first section, each
+    (layer, head)'s xxh3-64 (`HEAD_SUM` bytes) and, signed, its GMAC tag (`TAG_SIZE`), zero-padded to
+    `BODY_ALIGN`; (0, 0) in any other chunk."""
+    if header.version != FORMAT_VERSION or not header.layers:
+        return 0, 0
+    per_head = HEAD_SUM + (TAG_SIZE if header.mac else 0)
+    size = -(-per_head * header.num_layers * header.num_kv_heads // BODY_ALIGN) * BODY_ALIGN
+    end = header.layers[0].offset
+    return end - size, end
+
+
 def key_tile(header: ChunkHeader) -> int:
-    """The tokens of the writer's key tiles (`TiledHeader`), or 0: keys row-major, as in every format-4
-    chunk."""
-    return header.key_tile if isinstance(header, (TiledHeader, SignedTiledHeader)) else 0
+    """The tokens of the writer's key tiles (`TiledHeader`, `HeadsHeader`), or 0: keys row-major, as in
+    every format-4 chunk."""
+    return int(getattr(header, "key_tile", 0))
 
 
 class _Versioned(msgspec.Struct):
@@ -125,7 +165,8 @@ _ENCODER = msgspec.msgpack.Encoder()
 #: per version: the decoder of an unsigned header, and of a signed one
 _DECODERS: dict[int, tuple[msgspec.msgpack.Decoder, msgspec.msgpack.Decoder]] = {
     PLAIN_VERSION: (msgspec.msgpack.Decoder(ChunkHeader), msgspec.msgpack.Decoder(SignedHeader)),
-    FORMAT_VERSION: (msgspec.msgpack.Decoder(TiledHeader), msgspec.msgpack.Decoder(SignedTiledHeader)),
+    TILED_VERSION: (msgspec.msgpack.Decoder(TiledHeader), msgspec.msgpack.Decoder(SignedTiledHeader)),
+    FORMAT_VERSION: (msgspec.msgpack.Decoder(HeadsHeader), msgspec.msgpack.Decoder(SignedHeadsHeader)),
 }
 _VERSION_DECODER = msgspec.msgpack.Decoder(_Versioned)
 
@@ -225,7 +266,8 @@ def _check_sections(header: ChunkHeader, header_end: int) -> None:
     sizes."""
     if len(header.layers) != header.num_layers:
         raise CorruptChunkError(f"header lists {len(header.layers)} sections for {header.num_layers} layers")
-    off = body_start_after(header_end)
+    table = head_table_span(header)
+    off = body_start_after(header_end) + table[1] - table[0]
     for i, s in enumerate(header.layers):
         if s.offset != off or s.length < 0 or s.raw_length < 0:
             raise CorruptChunkError(f"section {i} at {s.offset}+{s.length} does not follow byte {off}")
@@ -233,8 +275,11 @@ def _check_sections(header: ChunkHeader, header_end: int) -> None:
             raise CorruptChunkError(f"uncompressed section {i} has length {s.length} != raw {s.raw_length}")
         off += s.length
     tile = key_tile(header)
-    if isinstance(header, (TiledHeader, SignedTiledHeader)) and (tile < 1 or header.n_tokens % tile):
+    least = 1 if header.version == TILED_VERSION else 0
+    if tile < least or (tile and header.n_tokens % tile):
         raise CorruptChunkError(f"key tiles of {tile} tokens in a chunk of {header.n_tokens}")
+    if header.version == FORMAT_VERSION and header.compression != "none":
+        raise CorruptChunkError(f"head checks of {header.compression} sections")
 
 
 def _check_spec(header: ChunkHeader, spec: ModelSpec) -> quant.Encoding:
@@ -247,8 +292,8 @@ def _check_spec(header: ChunkHeader, spec: ModelSpec) -> quant.Encoding:
     }
     expect_fields("chunk", header, expect)
     enc = header_encoding(header, spec)
-    if key_tile(header) and not enc.native:
-        raise UnknownLayoutError(f"key tiles in a chunk of the {enc.name} encoding")
+    if (key_tile(header) or header.version == FORMAT_VERSION) and not enc.native:
+        raise UnknownLayoutError(f"key tiles or head checks in a chunk of the {enc.name} encoding")
     raw = enc.section_bytes(header.n_tokens)
     for i, s in enumerate(header.layers):
         if s.raw_length != raw:
@@ -270,6 +315,8 @@ def check_header(
     with a `seal`, UnauthenticatedChunkError first unless the header carries its valid MAC and a tag
     for each section. Returns those sections' tags (`codec.seal`; None without a seal)."""
     tags = None if seal is None else seal.check(header, _ENCODER, len(header.layers))
+    if tags is not None and header.version == FORMAT_VERSION and len(getattr(header, "head_tag", b"")) != TAG_SIZE:
+        raise UnauthenticatedChunkError("chunk has head checks without their tag")
     expect_fields("chunk", header, {"key": key, "start": start, "n_tokens": n_tokens})
     enc = _check_spec(header, spec)
     if enc.name != encoding:
@@ -292,7 +339,7 @@ def probe_header(
     as `head` holds it. What every reader that reads a chunk's sections by range checks first."""
     header, header_end = read_header(head)
     check_header(header, spec, key, start, n_tokens, encoding, seal)
-    body = header.layers[0].offset if header.layers else header_end
+    body = body_start_after(header_end) if header.layers else header_end  # a head table's start
     if any(memoryview(head)[header_end : min(body, len(head))]):
         raise CorruptChunkError("nonzero padding between header and sections")
     return header

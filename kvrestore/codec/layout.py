@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+Buffer = bytes | bytearray | memoryview
+
 #: same-sized integer types, to copy any KV dtype (bfloat16 included) through numpy
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -78,4 +80,26 @@ def place_host_rows(dst: np.ndarray, src: np.ndarray, tile: int) -> None:
     np.copyto(view, tiles)
 
 
-__all__ = ["INT_OF_SIZE", "host_tiles", "place_host_rows", "place_rows", "stored_keys", "tile_keys"]
+def byte_tensor(data: Buffer) -> torch.Tensor:
+    """A host uint8 tensor over `data`: a view, or a copy where the bytes are read-only (torch refuses
+    to view read-only memory without a warning)."""
+    view = memoryview(data)
+    return torch.frombuffer(view if not view.readonly else bytearray(view), dtype=torch.uint8)
+
+
+def copy_bytes(dst: torch.Tensor, data: Buffer, key_tile: int = 0) -> None:
+    """Copy raw tensor bytes (`dst`'s dtype and shape, C order) into `dst`, which may be strided; with
+    `key_tile`, `data` is sections (`dst`: ``[..., 2, H, T, D]``) whose keys are stored in tiles
+    (`codec.layout`), turned row-major on the way.
+
+    One copy, outside the GIL, from the bytes as they are, read-only ones included (a store's `bytes`):
+    on the CPU through numpy views of both sides; elsewhere through a host tensor over the bytes.
+    """
+    if dst.device.type == "cpu":
+        host = dst.view(INT_OF_SIZE[dst.element_size()]).numpy()  # any KV dtype, bfloat16 included
+        place_host_rows(host, np.frombuffer(data, host.dtype).reshape(dst.shape), key_tile)
+        return
+    place_rows(dst, byte_tensor(data).view(dst.dtype).view(dst.shape), key_tile)
+
+
+__all__ = ["INT_OF_SIZE", "byte_tensor", "copy_bytes", "host_tiles", "place_host_rows", "place_rows", "stored_keys", "tile_keys"]

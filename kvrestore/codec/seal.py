@@ -13,6 +13,12 @@ both before a byte of a section reaches a KV buffer or a page:
   each chunk written, ``K_chunk = BLAKE2b(key=secret, "kvrestore-section-key-v1" || salt)`` with a
   random 16-byte salt stored in the header, and the nonce is the section's index: a (key, nonce) pair is
   never used twice, even when the same chunk is saved again (GMAC's one requirement).
+* **each head of a section** (format 6, `codec.heads`): a GMAC tag over that head's keys then values as
+  stored, under the same chunk key, with a nonce of its own (1, the layer, the head: `_head_nonce`;
+  a section's nonces start with 0). A head's bytes checked by its tag are bound to the secret, the
+  chunk (its salt), the layer and the head: another chunk's, layer's or head's bytes fail it. The
+  head tags lie in the chunk's head table, which has a GMAC tag of its own (nonce 2, 0, ...) in the
+  header.
 * **the header**: keyed BLAKE2b over its msgpack bytes with an empty `mac` field. The header holds the
   key (so the prompt and its namespace), the model's fingerprint, the position, the shapes, the
   encoding, the salt and every section's tag, so the MAC binds every section to its place.
@@ -59,8 +65,20 @@ Buffer = bytes | bytearray | memoryview
 
 
 def _nonce(index: int) -> bytes:
-    """The GCM nonce of section `index` (12 bytes): unique under its chunk's key."""
+    """The GCM nonce of section `index` (12 bytes): unique under its chunk's key, its first byte 0."""
     return index.to_bytes(12, "big")
+
+
+def _head_nonce(layer: int, head: int) -> bytes:
+    """The GCM nonce of head `head` of section `layer` (12 bytes: 1, the layer in 7, the head in 4):
+    unique under its chunk's key, and never a section's (whose first byte is 0)."""
+    if not (0 <= layer < 1 << 56 and 0 <= head < 1 << 32):
+        raise InvalidInputError(f"no head tag for head {head} of layer {layer}")
+    return b"\x01" + layer.to_bytes(7, "big") + head.to_bytes(4, "big")
+
+
+#: the GCM nonce of a chunk's head table (format 6): never a section's or a head's
+_TABLE_NONCE = b"\x02" + bytes(11)
 
 
 class SectionTags:
@@ -75,19 +93,38 @@ class SectionTags:
     def tag(self, index: int, data: Buffer | Sequence[Buffer]) -> bytes:
         """The tag of section `index` holding `data` (its bytes, or parts of them in order). The GIL is
         released while it hashes."""
-        if isinstance(data, (bytes, bytearray, memoryview)):
-            return self._aead.encrypt(_nonce(index), b"", data)
-        if len(data) == 1:
-            return self._aead.encrypt(_nonce(index), b"", data[0])
-        mac = Cipher(algorithms.AES(self._key), modes.GCM(_nonce(index))).encryptor()
-        for part in data:
-            mac.authenticate_additional_data(part)
-        mac.finalize()
-        return mac.tag
+        return self._gmac(_nonce(index), data)
+
+    def head_tag(self, layer: int, head: int, data: Sequence[Buffer]) -> bytes:
+        """The tag of head `head` of section `layer` holding `data` (its keys' bytes, then its values')."""
+        return self._gmac(_head_nonce(layer, head), data)
+
+    def table_tag(self, table: Buffer) -> bytes:
+        """The tag of the chunk's head table (format 6: each head's checksum and tag)."""
+        return self._gmac(_TABLE_NONCE, table)
 
     def matches(self, index: int, data: Buffer | Sequence[Buffer], want: bytes) -> bool:
         """Whether section `index`'s bytes have the tag `want` (compared in constant time)."""
         return hmac.compare_digest(self.tag(index, data), want)
+
+    def matches_table(self, table: Buffer, want: bytes) -> bool:
+        """Whether a chunk's head table has the tag `want` (constant time)."""
+        return hmac.compare_digest(self.table_tag(table), want)
+
+    def head_matches(self, layer: int, head: int, data: Sequence[Buffer], want: bytes) -> bool:
+        """Whether head `head` of section `layer` holds bytes with the tag `want` (constant time)."""
+        return hmac.compare_digest(self.head_tag(layer, head, data), want)
+
+    def _gmac(self, nonce: bytes, data: Buffer | Sequence[Buffer]) -> bytes:
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            return self._aead.encrypt(nonce, b"", data)
+        if len(data) == 1:
+            return self._aead.encrypt(nonce, b"", data[0])
+        mac = Cipher(algorithms.AES(self._key), modes.GCM(nonce)).encryptor()
+        for part in data:
+            mac.authenticate_additional_data(part)
+        mac.finalize()
+        return mac.tag
 
 
 class Seal:
@@ -121,9 +158,20 @@ class Seal:
     def tag_sections(self, payloads: Sequence[Buffer]) -> tuple[bytes, bytes]:
         """A fresh random salt and the tags of `payloads` (a chunk's stored sections) under it, one
         after another: the `salt` and `tags` of a signed header."""
+        salt, tags, _ = self.tag_chunk(payloads)
+        return salt, tags
+
+    def tag_chunk(
+        self, payloads: Sequence[Buffer], heads: Sequence[Sequence[Sequence[Buffer]]] = ()
+    ) -> tuple[bytes, bytes, bytes]:
+        """`tag_sections`, and under the same salt the tags of each section's heads (`heads[layer][h]`:
+        that head's keys and values as stored), one after another: what a signed format-6 chunk's head
+        table holds after the heads' checksums (b"" without heads)."""
         salt = os.urandom(SALT_SIZE)
         tags = self.sections(salt)
-        return salt, b"".join(tags.tag(i, p) for i, p in enumerate(payloads))
+        section_tags = b"".join(tags.tag(i, p) for i, p in enumerate(payloads))
+        head_tags = b"".join(tags.head_tag(i, h, kv) for i, layer in enumerate(heads) for h, kv in enumerate(layer))
+        return salt, section_tags, head_tags
 
     def sign(self, header: msgspec.Struct, encoder: msgspec.msgpack.Encoder) -> bytes:
         """The msgpack bytes of `header` (whose `mac` is empty) with its MAC set."""

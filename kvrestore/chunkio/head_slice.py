@@ -6,9 +6,10 @@ heads and layers. Where the part holds some of the rank's heads (tp 1 reading tp
 into those heads' slice of the pages (`sliced`: views, nothing copied). Where it holds more heads than the
 rank (tp 2 reading tp 1's whole chunks), the destination takes the rank's heads only
 (`page_dest.KeptSections` with `heads`): of a chunk with per-head checks (format 6, `codec.heads`) the
-reader reads just their bytes, each head verified; of another, the sections whole, cut to the heads. Where the part's layers are numbered from another
-first layer than the rank's (a pipeline stage reading whole chunks, or whole layers reading a stage's
-part), each layer goes to the page layer of the same model layer (`LayerShift`).
+reader reads just their bytes, each head verified; of another, the sections whole, cut to the heads.
+Where the part's layers are numbered from another first layer than the rank's (a pipeline stage reading
+whole chunks, or whole layers reading a stage's part), each layer goes to the page layer of the same
+model layer (`LayerShift`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ load into its pages (`chunkio.part_loads.share_loads`, the connector's path for 
 interleaved round by round, each load's pages checked against the stored KV:
 
 * bytes read per load against the rank's share (1/2 of the loaded KV): target <= 1 plus headers;
-* the load's wall time, by head against whole sections (median of `--rounds`);
+* the load's wall time, by head against whole sections (median of `--rounds`), from the directory as it
+  is (the page cache: bytes cost little, calls count) and through a `ThrottledStore` at `--link-mb-s`
+  (a link: bytes count);
 * unsigned and signed (a secret: each head's GMAC tag checked instead of its xxh3-64);
 * the writer's cost: `encode_chunk` of one chunk with and without per-head checks (one more xxh3-64
   pass, and signed one more GMAC pass), median of `--repeats`.
@@ -48,7 +50,8 @@ from kvrestore.core.keys import ChunkRef
 from kvrestore.core.kv import KVChunk
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import LoopThread
-from kvrestore.stores import LocalStore
+from kvrestore.stores import LocalStore, ThrottledStore
+from kvrestore.stores.base import ChunkStore
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "head_reads.json"
@@ -68,7 +71,7 @@ def save(root: Path, spec: ModelSpec, kv: torch.Tensor, chunk: int, head_checks:
     return store, refs
 
 
-def load(io: LoopThread, store: LocalStore, spec: ModelSpec, refs, n: int, rank: int, seal: Seal | None):
+def load(io: LoopThread, store: ChunkStore, spec: ModelSpec, refs, n: int, rank: int, seal: Seal | None):
     """A tp-2 rank's load of tokens [0, n) into its pages: (seconds, bytes read, its pages' KV)."""
     mine, _ = rank_part(spec, 2, rank)
     blocks = list(range(-(-n // BS)))
@@ -119,12 +122,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
         times: dict[tuple[bool, bool], list[float]] = {k: [] for k in stores}
         nbytes: dict[tuple[bool, bool], int] = {}
+        linked: dict[tuple[bool, bool], list[float]] = {k: [] for k in stores}
         for _ in range(args.rounds):
             for (signed, heads), (store, refs) in stores.items():
                 s, b, got = load(io, store, spec, refs, n, 1, seal if signed else None)
                 assert torch.equal(got, kv[:, :, 1:2]), "the rank's pages differ from the stored KV"
                 times[signed, heads].append(s)
                 nbytes[signed, heads] = b
+                link = ThrottledStore(store, args.link_mb_s * 1e6)
+                s, _, got = load(io, link, spec, refs, n, 1, seal if signed else None)
+                assert torch.equal(got, kv[:, :, 1:2]), "the rank's pages differ from the stored KV"
+                linked[signed, heads].append(s)
         for signed in (False, True):
             by_head, whole = (signed, True), (signed, False)
             enc = {
@@ -142,6 +150,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "load_by_head_vs_whole": statistics.median(
                     [a / b for a, b in zip(times[by_head], times[whole], strict=True)]
                 ),
+                "link_s_by_head": statistics.median(linked[by_head]),
+                "link_s_whole": statistics.median(linked[whole]),
+                "link_by_head_vs_whole": statistics.median(
+                    [a / b for a, b in zip(linked[by_head], linked[whole], strict=True)]
+                ),
                 "encode_s_with_head_checks": enc[True],
                 "encode_s_without": enc[False],
                 "encode_with_vs_without": enc[True] / enc[False],
@@ -155,6 +168,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     r["by_head_vs_share"],
                     r["load_s_by_head"],
                     r["load_by_head_vs_whole"],
+                    r["link_s_by_head"],
+                    r["link_by_head_vs_whole"],
                     r["encode_s_with_head_checks"],
                     r["encode_with_vs_without"],
                 ]
@@ -167,13 +182,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     r["whole_vs_share"],
                     r["load_s_whole"],
                     1.0,
+                    r["link_s_whole"],
+                    1.0,
                     r["encode_s_without"],
                     1.0,
                 ]
             )
     io.close()
     print_table(
-        ["chunks", "read", "bytes read", "x share", "load s", "x whole", "encode s", "x without"],
+        [
+            "chunks",
+            "read",
+            "bytes read",
+            "x share",
+            "dir s",
+            "x whole",
+            "link s",
+            "x whole",
+            "encode s",
+            "x without",
+        ],
         rows,
         title=f"a tp-2 rank's load of {n} tokens saved whole ({args.chunks} chunks of {args.chunk}, {spec.num_layers} layers)",
     )
@@ -192,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--link-mb-s", type=float, default=400.0, help="the throttled link's MB/s")
     p.add_argument("--repeats", type=int, default=15, help="encodes timed per case")
     p.add_argument(
         "--tiny", action="store_true", help="2 chunks of 32 tokens, 4 layers, 2 rounds: a smoke test"

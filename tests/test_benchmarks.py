@@ -288,3 +288,11 @@ def test_host_pages_tiny(tmp_path: Path) -> None:
     assert data["config"]["tokens"] == 1000 and len(data["results"]) == 3
     assert all(r["exact"] for name, r in data["results"].items() if "format" in name)
     assert set(data["ratios"]) == {"format5_vs_format4", "format5_vs_copy", "format4_vs_copy"}
+
+
+def test_head_reads_tiny(tmp_path: Path) -> None:
+    data = run_script("head_reads.py", tmp_path / "head_reads-tiny.json")
+    for case in ("unsigned", "signed"):
+        r = data["results"][case]
+        # a rank reads its head only (plus headers) by head, both heads by section
+        assert r["bytes_by_head"] < r["bytes_whole"] and 1 <= r["by_head_vs_share"] < r["whole_vs_share"]

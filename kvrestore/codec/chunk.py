@@ -98,7 +98,7 @@ from kvrestore.codec.heads import (
     read_head_checks,
     wants_head_checks,
 )
-from kvrestore.codec.layout import byte_tensor, copy_bytes, place_rows, tile_keys
+from kvrestore.codec.layout import byte_tensor, copy_bytes, cpu_out, place_rows, tile_keys
 from kvrestore.codec.quant import Encoding
 from kvrestore.codec.seal import Seal, section_tag
 from kvrestore.core.errors import (
@@ -360,12 +360,7 @@ def decode_layers(
         if i not in sections:
             raise InvalidInputError(f"no section given for layer {i}")
     shape = (len(order), 2, spec.num_kv_heads, header.n_tokens, spec.head_dim)
-    if out is None:
-        out = torch.empty(shape, dtype=spec.dtype)
-    elif tuple(out.shape) != shape or out.dtype != spec.dtype or out.device.type != "cpu":
-        raise InvalidInputError(
-            f"out is {tuple(out.shape)} {out.dtype} on {out.device}, need {shape} {spec.dtype} on cpu"
-        )
+    out = cpu_out(out, shape, spec.dtype)
     for j, i in enumerate(order):
         _fill(out[j], sections[i], header, i, enc, seal)
     return out if torch.device(device).type == "cpu" else out.to(device)

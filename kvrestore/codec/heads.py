@@ -41,7 +41,7 @@ from kvrestore.codec.header import (
     head_table_span,
     key_tile,
 )
-from kvrestore.codec.layout import copy_bytes
+from kvrestore.codec.layout import copy_bytes, cpu_out
 from kvrestore.codec.seal import TAG_SIZE, Seal, SectionTags
 from kvrestore.core.errors import (
     CorruptChunkError,
@@ -194,12 +194,7 @@ def decode_heads(
     _check_spec(header, spec)
     a, b = _check_heads_span(header, heads)
     shape = (len(layers), 2, b - a, header.n_tokens, spec.head_dim)
-    if out is None:
-        out = torch.empty(shape, dtype=spec.dtype)
-    elif tuple(out.shape) != shape or out.dtype != spec.dtype or out.device.type != "cpu":
-        raise InvalidInputError(
-            f"out is {tuple(out.shape)} {out.dtype} on {out.device}, need {shape} {spec.dtype} on cpu"
-        )
+    out = cpu_out(out, shape, spec.dtype)
     for j, i in enumerate(layers):
         check_heads(checks, i, heads, sections[i])
         copy_bytes(out[j], sections[i], key_tile(header))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kvrestore.core.errors import InvalidInputError
+
 Buffer = bytes | bytearray | memoryview
 
 #: same-sized integer types, to copy any KV dtype (bfloat16 included) through numpy
@@ -87,6 +89,17 @@ def byte_tensor(data: Buffer) -> torch.Tensor:
     return torch.frombuffer(view if not view.readonly else bytearray(view), dtype=torch.uint8)
 
 
+def cpu_out(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Where a decode writes: `out` if given (checked: `shape`, `dtype`, on the CPU), else a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype)
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device.type != "cpu":
+        raise InvalidInputError(
+            f"out is {tuple(out.shape)} {out.dtype} on {out.device}, need {shape} {dtype} on cpu"
+        )
+    return out
+
+
 def copy_bytes(dst: torch.Tensor, data: Buffer, key_tile: int = 0) -> None:
     """Copy raw tensor bytes (`dst`'s dtype and shape, C order) into `dst`, which may be strided; with
     `key_tile`, `data` is sections (`dst`: ``[..., 2, H, T, D]``) whose keys are stored in tiles
@@ -102,4 +115,14 @@ def copy_bytes(dst: torch.Tensor, data: Buffer, key_tile: int = 0) -> None:
     place_rows(dst, byte_tensor(data).view(dst.dtype).view(dst.shape), key_tile)
 
 
-__all__ = ["INT_OF_SIZE", "byte_tensor", "copy_bytes", "host_tiles", "place_host_rows", "place_rows", "stored_keys", "tile_keys"]
+__all__ = [
+    "INT_OF_SIZE",
+    "byte_tensor",
+    "copy_bytes",
+    "cpu_out",
+    "host_tiles",
+    "place_host_rows",
+    "place_rows",
+    "stored_keys",
+    "tile_keys",
+]

@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from kvrestore import codec
-from kvrestore.chunkio.page_dest import PageWrites
+from kvrestore.chunkio.layer_load import LayerLoad
+from kvrestore.chunkio.page_dest import PageWrites, SectionPages
 from kvrestore.chunkio.pages import PagedCache, gather
 from kvrestore.chunkio.part_loads import share_loads
 from kvrestore.chunkio.parts import Layout, Part, engine_layout, part_key, rank_part, slice_part, write_part
+from kvrestore.core.errors import InvalidInputError
 from kvrestore.core.keys import ChunkRef
 from kvrestore.core.spec import ModelSpec
 from kvrestore.core.sync import LoopThread
@@ -126,3 +128,10 @@ def test_a_tp2_rank_reads_only_its_head_of_whole_chunks(io, kv, rank):
     assert torch.equal(got, kv[:, :, rank : rank + 1])
     share = N * L * 2 * CHUNK * D * 4  # its head of every layer of every chunk, fp32
     assert load.bytes_read == share + N * codec.HEADER_PROBE
+
+
+@pytest.mark.parametrize("layers", [range(2, 2), range(3, 5), range(-1, 2), range(0, 4, 2)])
+def test_layers_that_are_not_some_of_the_chunks_are_refused(layers):
+    dest = SectionPages(PageWrites(pages_for(rank_part(SPEC)[0]), BLOCK_IDS))
+    with pytest.raises(InvalidInputError, match="layers"):
+        LayerLoad(SPEC, MemoryStore(), REFS, N * CHUNK, dest, layers=layers)

@@ -240,6 +240,8 @@ def test_config_is_checked():
         ({"store_url": "/x", "lookup_timeout_s": -1}, "lookup_timeout_s"),
         ({"store_url": "/x", "on_load_error": "ignore"}, "on_load_error"),
         ({"store_url": "/x", "kv_encoding": "int3"}, "kv_encoding"),
+        ({"store_url": "/x", "host_link_bytes_per_s": 0}, "host_link_bytes_per_s"),
+        ({"store_url": "/x", "host_link_bytes_per_s": "1e9"}, "host_link_bytes_per_s"),
     ]:
         with pytest.raises(InvalidInputError, match=match):
             ConnectorConfig.from_extra(bad)

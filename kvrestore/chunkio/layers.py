@@ -37,7 +37,7 @@ from kvrestore import codec
 from kvrestore.chunkio.deferred import DeferredChecks
 from kvrestore.chunkio.dest import CacheRows, Destination, Lands
 from kvrestore.chunkio.pool import StagingPool
-from kvrestore.chunkio.stored import ChunkLoadFailed, each, forget, layers_name, read_plan
+from kvrestore.chunkio.stored import ChunkLoadFailed, each, forget, get_all, layers_name, read_plan
 from kvrestore.chunkio.transfer import TransferLane
 from kvrestore.chunkio.uploads import LayerUploads
 from kvrestore.codec.seal import Seal
@@ -298,10 +298,7 @@ class LayerReader:
         if not self.by_head(j):
             return await self._get(key, *codec.layer_span(header, layers))
         assert self.heads is not None
-        got = await self.store.get_ranges(key, codec.head_ranges(header, layers, self.heads))
-        parts = [g for g in got if g is not None]
-        if len(parts) < len(got):
-            raise MissingChunkError(f"chunk {key[:12]} disappeared from the store")
+        parts = await get_all(self.store, key, codec.head_ranges(header, layers, self.heads))
         return codec.join_heads(header, layers, self.heads, parts)
 
     def _span_bytes(self, j: int, layers: range) -> int:

@@ -38,10 +38,13 @@ class PartLoads:
 
     def __init__(self, shares: Sequence[Share]) -> None:
         self.shares = list(shares)
-        self.loads = [s.load for s in self.shares]
-        first = self.loads[0]
+        first = self.shares[0].load
         self.chunks, self.first, self.k = first.chunks, first.first, first.k
         self.here = any(load.here for load in self.loads)
+
+    @property
+    def loads(self) -> list[LayerLoad]:
+        return [s.load for s in self.shares]
 
     def start(self, io: LoopThread, timeout: float | None = None) -> None:
         for load in self.loads:
@@ -109,7 +112,13 @@ def share_loads(
             out = LayerShift(out, p0 - m0)
         refs = [part_ref(c, p, model) for c in chunks]
         load = LayerLoad(
-            part_spec(model, p), store, refs, k, SectionPages(out, heads), layers=range(la - p0, lb - p0), **options
+            part_spec(model, p),
+            store,
+            refs,
+            k,
+            SectionPages(out, heads),
+            layers=range(la - p0, lb - p0),
+            **options,
         )
         shares.append(Share(load, range(la - m0, lb - m0), m0 - p0))
     return PartLoads(shares)

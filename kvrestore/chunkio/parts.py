@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kvrestore import codec
+from kvrestore.chunkio.stored import get_all
 from kvrestore.codec.seal import Seal
 from kvrestore.core.errors import (
     ChunkDecodeError,
@@ -326,10 +327,7 @@ async def _read_part(
         lo, hi = codec.head_table_span(header)
         probed = hi <= len(head)  # the table, where the header probe holds it, is not read again
         ranges = codec.head_ranges(header, local, heads)
-        got = await store.get_ranges(pkey, ranges if probed else [(lo, hi), *ranges])
-        parts = [g for g in got if g is not None]
-        if len(parts) < len(got):
-            raise MissingChunkError(f"part {pkey[:12]} is not in the store")
+        parts = await get_all(store, pkey, ranges if probed else [(lo, hi), *ranges])
         nbytes = len(head) + sum(len(p) for p in parts)
         table = head[lo:hi] if probed else parts.pop(0)
         checks = codec.read_head_checks(header, table, seal)

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import anyio
 
-from kvrestore.core.errors import ChunkDecodeError
+from kvrestore.core.errors import ChunkDecodeError, MissingChunkError
 from kvrestore.stores.base import ChunkStore, in_order
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -49,6 +49,15 @@ async def each(fn: Callable[[T], Coroutine[Any, Any, None]], items: Sequence[T])
         while isinstance(exc, BaseExceptionGroup):
             exc = exc.exceptions[0]
         raise exc from None
+
+
+async def get_all(store: ChunkStore, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+    """`ranges` of the object `key`, in one `get_ranges` call; MissingChunkError where it is gone."""
+    got = await store.get_ranges(key, ranges)
+    found = [g for g in got if g is not None]
+    if len(found) < len(got):
+        raise MissingChunkError(f"chunk {key[:12]} is not in the store")
+    return found
 
 
 async def forget(store: ChunkStore, key: str) -> None:
